@@ -1,0 +1,306 @@
+"""The decoder as pure functions over a parameter pytree.
+
+Parameters are a plain nested dict of arrays. Per-layer weights are stacked
+on a leading `layers` axis so the forward pass is one `lax.scan` (fast to
+compile at any depth, and remat applies per layer). `param_axes(config)`
+returns the same tree with a tuple of logical axis names per leaf; the
+sharding module maps those names to mesh axes (MaxText-style), so nothing
+here knows about devices.
+
+Shapes: B batch, T query length, S key length (cache), D model dim,
+H query heads, K kv heads, G = H // K, hd head dim, F mlp dim, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models.config import ModelConfig
+
+Params = dict[str, Any]
+_NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+# ----------------------------------------------------------------------------
+# Parameters and their logical axes.
+# ----------------------------------------------------------------------------
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+  """Shape of every parameter, as the same nested dict `init_params` returns."""
+  c = config
+  L, D, H, K, hd, F = (c.num_layers, c.dim, c.num_heads, c.num_kv_heads,
+                       c.head_dim, c.mlp_dim)
+  layers = {
+      "attn_norm": (L, D),
+      "wq": (L, D, H, hd), "wk": (L, D, K, hd), "wv": (L, D, K, hd),
+      "wo": (L, H, hd, D),
+      "mlp_norm": (L, D),
+      "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+  }
+  if c.qkv_bias:
+    layers.update(bq=(L, H, hd), bk=(L, K, hd), bv=(L, K, hd))
+  if c.qk_norm:
+    layers.update(q_norm=(L, hd), k_norm=(L, hd))
+  shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
+  if not c.tie_embeddings:
+    shapes["lm_head"] = (D, c.vocab_size)
+  return shapes
+
+
+_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("norm",),
+    "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "q_heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "q_heads", "head_dim", "embed"),
+    "bq": ("layers", "q_heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
+    "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+
+def param_axes(config: ModelConfig) -> dict[str, Any]:
+  """Logical axis names of every parameter, as a tree shaped like the params."""
+  shapes = param_shapes(config)
+  layer_axes = {k: _AXES[k] for k in shapes["layers"]}
+  return {**{k: _AXES[k] for k in shapes if k != "layers"},
+          "layers": layer_axes}
+
+
+def init_params(config: ModelConfig, key: jax.Array,
+                dtype=jnp.float32) -> Params:
+  """Random parameters (normal, std 0.02; norms at 1) for tests and demos."""
+  shapes = param_shapes(config)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      shapes, is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(key, len(flat))
+  leaves = []
+  for (path, shape), k in zip(flat, keys):
+    name = path[-1].key
+    if name.endswith("norm"):
+      leaves.append(jnp.ones(shape, dtype))
+    else:
+      leaves.append(0.02 * jax.random.normal(k, shape, dtype))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def count_params(config: ModelConfig) -> int:
+  leaves = jax.tree_util.tree_leaves(param_shapes(config),
+                                     is_leaf=lambda x: isinstance(x, tuple))
+  return int(sum(np.prod(s) for s in leaves))
+
+
+# ----------------------------------------------------------------------------
+# Building blocks.
+# ----------------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in float32, cast back to the input dtype before the scale (as HF)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * x32.astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [hd/2], with Llama-3 scaling when configured."""
+  hd = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2) / hd))
+  s = config.rope_scaling
+  if s is None:
+    return inv_freq
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * np.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array,
+               inv_freq: np.ndarray) -> jax.Array:
+  """Rotary embedding, HF's rotate-half layout (first half / second half)."""
+  angles = positions_bt[..., None].astype(jnp.float32) * inv_freq  # (B, T, hd/2)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x = x_bthd.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_bthd.dtype)
+
+
+def attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
+              mask_bts: jax.Array) -> jax.Array:
+  """Grouped-query attention; softmax in float32. Returns (B, T, H, hd)."""
+  B, T, H, hd = q_bthd.shape
+  K = k_bskd.shape[2]
+  q = q_bthd.reshape(B, T, K, H // K, hd)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd,
+                      preferred_element_type=jnp.float32) / np.sqrt(hd)
+  scores = jnp.where(mask_bts[:, None, None], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+  return out.reshape(B, T, H, hd)
+
+
+def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
+         positions_bt: jax.Array):
+  """Projects the normed input to rotated q (B,T,H,hd), k and v (B,T,K,hd)."""
+  h = rms_norm(x_btd, lp["attn_norm"], config.norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
+  k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
+  v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
+  if config.qkv_bias:
+    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  if config.qk_norm:
+    q = rms_norm(q, lp["q_norm"], config.norm_eps)
+    k = rms_norm(k, lp["k_norm"], config.norm_eps)
+  inv_freq = rope_frequencies(config)
+  return (apply_rope(q, positions_bt, inv_freq),
+          apply_rope(k, positions_bt, inv_freq), v)
+
+
+def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_btd: jax.Array,
+                      attn_bthd: jax.Array) -> jax.Array:
+  x = x_btd + jnp.einsum("bthk,hkd->btd", attn_bthd, lp["wo"])
+  h = rms_norm(x, lp["mlp_norm"], config.norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, lp["w_gate"])
+  up = jnp.einsum("btd,df->btf", h, lp["w_up"])
+  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
+
+
+def attention_mask(config: ModelConfig, q_pos_bt: jax.Array,
+                   k_pos_bs: jax.Array, k_valid_bs: jax.Array) -> jax.Array:
+  """Causal (+ sliding window) mask over positions, and padding. (B, T, S)."""
+  diff = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
+  mask = (diff >= 0) & k_valid_bs[:, None, :]
+  if config.sliding_window is not None:
+    mask &= diff < config.sliding_window
+  return mask
+
+
+def embed(params: Params, tokens_bt: jax.Array) -> jax.Array:
+  return jnp.take(params["embed"], tokens_bt, axis=0)
+
+
+def unembed(config: ModelConfig, params: Params, h_btd: jax.Array) -> jax.Array:
+  """Final norm output (B, T, D) -> float32 logits (B, T, V)."""
+  w = params["embed"].T if config.tie_embeddings else params["lm_head"]
+  return jnp.einsum("btd,dv->btv", h_btd, w,
+                    preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Full-sequence forward (training, scoring, prefill).
+# ----------------------------------------------------------------------------
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
+                  positions_bt: Optional[jax.Array] = None,
+                  valid_bt: Optional[jax.Array] = None,
+                  remat: str = "none", return_kv: bool = False):
+  """Final-normed hidden states (B, T, D); optionally every layer's k, v.
+
+  positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
+  which are the only keys attended to. With return_kv, also returns k and v
+  stacked over layers, each (L, B, T, K, hd), for filling a KV cache.
+  """
+  B, T = tokens_bt.shape
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if valid_bt is None:
+    valid_bt = jnp.ones((B, T), bool)
+  mask = attention_mask(config, positions_bt, positions_bt, valid_bt)
+
+  def layer(x, lp):
+    q, k, v = _qkv(config, lp, x, positions_bt)
+    x = _attn_out_and_mlp(config, lp, x, attention(q, k, v, mask))
+    return x, ((k, v) if return_kv else None)
+
+  if REMAT_POLICIES.get(remat, "bad") == "bad":
+    raise ValueError(f"remat={remat!r}; allowed: {sorted(REMAT_POLICIES)}")
+  if remat != "none":
+    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+  x = embed(params, tokens_bt)
+  x, kv = jax.lax.scan(layer, x, params["layers"])
+  h = rms_norm(x, params["final_norm"], config.norm_eps)
+  return (h, kv) if return_kv else h
+
+
+def forward(config: ModelConfig, params: Params, tokens_bt: jax.Array,
+            positions_bt: Optional[jax.Array] = None,
+            valid_bt: Optional[jax.Array] = None,
+            remat: str = "none") -> jax.Array:
+  """Causal logits (B, T, V) in float32 for int32 tokens (B, T)."""
+  h = hidden_states(config, params, tokens_bt, positions_bt, valid_bt, remat)
+  return unembed(config, params, h)
+
+
+# ----------------------------------------------------------------------------
+# Cached decoding (the sampler's inner step).
+# ----------------------------------------------------------------------------
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer, (L, B, S, K, hd) each; `valid_bs` marks
+  written, non-padding slots and `pos_bs` their rotary positions."""
+  k: jax.Array
+  v: jax.Array
+  valid_bs: jax.Array
+  pos_bs: jax.Array
+
+
+def init_cache(config: ModelConfig, batch: int, length: int,
+               dtype=jnp.float32) -> KVCache:
+  shape = (config.num_layers, batch, length, config.num_kv_heads,
+           config.head_dim)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                 jnp.zeros((batch, length), bool),
+                 jnp.zeros((batch, length), jnp.int32))
+
+
+def decode_step(config: ModelConfig, params: Params, cache: KVCache,
+                tokens_b: jax.Array, positions_b: jax.Array,
+                index: jax.Array) -> tuple[jax.Array, KVCache]:
+  """One token per row: writes its k, v at cache slot `index` (the same slot
+  for every row, so the write is one in-place dynamic_update_slice) and
+  returns float32 logits (B, V) and the updated cache."""
+  pos_bt = positions_b[:, None]
+  valid = jax.lax.dynamic_update_slice(
+      cache.valid_bs, jnp.ones((tokens_b.shape[0], 1), bool), (0, index))
+  kpos = jax.lax.dynamic_update_slice(cache.pos_bs, pos_bt, (0, index))
+  mask = attention_mask(config, pos_bt, kpos, valid)
+  x = embed(params, tokens_b[:, None])
+
+  def layer(carry, lp):
+    x, ck, cv, i = carry
+    q, k, v = _qkv(config, lp, x, pos_bt)
+    ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype),
+                                      (i, 0, index, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype),
+                                      (i, 0, index, 0, 0))
+    out = attention(q, ck[i], cv[i], mask)
+    return (_attn_out_and_mlp(config, lp, x, out), ck, cv, i + 1), None
+
+  (x, ck, cv, _), _ = jax.lax.scan(
+      layer, (x, cache.k, cache.v, jnp.int32(0)), params["layers"])
+  h = rms_norm(x, params["final_norm"], config.norm_eps)
+  logits = unembed(config, params, h)[:, 0]
+  return logits, KVCache(ck, cv, valid, kpos)
