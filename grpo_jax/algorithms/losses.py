@@ -1,0 +1,259 @@
+"""The policy loss as small pure functions: ratio, clipped surrogate,
+aggregation, KL to the reference, and the metrics of one update.
+
+Shapes: N sequences (B*G completions, or one micro-batch of them), T tokens.
+Every per-token array is [N, T]; `mask_bt` is 1 on completion tokens that get
+a gradient (0 on padding and on overlong-filtered completions).
+
+Exact gradient accumulation. Every aggregation mode is written as
+`sum over this batch / normaliser of the GLOBAL batch`:
+
+  token-mean               Σ m·x / num_tokens                        (DAPO eq. 8)
+  seq-mean-token-mean      Σ_i (Σ_t m·x / Σ_t m) / num_seqs          (GRPO)
+  seq-mean-token-sum       Σ m·x / num_seqs
+  seq-mean-token-sum-norm  Σ m·x / (num_seqs · max_len)              (Dr. GRPO)
+
+where `Normalisers(num_tokens, num_seqs, max_len)` is computed ONCE from the
+mask of the whole mini-batch (`normalisers(mask_bt)` over all micro-batches,
+all devices, all hosts) and passed to every micro-batch. Then each
+micro-batch's loss is a partial sum of the global loss: summing the losses
+(and the gradients) of the micro-batches gives exactly the loss (and the
+gradient) of the whole batch, however it is split. Do not average
+micro-batch losses; add them. Under `jax.jit` with a sharded global batch the
+sums are already global, so devices need nothing extra.
+
+The metrics follow the same rule: keys ending in "/max" or "/min" combine by
+max / min, every other key is a partial sum (already divided by the global
+normalisers) and combines by addition: `accumulate_metrics`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.registry import lookup, register
+
+LOG_RATIO_CLAMP = 20.0   # verl: lp - old clamped to ±20 before exp
+K3_CLAMP = 10.0          # verl: low_var_kl clamped to [-10, 10]
+
+
+# ----------------------------------------------------------------------------
+# Per-token pieces.
+# ----------------------------------------------------------------------------
+
+def ratio(logp_bt: jax.Array, old_logp_bt: jax.Array) -> jax.Array:
+  """ρ = exp(lp - old), with lp - old clamped to ±20 (verl) so a stale or
+  padded token cannot overflow. For on-policy updates pass
+  `old_logp_bt = jax.lax.stop_gradient(logp_bt)`: ρ = 1, ∇ρ = ∇lp."""
+  log_ratio = jnp.clip(logp_bt.astype(jnp.float32) - old_logp_bt,
+                       -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  return jnp.exp(log_ratio)
+
+
+def clipped_surrogate(ratio_bt: jax.Array, adv_bt: jax.Array, *,
+                      eps_low: float, eps_high: float,
+                      dual_clip: Optional[float] = None) -> jax.Array:
+  """Per-token PPO loss with clip-higher and an optional dual clip, [N, T]."""
+  # DAPO eq. 8 (clip-higher): l = -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)·A)
+  clipped_bt = jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high)
+  loss_bt = -jnp.minimum(ratio_bt * adv_bt, clipped_bt * adv_bt)
+  if dual_clip is not None:
+    # Dual-clip PPO (Ye et al. 2020), as verl: for A < 0, l = min(l, -A·c)
+    loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, -adv_bt * dual_clip),
+                        loss_bt)
+  return loss_bt
+
+
+def _validate_clip(eps_low: float, eps_high: float,
+                   dual_clip: Optional[float]) -> None:
+  if not 0.0 <= eps_low < 1.0:
+    raise ValueError(f"eps_low={eps_low}; allowed: 0 <= eps_low < 1")
+  if eps_high < 0.0:
+    raise ValueError(f"eps_high={eps_high}; allowed: eps_high >= 0")
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip={dual_clip}; allowed: None or > 1")
+
+
+# ----------------------------------------------------------------------------
+# KL to the reference policy (Schulman's estimators), d = lp - ref.
+# ----------------------------------------------------------------------------
+
+@register("kl_estimator", "k1")
+def kl_k1(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+  """k1 = d: unbiased for KL(π‖π_ref), high variance, can be negative."""
+  return logp_bt.astype(jnp.float32) - ref_logp_bt
+
+
+@register("kl_estimator", "k2")
+def kl_k2(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+  """k2 = d²/2: biased, low variance, always >= 0."""
+  return 0.5 * jnp.square(logp_bt.astype(jnp.float32) - ref_logp_bt)
+
+
+@register("kl_estimator", "k3")
+def kl_k3(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+  """k3 = exp(-d) + d - 1 (DeepSeekMath eq. 4, verl "low_var_kl"): unbiased
+  and >= 0; d clamped to ±20 and the result to [-10, 10] as verl does."""
+  d = jnp.clip(logp_bt.astype(jnp.float32) - ref_logp_bt,
+               -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  return jnp.clip(jnp.exp(-d) + d - 1.0, -K3_CLAMP, K3_CLAMP)
+
+
+def kl_beta_schedule(step, *, beta: float, start_step: int = 0,
+                     ramp_steps: int = 0) -> jax.Array:
+  """β at `step` (int or traced): 0 before `start_step`, then rising linearly
+  from 0 to `beta` over `ramp_steps` steps (at once when 0), then `beta`."""
+  since = jnp.asarray(step, jnp.float32) - start_step
+  frac = jnp.clip(since / ramp_steps, 0.0, 1.0) if ramp_steps > 0 else 1.0
+  return jnp.where(since >= 0, beta * frac, 0.0).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Aggregation: partial sums over global normalisers (see the module docstring).
+# ----------------------------------------------------------------------------
+
+class Normalisers(NamedTuple):
+  """Denominators of the WHOLE batch that one update step sees."""
+  num_tokens: jax.Array   # Σ m over all sequences
+  num_seqs: jax.Array     # sequences with at least one valid token
+  max_len: float          # T_max, the constant of seq-mean-token-sum-norm
+
+
+def normalisers(mask_bt: jax.Array, max_len: Optional[int] = None
+                ) -> Normalisers:
+  """Normalisers from the mask of the whole batch; max_len defaults to T.
+  Counts are floored at 1 so an all-masked batch gives loss 0, not NaN."""
+  m = jnp.asarray(mask_bt, jnp.float32)
+  num_tokens = jnp.maximum(m.sum(), 1.0)
+  num_seqs = jnp.maximum((m.sum(axis=1) > 0).sum(dtype=jnp.float32), 1.0)
+  return Normalisers(num_tokens, num_seqs,
+                     float(m.shape[1] if max_len is None else max_len))
+
+
+@register("loss_agg", "token-mean")
+def token_mean(x_bt: jax.Array, mask_bt: jax.Array,
+               norm: Normalisers) -> jax.Array:
+  # DAPO eq. 8: every token of the global batch weighs the same
+  return (x_bt * mask_bt).sum() / norm.num_tokens
+
+
+@register("loss_agg", "seq-mean-token-mean")
+def seq_mean_token_mean(x_bt: jax.Array, mask_bt: jax.Array,
+                        norm: Normalisers) -> jax.Array:
+  # DeepSeekMath eq. 3: 1/G Σ_i 1/|o_i| Σ_t
+  seq_len_b = jnp.maximum(mask_bt.sum(axis=1), 1.0)
+  return ((x_bt * mask_bt).sum(axis=1) / seq_len_b).sum() / norm.num_seqs
+
+
+@register("loss_agg", "seq-mean-token-sum")
+def seq_mean_token_sum(x_bt: jax.Array, mask_bt: jax.Array,
+                       norm: Normalisers) -> jax.Array:
+  return (x_bt * mask_bt).sum() / norm.num_seqs
+
+
+@register("loss_agg", "seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(x_bt: jax.Array, mask_bt: jax.Array,
+                            norm: Normalisers) -> jax.Array:
+  # Dr. GRPO: a constant normaliser, no per-sequence length division
+  return (x_bt * mask_bt).sum() / (norm.num_seqs * norm.max_len)
+
+
+# ----------------------------------------------------------------------------
+# Metrics (partial sums like the loss; combine with accumulate_metrics).
+# ----------------------------------------------------------------------------
+
+def clip_metrics(ratio_bt: jax.Array, adv_bt: jax.Array, mask_bt: jax.Array,
+                 norm: Normalisers, *, eps_low: float, eps_high: float,
+                 dual_clip: Optional[float] = None) -> dict[str, jax.Array]:
+  """Token fractions where a clip is active (its gradient is zero):
+  low: A < 0 and ρ < 1-ε_low; high: A > 0 and ρ > 1+ε_high;
+  dual: A < 0 and ρ > c (the loss is capped at -A·c)."""
+  frac = lambda b: token_mean(b.astype(jnp.float32), mask_bt, norm)
+  out = {"clip/low_frac": frac((adv_bt < 0) & (ratio_bt < 1.0 - eps_low)),
+         "clip/high_frac": frac((adv_bt > 0) & (ratio_bt > 1.0 + eps_high))}
+  if dual_clip is not None:
+    out["clip/dual_frac"] = frac((adv_bt < 0) & (ratio_bt > dual_clip))
+  return out
+
+
+def ratio_metrics(ratio_bt: jax.Array, mask_bt: jax.Array,
+                  norm: Normalisers) -> dict[str, jax.Array]:
+  """Token-mean, max and min of ρ over valid tokens."""
+  valid_bt = mask_bt > 0
+  return {"ratio/mean": token_mean(ratio_bt, mask_bt, norm),
+          "ratio/max": jnp.where(valid_bt, ratio_bt, -jnp.inf).max(),
+          "ratio/min": jnp.where(valid_bt, ratio_bt, jnp.inf).min()}
+
+
+def accumulate_metrics(total: Optional[dict], new: dict) -> dict:
+  """Combines the metrics of two micro-batches (or starts with total=None)."""
+  if total is None:
+    return dict(new)
+  def combine(key):
+    if key.endswith("/max"):
+      return jnp.maximum(total[key], new[key])
+    if key.endswith("/min"):
+      return jnp.minimum(total[key], new[key])
+    return total[key] + new[key]
+  return {key: combine(key) for key in new}
+
+
+# ----------------------------------------------------------------------------
+# The composed loss.
+# ----------------------------------------------------------------------------
+
+def _token_advantages(adv: jax.Array, shape: tuple[int, int]) -> jax.Array:
+  """[N] per completion or [N, T] per token -> [N, T] float32."""
+  adv = jnp.asarray(adv, jnp.float32)
+  if adv.ndim == 1:
+    adv = adv[:, None]
+  if adv.ndim != 2 or adv.shape[0] != shape[0]:
+    raise ValueError(f"advantages of shape {adv.shape} do not fit tokens "
+                     f"{shape}; pass [N] or [N, T]")
+  return jnp.broadcast_to(adv, shape)
+
+
+def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, adv: jax.Array,
+                mask_bt: jax.Array, ref_logp_bt: Optional[jax.Array] = None,
+                *, eps_low: float = 0.2, eps_high: float = 0.2,
+                dual_clip: Optional[float] = None, agg: str = "token-mean",
+                kl_beta=0.0, kl_estimator: str = "k3",
+                norm: Optional[Normalisers] = None,
+                entropy_bt: Optional[jax.Array] = None):
+  """Clipped policy-gradient loss (+ β·KL), and its metrics.
+
+  logp_bt, old_logp_bt, ref_logp_bt: [N, T] token log-probs under the current,
+  sampling and reference policies (ref None: no KL term, β must be 0).
+  adv: [N] (outcome) or [N, T] (process) advantages. mask_bt: [N, T].
+  agg: a "loss_agg" name, applied to the policy and the KL terms alike.
+  kl_beta: a float or a traced scalar (e.g. kl_beta_schedule(step, ...)).
+  norm: normalisers of the whole batch for micro-batching (module docstring);
+  None computes them from this batch. entropy_bt: [N, T], a metric only.
+  Returns (loss scalar, metrics dict of scalars).
+  """
+  _validate_clip(eps_low, eps_high, dual_clip)
+  if ref_logp_bt is None and isinstance(kl_beta, (int, float)) and kl_beta:
+    raise ValueError(f"kl_beta={kl_beta} needs ref_logp_bt")
+  mask_bt = jnp.asarray(mask_bt, jnp.float32)
+  norm = normalisers(mask_bt) if norm is None else norm
+  aggregate = lookup("loss_agg", agg)
+  adv_bt = _token_advantages(adv, logp_bt.shape)
+  ratio_bt = ratio(logp_bt, old_logp_bt)
+  pg_bt = clipped_surrogate(ratio_bt, adv_bt, eps_low=eps_low,
+                            eps_high=eps_high, dual_clip=dual_clip)
+  loss = aggregate(pg_bt, mask_bt, norm)
+  metrics = {"loss/pg": loss,
+             **clip_metrics(ratio_bt, adv_bt, mask_bt, norm, eps_low=eps_low,
+                            eps_high=eps_high, dual_clip=dual_clip),
+             **ratio_metrics(ratio_bt, mask_bt, norm)}
+  if ref_logp_bt is not None:
+    kl_bt = lookup("kl_estimator", kl_estimator)(logp_bt, ref_logp_bt)
+    kl_loss = aggregate(kl_bt, mask_bt, norm)
+    loss = loss + kl_beta * kl_loss
+    metrics.update({"loss/kl": kl_loss, "kl": token_mean(kl_bt, mask_bt, norm)})
+  if entropy_bt is not None:
+    metrics["entropy"] = token_mean(entropy_bt, mask_bt, norm)
+  metrics["loss"] = loss
+  return loss, jax.lax.stop_gradient(metrics)
