@@ -1,0 +1,148 @@
+"""The math verifier: `verify(gold, prediction) -> bool` and its batch form.
+
+Pipeline for one (gold, prediction) pair:
+  1. extraction, in the trainer process, by pure linear-time string code
+     (`extract.py`): last \\boxed{}/\\fbox{}, else the latest `Answer:` line /
+     "the answer is" / `#### 42`, else the whole text;
+  2. a fast path: answers equal after removing spacing and `$` are accepted
+     without a worker (roughly half of all RL samples, once a model learns);
+  3. otherwise parsing and symbolic comparison (`symbolic.py`, built on
+     math-verify) in a worker process of `pool.WorkerPool`, under a hard
+     wall-clock timeout. Model text reaches sympy only there.
+
+`verify` never raises and returns within about its timeout; a timeout, a
+crashed worker or an unparsable answer all count as not verified.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from grpo_jax.registry import register
+from grpo_jax.rewards import extract
+from grpo_jax.rewards import minerva
+from grpo_jax.rewards import pool as pool_lib
+from grpo_jax.rewards._common import per_completion
+
+DEFAULT_TIMEOUT = 5.0
+# No real final answer is this long; longer "answers" are refused before any
+# parsing (a 1 MB \boxed{} would otherwise hold a worker for the full timeout).
+MAX_ANSWER_CHARS = 1000
+
+log = logging.getLogger(__name__)
+_default_pool: pool_lib.WorkerPool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_pool() -> pool_lib.WorkerPool:
+  """The process-wide verifier pool, created on first use."""
+  global _default_pool
+  with _default_pool_lock:
+    if _default_pool is None:
+      _default_pool = pool_lib.WorkerPool()
+    return _default_pool
+
+
+def set_default_pool(pool: pool_lib.WorkerPool | None) -> None:
+  """Replaces the process-wide pool (e.g. to set its size from a config)."""
+  global _default_pool
+  with _default_pool_lock:
+    if _default_pool is not None and _default_pool is not pool:
+      _default_pool.close()
+    _default_pool = pool
+
+
+def _as_text(value: Any) -> str | None:
+  """Golds may be numbers in a dataset; anything else that is not text is no
+  answer."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+    return str(value)
+  return None
+
+
+def _prepare(gold: Any, prediction: Any) -> bool | tuple:
+  """Decides a pair in the parent if it can (bool), else the worker's args."""
+  gold, prediction = _as_text(gold), _as_text(prediction)
+  if gold is None or prediction is None:
+    return False
+  gold_answer = extract.extract_answer(gold)
+  pred_answer = extract.extract_answer(prediction)
+  if not gold_answer.text or not pred_answer.text:
+    return False
+  if pred_answer.anchored and len(pred_answer.text) > max(
+      MAX_ANSWER_CHARS, 4 * len(gold_answer.text)):
+    return False
+  if (extract.light_normalise(gold_answer.text)
+      == extract.light_normalise(pred_answer.text)):
+    return True
+  return (gold_answer.text, gold_answer.anchored,
+          pred_answer.text, pred_answer.anchored)
+
+
+def verify_batch(golds: Sequence[Any], predictions: Sequence[Any],
+                 timeout: float = DEFAULT_TIMEOUT,
+                 pool: pool_lib.WorkerPool | None = None) -> list[bool]:
+  """`verify` over pairs, in parallel across the pool; order is preserved."""
+  try:
+    prepared = [_prepare(g, p) for g, p in zip(golds, predictions, strict=True)]
+    todo = [i for i, item in enumerate(prepared) if isinstance(item, tuple)]
+    answers = (pool or default_pool()).run(
+        "math", [prepared[i] for i in todo], timeout) if todo else []
+    for i, value in zip(todo, answers):
+      prepared[i] = value is True
+    return [bool(item) for item in prepared]
+  except Exception:  # pylint: disable=broad-except
+    # verify's contract is to never raise; a bug here must not stop training.
+    log.exception("verify_batch failed; scoring %d pairs as wrong", len(golds))
+    return [False] * len(golds)
+
+
+def verify(gold: Any, prediction: Any, timeout: float = DEFAULT_TIMEOUT,
+           pool: pool_lib.WorkerPool | None = None) -> bool:
+  """True if `prediction`'s final answer equals `gold` mathematically.
+
+  The answer is taken from the prediction's last `\\boxed{...}` or its final
+  `Answer: ...` line (also "the answer is ...", `#### 42`), else the whole
+  string. Never raises; returns within about `timeout` seconds.
+  """
+  try:
+    return verify_batch([gold], [prediction], timeout=timeout, pool=pool)[0]
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def verify_dapo(gold: Any, prediction: Any) -> bool:
+  """DAPO's string check (see `minerva.py`); no worker needed."""
+  gold, prediction = _as_text(gold), _as_text(prediction)
+  if gold is None or prediction is None:
+    return False
+  try:
+    return minerva.is_correct(gold, prediction)
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+@register("reward", "math")
+def math_reward(prompts, completions, answers, completion_lengths, *,
+                timeout: float = DEFAULT_TIMEOUT, correct: float = 1.0,
+                wrong: float = 0.0) -> np.ndarray:
+  """1 if the completion's answer verifies against the reference, else 0."""
+  del prompts, completion_lengths
+  golds = per_completion(answers, len(completions))
+  ok = np.asarray(verify_batch(golds, completions, timeout=timeout), dtype=bool)
+  return np.where(ok, correct, wrong).astype(np.float32)
+
+
+@register("reward", "math_dapo")
+def math_dapo_reward(prompts, completions, answers, completion_lengths
+                     ) -> np.ndarray:
+  """DAPO's reward: +1 if the final `Answer:` matches exactly, else -1."""
+  del prompts, completion_lengths
+  golds = per_completion(answers, len(completions))
+  ok = np.array([verify_dapo(g, c) for g, c in zip(golds, completions)], bool)
+  return np.where(ok, 1.0, -1.0).astype(np.float32)
