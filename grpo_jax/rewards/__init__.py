@@ -12,7 +12,8 @@ names the rewards it wants with weights; `compute_rewards` sums them:
     specs = [("math", 1.0), ("overlong", 1.0, {"max_length": 4096, "cache_length": 512})]
     reward_n, metrics = compute_rewards(specs, prompts, completions, answers, lengths)
 
-Registered: math, math_dapo.
+Registered: math, math_dapo, format_think, format_r1, overlong, countdown,
+multiple_choice, code.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ import numpy as np
 
 from grpo_jax import registry
 # Imported for their @register side effects.
+from grpo_jax.rewards import choice  # pylint: disable=unused-import
+from grpo_jax.rewards import code  # pylint: disable=unused-import
+from grpo_jax.rewards import countdown  # pylint: disable=unused-import
+from grpo_jax.rewards import format  # pylint: disable=unused-import,redefined-builtin
 from grpo_jax.rewards import math  # pylint: disable=unused-import
 from grpo_jax.rewards.math import verify, verify_batch, verify_dapo  # pylint: disable=g-importing-member
 
