@@ -141,23 +141,27 @@ def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array,
   return out.astype(x_bthd.dtype)
 
 
-def attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
+def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array,
               mask_bts: jax.Array) -> jax.Array:
-  """Grouped-query attention; softmax in float32. Returns (B, T, H, hd)."""
+  """Grouped-query attention; softmax in float32. Returns (B, T, H, hd).
+
+  Keys and values are (B, K, S, hd): heads before positions, the KV cache's
+  layout, so the decode step's dots need no transpose of the cache.
+  """
   B, T, H, hd = q_bthd.shape
-  K = k_bskd.shape[2]
+  K = k_bksd.shape[1]
   q = q_bthd.reshape(B, T, K, H // K, hd)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd,
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k_bksd,
                       preferred_element_type=jnp.float32) / np.sqrt(hd)
   scores = jnp.where(mask_bts[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype)
+  out = jnp.einsum("bkgts,bksd->btkgd", probs, v_bksd)
   return out.reshape(B, T, H, hd)
 
 
 def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
          positions_bt: jax.Array):
-  """Projects the normed input to rotated q (B,T,H,hd), k and v (B,T,K,hd)."""
+  """Projects the normed input to rotated q (B,T,H,hd), k and v (B,K,T,hd)."""
   h = rms_norm(x_btd, lp["attn_norm"], config.norm_eps)
   q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
   k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
@@ -168,8 +172,9 @@ def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
     q = rms_norm(q, lp["q_norm"], config.norm_eps)
     k = rms_norm(k, lp["k_norm"], config.norm_eps)
   inv_freq = rope_frequencies(config)
-  return (apply_rope(q, positions_bt, inv_freq),
-          apply_rope(k, positions_bt, inv_freq), v)
+  k = apply_rope(k, positions_bt, inv_freq)
+  to_bksd = lambda x: jnp.swapaxes(x, 1, 2)
+  return apply_rope(q, positions_bt, inv_freq), to_bksd(k), to_bksd(v)
 
 
 def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_btd: jax.Array,
@@ -221,7 +226,7 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
 
   positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
   which are the only keys attended to. With return_kv, also returns k and v
-  stacked over layers, each (L, B, T, K, hd), for filling a KV cache.
+  stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
   """
   B, T = tokens_bt.shape
   if positions_bt is None:
@@ -259,19 +264,22 @@ def forward(config: ModelConfig, params: Params, tokens_bt: jax.Array,
 # ----------------------------------------------------------------------------
 
 class KVCache(NamedTuple):
-  """Keys and values of every layer, (L, B, S, K, hd) each; `valid_bs` marks
-  written, non-padding slots and `pos_bs` their rotary positions."""
-  k: jax.Array
-  v: jax.Array
+  """Keys and values, one (B, K, S, hd) array per layer in a tuple of L;
+  `valid_bs` marks written, non-padding slots and `pos_bs` their rotary
+  positions. Separate per-layer buffers let the decode loop update each in
+  place without slicing a stacked (L, ...) array."""
+  k: tuple
+  v: tuple
   valid_bs: jax.Array
   pos_bs: jax.Array
 
 
 def init_cache(config: ModelConfig, batch: int, length: int,
                dtype=jnp.float32) -> KVCache:
-  shape = (config.num_layers, batch, length, config.num_kv_heads,
-           config.head_dim)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+  shape = (batch, config.num_kv_heads, length, config.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, dtype)
+                        for _ in range(config.num_layers))
+  return KVCache(zeros(), zeros(),
                  jnp.zeros((batch, length), bool),
                  jnp.zeros((batch, length), jnp.int32))
 
@@ -281,26 +289,30 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache,
                 index: jax.Array) -> tuple[jax.Array, KVCache]:
   """One token per row: writes its k, v at cache slot `index` (the same slot
   for every row, so the write is one in-place dynamic_update_slice) and
-  returns float32 logits (B, V) and the updated cache."""
+  returns float32 logits (B, V) and the updated cache.
+
+  The layers are unrolled rather than scanned: inside the sampler's while
+  loop a scan would slice every layer's weights and cache out of the stacked
+  arrays with dynamic-slice copies each step (measured: about twice the memory
+  traffic of the step itself on CPU); static per-layer slices of the weights
+  are loop-invariant, so XLA hoists them out of the loop, and each layer's
+  cache is then updated and read in place.
+  """
   pos_bt = positions_b[:, None]
   valid = jax.lax.dynamic_update_slice(
       cache.valid_bs, jnp.ones((tokens_b.shape[0], 1), bool), (0, index))
   kpos = jax.lax.dynamic_update_slice(cache.pos_bs, pos_bt, (0, index))
   mask = attention_mask(config, pos_bt, kpos, valid)
   x = embed(params, tokens_b[:, None])
-
-  def layer(carry, lp):
-    x, ck, cv, i = carry
+  ks, vs = list(cache.k), list(cache.v)
+  for i in range(config.num_layers):
+    lp = jax.tree.map(lambda w: w[i], params["layers"])
     q, k, v = _qkv(config, lp, x, pos_bt)
-    ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype),
-                                      (i, 0, index, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype),
-                                      (i, 0, index, 0, 0))
-    out = attention(q, ck[i], cv[i], mask)
-    return (_attn_out_and_mlp(config, lp, x, out), ck, cv, i + 1), None
-
-  (x, ck, cv, _), _ = jax.lax.scan(
-      layer, (x, cache.k, cache.v, jnp.int32(0)), params["layers"])
+    ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
+                                         (0, 0, index, 0))
+    vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
+                                         (0, 0, index, 0))
+    x = _attn_out_and_mlp(config, lp, x, attention(q, ks[i], vs[i], mask))
   h = rms_norm(x, params["final_norm"], config.norm_eps)
   logits = unembed(config, params, h)[:, 0]
-  return logits, KVCache(ck, cv, valid, kpos)
+  return logits, KVCache(tuple(ks), tuple(vs), valid, kpos)

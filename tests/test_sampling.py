@@ -1,0 +1,201 @@
+"""The group sampler against the cache-free forward pass."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from grpo_jax import sampling
+from grpo_jax.models import forward, get_preset, init_params
+
+CONFIG = get_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CONFIG, jax.random.key(0))
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.RandomState(seed)
+  return [list(rng.randint(1, CONFIG.vocab_size, n)) for n in lengths]
+
+
+_WIDTH = 64  # right-padded: causal attention ignores the padding after a token
+_forward = jax.jit(forward, static_argnums=0)
+
+
+def _logits(params, seq):
+  padded = jnp.zeros((1, _WIDTH), jnp.int32).at[0, :len(seq)].set(
+      jnp.asarray(seq, jnp.int32))
+  return _forward(CONFIG, params, padded)[0, :len(seq)]
+
+
+def _greedy_reference(params, prompt, steps):
+  """Token-by-token argmax of the full, cache-free forward pass."""
+  seq = list(prompt)
+  for _ in range(steps):
+    seq.append(int(jnp.argmax(_logits(params, seq)[-1])))
+  return seq[len(prompt):]
+
+
+def _forward_logprobs(params, prompt, completion, temperature=1.0):
+  logp = jax.nn.log_softmax(
+      _logits(params, list(prompt) + list(completion)) / temperature, axis=-1)
+  n = len(prompt)
+  return np.array([logp[n - 1 + t, tok] for t, tok in enumerate(completion)])
+
+
+def test_greedy_equals_uncached_argmax(params):
+  prompts = _prompts([5, 12, 9])
+  cfg = sampling.SamplingConfig(max_new_tokens=12, greedy=True)
+  out = sampling.sample(CONFIG, params, prompts, jax.random.key(1), cfg,
+                        num_generations=2)
+  for b, prompt in enumerate(prompts):
+    ref = _greedy_reference(params, prompt, 12)
+    for g in range(2):
+      np.testing.assert_array_equal(out.tokens_bt[2 * b + g], ref)
+  assert bool(jnp.all(out.mask_bt)) and not bool(jnp.any(out.length_b != 12))
+  assert bool(jnp.all(out.truncated_b))
+
+
+def test_logprobs_equal_forward_log_softmax(params):
+  prompts = _prompts([7, 3])
+  cfg = sampling.SamplingConfig(max_new_tokens=10, temperature=1.0)
+  out = sampling.sample(CONFIG, params, prompts, jax.random.key(3), cfg,
+                        num_generations=3)
+  for i in range(6):
+    comp = np.asarray(out.tokens_bt[i])
+    ref = _forward_logprobs(params, prompts[i // 3], comp)
+    np.testing.assert_allclose(out.logp_bt[i], ref, atol=1e-4)
+
+
+def test_logprobs_are_temperature_scaled(params):
+  prompts = _prompts([6])
+  cfg = sampling.SamplingConfig(max_new_tokens=4, temperature=0.7, top_k=20)
+  out = sampling.sample(CONFIG, params, prompts, jax.random.key(4), cfg)
+  ref = _forward_logprobs(params, prompts[0], out.tokens_bt[0], 0.7)
+  np.testing.assert_allclose(out.logp_bt[0], ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prefill_equals_per_row_prefill(params, greedy):
+  prompts = _prompts([4, 11])
+  cfg = sampling.SamplingConfig(max_new_tokens=8, greedy=greedy)
+  key = jax.random.key(5)
+  shared = sampling.sample(CONFIG, params, prompts, key, cfg, num_generations=3)
+  repeated = [p for p in prompts for _ in range(3)]
+  per_row = sampling.sample(CONFIG, params, repeated, key, cfg,
+                            num_generations=1)
+  np.testing.assert_array_equal(shared.tokens_bt, per_row.tokens_bt)
+  np.testing.assert_allclose(shared.logp_bt, per_row.logp_bt, atol=1e-5)
+
+
+def test_mixed_lengths_equal_each_prompt_alone(params):
+  prompts = _prompts([2, 15, 7, 30])
+  cfg = sampling.SamplingConfig(max_new_tokens=10, greedy=True)
+  batch = sampling.sample(CONFIG, params, prompts, jax.random.key(0), cfg)
+  for b, prompt in enumerate(prompts):
+    alone = sampling.sample(CONFIG, params, [prompt], jax.random.key(0), cfg)
+    np.testing.assert_array_equal(batch.tokens_bt[b], alone.tokens_bt[0])
+
+
+def test_top_k_one_is_greedy(params):
+  prompts = _prompts([9, 4])
+  greedy = sampling.sample(CONFIG, params, prompts, jax.random.key(0),
+                           sampling.SamplingConfig(max_new_tokens=6,
+                                                   greedy=True))
+  top1 = sampling.sample(CONFIG, params, prompts, jax.random.key(7),
+                         sampling.SamplingConfig(max_new_tokens=6, top_k=1,
+                                                 temperature=1.3))
+  np.testing.assert_array_equal(greedy.tokens_bt, top1.tokens_bt)
+
+
+def test_same_key_same_output_other_key_differs(params):
+  prompts = _prompts([5])
+  cfg = sampling.SamplingConfig(max_new_tokens=16, temperature=1.0)
+  a = sampling.sample(CONFIG, params, prompts, jax.random.key(11), cfg, 4)
+  b = sampling.sample(CONFIG, params, prompts, jax.random.key(11), cfg, 4)
+  c = sampling.sample(CONFIG, params, prompts, jax.random.key(12), cfg, 4)
+  np.testing.assert_array_equal(a.tokens_bt, b.tokens_bt)
+  assert not np.array_equal(a.tokens_bt, c.tokens_bt)
+
+
+def test_token_frequencies_match_softmax(params):
+  """Chi-square goodness of fit of first tokens at temperature 1."""
+  prompt = _prompts([6], seed=3)[0]
+  # A sharper distribution than the random init's near-uniform one.
+  sharp = {**params, "embed": params["embed"] * 4.0}
+  logits = forward(CONFIG, sharp, jnp.asarray([prompt], jnp.int32))[0, -1]
+  probs = np.asarray(jax.nn.softmax(logits), np.float64)
+  n = 8192
+  cfg = sampling.SamplingConfig(max_new_tokens=1, temperature=1.0)
+  out = sampling.sample(CONFIG, sharp, [prompt], jax.random.key(0), cfg,
+                        num_generations=n)
+  counts = np.bincount(np.asarray(out.tokens_bt[:, 0]),
+                       minlength=CONFIG.vocab_size)
+  expected = probs * n
+  big = expected >= 5  # pool the rare tokens into one cell
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  assert big.sum() > 10
+  exp = exp / exp.sum() * n
+  p_value = stats.chisquare(obs, exp).pvalue
+  assert p_value > 1e-3, p_value
+  # And the test has power: frequencies of a different temperature fail it.
+  hot = sampling.sample(CONFIG, sharp, [prompt], jax.random.key(0),
+                        sampling.SamplingConfig(max_new_tokens=1,
+                                                temperature=1.5), n)
+  hot_counts = np.bincount(np.asarray(hot.tokens_bt[:, 0]),
+                           minlength=CONFIG.vocab_size)
+  hot_obs = np.append(hot_counts[big], hot_counts[~big].sum())
+  assert stats.chisquare(hot_obs, exp).pvalue < 1e-3
+
+
+def test_stop_ids_end_rows_and_mask(params):
+  prompts = _prompts([5, 8])
+  free = sampling.sample(CONFIG, params, prompts, jax.random.key(2),
+                         sampling.SamplingConfig(max_new_tokens=12,
+                                                 greedy=True))
+  # Make the 4th greedy token of row 0 a stop id: row 0 ends there.
+  stop = int(free.tokens_bt[0, 3])
+  cfg = sampling.SamplingConfig(max_new_tokens=12, greedy=True,
+                                stop_ids=(stop,), pad_id=0)
+  out = sampling.sample(CONFIG, params, prompts, jax.random.key(2), cfg)
+  row0 = list(np.asarray(free.tokens_bt[0]))
+  first = row0.index(stop)
+  assert int(out.length_b[0]) == first + 1
+  assert not bool(out.truncated_b[0])
+  np.testing.assert_array_equal(out.tokens_bt[0, :first + 1],
+                                free.tokens_bt[0, :first + 1])
+  assert np.all(np.asarray(out.tokens_bt[0, first + 1:]) == 0)
+  assert np.all(np.asarray(out.logp_bt[0, first + 1:]) == 0)
+  np.testing.assert_array_equal(out.mask_bt[0],
+                                np.arange(12) < first + 1)
+
+
+def test_loop_exits_when_all_rows_stop(params):
+  """Every token is a stop id: one token per row, and the loop runs 0 steps."""
+  cfg = sampling.SamplingConfig(max_new_tokens=50, temperature=1.0,
+                                stop_ids=tuple(range(CONFIG.vocab_size)))
+  out = sampling.sample(CONFIG, params, _prompts([4, 6]), jax.random.key(0),
+                        cfg, num_generations=2)
+  assert int(out.steps) == 0
+  np.testing.assert_array_equal(out.length_b, 1)
+  assert not bool(jnp.any(out.truncated_b))
+
+
+def test_buckets_bound_compilations(params):
+  cfg = sampling.SamplingConfig(max_new_tokens=3, greedy=True)
+  before = sampling.COMPILES.count
+  for n in (17, 20, 25, 31):   # one bucket: 32
+    sampling.sample(CONFIG, params, _prompts([n]), jax.random.key(0), cfg)
+  assert sampling.COMPILES.count == before + 1
+  assert sampling.bucket(17) == 32 and sampling.bucket(3) == 16
+
+
+def test_bad_settings_are_named():
+  with pytest.raises(ValueError, match="top_p"):
+    sampling.SamplingConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    sampling.SamplingConfig(max_new_tokens=0)
