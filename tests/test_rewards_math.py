@@ -351,7 +351,7 @@ def test_extract_is_total_on_any_text(text):
 @settings(max_examples=60, deadline=None)
 @given(st.recursive(st.text(alphabet="0123456789+-x ", min_size=1, max_size=5),
                     lambda inner: st.builds(lambda a, b: "{" + a + "}" + b, inner, inner),
-                    max_leaves=8))
+                    max_leaves=8).filter(str.strip))
 def test_last_boxed_returns_balanced_content(content):
   assert extract.last_boxed(f"blah \\boxed{{{content}}}. Done") == content.strip()
 

@@ -5,7 +5,7 @@ Pipeline for one (gold, prediction) pair:
      (`extract.py`): last \\boxed{}/\\fbox{}, else the latest `Answer:` line /
      "the answer is" / `#### 42`, else the whole text;
   2. a fast path: answers equal after removing spacing and `$` are accepted
-     without a worker (roughly half of all RL samples, once a model learns);
+     without a worker (half of the benchmark's solutions);
   3. otherwise parsing and symbolic comparison (`symbolic.py`, built on
      math-verify) in a worker process of `pool.WorkerPool`, under a hard
      wall-clock timeout. Model text reaches sympy only there.

@@ -112,7 +112,7 @@ class WorkerPool:
   def __init__(self, num_workers: int | None = None, memory_mb: int = 2048,
                startup_timeout: float = 60.0):
     cpus = os.cpu_count() or 1
-    self.num_workers = num_workers or max(1, min(32, cpus))
+    self.num_workers = num_workers or max(1, min(16, cpus))
     self.memory_mb = memory_mb
     self.startup_timeout = startup_timeout
     self.workers: list[_Worker] = []
@@ -141,7 +141,9 @@ class WorkerPool:
     if not args:
       return []
     with self._lock:
-      while len(self.workers) < self.num_workers:
+      # Start workers as batches need them: a 4-pair batch on a 64-core
+      # host should not pay for 16 sympy imports.
+      while len(self.workers) < min(self.num_workers, len(args)):
         self.workers.append(self._spawn())
       return _Dispatch(self, task, args, timeout).loop()
 
