@@ -9,9 +9,6 @@ from grpo_jax.registry import register
 from grpo_jax.rewards import extract
 from grpo_jax.rewards._common import per_completion
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 def _letter_pattern(letters: str) -> re.Pattern[str]:
   """A choice letter standing alone: "B", "(B)", "B)", "**B**", "B." ..."""
   return re.compile(rf"(?<![A-Za-z])\(?([{letters}])\)?(?![A-Za-z])")
@@ -38,9 +35,9 @@ def predicted_letter(completion: str, letters: str = "ABCDE") -> str | None:
   """The chosen letter: from <answer>, \\boxed{}, an `Answer:` line or
   "the answer is"; else the whole completion if it is just a letter.
   A hedge ("A or B") chooses nothing."""
-  tags = _ANSWER_TAG.findall(completion)
-  span = tags[-1] if tags else (extract.last_boxed(completion)
-                                or extract.anchored_span(completion))
+  span = extract.last_tagged(completion, "answer")
+  if span is None:
+    span = extract.last_boxed(completion) or extract.anchored_span(completion)
   if span is None:  # Unanchored: only a bare "B" / "(B)." counts.
     bare = completion.strip().strip("*.").strip()
     span = bare if len(bare) <= 3 else None

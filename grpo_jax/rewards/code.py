@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 
 import numpy as np
 
@@ -18,17 +17,27 @@ from grpo_jax.registry import register
 from grpo_jax.rewards import sandbox
 from grpo_jax.rewards._common import per_completion
 
-_PY_BLOCK = re.compile(r"```(?:python|py|python3)[^\n]*\n(.*?)```", re.DOTALL)
-_ANY_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON = ("python", "py", "python3")
+
+
+def _fenced_blocks(completion: str) -> list[tuple[str, str]]:
+  """(language, code) of each closed ``` block; linear (split, no regex)."""
+  parts = completion.split("```")
+  closed = parts[1:len(parts) - (len(parts) % 2 == 0):2]  # Drop an unclosed one.
+  blocks = []
+  for part in closed:
+    info, _, body = part.partition("\n")
+    blocks.append((info.strip().lower(), body))
+  return blocks
 
 
 def extract_code(completion: str) -> str | None:
   """The last ```python fenced block, else the last fenced block."""
-  for pattern in (_PY_BLOCK, _ANY_BLOCK):
-    blocks = pattern.findall(completion)
-    if blocks and blocks[-1].strip():
-      return blocks[-1]
-  return None
+  blocks = [b for b in _fenced_blocks(completion) if b[1].strip()]
+  python = [body for lang, body in blocks if lang in _PYTHON]
+  if python:
+    return python[-1]
+  return blocks[-1][1] if blocks else None
 
 
 def _score(completion: str, tests, limits: sandbox.Limits) -> float:

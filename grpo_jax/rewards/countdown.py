@@ -20,7 +20,6 @@ from grpo_jax.rewards._common import per_completion
 
 MAX_EQUATION_CHARS = 256
 _ALLOWED = re.compile(r"[\d\s+\-*/().]+")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
         ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
 
@@ -62,9 +61,9 @@ def evaluate(expression: str) -> tuple[Fraction, list[int]] | None:
 def extract_equation(completion: str) -> str | None:
   """The last <answer>…</answer>, else \\boxed{}/`Answer:`; its side with
   the most operators if it is written as an equation ("(1+2)*4 = 12")."""
-  tags = _ANSWER_TAG.findall(completion[-4 * MAX_EQUATION_CHARS:])
-  text = tags[-1] if tags else (extract.last_boxed(completion)
-                                or extract.anchored_span(completion))
+  text = extract.last_tagged(completion, "answer")
+  if text is None:
+    text = extract.last_boxed(completion) or extract.anchored_span(completion)
   if not text:
     return None
   sides = text.replace("\\times", "*").replace("\\div", "/").split("=")

@@ -84,6 +84,16 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
+def last_tagged(text: str, tag: str) -> str | None:
+  """The content of the last complete <tag>...</tag>, by two `rfind`s (a
+  lazy regex would be quadratic on text full of unclosed <tag>s)."""
+  close = text.rfind(f"</{tag}>")
+  if close < 0:
+    return None
+  open_at = text.rfind(f"<{tag}>", 0, close)
+  return None if open_at < 0 else text[open_at + len(tag) + 2:close]
+
+
 def _rest_of_line(text: str, start: int) -> str:
   end = text.find("\n", start)
   line = text[start:] if end < 0 else text[start:end]
