@@ -297,6 +297,19 @@ def test_code_reward_all_or_nothing_and_fraction():
   np.testing.assert_array_equal(got, [1.0, 0.0, 0.5, 0.0])
 
 
+@pytest.mark.parametrize("name", ["format_think", "format_r1", "countdown",
+                                  "multiple_choice", "code"])
+@pytest.mark.parametrize("junk", ["<answer>" * 200_000, "```python\n" * 200_000,
+                                  "<think>" * 200_000, "Answer: " + "(" * 1_000_000])
+def test_megabyte_junk_is_scored_zero_quickly(name, junk):
+  """The parsing of every reward is linear in the text; junk scores 0."""
+  answer = {"target": 1, "numbers": [1]} if name == "countdown" else "A"
+  start = time.monotonic()
+  got = registry.lookup("reward", name)(["p"], [junk], [answer], np.ones(1))
+  assert got.tolist() == [0.0]
+  assert time.monotonic() - start < 5.0  # Quadratic parsing would take minutes.
+
+
 # ---------------------------------------------------------------- combiner
 
 def test_compute_rewards_weights_and_metrics():

@@ -31,9 +31,6 @@ from grpo_jax.rewards import format  # pylint: disable=unused-import,redefined-b
 from grpo_jax.rewards import math  # pylint: disable=unused-import
 from grpo_jax.rewards.math import verify, verify_batch, verify_dapo  # pylint: disable=g-importing-member
 
-RewardSpec = tuple  # (name, weight) or (name, weight, kwargs)
-
-
 def _unpack(spec: Sequence[Any]) -> tuple[str, float, Mapping[str, Any]]:
   if not 2 <= len(spec) <= 3:
     raise ValueError(f"a reward spec is (name, weight[, kwargs]), got {spec!r}")
