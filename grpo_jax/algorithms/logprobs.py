@@ -2,17 +2,19 @@
 
 The LM head is applied to `chunk_size` positions at a time inside `lax.map`,
 and each chunk is wrapped in `jax.checkpoint`, so the backward pass
-recomputes a chunk's logits instead of storing them. Memory bound (float32):
+recomputes a chunk's logits instead of storing them. Temporary memory of
+forward + backward (float32, XLA's compiled memory analysis on CPU):
 
-  naive:    ~k · B · T · V · 4 bytes          (logits, softmax, their cotangent)
-  chunked:  ~k · B · c · V · 4 bytes + D · V · 4 bytes (head-gradient carry)
+  naive:    ~4 · B · T · V · 4 bytes   (logits, probabilities, cotangents)
+  chunked:  ~k · B · c · V · 4 + D · V · 4 bytes,  k ≈ 2-3
 
-with c = chunk_size and k a small constant (about 3 live [B, c, V] buffers in
-the backward pass). With Qwen's V = 151,936, T = 4,096 and B = 1 the naive
-logits alone are 2.5 GB; with c = 256 a chunk is 156 MB. The chunking is over
-the sequence, so the batch axis (sharded over data) stays whole; pick c so
-that B_per_device · c · V · 4 bytes fits. benchmarks/logprob_memory.py
-measures both.
+with c = chunk_size. The D · V term is one copy of the head weight that XLA
+makes because the forward and the backward loop both carry it; it is
+independent of T and the size of a parameter, not of an activation.
+With Qwen's V = 151,936, D = 896, T = 4,096, B = 1: naive 9.3 GiB,
+chunked (c = 256) 0.8 GiB (benchmarks/logprob_memory.py). The chunking is
+over the sequence, so the batch axis (sharded over data) stays whole; pick c
+so that B_per_device · c · V · 4 bytes fits.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import Params, hidden_states, unembed
+from grpo_jax.models.transformer import Params, hidden_states
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -34,11 +36,21 @@ def _head_params(config: ModelConfig, params: Params) -> Params:
   return {key: params[key]}
 
 
-def _logprobs_from_hidden(config: ModelConfig, temperature: float,
-                          head: Params, h_btd: jax.Array,
+def _head_logits(head: Params, h_btd: jax.Array) -> jax.Array:
+  """float32 logits (B, t, V), as `transformer.unembed`, but contracting the
+  tied (V, D) embedding in place: `embed.T` would be materialised as a
+  (D, V) copy next to the loops."""
+  if "embed" in head:
+    return jnp.einsum("btd,vd->btv", h_btd, head["embed"],
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum("btd,dv->btv", h_btd, head["lm_head"],
+                    preferred_element_type=jnp.float32)
+
+
+def _logprobs_from_hidden(temperature: float, head: Params, h_btd: jax.Array,
                           targets_bt: jax.Array):
   """log p(target) and entropy per position, from the full logits of h_btd."""
-  logits_btv = unembed(config, head, h_btd)  # (B, t, V) float32
+  logits_btv = _head_logits(head, h_btd)  # (B, t, V) float32
   if temperature != 1.0:
     logits_btv = logits_btv / temperature
   logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
@@ -55,8 +67,8 @@ def token_logprobs_naive(config: ModelConfig, params: Params,
                          temperature: float = 1.0):
   """Reference path that materialises the (B, T, V) logits; tests and
   benchmarks compare the chunked path against it."""
-  return _logprobs_from_hidden(config, temperature,
-                               _head_params(config, params), h_btd, targets_bt)
+  return _logprobs_from_hidden(temperature, _head_params(config, params),
+                               h_btd, targets_bt)
 
 
 def _to_chunks(x_bt: jax.Array, chunk: int) -> jax.Array:
@@ -89,7 +101,7 @@ def token_logprobs(config: ModelConfig, params: Params, h_btd: jax.Array,
   B, T, _ = h_btd.shape
   chunk = max(1, min(chunk_size, T))
   fn = jax.checkpoint(
-      functools.partial(_logprobs_from_hidden, config, temperature),
+      functools.partial(_logprobs_from_hidden, temperature),
       prevent_cse=False)
   head = _head_params(config, params)
   logp_nbc, entropy_nbc = jax.lax.map(
