@@ -106,6 +106,19 @@ def test_ratio_one_beta_zero_loss_is_zero_but_gradient_is_not():
   expected = -np.asarray(adv_b)[:, None] / (lengths[:, None] * 4) * mask
   np.testing.assert_allclose(grad, expected, rtol=1e-6)
   assert float(jnp.abs(grad).sum()) > 0.1
+  # on-policy: passing logp itself as old gives the same (old is a constant)
+  on_policy = jax.grad(lambda lp: losses.policy_loss(
+      lp, lp, adv_b, mask, agg="seq-mean-token-mean", **EPS)[0])(old)
+  np.testing.assert_allclose(on_policy, expected, rtol=1e-6)
+
+
+def test_kl_gradient_flows_into_the_policy_only():
+  # ∂k3/∂lp = 1 - exp(-d); the reference gets none
+  lp, ref = jnp.array([[0.3, -0.2]]), jnp.array([[0.0, 0.1]])
+  g_lp, g_ref = jax.grad(lambda a, b: losses.kl_k3(a, b).sum(),
+                         argnums=(0, 1))(lp, ref)
+  np.testing.assert_allclose(g_lp, 1 - np.exp(-(lp - ref)), rtol=1e-6)
+  np.testing.assert_array_equal(g_ref, np.zeros((1, 2)))
 
 
 def test_clip_metrics_on_golden_vector():

@@ -45,8 +45,9 @@ K3_CLAMP = 10.0          # verl: low_var_kl clamped to [-10, 10]
 
 def ratio(logp_bt: jax.Array, old_logp_bt: jax.Array) -> jax.Array:
   """ρ = exp(lp - old), with lp - old clamped to ±20 (verl) so a stale or
-  padded token cannot overflow. For on-policy updates pass
-  `old_logp_bt = jax.lax.stop_gradient(logp_bt)`: ρ = 1, ∇ρ = ∇lp."""
+  padded token cannot overflow. old is a constant (no gradient flows into
+  it), so on-policy updates may pass old_logp_bt = logp_bt: ρ = 1, ∇ρ = ∇lp."""
+  old_logp_bt = jax.lax.stop_gradient(old_logp_bt)
   log_ratio = jnp.clip(logp_bt.astype(jnp.float32) - old_logp_bt,
                        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
   return jnp.exp(log_ratio)
@@ -77,26 +78,31 @@ def _validate_clip(eps_low: float, eps_high: float,
 
 
 # ----------------------------------------------------------------------------
-# KL to the reference policy (Schulman's estimators), d = lp - ref.
+# KL to the reference policy (Schulman's estimators), d = lp - ref; the
+# reference log-probs are constants.
 # ----------------------------------------------------------------------------
+
+def _log_ratio_to_ref(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+  return logp_bt.astype(jnp.float32) - jax.lax.stop_gradient(ref_logp_bt)
+
 
 @register("kl_estimator", "k1")
 def kl_k1(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
   """k1 = d: unbiased for KL(π‖π_ref), high variance, can be negative."""
-  return logp_bt.astype(jnp.float32) - ref_logp_bt
+  return _log_ratio_to_ref(logp_bt, ref_logp_bt)
 
 
 @register("kl_estimator", "k2")
 def kl_k2(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
   """k2 = d²/2: biased, low variance, always >= 0."""
-  return 0.5 * jnp.square(logp_bt.astype(jnp.float32) - ref_logp_bt)
+  return 0.5 * jnp.square(_log_ratio_to_ref(logp_bt, ref_logp_bt))
 
 
 @register("kl_estimator", "k3")
 def kl_k3(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
   """k3 = exp(-d) + d - 1 (DeepSeekMath eq. 4, verl "low_var_kl"): unbiased
   and >= 0; d clamped to ±20 and the result to [-10, 10] as verl does."""
-  d = jnp.clip(logp_bt.astype(jnp.float32) - ref_logp_bt,
+  d = jnp.clip(_log_ratio_to_ref(logp_bt, ref_logp_bt),
                -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
   return jnp.clip(jnp.exp(-d) + d - 1.0, -K3_CLAMP, K3_CLAMP)
 
