@@ -95,8 +95,10 @@ def token_logprobs(config: ModelConfig, params: Params, h_btd: jax.Array,
 
   h_btd: final-normed hidden states (B, T, D), as `hidden_states` returns,
     already aligned so that position t predicts targets_bt[:, t].
-  temperature: the sampler's temperature, so that log-probs match π_old.
-  Peak memory of forward and backward ~ B · chunk_size · V floats.
+  temperature: the sampler's temperature (a Python float), so that
+    log-probs match π_old.
+  Temporary memory of forward and backward ~ k · B · chunk_size · V floats
+  (k ≈ 2-3) plus one copy of the head weight; never (B, T, V).
   """
   B, T, _ = h_btd.shape
   chunk = max(1, min(chunk_size, T))
