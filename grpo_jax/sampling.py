@@ -264,11 +264,11 @@ class CompileCounter:
   def __init__(self):
     self.seen: set = set()
 
-  def note(self, signature) -> None:
+  def note(self, signature, description: str = "") -> None:
     if signature not in self.seen:
       self.seen.add(signature)
       logging.info("sampler: compiling for %s (%d signature(s) so far)",
-                   signature, len(self.seen))
+                   description or signature, len(self.seen))
 
   @property
   def count(self) -> int:
@@ -294,7 +294,9 @@ def sample(config: ModelConfig, params: Params,
   rows = -(-B // batch_multiple) * batch_multiple
   P = bucket(max(len(p) for p in prompts))
   prompt_bp, len_b = left_pad(prompts, P, rows, cfg.pad_id)
-  COMPILES.note((config, cfg, num_generations, rows, P))
+  COMPILES.note((config, cfg, num_generations, rows, P),
+                f"rows={rows} prompt_len={P} G={num_generations} "
+                f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
   out = sample_padded(config, params, jnp.asarray(prompt_bp),
                       jnp.asarray(len_b), key, cfg, num_generations)
   keep = B * num_generations

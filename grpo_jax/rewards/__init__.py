@@ -13,7 +13,7 @@ names the rewards it wants with weights; `compute_rewards` sums them:
     reward_n, metrics = compute_rewards(specs, prompts, completions, answers, lengths)
 
 Registered: math, math_dapo, format_think, format_r1, overlong, countdown,
-multiple_choice, code.
+multiple_choice, code, last_number.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from grpo_jax.rewards import choice  # pylint: disable=unused-import
 from grpo_jax.rewards import code  # pylint: disable=unused-import
 from grpo_jax.rewards import countdown  # pylint: disable=unused-import
 from grpo_jax.rewards import format  # pylint: disable=unused-import,redefined-builtin
+from grpo_jax.rewards import last_number  # pylint: disable=unused-import
 from grpo_jax.rewards import math  # pylint: disable=unused-import
 from grpo_jax.rewards.math import verify, verify_batch, verify_dapo  # pylint: disable=g-importing-member
 
@@ -46,11 +47,13 @@ def validate_specs(specs: Sequence[Sequence[Any]]) -> None:
 
 def compute_rewards(specs: Sequence[Sequence[Any]], prompts: Sequence[str],
                     completions: Sequence[str], answers: Sequence[Any],
-                    completion_lengths) -> tuple[np.ndarray, dict[str, float]]:
+                    completion_lengths, components: dict | None = None
+                    ) -> tuple[np.ndarray, dict[str, float]]:
   """Weighted sum of the named rewards, float32[N], and per-reward metrics.
 
   Metrics: `reward/<name>/mean` (unweighted), `reward/<name>/seconds`, and
-  `reward/total/mean`.
+  `reward/total/mean`. When `components` is a dict, each reward's unweighted
+  float32[N] values are stored in it by name (e.g. to read correctness).
   """
   n = len(completions)
   lengths = np.asarray(completion_lengths)
@@ -69,6 +72,8 @@ def compute_rewards(specs: Sequence[Sequence[Any]], prompts: Sequence[str],
     metrics[f"reward/{name}/mean"] = float(values.mean()) if n else 0.0
     metrics[f"reward/{name}/seconds"] = time.perf_counter() - start
     total += np.float32(weight) * values
+    if components is not None:
+      components[name] = values
   metrics["reward/total/mean"] = float(total.mean()) if n else 0.0
   return total, metrics
 

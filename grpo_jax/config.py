@@ -1,0 +1,200 @@
+"""The base experiment config and its validation (once, before any compile).
+
+Every `configs/*.py` starts from `base_config()` and changes a few fields.
+`validate(config)` checks every field against the base: an unknown field,
+a value of the wrong type or a name that no registry knows fails here,
+naming the field and the allowed values.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from grpo_jax import registry
+
+ConfigDict = ml_collections.ConfigDict
+
+
+def base_config() -> ConfigDict:
+  """Every field an experiment can set, with the GRPO defaults."""
+  c = ConfigDict()
+  c.name = "base"
+  c.description = "GRPO defaults"
+  c.seed = 0
+  c.init_from = ""          # a checkpoint dir to start from (resume order)
+
+  c.model = ConfigDict(dict(
+      source="smollm2-135m-instruct",  # preset, HF directory or .gguf file
+      tokenizer="",                    # "" = same as source
+      param_dtype="float32",           # master weights and optimizer state
+      compute_dtype="float32",         # forward/backward (bfloat16 option)
+      remat="none",                    # none | dots | full
+      logprob_chunk=256,               # tokens per chunk of the vocab head
+  ))
+
+  c.data = ConfigDict(dict(
+      source="arithmetic",             # a "dataset" registry name
+      kwargs=ConfigDict(dict(num_examples=5000, levels=1, seed=0)),
+      eval_source="",                  # "" = the same generator, other seed
+      eval_kwargs=ConfigDict(dict(num_examples=200, levels=1, seed=12345)),
+      template="last_number",          # a "template" registry name
+      system_prompt="",
+  ))
+
+  c.sampling = ConfigDict(dict(
+      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0))
+
+  c.rl = ConfigDict(dict(
+      prompts_per_step=8,              # B groups per optimizer step (kept)
+      num_generations=8,               # G
+      advantage="grpo",                # an "advantage" registry name
+      adv_ddof=1, adv_eps=1e-6,
+      loss_agg="token-mean",           # a "loss_agg" registry name
+      max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)
+      eps_low=0.2, eps_high=0.28,
+      dual_clip=0.0,                   # 0: off; verl uses 3, DAPO scripts 10
+      kl_beta=0.0, kl_estimator="k3",
+      kl_start_step=0, kl_ramp_steps=0,
+      num_updates=1,                   # μ: passes over each rollout
+      mini_batch_size=0,               # completions per optimizer update (0: all)
+      micro_batch_size=0,              # completions per forward/backward (0: all)
+      old_logp="sampler",              # sampler | recompute
+      dynamic_sampling=True,
+      max_gen_batches=3,               # cap on generation batches per step
+      on_cap="fill",                   # fill | fewer | raise
+      overlong_filter=False,           # truncated completions get no gradient
+  ))
+
+  # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
+  c.rewards = ConfigDict({"last_number": 1.0})
+  c.reward_kwargs = ConfigDict()
+  c.accuracy_reward = "last_number"     # whose value > 0 counts as correct
+
+  c.optim = ConfigDict(dict(
+      learning_rate=1e-6, warmup_steps=0, schedule="constant",  # | cosine
+      weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
+
+  c.train = ConfigDict(dict(
+      steps=10, log_every=1, eval_every=0, eval_at_start=True,
+      eval_at_end=True, eval_examples=200, checkpoint_every=0,
+      keep_checkpoints=2, progress=True, plot=True))
+
+  c.mesh = ConfigDict(dict(
+      shape=(-1, 1, 1), axes=("data", "fsdp", "tensor")))
+  return c
+
+
+_CHOICES = {
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.compute_dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "dots", "full"),
+    "rl.old_logp": ("sampler", "recompute"),
+    "rl.on_cap": ("fill", "fewer", "raise"),
+    "optim.schedule": ("constant", "cosine"),
+}
+_REGISTRY_FIELDS = {
+    "data.source": "dataset",
+    "data.template": "template",
+    "rl.advantage": "advantage",
+    "rl.loss_agg": "loss_agg",
+    "rl.kl_estimator": "kl_estimator",
+}
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
+                  open_fields: tuple[str, ...]) -> None:
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    if key not in base:
+      raise ConfigError(f"unknown config field {path!r}; allowed: "
+                        f"{sorted(base.keys())}")
+    ref = base[key]
+    if isinstance(ref, ConfigDict):
+      if path in open_fields:
+        continue
+      if not isinstance(value, ConfigDict):
+        raise ConfigError(f"config field {path!r} must be a group")
+      _check_fields(value, ref, path + ".", open_fields)
+    elif ref is not None and value is not None and not _same_kind(ref, value):
+      raise ConfigError(f"config field {path!r} = {value!r} should be a "
+                        f"{type(ref).__name__}")
+
+
+def _same_kind(ref: Any, value: Any) -> bool:
+  if isinstance(ref, bool) or isinstance(value, bool):
+    return isinstance(ref, bool) and isinstance(value, bool)
+  if isinstance(ref, (int, float)):
+    return isinstance(value, (int, float))
+  if isinstance(ref, (tuple, list)):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(ref))
+
+
+def _get(config: ConfigDict, path: str) -> Any:
+  for part in path.split("."):
+    config = config[part]
+  return config
+
+
+def validate(config: ConfigDict) -> ConfigDict:
+  """Checks names, types, choices and ranges; returns the config unchanged."""
+  # Importing the registries fills them (rewards, datasets, algorithms).
+  import grpo_jax.algorithms  # pylint: disable=import-outside-toplevel,unused-import
+  import grpo_jax.data  # pylint: disable=import-outside-toplevel,unused-import
+  import grpo_jax.rewards  # pylint: disable=import-outside-toplevel,unused-import
+  _check_fields(config, base_config(), "",
+                ("rewards", "reward_kwargs", "data.kwargs", "data.eval_kwargs"))
+  for path, allowed in _CHOICES.items():
+    if _get(config, path) not in allowed:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
+                        f"allowed: {allowed}")
+  for path, kind in _REGISTRY_FIELDS.items():
+    if _get(config, path) not in registry.names(kind):
+      raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
+                        f"allowed: {registry.names(kind)}")
+  for name in list(config.rewards.keys()) + list(config.reward_kwargs.keys()):
+    if name not in registry.names("reward"):
+      raise ConfigError(f"config field 'rewards.{name}': unknown reward; "
+                        f"allowed: {registry.names('reward')}")
+  if config.accuracy_reward not in config.rewards:
+    raise ConfigError(f"config field 'accuracy_reward' = "
+                      f"{config.accuracy_reward!r} must be one of the rewards "
+                      f"{list(config.rewards.keys())}")
+  _check_ranges(config)
+  return config
+
+
+def _check_ranges(config: ConfigDict) -> None:
+  rl = config.rl
+  positive = {"rl.prompts_per_step": rl.prompts_per_step,
+              "rl.num_generations": rl.num_generations,
+              "rl.num_updates": rl.num_updates,
+              "rl.max_gen_batches": rl.max_gen_batches,
+              "train.steps": config.train.steps,
+              "sampling.max_new_tokens": config.sampling.max_new_tokens}
+  for path, value in positive.items():
+    if value < 1:
+      raise ConfigError(f"config field {path!r} = {value} must be >= 1")
+  if rl.num_generations < 2 and rl.advantage != "dr_grpo":
+    raise ConfigError("config field 'rl.num_generations' must be >= 2 for "
+                      "group-relative advantages")
+  if not 0 <= rl.eps_low < 1 or rl.eps_high < 0:
+    raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high' = "
+                      f"{rl.eps_low}/{rl.eps_high}: need 0 <= eps_low < 1, "
+                      f"eps_high >= 0")
+  rows = rl.prompts_per_step * rl.num_generations
+  for path in ("rl.mini_batch_size", "rl.micro_batch_size"):
+    size = _get(config, path)
+    if size and rows % size:
+      raise ConfigError(f"config field {path!r} = {size} must divide the "
+                        f"{rows} completions of a step")
+  mini = rl.mini_batch_size or rows
+  if rl.micro_batch_size and mini % rl.micro_batch_size:
+    raise ConfigError(f"config field 'rl.micro_batch_size' = "
+                      f"{rl.micro_batch_size} must divide rl.mini_batch_size "
+                      f"= {mini}")

@@ -1,0 +1,50 @@
+"""The last number a completion writes, compared with a numeric gold answer.
+
+A small model that has not learned an answer format still writes its answer
+as the last number far more often than in a \\boxed{} (measured on SmolLM2:
+about 23% vs under 5%), so on generated integer tasks this reward gives
+groups with mixed outcomes from the first step. Pure regex + Fraction: no
+sympy, no eval; linear in the text length.
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Optional
+
+import numpy as np
+
+from grpo_jax.registry import register
+
+# An optional minus, digits with optional thousands separators, optional
+# decimals. Thousands groups need exactly three digits, so "1,2" is two numbers.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def last_number(text: str) -> Optional[Fraction]:
+  """The value of the last number in `text`, or None."""
+  last = None
+  for last in _NUMBER.finditer(text):
+    pass
+  if last is None:
+    return None
+  return Fraction(last.group(0).replace(",", ""))
+
+
+def parse_gold(answer: str) -> Optional[Fraction]:
+  try:
+    return Fraction(str(answer).strip().replace(",", ""))
+  except (ValueError, ZeroDivisionError):
+    return None
+
+
+@register("reward", "last_number")
+def last_number_reward(prompts, completions, answers, completion_lengths
+                       ) -> np.ndarray:
+  """1.0 where the completion's last number equals the gold number, else 0."""
+  del prompts, completion_lengths
+  out = np.zeros(len(completions), np.float32)
+  for i, (text, gold) in enumerate(zip(completions, answers)):
+    want = parse_gold(gold)
+    out[i] = float(want is not None and last_number(text) == want)
+  return out

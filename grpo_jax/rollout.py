@@ -1,0 +1,189 @@
+"""SAMPLE and SCORE: prompts -> G completions each -> rewards -> groups kept.
+
+The host side of a step, between the two jitted programs: render prompts,
+call the sampler, detokenise, run the reward functions (strings: the one
+deliberate host boundary), apply DAPO's dynamic sampling, and pack the kept
+groups into the fixed-shape arrays that the jitted update consumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from grpo_jax import registry, rewards, sampling
+from grpo_jax.algorithms import dynamic_sampling
+
+# One group per row of axis 0 (B groups of G completions).
+GroupBatch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  """Rewards as `compute_rewards` specs; `accuracy` names the one whose value
+  > 0 means correct (accuracy metrics, dynamic sampling's 0 < correct < G)."""
+  specs: tuple
+  accuracy: str
+
+  @classmethod
+  def from_config(cls, config) -> "RewardSpec":
+    specs = tuple((name, float(w), dict(config.reward_kwargs.get(name, {})))
+                  for name, w in config.rewards.items())
+    return cls(specs, config.accuracy_reward)
+
+
+def score(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
+          answers: Sequence[str], lengths: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+  """Weighted reward float32[N], correct bool[N], per-reward metrics."""
+  parts: dict[str, np.ndarray] = {}
+  total, metrics = rewards.compute_rewards(spec.specs, prompts, completions,
+                                           answers, lengths, components=parts)
+  return total, parts[spec.accuracy] > 0, metrics
+
+
+def render_prompts(tokenizer, template: str, questions: Sequence[str],
+                   system_prompt: str = "") -> list[str]:
+  """Each question through the prompt template and the chat template."""
+  fmt = registry.lookup("template", template)
+  texts = []
+  for q in questions:
+    messages = fmt(q)
+    if system_prompt:
+      messages = [{"role": "system", "content": system_prompt}, *messages]
+    texts.append(tokenizer.apply_chat_template(messages,
+                                               add_generation_prompt=True))
+  return texts
+
+
+def generate_groups(model_config, params, tokenizer, examples, key,
+                    cfg: sampling.SamplingConfig, num_generations: int,
+                    spec: RewardSpec, template: str, system_prompt: str = "",
+                    batch_multiple: int = 1
+                    ) -> tuple[GroupBatch, dict[str, float]]:
+  """Samples G completions for each example and scores them, group-major."""
+  B, G = len(examples), num_generations
+  t0 = time.perf_counter()
+  texts = render_prompts(tokenizer, template, [e.question for e in examples],
+                         system_prompt)
+  prompt_ids = tokenizer.encode_batch(texts)
+  out = jax.device_get(sampling.sample(model_config, params, prompt_ids, key,
+                                       cfg, num_generations=G,
+                                       batch_multiple=batch_multiple))
+  t1 = time.perf_counter()
+  # The stop token itself is not part of the text the rewards read.
+  ends = out.length_b - (~out.truncated_b)
+  completions = [tokenizer.decode(row[:n], skip_special_tokens=True)
+                 for row, n in zip(out.tokens_bt, ends)]
+  reward, correct, metrics = score(
+      spec, np.repeat(texts, G).tolist(), completions,
+      [e.answer for e in examples for _ in range(G)], out.length_b)
+  t2 = time.perf_counter()
+  T = cfg.max_new_tokens
+  prompts = np.empty((B,), object)
+  prompts[:] = [tuple(p) for p in prompt_ids]
+  batch = {
+      "prompt_ids": prompts,
+      "tokens": out.tokens_bt.reshape(B, G, T),
+      "logp": out.logp_bt.reshape(B, G, T),
+      "mask": out.mask_bt.reshape(B, G, T),
+      "length": out.length_b.reshape(B, G),
+      "truncated": out.truncated_b.reshape(B, G),
+      "reward_bg": reward.reshape(B, G),
+      "correct": correct.reshape(B, G),
+      "level": np.asarray([e.meta.get("level", 0) for e in examples]),
+  }
+  metrics.update({"time/sample": t1 - t0, "time/score": t2 - t1,
+                  "sample/decode_steps": int(out.steps),
+                  "sample/tokens": int(out.length_b.sum())})
+  return batch, metrics
+
+
+def collect(generate: Callable[[int], tuple[GroupBatch, dict]],
+            num_groups: int, dynamic: bool, max_gen_batches: int,
+            on_cap: str) -> tuple[GroupBatch, dict[str, float]]:
+  """One step's groups: with dynamic sampling, keeps generating batches until
+  `num_groups` groups with 0 < correct < G (reward variance > 0) are kept."""
+  seen: list[dict] = []
+
+  def gen(i):
+    batch, metrics = generate(i)
+    seen.append((batch, metrics))
+    return batch
+
+  if dynamic:
+    batch, info = dynamic_sampling.sample_until_full(
+        gen, num_groups, max_gen_batches=max_gen_batches, on_cap=on_cap)
+  else:
+    batch, info = gen(0), {}
+  metrics = _merge_generation_metrics(seen)
+  metrics.update({k: float(v) for k, v in info.items() if np.ndim(v) == 0})
+  # Rollout statistics over everything generated (what the policy does now).
+  everything = [b for b, _ in seen]
+  rewards = np.concatenate([b["reward_bg"].ravel() for b in everything])
+  correct = np.concatenate([b["correct"].ravel() for b in everything])
+  lengths = np.concatenate([b["length"].ravel() for b in everything])
+  truncated = np.concatenate([b["truncated"].ravel() for b in everything])
+  mixed = np.concatenate([_mixed(b["correct"]) for b in everything])
+  metrics.update({
+      "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+      "accuracy": float(correct.mean()),
+      "response_length/mean": float(lengths.mean()),
+      "response_length/max": float(lengths.max()),
+      "truncation_rate": float(truncated.mean()),
+      "groups/mixed_fraction": float(mixed.mean()),
+  })
+  return batch, metrics
+
+
+def _mixed(correct_bg: np.ndarray) -> np.ndarray:
+  n = correct_bg.sum(axis=1)
+  return (n > 0) & (n < correct_bg.shape[1])
+
+
+def _merge_generation_metrics(seen) -> dict[str, float]:
+  out: dict[str, float] = {}
+  for _, m in seen:
+    for k, v in m.items():
+      if k.startswith(("time/", "sample/")) or k.endswith("/seconds"):
+        out[k] = out.get(k, 0.0) + v       # summed over generation batches
+  for k in {k for _, m in seen for k in m
+            if k.startswith("reward/") and not k.endswith("/seconds")}:
+    out[k] = float(np.mean([m[k] for _, m in seen if k in m]))
+  return out
+
+
+class PackedBatch(NamedTuple):
+  """Fixed-shape update inputs, N = B*G rows, S = P + T columns."""
+  tokens_ns: np.ndarray       # int32, [left-padded prompt | completion]
+  positions_ns: np.ndarray    # int32 rotary positions
+  valid_ns: np.ndarray        # bool: real (attendable) tokens
+  mask_nt: np.ndarray         # float32 loss mask over the completion
+  old_logp_nt: np.ndarray     # float32 log-probs from the sampler
+  reward_bg: np.ndarray       # float32 [B, G]
+  level_b: np.ndarray
+
+
+def pack(batch: GroupBatch, pad_id: int, overlong_filter: bool) -> PackedBatch:
+  """Group-major arrays -> row-major fixed-shape arrays for the update."""
+  B, G, T = batch["tokens"].shape
+  prompts = [p for p in batch["prompt_ids"] for _ in range(G)]
+  P = sampling.bucket(max(len(p) for p in prompts))
+  prompt_np, len_n = sampling.left_pad(prompts, P, len(prompts), pad_id)
+  comp_nt = batch["tokens"].reshape(B * G, T)
+  mask_nt = batch["mask"].reshape(B * G, T)
+  tokens = np.concatenate([prompt_np, comp_nt], axis=1)
+  col = np.arange(P + T)[None, :]
+  pad_n = P - len_n[:, None]
+  positions = np.maximum(col - pad_n, 0).astype(np.int32)
+  valid = np.concatenate([col[:, :P] >= pad_n, mask_nt], axis=1)
+  loss_mask = mask_nt.astype(np.float32)
+  if overlong_filter:
+    loss_mask = np.asarray(dynamic_sampling.overlong_filter(
+        loss_mask, batch["truncated"].reshape(-1)), np.float32)
+  return PackedBatch(tokens.astype(np.int32), positions, valid, loss_mask,
+                     batch["logp"].reshape(B * G, T).astype(np.float32),
+                     batch["reward_bg"].astype(np.float32), batch["level"])

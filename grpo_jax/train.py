@@ -1,0 +1,255 @@
+"""The RL trainer: GRPO, Dr. GRPO and DAPO are configs of this one loop.
+
+    for step:
+      # SAMPLE + SCORE  (rollout.py: the jitted sampler with π_old, rewards,
+      #                  dynamic sampling)
+      # ADVANTAGE       (vmapped over groups)
+      # REFERENCE       (log-probs under π_ref, only when β > 0)
+      # UPDATE          (update.py: μ passes × mini-batches; jitted, donated)
+
+`run(config, workdir)` is the whole experiment; `experiments/run.py` only
+parses flags and calls it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import config as config_lib
+from grpo_jax import registry, rollout, sampling
+from grpo_jax import metrics as metrics_lib
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.update import (LossSettings, TrainState, UpdateBatch, cast,
+                             init_state, make_optimizer, score_logprobs,
+                             update_step)
+
+Params = Any
+
+def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:
+  """The model and tokenizer that `config.model` names (the `tiny` preset is
+  randomly initialised from config.seed and uses the byte tokenizer)."""
+  from grpo_jax import models, tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
+  source = config.model.source
+  if source == "tiny":
+    model_config = models.get_preset("tiny")
+    params = models.init_params(model_config, jax.random.key(config.seed))
+  else:
+    model_config, params = models.load_pretrained(source)
+  params = cast(params, config.model.param_dtype)
+  tok_source = config.model.tokenizer or source
+  if tok_source == "tiny":
+    from grpo_jax.tiny_tokenizer import byte_tokenizer  # pylint: disable=import-outside-toplevel
+    return model_config, params, byte_tokenizer()
+  return model_config, params, tok_lib.load_tokenizer(tok_source)
+
+
+def sampling_config(config, tokenizer) -> "sampling.SamplingConfig":
+  from grpo_jax import sampling  # pylint: disable=import-outside-toplevel
+  s = config.sampling
+  return sampling.SamplingConfig(
+      max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+      top_p=s.top_p, top_k=s.top_k, stop_ids=tuple(tokenizer.stop_ids),
+      pad_id=tokenizer.pad_id or 0)
+
+
+def load_examples(config) -> tuple[list, list]:
+  """Train and held-out examples from the `dataset` registry."""
+  import grpo_jax.data  # pylint: disable=import-outside-toplevel,unused-import
+  train = list(registry.lookup("dataset", config.data.source)(
+      **dict(config.data.kwargs)))
+  eval_source = config.data.eval_source or config.data.source
+  held_out = list(registry.lookup("dataset", eval_source)(
+      **dict(config.data.eval_kwargs)))
+  if not train:
+    raise ValueError(f"data.source={config.data.source!r} gave no examples")
+  return train, held_out
+
+
+def greedy_eval(config, model_config, params, tokenizer, examples,
+                spec: rollout.RewardSpec, batch_size: int = 50) -> dict:
+  """Greedy accuracy (the accuracy reward > 0) on held-out examples."""
+  cfg = sampling_config(config, tokenizer)
+  cfg = sampling.SamplingConfig(**{**cfg.__dict__, "greedy": True})
+  correct, lengths = [], []
+  compute = cast(params, config.model.compute_dtype)
+  for i in range(0, len(examples), batch_size):
+    chunk = examples[i:i + batch_size]
+    batch, _ = rollout.generate_groups(
+        model_config, compute, tokenizer, chunk, jax.random.key(0), cfg, 1,
+        spec, config.data.template, config.data.system_prompt,
+        batch_multiple=batch_size)
+    correct.append(batch["correct"].ravel())
+    lengths.append(batch["length"].ravel())
+  correct = np.concatenate(correct)
+  return {"eval/greedy_accuracy": float(correct.mean()),
+          "eval/response_length": float(np.concatenate(lengths).mean()),
+          "eval/num_examples": len(correct)}
+
+
+def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
+  """ADVANTAGE: the configured estimator vmapped over groups, flat [B*G]."""
+  fn = registry.lookup("advantage", config.rl.advantage)
+  adv_bg = fn(jnp.asarray(reward_bg), ddof=config.rl.adv_ddof,
+              eps=config.rl.adv_eps)
+  return np.asarray(adv_bg, np.float32).reshape(-1)
+
+
+def _minibatches(n: int, size: int, key: np.random.Generator):
+  order = key.permutation(n)
+  return [order[i:i + size] for i in range(0, n, size)]
+
+
+def train_step(config, model_config, state, optimizer, packed, adv_n,
+               ref_params, settings: LossSettings, rng: np.random.Generator):
+  """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches."""
+  rl = config.rl
+  T = packed.mask_nt.shape[1]
+  n = packed.tokens_ns.shape[0]
+  cols = (jnp.asarray(packed.tokens_ns), jnp.asarray(packed.positions_ns),
+          jnp.asarray(packed.valid_ns))
+  metrics, t0 = {}, time.perf_counter()
+  old = jnp.asarray(packed.old_logp_nt)
+  if rl.old_logp == "recompute":
+    old = score_logprobs(state.params, *cols, model_config, T, settings)
+  ref = jnp.zeros_like(old)
+  if settings.use_kl:
+    ref = score_logprobs(ref_params, *cols, model_config, T, settings)
+  jax.block_until_ready(ref)
+  metrics["time/reference"] = time.perf_counter() - t0
+  full = UpdateBatch(*cols, jnp.asarray(packed.mask_nt), old, ref,
+                     jnp.asarray(adv_n))
+  mini = rl.mini_batch_size or n
+  num_micro = mini // (rl.micro_batch_size or mini)
+  t0 = time.perf_counter()
+  step_metrics = []
+  for _ in range(rl.num_updates):
+    for idx in _minibatches(n, mini, rng):
+      batch = jax.tree.map(lambda x: x[idx], full)
+      state, m = update_step(state, batch, model_config, optimizer,
+                             num_micro, settings)
+      step_metrics.append(m)
+  step_metrics = jax.device_get(step_metrics)
+  metrics["time/update"] = time.perf_counter() - t0
+  for k in step_metrics[0]:
+    metrics[k] = float(np.mean([m[k] for m in step_metrics]))
+  metrics["ratio/first_update_mean"] = float(step_metrics[0]["ratio/mean"])
+  return state, metrics
+
+
+def run(config, workdir: str) -> dict:
+  """Trains as `config` says, writing everything under `workdir`; returns
+  the final metrics (including the held-out greedy accuracy before/after)."""
+  config_lib.validate(config)
+  os.makedirs(workdir, exist_ok=True)
+  writer = metrics_lib.MetricWriter(workdir)
+  model_config, params, tokenizer = load_model_and_tokenizer(config)
+  train_examples, eval_examples = load_examples(config)
+  eval_examples = eval_examples[:config.train.eval_examples]
+  spec = rollout.RewardSpec.from_config(config)
+  settings = LossSettings.from_config(config)
+  sample_cfg = sampling_config(config, tokenizer)
+  rl = config.rl
+  rows = rl.prompts_per_step * rl.num_generations
+  updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
+  optimizer = make_optimizer(config.optim,
+                             config.train.steps * updates_per_step)
+  ref_params = params if settings.use_kl else None
+  state = init_state(params, optimizer, config.seed)
+  del params
+  rng = np.random.default_rng(config.seed)
+  order = rng.permutation(len(train_examples))
+  cursor = 0
+  summary: dict[str, Any] = {}
+
+  def next_prompts():
+    nonlocal cursor, order
+    if cursor + rl.prompts_per_step > len(order):
+      order, cursor = rng.permutation(len(train_examples)), 0
+    chosen = [train_examples[i] for i in
+              order[cursor:cursor + rl.prompts_per_step]]
+    cursor += rl.prompts_per_step
+    return chosen
+
+  def evaluate(step):
+    m = greedy_eval(config, model_config, state.params, tokenizer,
+                    eval_examples, spec)
+    writer.write(step, m)
+    logging.info("step %d: %s", step, m)
+    return m
+
+  if config.train.eval_at_start and eval_examples:
+    summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
+  progress = _progress(config.train.steps, config.train.progress)
+  for step in range(config.train.steps):
+    t_step = time.perf_counter()
+    key = jax.random.wrap_key_data(state.key)
+    key, step_key = jax.random.split(key)
+    state = state._replace(key=jax.random.key_data(key))
+    compute = cast(state.params, config.model.compute_dtype)
+
+    # SAMPLE + SCORE
+    def generate(i):
+      return rollout.generate_groups(
+          model_config, compute, tokenizer, next_prompts(),
+          jax.random.fold_in(step_key, i), sample_cfg, rl.num_generations,
+          spec, config.data.template, config.data.system_prompt)
+
+    groups, metrics = rollout.collect(generate, rl.prompts_per_step,
+                                      rl.dynamic_sampling, rl.max_gen_batches,
+                                      rl.on_cap)
+    packed = rollout.pack(groups, tokenizer.pad_id or 0, rl.overlong_filter)
+    # ADVANTAGE
+    adv_n = advantages(config, packed.reward_bg)
+    metrics.update({"advantage/mean": float(adv_n.mean()),
+                    "advantage/std": float(adv_n.std()),
+                    "advantage/abs_max": float(np.abs(adv_n).max())})
+    # REFERENCE + UPDATE
+    state, update_metrics = train_step(config, model_config, state,
+                                       optimizer, packed, adv_n, ref_params,
+                                       settings, rng)
+    metrics.update(update_metrics)
+    metrics["learning_rate"] = float(optimizer_lr(config, state))
+    metrics["time/step"] = time.perf_counter() - t_step
+    metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
+        metrics["time/sample"], 1e-9)
+    metrics["sampler/compilations"] = sampling.COMPILES.count
+    if step % config.train.log_every == 0 or step == config.train.steps - 1:
+      writer.write(step + 1, metrics)
+    progress.update(1)
+    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                         acc=f"{metrics['accuracy']:.3f}")
+    if (config.train.eval_every and (step + 1) % config.train.eval_every == 0
+        and step + 1 < config.train.steps and eval_examples):
+      evaluate(step + 1)
+    summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
+                                            "loss") if k in metrics})
+  progress.close()
+  if config.train.eval_at_end and eval_examples:
+    summary["eval_after"] = evaluate(config.train.steps)["eval/greedy_accuracy"]
+  writer.close()
+  if config.train.plot:
+    rows_ = metrics_lib.read_jsonl(writer.path)
+    summary["plot"] = metrics_lib.plot_curves(
+        rows_, os.path.join(workdir, "curves.png"), title=config.name)
+  summary["state"] = state
+  return summary
+
+
+def optimizer_lr(config, state: TrainState) -> float:
+  from grpo_jax.update import learning_rate_schedule  # pylint: disable=import-outside-toplevel
+  rl = config.rl
+  rows = rl.prompts_per_step * rl.num_generations
+  per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
+  return learning_rate_schedule(config.optim, config.train.steps * per_step)(
+      int(state.step))
+
+
+def _progress(total: int, enabled: bool):
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm(total=total, disable=not enabled, desc="train", unit="step")

@@ -1,0 +1,192 @@
+"""UPDATE: the train state, the optimizer and the jitted policy update.
+
+`update_step` is one pure jitted function: it splits a mini-batch into
+micro-batches, accumulates the gradient of the loss normalised by the WHOLE
+mini-batch's token/sequence counts (so token-mean is exact whatever the
+split), and applies the optax update.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from grpo_jax.algorithms import logprobs as logprobs_lib
+from grpo_jax.algorithms import losses
+from grpo_jax.models.config import ModelConfig
+
+Params = Any
+
+
+class TrainState(NamedTuple):
+  step: jax.Array          # int32 scalar: optimizer steps taken
+  params: Params           # master weights (config.model.param_dtype)
+  opt_state: Any
+  key: jax.Array           # uint32 PRNG key data (checkpointable)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """The static (hashable) part of the loss; from config.rl / config.model."""
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  dual_clip: Optional[float] = None
+  agg: str = "token-mean"
+  kl_estimator: str = "k3"
+  use_kl: bool = False
+  kl_beta: float = 0.0
+  kl_start_step: int = 0
+  kl_ramp_steps: int = 0
+  max_len_norm: int = 0
+  temperature: float = 1.0
+  chunk: int = 256
+  remat: str = "none"
+  compute_dtype: str = "float32"
+
+  @classmethod
+  def from_config(cls, config) -> "LossSettings":
+    rl = config.rl
+    return cls(eps_low=rl.eps_low, eps_high=rl.eps_high,
+               dual_clip=rl.dual_clip or None, agg=rl.loss_agg,
+               kl_estimator=rl.kl_estimator, use_kl=rl.kl_beta > 0,
+               kl_beta=rl.kl_beta, kl_start_step=rl.kl_start_step,
+               kl_ramp_steps=rl.kl_ramp_steps, max_len_norm=rl.max_len_norm,
+               temperature=config.sampling.temperature or 1.0,
+               chunk=config.model.logprob_chunk, remat=config.model.remat,
+               compute_dtype=config.model.compute_dtype)
+
+
+class UpdateBatch(NamedTuple):
+  """One mini-batch of N completion rows (S = P + T columns)."""
+  tokens_ns: jax.Array
+  positions_ns: jax.Array
+  valid_ns: jax.Array
+  mask_nt: jax.Array
+  old_logp_nt: jax.Array
+  ref_logp_nt: jax.Array     # zeros when β = 0 (never read)
+  adv_n: jax.Array
+
+
+# ----------------------------------------------------------------------------
+# Optimizer.
+# ----------------------------------------------------------------------------
+
+def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
+  """Linear warm-up, then constant or cosine decay (optax schedules)."""
+  warm = max(int(optim.warmup_steps), 0)
+  if optim.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(
+        0.0, optim.learning_rate, max(warm, 1), max(total_steps, warm + 1))
+  if warm == 0:
+    return optax.constant_schedule(optim.learning_rate)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, optim.learning_rate, warm),
+       optax.constant_schedule(optim.learning_rate)], [warm])
+
+
+def make_optimizer(optim, total_updates: int) -> optax.GradientTransformation:
+  """AdamW with global-norm gradient clipping."""
+  return optax.chain(
+      optax.clip_by_global_norm(optim.grad_clip),
+      optax.adamw(learning_rate_schedule(optim, total_updates), b1=optim.b1,
+                  b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay))
+
+
+def init_state(params: Params, optimizer: optax.GradientTransformation,
+               seed: int) -> TrainState:
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                    jax.random.key_data(jax.random.key(seed)))
+
+
+# ----------------------------------------------------------------------------
+# Log-probs and the loss.
+# ----------------------------------------------------------------------------
+
+def cast(params: Params, dtype: str) -> Params:
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def completion_logprobs(model_config: ModelConfig, params: Params,
+                        tokens_ns, positions_ns, valid_ns, num_completion: int,
+                        s: LossSettings):
+  """log π(token) and entropy over the last `num_completion` columns, (N, T),
+  temperature-scaled exactly as the sampler's log-probs."""
+  return logprobs_lib.sequence_logprobs(
+      model_config, cast(params, s.compute_dtype), tokens_ns, positions_ns,
+      valid_ns, completion_len=num_completion, chunk_size=s.chunk,
+      temperature=s.temperature, remat=s.remat)
+
+
+def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
+            norm: losses.Normalisers, kl_beta, s: LossSettings):
+  T = batch.mask_nt.shape[1]
+  logp, entropy = completion_logprobs(model_config, params, batch.tokens_ns,
+                                      batch.positions_ns, batch.valid_ns, T, s)
+  return losses.policy_loss(
+      logp, batch.old_logp_nt, batch.adv_n, batch.mask_nt,
+      batch.ref_logp_nt if s.use_kl else None, eps_low=s.eps_low,
+      eps_high=s.eps_high, dual_clip=s.dual_clip, agg=s.agg,
+      kl_beta=kl_beta, kl_estimator=s.kl_estimator, norm=norm,
+      entropy_bt=entropy)
+
+
+def global_normalisers(mask_nt: jax.Array, s: LossSettings
+                       ) -> losses.Normalisers:
+  return losses.normalisers(mask_nt, s.max_len_norm or None)
+
+
+def accumulate_gradients(params, model_config, batch: UpdateBatch,
+                         num_micro: int, kl_beta, s: LossSettings):
+  """Sum of micro-batch gradients of the loss normalised by the whole batch:
+  exactly the gradient of the full batch's loss (REFERENCE: token-mean)."""
+  norm = global_normalisers(batch.mask_nt, s)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  split = lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:])
+  micro = jax.tree.map(split, batch)
+
+  def body(carry, mb):
+    grads, loss, metrics = carry
+    (l, m), g = grad_fn(params, model_config, mb, norm, kl_beta, s)
+    return (jax.tree.map(jnp.add, grads, g), loss + l,
+            losses.accumulate_metrics(metrics, m)), None
+
+  first = jax.tree.map(lambda x: x[0], micro)
+  (l0, m0), g0 = grad_fn(params, model_config, first, norm, kl_beta, s)
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (grads, loss, metrics), _ = jax.lax.scan(body, (g0, l0, m0), rest)
+  return grads, loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
+                                             "num_micro", "s"),
+                   donate_argnames=("state",))
+def update_step(state: TrainState, batch: UpdateBatch,
+                model_config: ModelConfig,
+                optimizer: optax.GradientTransformation, num_micro: int,
+                s: LossSettings) -> tuple[TrainState, dict]:
+  """One optimizer update on one mini-batch. The state is donated."""
+  kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
+                                    start_step=s.kl_start_step,
+                                    ramp_steps=s.kl_ramp_steps)
+  grads, loss, metrics = accumulate_gradients(state.params, model_config,
+                                              batch, num_micro, kl_beta, s)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
+             "kl_beta": kl_beta}
+  return TrainState(state.step + 1, params, opt_state, state.key), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "num_completion",
+                                             "s"))
+def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
+                   model_config: ModelConfig, num_completion: int,
+                   s: LossSettings) -> jax.Array:
+  """Token log-probs of given completions (π_ref, or π_old recomputed)."""
+  return completion_logprobs(model_config, params, tokens_ns, positions_ns,
+                             valid_ns, num_completion, s)[0]
