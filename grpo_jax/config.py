@@ -80,8 +80,20 @@ def base_config() -> ConfigDict:
       eval_at_end=True, eval_examples=200, checkpoint_every=0,
       keep_checkpoints=2, progress=True, plot=True))
 
+  # Devices as a (data, fsdp, tensor) grid; -1 takes the rest. The rules map
+  # the model's logical axes to mesh axes (a mesh axis or a tuple, None:
+  # replicated); see grpo_jax/sharding.py.
   c.mesh = ConfigDict(dict(
-      shape=(-1, 1, 1), axes=("data", "fsdp", "tensor")))
+      shape=(-1, 1, 1), axes=("data", "fsdp", "tensor"),
+      rules=(("batch", ("data", "fsdp")),
+             ("embed", "fsdp"),
+             ("vocab", "tensor"), ("q_heads", "tensor"),
+             ("kv_heads", "tensor"), ("mlp", "tensor"),
+             ("head_dim", None), ("layers", None), ("norm", None)),
+      # Multi-host: config field, else env JAX_COORDINATOR_ADDRESS /
+      # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
+      distributed=False, coordinator_address="", num_processes=0,
+      process_id=-1))
   return c
 
 
