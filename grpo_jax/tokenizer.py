@@ -110,9 +110,9 @@ class Tokenizer:
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template")
     template = _compile_template(self.chat_template)
-    return template.render(messages=list(messages),
-                           add_generation_prompt=add_generation_prompt,
-                           **self.special_tokens, **kwargs)
+    return template.render(**{**self.special_tokens, **kwargs},
+                           messages=list(messages),
+                           add_generation_prompt=add_generation_prompt)
 
   # --- files -------------------------------------------------------------
 

@@ -68,15 +68,20 @@ register("weights", "smollm2-135m-instruct")(BundledWeights(
 def bundled_gguf(name: str) -> Path:
   """The GGUF file of a preset with bundled weights."""
   if name not in names("weights"):
-    raise _configs_only(name)
+    raise _no_weights(name)
   return lookup("weights", name).path()
 
 
-def _configs_only(name: str) -> Exception:
+def _no_weights(source: Source) -> Exception:
+  """Why `source` names no weights: a config-only preset, or nothing."""
+  if str(source) in preset_names():
+    return FileNotFoundError(
+        f"preset {str(source)!r} is a config only, no weights ship with "
+        f"grpo_jax; pass a Hugging Face directory or a .gguf file instead. "
+        f"Presets with weights: {names('weights')}")
   return FileNotFoundError(
-      f"preset {name!r} is a config only, no weights ship with grpo_jax; pass "
-      f"a Hugging Face directory or a .gguf file instead. Presets with "
-      f"weights: {names('weights')}")
+      f"{str(source)!r} is not a directory, a .gguf file or a preset; "
+      f"presets with weights: {names('weights')}")
 
 
 def cache_root() -> Path:
@@ -131,14 +136,9 @@ def open_checkpoint(source: Source):
       raise hf.CheckpointError(f"{path}: expected a model directory or a "
                                ".gguf file")
     return GGUFCheckpoint(path)
-  name = str(source)
-  if name in names("weights"):
-    return hf.SafetensorsCheckpoint(preset_directory(name))
-  if name in preset_names():
-    raise _configs_only(name)
-  raise FileNotFoundError(
-      f"{source!r} is not a directory, a .gguf file or a preset; presets "
-      f"with weights: {names('weights')}")
+  if str(source) not in names("weights"):
+    raise _no_weights(source)
+  return hf.SafetensorsCheckpoint(preset_directory(str(source)))
 
 
 def validate(ckpt, config: ModelConfig):
