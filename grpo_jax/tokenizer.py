@@ -110,8 +110,11 @@ class Tokenizer:
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template")
     template = _compile_template(self.chat_template)
-    return template.render(**{**self.special_tokens, **kwargs},
-                           messages=list(messages),
+    # transformers passes tools/documents as None when absent; templates test
+    # `tools is not none`, which an undefined variable would pass.
+    context = {"tools": None, "documents": None, **self.special_tokens,
+               **kwargs}
+    return template.render(**context, messages=list(messages),
                            add_generation_prompt=add_generation_prompt)
 
   # --- files -------------------------------------------------------------
@@ -186,7 +189,9 @@ def load_tokenizer(source: Source) -> Tokenizer:
     return from_directory(path)
   if path.suffix == ".gguf":
     return from_gguf(path)
-  from grpo_jax.models import loading  # pylint: disable=import-outside-toplevel
+  # Imported here so that tokenizer.json users need not import the models
+  # (and jax).
+  from grpo_jax.models import loading
   directory = loading.cached_preset_directory(str(source))
   if (directory / "tokenizer.json").is_file():
     return from_directory(directory)
@@ -284,17 +289,21 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 def from_gguf(path: Path, reader=None) -> Tokenizer:
   """The tokenizer a GGUF file's `tokenizer.*` metadata describes; `reader`
   (a `gguf.GGUFReader` of `path`) saves parsing the file a second time."""
-  from grpo_jax.models.gguf_loader import field, open_reader  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models.gguf_loader import field, open_reader
   reader = reader or open_reader(Path(path))
   kind = field(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
     raise ValueError(f"{path}: tokenizer.ggml.model={kind!r}; only byte-level"
                      " BPE ('gpt2') GGUF tokenizers are supported")
   tokens = field(reader, "tokenizer.ggml.tokens")
+  merges = field(reader, "tokenizer.ggml.merges")
+  if not tokens or not merges:
+    raise ValueError(f"{path}: a BPE tokenizer needs tokenizer.ggml.tokens "
+                     "and tokenizer.ggml.merges; the file lacks one")
   types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-  backend = _byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges"),
-                            types, field(reader, "tokenizer.ggml.pre",
-                                         "default"), path)
+  backend = _byte_level_bpe(tokens, merges, types,
+                            field(reader, "tokenizer.ggml.pre", "default"),
+                            path)
 
   def token(key):
     i = field(reader, f"tokenizer.ggml.{key}")

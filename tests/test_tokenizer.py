@@ -163,7 +163,8 @@ _FEATURES = (
     "{{ raise_exception('bad role ' + m.role) }}{% endif %}"
     "{% if loop.index > 3 %}{% break %}{% endif %}"
     "{% generation %}{{ m | tojson }}{% endgeneration %}\n{% endfor %}"
-    "{{ bos_token }}{% if add_generation_prompt %}>{% endif %}")
+    "{{ bos_token }}{% if add_generation_prompt %}>{% endif %}"
+    "{% if tools is not none %}TOOLS{% endif %}")
 
 
 def test_template_helpers_render_as_in_transformers(ours, reference):

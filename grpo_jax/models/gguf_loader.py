@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize
 
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.hf import CheckpointError, TensorSpec, tensor_specs
@@ -27,7 +29,8 @@ _GGUF_NAMES = {
     "lm_head.weight": "output.weight",
     "model.norm.weight": "output_norm.weight",
     "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight":
+        "blk.{i}.ffn_norm.weight",
     "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
     "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
@@ -53,7 +56,6 @@ def gguf_name_map(specs: list[TensorSpec], num_layers: int) -> dict[str, str]:
 
 def open_reader(path: Path):
   """A `gguf.GGUFReader`, or an error naming the file when it is not one."""
-  import gguf  # pylint: disable=import-outside-toplevel
   path = Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"{path} not found")
@@ -107,7 +109,6 @@ class GGUFCheckpoint:
 
   def read(self, name: str) -> np.ndarray:
     """The tensor as float32 in HF layout."""
-    from gguf.quants import dequantize  # pylint: disable=import-outside-toplevel
     t = self._tensors[self._names[name]]
     try:
       w = dequantize(t.data, t.tensor_type).reshape(self.shape(name))
@@ -177,8 +178,8 @@ def config_from_gguf(reader, tensors: dict[str, Any], source: str
       vocab_size=vocab, dim=dim, num_layers=meta("block_count"),
       num_heads=heads, num_kv_heads=meta("attention.head_count_kv", heads),
       head_dim=head_dim, mlp_dim=meta("feed_forward_length"),
-      rope_theta=float(meta("rope.freq_base", 10_000.0)),
-      norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+      rope_theta=_f32(meta("rope.freq_base", 10_000.0)),
+      norm_eps=_f32(meta("attention.layer_norm_rms_epsilon", 1e-5)),
       qkv_bias="blk.0.attn_q.bias" in tensors,
       qk_norm="blk.0.attn_q_norm.weight" in tensors,
       tie_embeddings="output.weight" not in tensors,
@@ -189,6 +190,12 @@ def config_from_gguf(reader, tensors: dict[str, Any], source: str
         rope_scaling=_llama3_scaling(config, tensors["rope_freqs.weight"],
                                      source))
   return config
+
+
+def _f32(x: float) -> float:
+  """The decimal a float32 field was written from (1e-05, not
+  9.999999747378752e-06): the shortest repr that rounds to the same float32."""
+  return float(str(np.float32(x)))
 
 
 def _llama3_scaling(config: ModelConfig, rope_freqs, source: str

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: config.json <-> ModelConfig, safetensors in and out.
+"""Hugging Face checkpoints: config.json <-> ModelConfig, safetensors in/out.
 
 Parameters map to transformers tensor names through `tensor_specs(config)`:
 each leaf of the params tree is one HF tensor (or one per layer, stacked on
@@ -61,7 +61,7 @@ def read_config(path: Path) -> ModelConfig:
 
 def config_from_hf(hf: dict[str, Any], source: str = "config.json"
                    ) -> ModelConfig:
-  """A ModelConfig from a transformers config dict; unsupported features raise."""
+  """A ModelConfig from a transformers config dict; unsupported ones raise."""
   arch = _architecture(hf, source)
 
   def unsupported(what):
@@ -270,7 +270,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def check_names(config: ModelConfig, names: Iterable[str], source: str):
   """Raises on HF tensors we would silently drop (the model would differ)."""
-  expected = {n for s in tensor_specs(config) for n in s.names(config.num_layers)}
+  expected = {n for spec in tensor_specs(config)
+              for n in spec.names(config.num_layers)}
   if config.tie_embeddings:
     expected.add("lm_head.weight")  # some exporters write the tied copy too
   extra = sorted(n for n in names if n not in expected
@@ -297,7 +298,8 @@ class SafetensorsCheckpoint:
     self._stack = contextlib.ExitStack()
     try:
       self._files = {f: self._open(f) for f in self._weight_files()}
-      self._where = {name: f for f, h in self._files.items() for name in h.keys()}
+      self._where = {name: f for f, handle in self._files.items()
+                     for name in handle.keys()}
       check_names(self.config, self._where, str(self.directory))
     except BaseException:
       self._stack.close()
@@ -315,7 +317,9 @@ class SafetensorsCheckpoint:
     else:
       files = sorted(self.directory.glob("*.safetensors"))
     if not files:
-      raise FileNotFoundError(f"no *.safetensors in {self.directory}")
+      raise FileNotFoundError(
+          f"no *.safetensors in {self.directory} (PyTorch .bin checkpoints "
+          "are not read: re-save them with transformers' save_pretrained)")
     for f in files:
       if not f.is_file():
         raise FileNotFoundError(f"{f} is listed in {index.name} but missing")

@@ -19,7 +19,7 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +107,8 @@ def preset_directory(name: str) -> Path:
 
 def _build_cache(gguf_path: Path, directory: Path):
   """GGUF -> float32 safetensors + tokenizer files, written atomically."""
-  from grpo_jax.tokenizer import from_gguf  # pylint: disable=import-outside-toplevel
+  # Imported here: the tokenizer module imports this package.
+  from grpo_jax.tokenizer import from_gguf
   ckpt = GGUFCheckpoint(gguf_path)
   try:
     config = ckpt.config
@@ -127,7 +128,7 @@ def _build_cache(gguf_path: Path, directory: Path):
 # ----------------------------------------------------------------------------
 
 def open_checkpoint(source: Source):
-  """A reader with .config, .shape(name), .read(name), .where(name), .close()."""
+  """A reader: .config, .shape(name), .read(name), .where(name), .close()."""
   path = Path(source)
   if path.is_dir():
     return hf.SafetensorsCheckpoint(path)
