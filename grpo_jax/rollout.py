@@ -117,6 +117,9 @@ def collect(generate: Callable[[int], tuple[GroupBatch, dict]],
   if dynamic:
     batch, info = dynamic_sampling.sample_until_full(
         gen, num_groups, max_gen_batches=max_gen_batches, on_cap=on_cap)
+    # Filler groups (cap hit, on_cap="fill") keep the shape but get no
+    # gradient and do not count in the token-mean normaliser.
+    batch = {**batch, "mask": batch["mask"] & ~info["filler_b"][:, None, None]}
   else:
     batch, info = gen(0), {}
   metrics = _merge_generation_metrics(seen)

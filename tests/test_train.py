@@ -1,0 +1,109 @@
+"""The trainer end to end on the tiny config, and its invariants."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from grpo_jax import config as config_lib
+from grpo_jax import rollout, train, update
+from grpo_jax.models import get_preset, init_params
+
+
+def test_three_step_run_of_tiny_config(tmp_path):
+  config = tiny.get_config()
+  summary = train.run(config, str(tmp_path))
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  steps = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3]
+  for key in ("reward/mean", "reward/std", "accuracy", "response_length/mean",
+              "response_length/max", "truncation_rate", "entropy",
+              "clip/low_frac", "clip/high_frac", "grad_norm", "learning_rate",
+              "time/sample", "time/score", "time/reference", "time/update",
+              "tokens_per_second"):
+    assert key in steps[0], key
+  assert all(np.isfinite(r["loss"]) for r in steps)
+  assert "eval_before" in summary and "eval_after" in summary
+  assert int(summary["state"].step) == 3
+  assert os.path.isdir(tmp_path / "tensorboard")
+
+
+def test_first_update_ratio_is_one_with_sampler_logprobs(tmp_path):
+  config = tiny.get_config()
+  config.train.steps = 1
+  config.train.eval_at_start = config.train.eval_at_end = False
+  train.run(config, str(tmp_path))
+  row = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
+  assert abs(row["ratio/max"] - 1) < 1e-4 and abs(row["ratio/min"] - 1) < 1e-4
+  assert row["clip/low_frac"] == 0 and row["clip/high_frac"] == 0
+
+
+def _random_batch(n=8, prompt=6, comp=5, seed=0):
+  rng = np.random.RandomState(seed)
+  lengths = rng.randint(1, comp + 1, n)
+  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
+  tokens = rng.randint(1, 256, (n, prompt + comp)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(prompt + comp), (n, prompt + comp))
+  return update.UpdateBatch(
+      jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
+      jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
+      jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
+      jnp.zeros((n, comp)), jnp.asarray(rng.randn(n).astype(np.float32)))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0))
+  batch = _random_batch()
+  s = update.LossSettings(agg=agg, chunk=4)
+  results = [jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))(
+      params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
+  for grads, loss, _ in results[1:]:
+    np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results[0][0])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_dynamic_sampling_returns_exactly_b_groups_with_signal():
+  rng = np.random.RandomState(0)
+  B, G, T = 4, 3, 2
+
+  def generate(i):
+    correct = rng.rand(B, G) < 0.5
+    correct[0] = True              # one group without signal per batch
+    batch = {"prompt_ids": np.array([(1, 2)] * B + [()], object)[:B],
+             "tokens": np.zeros((B, G, T), np.int32),
+             "logp": np.zeros((B, G, T), np.float32),
+             "mask": np.ones((B, G, T), bool),
+             "length": np.full((B, G), T), "truncated": np.zeros((B, G), bool),
+             "reward_bg": correct.astype(np.float32), "correct": correct,
+             "level": np.ones(B, int)}
+    return batch, {"time/sample": 1.0, "sample/tokens": B * G * T}
+
+  batch, metrics = rollout.collect(generate, B, True, 10, "raise")
+  assert batch["reward_bg"].shape == (B, G)
+  assert np.all(batch["reward_bg"].max(1) > batch["reward_bg"].min(1))
+  assert 0 < metrics["dynamic/kept_fraction"] < 1
+
+
+def test_config_errors_name_the_field():
+  config = tiny.get_config()
+  config.rl.eps_hihg = 0.3
+  with pytest.raises(config_lib.ConfigError, match="rl.eps_hihg"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.loss_agg = "token-sum"
+  with pytest.raises(config_lib.ConfigError, match="token-mean"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rewards = {"lastnumber": 1.0}
+  with pytest.raises(config_lib.ConfigError, match="last_number"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.micro_batch_size = 3
+  with pytest.raises(config_lib.ConfigError, match="micro_batch_size"):
+    config_lib.validate(config)
