@@ -1,0 +1,70 @@
+r"""Runs a sweep: one training run per override dict, then a comparison table.
+
+  python experiments/sweep.py --config=configs/dapo_aime.py:local \
+      --sweep=configs/sweeps/clip_higher.py
+  python experiments/sweep.py ... --dry_run    # one run.py command per point
+
+`--config` takes the same spec and `--config.x.y=v` overrides as
+experiments/run.py. Each point runs in `<workdir>/<index>_<label>` (default
+workdir: $GRPO_JAX_RUNS/sweeps/<config>-<sweep>), so running the same sweep
+again resumes every run from its own checkpoint. Every run is recorded in
+the run store; `python experiments/runs.py list --sweep=<sweep>` finds them.
+"""
+import os
+from pathlib import Path
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+from ml_collections import config_flags
+
+from grpo_jax import runs
+from grpo_jax import sweeps
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Base config: file.py[:arg].")
+_SWEEP = flags.DEFINE_string("sweep", None, "Sweep file defining get_sweep().",
+                             required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Parent of the runs' workdirs.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.")
+_RUNS_ROOT = flags.DEFINE_string("runs_root", None, "Run store root "
+                                 "(default $GRPO_JAX_RUNS, else ./runs).")
+
+
+def _names(config_spec: str) -> tuple[str, str]:
+  """("dapo_aime:local", "dapo_aime_local-clip_higher") from the flags."""
+  path, _, arg = config_spec.partition(":")
+  name = Path(path).stem + (f":{arg}" if arg else "")
+  return name, f"{name.replace(':', '_')}-{Path(_SWEEP.value).stem}"
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  spec = config_flags.get_config_filename(flags.FLAGS["config"])
+  name, sweep_id = _names(spec)
+  root = Path(_RUNS_ROOT.value) if _RUNS_ROOT.value else runs.default_root()
+  base = Path(_WORKDIR.value) if _WORKDIR.value else root / "sweeps" / sweep_id
+  sweep = sweeps.load_sweep(_SWEEP.value)
+  for overrides in sweep:   # an unknown field fails here, before anything runs
+    sweeps.apply_overrides(_CONFIG.value, overrides)
+  if _DRY_RUN.value:
+    cli = config_flags.get_override_values(flags.FLAGS["config"])
+    for index, overrides in enumerate(sweep):
+      print(sweeps.run_command(spec, overrides, sweeps.sweep_workdir(base, index, overrides),
+                               cli))
+    return
+  from grpo_jax import train   # the trainer (and JAX) only for a real sweep
+  store = runs.RunStore(root)
+  ids = sweeps.run_sweep(_CONFIG.value, sweep, train.run, store, name=name,
+                         sweep_name=Path(_SWEEP.value).stem, base_workdir=base)
+  recorded = [store.get(i) for i in ids]
+  print(runs.compare_runs(recorded))
+  if any(r.status != "finished" for r in recorded):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)

@@ -1,0 +1,307 @@
+"""The record of every run, in one SQLite file, and the list of named experiments.
+
+The store lives in `<root>/runs.sqlite`; the root is `$GRPO_JAX_RUNS`, else
+`./runs`. One row per run: name, config (JSON), git commit, start and end
+time, status, final metrics (JSON), workdir and checkpoint path.
+
+    store = RunStore()
+    with store.record("dapo_aime:local", config, workdir) as run:
+      run.metrics = train.run(config, workdir)
+      run.checkpoint = checkpoint.latest_checkpoint(workdir)
+
+A run whose process was SIGKILLed stays "running": nothing was left to
+write its end. On several hosts only process 0 should record.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+STATUSES = ("running", "finished", "failed", "killed")
+DB_NAME = "runs.sqlite"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  name TEXT NOT NULL,
+  status TEXT NOT NULL,
+  config TEXT NOT NULL,
+  git_commit TEXT,
+  start_time REAL NOT NULL,
+  end_time REAL,
+  metrics TEXT,
+  workdir TEXT,
+  checkpoint TEXT,
+  sweep TEXT
+)"""
+
+
+def default_root() -> Path:
+  """`$GRPO_JAX_RUNS`, else `./runs`."""
+  return Path(os.environ.get("GRPO_JAX_RUNS", "runs"))
+
+
+def git_commit(path: Optional[os.PathLike] = None) -> Optional[str]:
+  """HEAD of the git checkout holding `path` (default: this package), with
+  "-dirty" when tracked files changed; None outside git."""
+  cwd = Path(path) if path else Path(__file__).resolve().parent
+
+  def git(*args):
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True,
+                          text=True, timeout=10, check=True).stdout.strip()
+  try:
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return commit + ("-dirty" if dirty else "")
+
+
+def _config_json(config: Any) -> str:
+  if hasattr(config, "to_dict"):
+    config = config.to_dict()
+  return json.dumps(config, default=repr, sort_keys=True)
+
+
+@dataclasses.dataclass
+class Run:
+  """One row of the store; config and metrics are decoded JSON."""
+  id: int
+  name: str
+  status: str
+  config: dict
+  git_commit: Optional[str]
+  start_time: float
+  end_time: Optional[float]
+  metrics: dict
+  workdir: Optional[str]
+  checkpoint: Optional[str]
+  sweep: Optional[str]
+
+  @classmethod
+  def from_row(cls, row: sqlite3.Row) -> "Run":
+    fields = dict(row)
+    fields["config"] = json.loads(fields["config"])
+    fields["metrics"] = json.loads(fields["metrics"] or "{}")
+    return cls(**fields)
+
+  @property
+  def duration(self) -> Optional[float]:
+    return None if self.end_time is None else self.end_time - self.start_time
+
+
+@dataclasses.dataclass
+class RunRecord:
+  """What `RunStore.record` hands the body: set metrics and checkpoint on it,
+  and status="killed" for a run that returned early after a pre-emption."""
+  id: int
+  metrics: dict = dataclasses.field(default_factory=dict)
+  checkpoint: Optional[str] = None
+  status: str = "finished"
+
+
+class RunStore:
+  """A SQLite table of runs under `root` (created if needed)."""
+
+  def __init__(self, root: Optional[os.PathLike] = None):
+    self.root = Path(root) if root is not None else default_root()
+    self.root.mkdir(parents=True, exist_ok=True)
+    self.path = self.root / DB_NAME
+    with self._connect() as db:
+      db.execute(_SCHEMA)
+
+  @contextlib.contextmanager
+  def _connect(self) -> Iterator[sqlite3.Connection]:
+    # One short connection per call: several processes (a sweep, a run, the
+    # CLI) share the file; the timeout waits out another writer's lock.
+    db = sqlite3.connect(self.path, timeout=30)
+    db.row_factory = sqlite3.Row
+    try:
+      with db:   # commits, or rolls back on error
+        yield db
+    finally:
+      db.close()
+
+  def start(self, name: str, config: Any, workdir: Optional[os.PathLike] = None,
+            *, sweep: Optional[str] = None) -> int:
+    """Records a run as "running"; returns its id."""
+    with self._connect() as db:
+      cursor = db.execute(
+          "INSERT INTO runs (name, status, config, git_commit, start_time, workdir, sweep)"
+          " VALUES (?, 'running', ?, ?, ?, ?, ?)",
+          (name, _config_json(config), git_commit(), time.time(),
+           None if workdir is None else os.fspath(workdir), sweep))
+      return cursor.lastrowid
+
+  def finish(self, run_id: int, status: str, metrics: Optional[dict] = None,
+             checkpoint: Optional[os.PathLike] = None):
+    """Records a run's end: status, final metrics, last checkpoint."""
+    if status not in STATUSES[1:]:
+      raise ValueError(f"status {status!r}; allowed: {STATUSES[1:]}")
+    with self._connect() as db:
+      updated = db.execute(
+          "UPDATE runs SET status = ?, end_time = ?, metrics = ?, checkpoint = ? WHERE id = ?",
+          (status, time.time(), json.dumps(metrics or {}, default=_number),
+           None if checkpoint is None else os.fspath(checkpoint), run_id)).rowcount
+    if not updated:
+      raise KeyError(f"no run {run_id} in {self.path}")
+
+  def get(self, run_id: int) -> Run:
+    with self._connect() as db:
+      row = db.execute("SELECT * FROM runs WHERE id = ?", (int(run_id),)).fetchone()
+    if row is None:
+      raise KeyError(f"no run {run_id} in {self.path}; `python experiments/runs.py "
+                     "list` shows the runs")
+    return Run.from_row(row)
+
+  def list(self, *, name: Optional[str] = None, sweep: Optional[str] = None,
+           status: Optional[str] = None) -> list[Run]:
+    """Runs, oldest first, optionally only those with a name/sweep/status."""
+    where = {"name": name, "sweep": sweep, "status": status}
+    where = {k: v for k, v in where.items() if v is not None}
+    sql = "SELECT * FROM runs"
+    if where:
+      sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)
+    with self._connect() as db:
+      rows = db.execute(sql + " ORDER BY id", tuple(where.values())).fetchall()
+    return [Run.from_row(row) for row in rows]
+
+  @contextlib.contextmanager
+  def record(self, name: str, config: Any, workdir: Optional[os.PathLike] = None,
+             *, sweep: Optional[str] = None) -> Iterator[RunRecord]:
+    """Starts a run and finishes it however the body ends: `record.status`
+    ("finished"), "failed" (an exception, re-raised) or "killed" (Ctrl-C,
+    SystemExit)."""
+    record = RunRecord(self.start(name, config, workdir, sweep=sweep))
+    status = "failed"
+    try:
+      yield record
+      status = record.status
+    except (KeyboardInterrupt, SystemExit):
+      status = "killed"
+      raise
+    finally:
+      self.finish(record.id, status, record.metrics, record.checkpoint)
+
+
+def _number(x: Any) -> Any:
+  """numpy/JAX scalars in metrics become Python numbers."""
+  if hasattr(x, "item"):
+    return x.item()
+  raise TypeError(f"metric value {x!r} is not JSON-able")
+
+
+# ----------------------------------------------------------------------------
+# Plain-text tables.
+# ----------------------------------------------------------------------------
+
+def format_value(value: Any) -> str:
+  if value is None:
+    return "-"
+  if isinstance(value, float):
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+  if isinstance(value, (dict, list)):
+    return json.dumps(value)
+  return str(value)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """Columns padded to their widest cell, a rule under the header."""
+  cells = [list(header)] + [[format_value(v) for v in row] for row in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def _time(t: Optional[float]) -> str:
+  return "-" if t is None else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")
+
+
+def _duration(seconds: Optional[float]) -> str:
+  return "-" if seconds is None else str(datetime.timedelta(seconds=round(seconds)))
+
+
+def format_runs(runs: Sequence[Run]) -> str:
+  """`runs.py list`: one line per run."""
+  rows = [(r.id, r.name, r.status, _time(r.start_time), _duration(r.duration),
+           r.sweep, r.workdir) for r in runs]
+  return format_table(("id", "name", "status", "started", "took", "sweep", "workdir"), rows)
+
+
+def format_run(run: Run) -> str:
+  """`runs.py show`: every field, then the config and metrics as JSON."""
+  rows = [("name", run.name), ("status", run.status), ("git commit", run.git_commit),
+          ("started", _time(run.start_time)), ("ended", _time(run.end_time)),
+          ("took", _duration(run.duration)), ("sweep", run.sweep),
+          ("workdir", run.workdir), ("checkpoint", run.checkpoint)]
+  return "\n".join([f"run {run.id}", format_table(("field", "value"), rows),
+                    "", "metrics:", json.dumps(run.metrics, indent=2, sort_keys=True),
+                    "", "config:", json.dumps(run.config, indent=2, sort_keys=True)])
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def compare_runs(runs: Sequence[Run]) -> str:
+  """`runs.py compare`: one column per run; the config fields that differ
+  between them, then every final metric."""
+  configs = [_flatten(r.config) for r in runs]
+  keys = sorted(set().union(*configs))
+  differing = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+  metrics = sorted(set().union(*(r.metrics for r in runs)))
+  rows = [("name", *(r.name for r in runs)), ("status", *(r.status for r in runs)),
+          ("took", *(_duration(r.duration) for r in runs))]
+  rows += [(f"config.{k}", *(c.get(k) for c in configs)) for k in differing]
+  rows += [(m, *(r.metrics.get(m) for r in runs)) for m in metrics]
+  return format_table(("run", *(str(r.id) for r in runs)), rows)
+
+
+# ----------------------------------------------------------------------------
+# Named experiments: configs/*.py.
+# ----------------------------------------------------------------------------
+
+def _load_module(path: Path):
+  spec = importlib.util.spec_from_file_location(f"_grpo_jax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def experiment_description(path: os.PathLike) -> str:
+  """The first line of a config file's docstring, else `get_config().description`
+  (the file is only imported when it has no docstring)."""
+  path = Path(path)
+  doc = ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
+  if doc and doc.strip():
+    return doc.strip().splitlines()[0]
+  config = _load_module(path).get_config()
+  return str(getattr(config, "description", "") or "")
+
+
+def list_experiments(configs_dir: os.PathLike = "configs") -> list[tuple[str, str]]:
+  """[(name, one-line description)] of every `configs/*.py` (not `_*.py`),
+  sorted by name; `python experiments/run.py --list` prints these."""
+  paths = sorted(Path(configs_dir).glob("*.py"))
+  return [(p.stem, experiment_description(p)) for p in paths if not p.name.startswith("_")]
+
+
+def format_experiments(experiments: Sequence[tuple[str, str]]) -> str:
+  return format_table(("experiment", "description"), experiments)
