@@ -80,6 +80,14 @@ def base_config() -> ConfigDict:
       eval_at_end=True, eval_examples=200, checkpoint_every=0,
       keep_checkpoints=2, progress=True, plot=True))
 
+  # Held-out evaluation (grpo_jax/evaluation.py) at start, every
+  # train.eval_every steps and at the end, on train.eval_examples problems of
+  # data.eval_source: greedy accuracy always; with n > 0 also avg@n and, for
+  # each k in ks, pass@k and maj@k of n samples (DAPO: n=32, top_p=0.7).
+  c.eval = ConfigDict(dict(
+      n=0, ks=(1,), temperature=1.0, top_p=1.0,
+      batch_size=50))                  # prompts per sampler call
+
   # Devices as a (data, fsdp, tensor) grid; -1 takes the rest. The rules map
   # the model's logical axes to mesh axes (a mesh axis or a tuple, None:
   # replicated); see grpo_jax/sharding.py.
@@ -178,6 +186,7 @@ def validate(config: ConfigDict) -> ConfigDict:
                       f"{config.accuracy_reward!r} must be one of the rewards "
                       f"{list(config.rewards.keys())}")
   _check_ranges(config)
+  _check_eval(config.eval)
   return config
 
 
@@ -210,3 +219,16 @@ def _check_ranges(config: ConfigDict) -> None:
     raise ConfigError(f"config field 'rl.micro_batch_size' = "
                       f"{rl.micro_batch_size} must divide rl.mini_batch_size "
                       f"= {mini}")
+
+
+def _check_eval(e: ConfigDict) -> None:
+  if e.n < 0 or e.batch_size < 1:
+    raise ConfigError(f"config fields 'eval.n'/'eval.batch_size' = "
+                      f"{e.n}/{e.batch_size}: need n >= 0, batch_size >= 1")
+  if e.n and not (e.ks and all(1 <= k <= e.n for k in e.ks)):
+    raise ConfigError(f"config field 'eval.ks' = {tuple(e.ks)}: each k of "
+                      f"pass@k / maj@k must be in [1, eval.n = {e.n}]")
+  if e.temperature < 0 or not 0 < e.top_p <= 1:
+    raise ConfigError(f"config fields 'eval.temperature'/'eval.top_p' = "
+                      f"{e.temperature}/{e.top_p}: need temperature >= 0, "
+                      f"0 < top_p <= 1")

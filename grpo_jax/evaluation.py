@@ -10,12 +10,24 @@ elsewhere. Per problem p with n samples of which c are correct:
 - maj@k: the answer most of the first k samples agree on, answers grouped by
   an equivalence (e.g. "1/2" and "0.5"), compared with the gold answer.
 Data-set scores are means over problems.
+
+`evaluate_policy` (below) samples a policy on held-out problems and reports
+all of these; the trainer calls it every `train.eval_every` steps and
+`experiments/evaluate.py` calls it on a checkpoint.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple, Sequence
 
+import jax
 import numpy as np
+
+from grpo_jax import registry, rollout, sampling
+from grpo_jax.rewards import choice, extract, last_number, minerva
+from grpo_jax.rewards import math as math_rewards
+from grpo_jax.update import cast
 
 Equivalent = Callable[[str, str], bool]
 
@@ -128,3 +140,246 @@ def majority_metrics(answers_per_problem: Sequence[Sequence[str | None]],
   return {f"maj@{k}": float(np.mean([maj_at_k(a, g, equivalent, k)
                                      for a, g in zip(answers_per_problem, golds)]))
           for k in ks}
+
+
+# ----------------------------------------------------------------------------
+# Final answers for maj@k, per accuracy reward.
+# ----------------------------------------------------------------------------
+
+class FinalAnswer(NamedTuple):
+  """How maj@k reads a completion's answer and groups answers, registered
+  (kind "final_answer") under the name of the accuracy reward it mirrors, so
+  the vote agrees with what that reward calls correct."""
+  extract: Callable[[str], str | None]   # completion -> answer, None: none
+  equivalent: Equivalent                 # (gold or representative, answer)
+
+
+def _last_number_answer(text: str) -> str | None:
+  value = last_number.last_number(text)
+  return None if value is None else str(value)  # Fraction: "7", "-1/2"
+
+
+def _same_number(a: str, b: str) -> bool:
+  x, y = last_number.parse_gold(a), last_number.parse_gold(b)
+  return x is not None and x == y
+
+
+def _boxed_or_anchored(text: str) -> str | None:
+  return extract.extract_answer(text).text or None
+
+
+def _dapo_answer_line(text: str) -> str | None:
+  line = minerva.extract_answer_line(text)
+  return None if line == minerva.INVALID else line
+
+
+def _same_dapo_answer(a: str, b: str) -> bool:
+  return minerva.normalize_final_answer(a) == minerva.normalize_final_answer(b)
+
+
+def _same_letter(a: str, b: str) -> bool:
+  x = choice.gold_letter(a)
+  return x is not None and x == choice.gold_letter(b)
+
+
+registry.register("final_answer", "last_number")(
+    FinalAnswer(_last_number_answer, _same_number))
+registry.register("final_answer", "math")(
+    FinalAnswer(_boxed_or_anchored, math_rewards.verify))
+registry.register("final_answer", "math_dapo")(
+    FinalAnswer(_dapo_answer_line, _same_dapo_answer))
+registry.register("final_answer", "multiple_choice")(
+    FinalAnswer(choice.predicted_letter, _same_letter))
+
+
+def final_answer(accuracy_reward: str) -> FinalAnswer:
+  """The registered FinalAnswer of a reward; the math verifier's otherwise."""
+  if accuracy_reward in registry.names("final_answer"):
+    return registry.lookup("final_answer", accuracy_reward)
+  return registry.lookup("final_answer", "math")
+
+
+# ----------------------------------------------------------------------------
+# Evaluating a policy: SAMPLE (n per problem, and greedy), SCORE, summarise.
+# ----------------------------------------------------------------------------
+
+class Completions(NamedTuple):
+  """n completions of each of P problems, scored by the accuracy reward."""
+  texts: list[list[str]]              # [P][n]
+  answers: list[list[str | None]]     # [P][n], FinalAnswer.extract of each
+  correct_pn: np.ndarray              # bool [P, n]
+  length_pn: np.ndarray               # int32 [P, n], tokens
+
+
+@dataclasses.dataclass
+class PolicyEval:
+  """What `evaluate_policy` measured: scalar `metrics` (named "eval/...")
+  and every completion behind them."""
+  metrics: dict[str, float]
+  questions: list[str]
+  golds: list[str]
+  sampled: Completions | None         # n samples per problem (None: n = 0)
+  greedy: Completions | None          # one greedy completion per problem
+
+  def to_json(self) -> dict[str, Any]:
+    """Metrics and, per problem, each completion with its answer and verdict."""
+    problems = []
+    for p, (question, gold) in enumerate(zip(self.questions, self.golds)):
+      row = {"question": question, "gold": gold}
+      for name, done in (("greedy", self.greedy), ("samples", self.sampled)):
+        if done is not None:
+          row[name] = [{"completion": t, "answer": a, "correct": bool(c)}
+                       for t, a, c in zip(done.texts[p], done.answers[p],
+                                          done.correct_pn[p])]
+      problems.append(row)
+    return {"metrics": self.metrics, "problems": problems}
+
+
+def eval_sampling_config(config, tokenizer, *, greedy: bool,
+                         temperature: float = 1.0, top_p: float = 1.0
+                         ) -> sampling.SamplingConfig:
+  """The sampler settings of an evaluation: the run's completion budget and
+  stop ids, the evaluation's own temperature and top-p, no top-k."""
+  return sampling.SamplingConfig(
+      max_new_tokens=config.sampling.max_new_tokens, temperature=temperature,
+      top_p=top_p, greedy=greedy, stop_ids=tuple(tokenizer.stop_ids),
+      pad_id=tokenizer.pad_id or 0)
+
+
+def _decode(tokenizer, batch: rollout.GroupBatch) -> list[list[str]]:
+  """The completion texts of a group batch, [B][G], as the rewards read them
+  (the stop token is not part of the text)."""
+  ends_bg = batch["length"] - (~batch["truncated"])
+  return [[tokenizer.decode(row[:end], skip_special_tokens=True)
+           for row, end in zip(rows, ends)]
+          for rows, ends in zip(batch["tokens"], ends_bg)]
+
+
+def sample_completions(config, model_config, params, tokenizer, examples,
+                       key: jax.Array, cfg: sampling.SamplingConfig, n: int,
+                       batch_size: int) -> Completions:
+  """n completions per example through the group sampler (G = n), scored by
+  the config's rewards; correct = the accuracy reward > 0."""
+  spec = rollout.RewardSpec.from_config(config)
+  answer = final_answer(config.accuracy_reward).extract
+  # One padded chunk shape for the whole set: the sampler compiles once.
+  size = min(batch_size, len(examples))
+  texts, correct, lengths = [], [], []
+  for start in range(0, len(examples), size):
+    batch, _ = rollout.generate_groups(
+        model_config, params, tokenizer, examples[start:start + size],
+        jax.random.fold_in(key, start), cfg, n, spec, config.data.template,
+        config.data.system_prompt, batch_multiple=size)
+    texts += _decode(tokenizer, batch)
+    correct.append(batch["correct"])
+    lengths.append(batch["length"])
+  answers = [[answer(t) for t in row] for row in texts]
+  return Completions(texts, answers, np.concatenate(correct),
+                     np.concatenate(lengths))
+
+
+def summarise(sampled: Completions | None, greedy: Completions | None,
+              golds: Sequence[str], ks: Sequence[int], equivalent: Equivalent
+              ) -> dict[str, float]:
+  """avg@n, pass@k, maj@k of the samples and the greedy accuracy, "eval/"-named."""
+  metrics: dict[str, float] = {"num_examples": len(golds)}
+  if greedy is not None:
+    metrics["greedy_accuracy"] = greedy_accuracy(greedy.correct_pn[:, 0])
+    metrics["response_length"] = float(greedy.length_pn.mean())
+  if sampled is not None:
+    metrics.update(sampled_metrics(sampled.correct_pn.tolist(), ks))
+    metrics.update(majority_metrics(sampled.answers, golds, equivalent, ks))
+    metrics["sampled_response_length"] = float(sampled.length_pn.mean())
+  return {f"eval/{k}": v for k, v in metrics.items()}
+
+
+def evaluate_policy(config, model_config, params, tokenizer, examples, *,
+                    n: int | None = None, ks: Sequence[int] | None = None,
+                    temperature: float | None = None,
+                    top_p: float | None = None, greedy: bool = True,
+                    batch_size: int | None = None,
+                    key: jax.Array | None = None) -> PolicyEval:
+  """Samples n completions per problem (and one greedy), scores and summarises.
+
+  Args:
+    config: the run config; `config.eval` gives the defaults of n, ks,
+      temperature, top_p and batch_size, `config.accuracy_reward` decides
+      correctness and (via `final_answer`) the answers maj@k votes on.
+    model_config, params, tokenizer: the policy; params are cast to
+      `config.model.compute_dtype` here.
+    examples: the problems (`grpo_jax.data.Example`).
+    n: samples per problem; 0 samples none (greedy accuracy only).
+    ks: the k of pass@k and maj@k, each in [1, n].
+    greedy: also decode greedily once per problem (greedy accuracy).
+    key: PRNG key of the sampled completions (default: from config.seed,
+      so periodic evaluations of one run use the same sampling noise).
+
+  Returns:
+    PolicyEval whose metrics are "eval/greedy_accuracy",
+    "eval/response_length" (greedy), "eval/avg@<n>", "eval/pass@<k>",
+    "eval/maj@<k>", "eval/sampled_response_length", "eval/num_examples" and
+    "eval/seconds".
+  """
+  e = config.eval
+  n = e.n if n is None else n
+  ks = tuple(e.ks if ks is None else ks)
+  batch_size = batch_size or e.batch_size
+  if not examples or not (n or greedy):
+    raise ValueError(f"nothing to evaluate: {len(examples)} examples, n={n}, "
+                     f"greedy={greedy}")
+  key = jax.random.key(config.seed) if key is None else key
+  t0 = time.perf_counter()
+  params = cast(params, config.model.compute_dtype)
+
+  def sample(cfg, g):
+    return sample_completions(config, model_config, params, tokenizer,
+                              examples, key, cfg, g, batch_size)
+
+  greedy_done = sampled = None
+  if greedy:
+    greedy_done = sample(eval_sampling_config(config, tokenizer, greedy=True),
+                         1)
+  if n:
+    sampled = sample(eval_sampling_config(
+        config, tokenizer, greedy=False,
+        temperature=e.temperature if temperature is None else temperature,
+        top_p=e.top_p if top_p is None else top_p), n)
+  golds = [str(x.answer) for x in examples]
+  metrics = summarise(sampled, greedy_done, golds, ks,
+                      final_answer(config.accuracy_reward).equivalent)
+  metrics["eval/seconds"] = time.perf_counter() - t0
+  return PolicyEval(metrics, [x.question for x in examples], golds, sampled,
+                    greedy_done)
+
+
+def load_policy(config, checkpoint: str = "", step: int | None = None
+                ) -> tuple[Any, Any, Any, int | None]:
+  """(model_config, params, tokenizer, step) to evaluate.
+
+  Without `checkpoint`: the model `config.model` names (step None). With it
+  (a run's workdir, its checkpoints directory or one step directory): the
+  policy params of that checkpoint's `step` (None: the latest there), its
+  saved ModelConfig, and the tokenizer of the config the run started from.
+  """
+  # Lazy: train imports this module (a top-level import would be circular),
+  # and a pretrained evaluation needs no orbax.
+  from grpo_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax import train  # pylint: disable=import-outside-toplevel
+  if not checkpoint:
+    return (*train.load_model_and_tokenizer(config), None)
+  directory, found = ckpt_lib.locate(checkpoint)
+  step = step if step is not None else found
+  step = ckpt_lib.finalized_steps(directory)[-1] if step is None else step
+  model_config = ckpt_lib.load_model_config(checkpoint, step)
+  params = ckpt_lib.load_params(checkpoint, step=step)
+  return model_config, params, _load_tokenizer(config), step
+
+
+def _load_tokenizer(config):
+  """The tokenizer of `config.model` without loading its weights."""
+  source = config.model.tokenizer or config.model.source
+  if source == "tiny":
+    from grpo_jax.tiny_tokenizer import byte_tokenizer  # pylint: disable=import-outside-toplevel
+    return byte_tokenizer()
+  from grpo_jax import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
+  return tok_lib.load_tokenizer(source)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import config as config_lib
-from grpo_jax import registry, rollout, sampling
+from grpo_jax import evaluation, registry, rollout, sampling
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.update import (LossSettings, TrainState, UpdateBatch, cast,
@@ -177,8 +177,8 @@ def run(config, workdir: str) -> dict:
     return chosen
 
   def evaluate(step):
-    m = greedy_eval(config, model_config, state.params, tokenizer,
-                    eval_examples, spec)
+    m = evaluation.evaluate_policy(config, model_config, state.params,
+                                   tokenizer, eval_examples).metrics
     writer.write(step, m)
     logging.info("step %d: %s", step, m)
     return m
