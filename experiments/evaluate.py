@@ -1,0 +1,73 @@
+r"""Evaluates a policy on the held-out set: greedy accuracy, avg@n, pass@k, maj@k.
+
+  python experiments/evaluate.py --config=configs/dapo_aime.py:local
+  python experiments/evaluate.py --config=configs/dapo_aime.py:local \
+      --checkpoint=workdirs/dapo_local --step=20 \
+      --config.eval.n=32 --config.eval.ks='(1,8,32)' --config.eval.top_p=0.7
+
+Without --checkpoint the model of `config.model` is evaluated (pretrained;
+an exported Hugging Face directory works too: --config.model.source=DIR).
+`--checkpoint` is a run's workdir, its checkpoints directory or one step
+directory (default step: the latest). The problems are the first
+`train.eval_examples` of `data.eval_source`; sampling settings come from
+`config.eval`. Prints a table and writes every completion with its answer and
+verdict to <workdir>/eval/<step_N|pretrained>.json.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Run workdir, checkpoints "
+                                  "dir or step dir; empty: config.model.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where eval/*.json goes "
+                               "(default: the checkpoint's run workdir, else "
+                               "workdirs/<config name>).")
+
+
+def default_workdir(config, checkpoint: str) -> str:
+  """The run workdir that holds `checkpoint`, else workdirs/<config name>."""
+  if not checkpoint:
+    return os.path.join("workdirs", config.name)
+  from grpo_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
+  directory = ckpt_lib.locate(checkpoint)[0]
+  is_run = directory.name == ckpt_lib.CHECKPOINT_SUBDIR
+  return os.fspath(directory.parent if is_run else directory)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required")
+  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax import evaluation, train  # pylint: disable=import-outside-toplevel
+  config = config_lib.validate(_CONFIG.value)
+  model_config, params, tokenizer, step = evaluation.load_policy(
+      config, _CHECKPOINT.value, _STEP.value)
+  examples = train.load_examples(config)[1][:config.train.eval_examples]
+  result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
+                                      examples)
+  workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)
+  path = os.path.join(workdir, "eval",
+                      "pretrained.json" if step is None else f"step_{step}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  record = {"config": config.name, "checkpoint": _CHECKPOINT.value,
+            "step": step, "eval": config.eval.to_dict(),
+            **result.to_json()}
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1)
+  width = max(map(len, result.metrics))
+  for name, value in result.metrics.items():
+    print(f"{name:{width}s}  {value:.4f}")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
