@@ -145,13 +145,14 @@ class RunStore:
 
   def finish(self, run_id: int, status: str, metrics: Optional[dict] = None,
              checkpoint: Optional[os.PathLike] = None):
-    """Records a run's end: status, final metrics, last checkpoint."""
+    """Records a run's end: status, final metrics (`scalar_metrics` of them),
+    last checkpoint."""
     if status not in STATUSES[1:]:
       raise ValueError(f"status {status!r}; allowed: {STATUSES[1:]}")
     with self._connect() as db:
       updated = db.execute(
           "UPDATE runs SET status = ?, end_time = ?, metrics = ?, checkpoint = ? WHERE id = ?",
-          (status, time.time(), json.dumps(metrics or {}, default=_number),
+          (status, time.time(), json.dumps(scalar_metrics(metrics or {})),
            None if checkpoint is None else os.fspath(checkpoint), run_id)).rowcount
     if not updated:
       raise KeyError(f"no run {run_id} in {self.path}")
@@ -194,11 +195,19 @@ class RunStore:
       self.finish(record.id, status, record.metrics, record.checkpoint)
 
 
-def _number(x: Any) -> Any:
-  """numpy/JAX scalars in metrics become Python numbers."""
-  if hasattr(x, "item"):
-    return x.item()
-  raise TypeError(f"metric value {x!r} is not JSON-able")
+def scalar_metrics(summary: dict) -> dict[str, Any]:
+  """The entries of a run's summary worth a column: numbers, strings, paths
+  and one-element arrays. Anything bigger (a final TrainState, a curve) is
+  left out, so the store stays small and `compare` readable."""
+  out = {}
+  for key, value in summary.items():
+    if hasattr(value, "size") and hasattr(value, "item") and value.size == 1:
+      value = value.item()
+    if isinstance(value, os.PathLike):
+      value = os.fspath(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+      out[str(key)] = value
+  return out
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 import pytest
 
 from grpo_jax import runs
@@ -49,10 +50,14 @@ def test_store_records_a_run_from_start_to_finish(tmp_path):
   head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
                         capture_output=True, text=True).stdout.strip()
   assert run.git_commit.startswith(head) and run.end_time is None
-  store.finish(run_id, "finished", {"accuracy": 0.75, "steps": 3}, tmp_path / "wd/ck/3")
+  summary = {"accuracy": np.float32(0.75), "steps": 3, "loss": np.array([0.25]),
+             "plot": tmp_path / "curve.png", "curve": np.array([0.5, 1.0]),
+             "state": {"params": np.zeros((4, 4))}}   # what train.run returns
+  store.finish(run_id, "finished", summary, tmp_path / "wd/ck/3")
   again = runs.RunStore(tmp_path).get(run_id)     # persisted, seen by a new store
-  assert (again.status, again.metrics, again.checkpoint) == (
-      "finished", {"accuracy": 0.75, "steps": 3}, str(tmp_path / "wd/ck/3"))
+  assert (again.status, again.checkpoint) == ("finished", str(tmp_path / "wd/ck/3"))
+  assert again.metrics == {"accuracy": 0.75, "steps": 3, "loss": 0.25,
+                           "plot": str(tmp_path / "curve.png")}
   assert again.end_time >= again.start_time
   with pytest.raises(ValueError, match="allowed"):
     store.finish(run_id, "done")
