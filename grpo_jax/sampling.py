@@ -182,6 +182,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
   P = carry.cache.valid_bs.shape[1] - T
   G = BG // prompt_len_b.shape[0]
   len_rows = jnp.repeat(prompt_len_b, G)
+  layers = transformer.unstack_layers(params, config.num_layers)  # once
 
   def cond(c: _Carry):
     return (c.t < T) & ~jnp.all(c.done_b)
@@ -189,7 +190,8 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
   def body(c: _Carry):
     prev = jax.lax.dynamic_slice_in_dim(c.tokens_bt, c.t - 1, 1, axis=1)[:, 0]
     logits, cache = transformer.decode_step(
-        config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1)
+        config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
+        layers)
     key, sub = jax.random.split(c.key)
     tok, logp = choose_tokens(logits, sub, cfg)
     tok = jnp.where(c.done_b, cfg.pad_id, tok)

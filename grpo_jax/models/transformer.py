@@ -187,12 +187,19 @@ def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_btd: jax.Array,
 
 
 def attention_mask(config: ModelConfig, q_pos_bt: jax.Array,
-                   k_pos_bs: jax.Array, k_valid_bs: jax.Array) -> jax.Array:
-  """Causal (+ sliding window) mask over positions, and padding. (B, T, S)."""
+                   k_pos_bs: jax.Array, k_valid_bs: jax.Array,
+                   q_seg_bt: Optional[jax.Array] = None,
+                   k_seg_bs: Optional[jax.Array] = None) -> jax.Array:
+  """Causal (+ sliding window) mask over positions, and padding. (B, T, S).
+
+  With segment ids (packed rows), a query sees only keys of its own segment.
+  """
   diff = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
   mask = (diff >= 0) & k_valid_bs[:, None, :]
   if config.sliding_window is not None:
     mask &= diff < config.sliding_window
+  if q_seg_bt is not None:
+    mask &= q_seg_bt[:, :, None] == k_seg_bs[:, None, :]
   return mask
 
 
@@ -221,19 +228,23 @@ REMAT_POLICIES = {
 def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
                   positions_bt: Optional[jax.Array] = None,
                   valid_bt: Optional[jax.Array] = None,
-                  remat: str = "none", return_kv: bool = False):
+                  remat: str = "none", return_kv: bool = False,
+                  segment_bt: Optional[jax.Array] = None):
   """Final-normed hidden states (B, T, D); optionally every layer's k, v.
 
   positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
-  which are the only keys attended to. With return_kv, also returns k and v
-  stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
+  which are the only keys attended to. segment_bt (int, optional) isolates
+  examples packed into one row: a token attends only within its segment
+  (positions then restart at 0 per segment). With return_kv, also returns k
+  and v stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
   """
   B, T = tokens_bt.shape
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   if valid_bt is None:
     valid_bt = jnp.ones((B, T), bool)
-  mask = attention_mask(config, positions_bt, positions_bt, valid_bt)
+  mask = attention_mask(config, positions_bt, positions_bt, valid_bt,
+                        segment_bt, segment_bt)
 
   def layer(x, lp):
     q, k, v = _qkv(config, lp, x, positions_bt)
@@ -284,20 +295,30 @@ def init_cache(config: ModelConfig, batch: int, length: int,
                  jnp.zeros((batch, length), jnp.int32))
 
 
+def unstack_layers(params: Params, num_layers: int) -> list[Params]:
+  """Per-layer weight dicts, sliced from the stacked (L, ...) arrays."""
+  return [jax.tree.map(lambda w: w[i], params["layers"])
+          for i in range(num_layers)]
+
+
 def decode_step(config: ModelConfig, params: Params, cache: KVCache,
                 tokens_b: jax.Array, positions_b: jax.Array,
-                index: jax.Array) -> tuple[jax.Array, KVCache]:
+                index: jax.Array, layers: Optional[list[Params]] = None
+                ) -> tuple[jax.Array, KVCache]:
   """One token per row: writes its k, v at cache slot `index` (the same slot
   for every row, so the write is one in-place dynamic_update_slice) and
   returns float32 logits (B, V) and the updated cache.
 
-  The layers are unrolled rather than scanned: inside the sampler's while
-  loop a scan would slice every layer's weights and cache out of the stacked
-  arrays with dynamic-slice copies each step (measured: about twice the memory
-  traffic of the step itself on CPU); static per-layer slices of the weights
-  are loop-invariant, so XLA hoists them out of the loop, and each layer's
-  cache is then updated and read in place.
+  The layers are unrolled rather than scanned. Inside the sampler's while
+  loop, a scan slices each layer's weights and cache out of the stacked
+  arrays with dynamic-slice copies every step, and XLA on CPU does not hoist
+  even static slices out of the loop; so the sampler passes `layers` (from
+  `unstack_layers`, sliced ONCE before the loop) and each layer's cache is a
+  separate buffer updated and read in place. On CPU this removed about a
+  model's worth of weight copies per decode step.
   """
+  if layers is None:
+    layers = unstack_layers(params, config.num_layers)
   pos_bt = positions_b[:, None]
   valid = jax.lax.dynamic_update_slice(
       cache.valid_bs, jnp.ones((tokens_b.shape[0], 1), bool), (0, index))
@@ -305,8 +326,7 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache,
   mask = attention_mask(config, pos_bt, kpos, valid)
   x = embed(params, tokens_b[:, None])
   ks, vs = list(cache.k), list(cache.v)
-  for i in range(config.num_layers):
-    lp = jax.tree.map(lambda w: w[i], params["layers"])
+  for i, lp in enumerate(layers):
     q, k, v = _qkv(config, lp, x, pos_bt)
     ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
                                          (0, 0, index, 0))
