@@ -90,11 +90,26 @@ def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim, total_updates: int) -> optax.GradientTransformation:
-  """AdamW with global-norm gradient clipping."""
-  return optax.chain(
+  """AdamW with global-norm gradient clipping, its state in float32."""
+  return float32_state(optax.chain(
       optax.clip_by_global_norm(optim.grad_clip),
       optax.adamw(learning_rate_schedule(optim, total_updates), b1=optim.b1,
-                  b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay))
+                  b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)))
+
+
+def float32_state(inner: optax.GradientTransformation
+                  ) -> optax.GradientTransformation:
+  """`inner` with its state and updates in float32 whatever the params'
+  dtype (param_dtype="bfloat16": Adam's moments would underflow in bf16).
+  The update is rounded to the params' dtype once, by optax.apply_updates.
+  A no-op for float32 params."""
+  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+  def update(updates, state, params=None):
+    return inner.update(f32(updates), state,
+                        None if params is None else f32(params))
+
+  return optax.GradientTransformation(lambda p: inner.init(f32(p)), update)
 
 
 def init_state(params: Params, optimizer: optax.GradientTransformation,
@@ -146,7 +161,11 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
   exactly the gradient of the full batch's loss (REFERENCE: token-mean)."""
   norm = global_normalisers(batch.mask_nt, s)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  split = lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:])
+  # Micro-batch i takes rows i, i+M, i+2M, ... (M = num_micro): the rows stay
+  # split over the batch mesh axes inside every micro-batch, where contiguous
+  # blocks would each live on a few devices and be resharded every step.
+  split = lambda x: jnp.swapaxes(
+      x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
   micro = jax.tree.map(split, batch)
 
   def body(carry, mb):
@@ -163,13 +182,14 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
-                                             "num_micro", "s"),
+                                             "num_micro", "s", "layout"),
                    donate_argnames=("state",))
 def update_step(state: TrainState, batch: UpdateBatch,
                 model_config: ModelConfig,
                 optimizer: optax.GradientTransformation, num_micro: int,
-                s: LossSettings) -> tuple[TrainState, dict]:
-  """One optimizer update on one mini-batch. The state is donated."""
+                s: LossSettings, layout=None) -> tuple[TrainState, dict]:
+  """One optimizer update on one mini-batch. The state is donated; with a
+  `sharding.Layout` the new state keeps the placed state's shardings."""
   kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
                                     start_step=s.kl_start_step,
                                     ramp_steps=s.kl_ramp_steps)
@@ -179,7 +199,10 @@ def update_step(state: TrainState, batch: UpdateBatch,
   params = optax.apply_updates(state.params, updates)
   metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
              "kl_beta": kl_beta}
-  return TrainState(state.step + 1, params, opt_state, state.key), metrics
+  new_state = TrainState(state.step + 1, params, opt_state, state.key)
+  if layout is not None:
+    new_state = layout.constrain_state(model_config, optimizer, new_state)
+  return new_state, metrics
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "num_completion",

@@ -1,0 +1,367 @@
+"""Mesh, logical-axis rules and placement: one code path from 1 CPU to a pod.
+
+The model names logical axes only (`transformer.param_axes`); the config maps
+them to mesh axes (`config.mesh.rules`, MaxText-style), so a parallelism plan
+is a config change, not a code change. With the default rules:
+
+  data    batch rows; parameters replicated (plain data parallelism)
+  fsdp    batch rows AND the `embed` dimension of every weight (ZeRO-3: each
+          layer's weights are all-gathered where used, gradients
+          reduce-scattered, optimizer state stays sharded)
+  tensor  query/KV heads, MLP and vocabulary dimensions (Megatron-style)
+
+A mesh axis that does not divide a dimension is dropped for that dimension
+(logged once): e.g. 2 KV heads on tensor=4 stay replicated while the 4 query
+heads are split.
+
+Placement is by committed input shardings: parameters, optimizer state and
+batches are `NamedSharding`ed global arrays, so the jitted sampler and update
+run SPMD over the mesh without a mesh context. Policy and reference are two
+parameter trees with the same shardings on the same mesh.
+
+Multi-host (SPMD, every host runs the same program): `initialize_distributed`
+joins the processes before any other JAX call. Every host builds the same
+rollout (same seed, replicated sampler output); each then hands over only the
+rows its devices own (`host_rows`), and `global_rows` assembles the global
+batch with `jax.make_array_from_process_local_data`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from grpo_jax.config import ConfigError
+from grpo_jax.models import transformer
+from grpo_jax.models.config import ModelConfig
+
+Params = Any
+# logical axis name -> mesh axes that split it (empty: replicated).
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+BATCH = "batch"   # the logical name of the leading (row) axis of a batch
+
+
+# ----------------------------------------------------------------------------
+# Multi-host start-up.
+# ----------------------------------------------------------------------------
+
+def distributed_args(mesh_cfg) -> Optional[dict]:
+  """jax.distributed.initialize's arguments, or None for a single process.
+
+  Each value comes from the config field if set, else the environment:
+    mesh.coordinator_address  JAX_COORDINATOR_ADDRESS  "host:port" of process 0
+    mesh.num_processes        JAX_NUM_PROCESSES        (0 / unset: auto)
+    mesh.process_id           JAX_PROCESS_ID           (-1 / unset: auto)
+  Multi-host is on when mesh.distributed is True or any of the three is set.
+  On Cloud TPU pods (and Slurm / Open MPI) set only mesh.distributed=True:
+  JAX finds the coordinator, process count and id itself.
+  """
+  address = mesh_cfg.coordinator_address or os.environ.get(
+      "JAX_COORDINATOR_ADDRESS", "")
+  num = mesh_cfg.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", 0))
+  pid = mesh_cfg.process_id
+  if pid < 0:
+    pid = int(os.environ.get("JAX_PROCESS_ID", -1))
+  if not (mesh_cfg.distributed or address or num or pid >= 0):
+    return None
+  return dict(coordinator_address=address or None,
+              num_processes=num or None,
+              process_id=pid if pid >= 0 else None)
+
+
+def initialize_distributed(config) -> bool:
+  """Joins the processes of a multi-host run (idempotent). Must run before
+  anything touches a JAX device. Returns whether the run is multi-process.
+
+  On CPU, cross-process collectives use gloo (jax's default
+  `jax_cpu_collectives_implementation`); nothing to set.
+  """
+  args = distributed_args(config.mesh)
+  if args is None:
+    return False
+  if not jax.distributed.is_initialized():
+    jax.distributed.initialize(**args)
+  logging.info("process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(),
+               jax.local_device_count(), jax.device_count())
+  return True
+
+
+# ----------------------------------------------------------------------------
+# The mesh and the rules.
+# ----------------------------------------------------------------------------
+
+def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """config.mesh.shape with its one -1 filled so the product is num_devices."""
+  shape = tuple(int(s) for s in shape)
+  free = [i for i, s in enumerate(shape) if s == -1]
+  if len(free) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ConfigError(f"config field 'mesh.shape' = {shape}: positive sizes "
+                      f"and at most one -1")
+  known = math.prod(s for s in shape if s != -1)
+  if free and num_devices % known == 0:
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise ConfigError(f"config field 'mesh.shape' = {shape} needs "
+                      f"{math.prod(shape)} devices; there are {num_devices}")
+  return shape
+
+
+def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
+  """The device mesh that config.mesh describes (all devices by default).
+
+  Axes are Auto (GSPMD propagation from the input shardings), not jax's
+  Explicit sharding-in-types default.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  axes = tuple(mesh_cfg.axes)
+  if len(axes) != len(mesh_cfg.shape):
+    raise ConfigError(f"config fields 'mesh.shape' = {tuple(mesh_cfg.shape)} "
+                      f"and 'mesh.axes' = {axes} differ in length")
+  shape = mesh_shape(mesh_cfg.shape, len(devices))
+  return jax.make_mesh(shape, axes, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def _known_logical_axes() -> set[str]:
+  axes = set(transformer._AXES.values())  # pylint: disable=protected-access
+  return {a for names in axes for a in names} | {BATCH}
+
+
+def logical_rules(mesh_cfg) -> Rules:
+  """config.mesh.rules as ((logical, (mesh axes...)), ...), checked."""
+  rules = []
+  for pair in mesh_cfg.rules:
+    if len(pair) != 2:
+      raise ConfigError(f"config field 'mesh.rules': {pair!r} is not a "
+                        f"(logical axis, mesh axis or None) pair")
+    logical, target = pair
+    mesh_axes = (() if target is None else
+                 (target,) if isinstance(target, str) else tuple(target))
+    if logical not in _known_logical_axes():
+      raise ConfigError(f"config field 'mesh.rules': unknown logical axis "
+                        f"{logical!r}; allowed: {sorted(_known_logical_axes())}")
+    for axis in mesh_axes:
+      if axis not in mesh_cfg.axes:
+        raise ConfigError(f"config field 'mesh.rules': {logical!r} -> "
+                          f"{axis!r} is not one of mesh.axes {mesh_cfg.axes}")
+    rules.append((logical, mesh_axes))
+  return tuple(rules)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(what: str, logical: str, dim: int, wanted: tuple,
+                  kept: tuple) -> None:
+  logging.info("sharding: %s: %r (size %d) not divisible by mesh axes %s; "
+               "split over %s instead", what, logical, dim, wanted,
+               kept or "nothing (replicated)")
+
+
+def spec_for(logical_axes: Sequence[Optional[str]], shape: Sequence[int],
+             mesh: Mesh, rules: Rules, what: str = "array") -> P:
+  """The PartitionSpec of an array from its logical axes and the rules.
+
+  Mesh axes of size 1 are left out (they split nothing). Where the product of
+  a dimension's mesh axes does not divide it, the longest dividing prefix is
+  used (possibly none: replicated). A mesh axis splits at most one dimension.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for logical, dim in zip(logical_axes, shape):
+    wanted = tuple(a for a in table.get(logical, ())
+                   if mesh.shape[a] > 1 and a not in used)
+    kept = wanted
+    while kept and dim % math.prod(mesh.shape[a] for a in kept):
+      kept = kept[:-1]
+    if kept != wanted:
+      _log_fallback(what, logical, dim, wanted, kept)
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
+
+
+# ----------------------------------------------------------------------------
+# Shardings of the parameters, the optimizer state and batches.
+# ----------------------------------------------------------------------------
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def param_specs(mesh, rules: Rules, model_config: ModelConfig,
+                params: Optional[Params] = None) -> Params:
+  """A PartitionSpec per parameter, as a tree shaped like the params.
+
+  Shapes come from `params` (arrays or ShapeDtypeStructs) when given, else
+  from the config. `mesh` may be a jax.sharding.AbstractMesh (no devices).
+  """
+  axes = transformer.param_axes(model_config)
+  if params is None:
+    shapes = transformer.param_shapes(model_config)
+  else:
+    shapes = jax.tree.map(lambda x: tuple(x.shape), params)
+  is_axes = lambda x: isinstance(x, tuple)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(axes, is_leaf=is_axes)
+  shape_leaves = treedef.flatten_up_to(shapes)
+  return jax.tree_util.tree_unflatten(treedef, [
+      spec_for(names, shape, mesh, rules, _path_name(path))
+      for (path, names), shape in zip(flat, shape_leaves)])
+
+
+def param_shardings(mesh: Mesh, rules: Rules, model_config: ModelConfig,
+                    params: Optional[Params] = None) -> Params:
+  """A NamedSharding per parameter, as a tree shaped like the params."""
+  specs = param_specs(mesh, rules, model_config, params)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def opt_state_shardings(mesh: Mesh, optimizer, params: Params,
+                        param_sh: Params) -> Any:
+  """Shardings for `optimizer.init(params)`: every sub-tree that mirrors the
+  params (same structure and shapes: Adam's moments) is sharded like them;
+  everything else (step counts, scalars) is replicated."""
+  abstract = jax.eval_shape(optimizer.init, params)
+  structure = jax.tree.structure(params)
+  shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+  replicated = NamedSharding(mesh, P())
+
+  def mirrors(sub) -> bool:
+    return (jax.tree.structure(sub) == structure and
+            [tuple(x.shape) for x in jax.tree.leaves(sub)] == shapes)
+
+  return jax.tree.map(lambda sub: param_sh if mirrors(sub) else replicated,
+                      abstract, is_leaf=mirrors)
+
+
+def state_shardings(mesh: Mesh, rules: Rules, model_config: ModelConfig,
+                    optimizer, state) -> Any:
+  """Shardings of a TrainState-like NamedTuple (fields params, opt_state and
+  replicated others such as step and key)."""
+  replicated = NamedSharding(mesh, P())
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        state.params)
+  param_sh = param_shardings(mesh, rules, model_config, params)
+  return jax.tree.map(lambda _: replicated, state)._replace(
+      params=param_sh,
+      opt_state=opt_state_shardings(mesh, optimizer, params, param_sh))
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int]
+                   ) -> NamedSharding:
+  """Rows (axis 0) split as the `batch` rule says; other axes replicated."""
+  return NamedSharding(mesh, spec_for((BATCH,), shape[:1], mesh, rules,
+                                      f"batch {tuple(shape)}"))
+
+
+# ----------------------------------------------------------------------------
+# Placement.
+# ----------------------------------------------------------------------------
+
+def _is_global(x) -> bool:
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def put(x, sharding: NamedSharding) -> jax.Array:
+  """One array onto `sharding`: itself if already there, else new buffers.
+  A global array is resharded; a host value (numpy, or a process-local
+  jax.Array), which must be identical on every host, is cut into the shards
+  this process owns.
+
+  No partial aliasing: device_put may reuse a single-device input's buffer
+  as one shard, and the update donates its state, which would then delete
+  the caller's array. (Keep a tree that must outlive a donation, like the
+  reference params, as its own `copy_tree`.)
+  """
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                              x.ndim):
+    return x
+  if jax.process_count() == 1 or _is_global(x):
+    return jax.device_put(x, sharding, may_alias=False)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding,
+                                      lambda index: host[index])
+
+
+def shard_params(params: Params, shardings: Params) -> Params:
+  """Params onto their shardings (see `put`)."""
+  return jax.tree.map(put, params, shardings)
+
+
+def copy_tree(tree: Any) -> Any:
+  """New buffers with the same shardings: the reference model is a copy of
+  the initial policy that the policy's donated updates cannot delete."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
+
+
+def host_rows(sharding: NamedSharding, num_rows: int) -> np.ndarray:
+  """Indices of the rows (axis 0) that this process's devices hold, in the
+  order `make_array_from_process_local_data` expects them."""
+  index_map = sharding.addressable_devices_indices_map((num_rows,))
+  rows = set()
+  for index in index_map.values():
+    rows.update(range(num_rows)[index[0]] if index else range(num_rows))
+  return np.asarray(sorted(rows), np.int64)
+
+
+def global_rows(x_local, sharding: NamedSharding,
+                global_shape: Sequence[int]) -> jax.Array:
+  """This host's rows (as `host_rows` lists them) -> one global array."""
+  return jax.make_array_from_process_local_data(sharding, np.asarray(x_local),
+                                                tuple(global_shape))
+
+
+def put_rows(x, mesh: Mesh, rules: Rules) -> jax.Array:
+  """A batch array, row-sharded by the `batch` rule. A host value must be
+  the same on every host: each host contributes only its own rows."""
+  sharding = batch_sharding(mesh, rules, x.shape)
+  if jax.process_count() == 1 or _is_global(x):
+    return jax.device_put(x, sharding)
+  host = np.asarray(x)
+  return global_rows(host[host_rows(sharding, host.shape[0])], sharding,
+                     host.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The mesh and the rules of a run, with the placements the trainer needs."""
+  mesh: Mesh
+  rules: Rules
+
+  @classmethod
+  def from_config(cls, config, devices=None) -> "Layout":
+    layout = cls(make_mesh(config.mesh, devices), logical_rules(config.mesh))
+    logging.info("mesh %s over %d devices", dict(layout.mesh.shape),
+                 layout.mesh.size)
+    return layout
+
+  def shard_params(self, model_config: ModelConfig, params: Params) -> Params:
+    return shard_params(params, param_shardings(
+        self.mesh, self.rules, model_config, params))
+
+  def place_state(self, model_config: ModelConfig, optimizer, state):
+    shardings = state_shardings(self.mesh, self.rules, model_config,
+                                optimizer, state)
+    return jax.tree.map(put, state, shardings)
+
+  def constrain_state(self, model_config: ModelConfig, optimizer, state):
+    """Inside jit: pins a new state to the placed state's shardings, so the
+    donated buffers are reused and the next call does not recompile (XLA
+    would otherwise pick its own layout for e.g. the replicated norms)."""
+    return jax.lax.with_sharding_constraint(state, state_shardings(
+        self.mesh, self.rules, model_config, optimizer, state))
+
+  def rows(self, x) -> jax.Array:
+    return put_rows(x, self.mesh, self.rules)
