@@ -1,0 +1,210 @@
+"""Supervised fine-tuning: next-token loss on completion tokens only.
+
+    batches = sft_batches(examples, rows_per_step=8, row_len=256, pack=True,
+                          pad_id=0, rng=np.random.default_rng(0))
+    state, metrics = sft_step(state, next(batches), model_config, optimizer,
+                              num_micro=2, s=SFTSettings())
+
+An `SFTExample` is (prompt ids, completion ids). A row of S tokens holds one
+example, right-padded, or (`pack=True`) several examples back to back. Packed
+examples each get positions 0..n-1 and their own segment id, and the decoder
+attends only within a segment (`hidden_states(segment_bt=...)`), so a packed
+row computes exactly what its examples would alone.
+
+The loss is the token-mean of -log p over the completion tokens of the WHOLE
+batch: the token count is taken before the batch is split into micro-batches,
+so the gradient does not depend on the split (as the RL token-mean,
+REFERENCE.md "Aggregation"). Prompt tokens are context, never targets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from grpo_jax.algorithms import logprobs as logprobs_lib
+from grpo_jax.models import transformer
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.update import TrainState, cast
+
+Params = transformer.Params
+
+
+class SFTExample(NamedTuple):
+  """One training sequence: the loss covers `completion_ids` only."""
+  prompt_ids: tuple[int, ...]
+  completion_ids: tuple[int, ...]
+
+
+class SFTBatch(NamedTuple):
+  """N rows of S tokens (host numpy or device arrays)."""
+  tokens_ns: np.ndarray       # int32
+  positions_ns: np.ndarray    # int32, restarting at 0 for each example
+  segments_ns: np.ndarray     # int32, 0 = padding, 1, 2, ... = examples
+  loss_mask_ns: np.ndarray    # float32, 1 on completion tokens (targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSettings:
+  """The static (hashable) part of the SFT step."""
+  chunk: int = 256              # positions per chunk of the vocabulary head
+  remat: str = "none"
+  compute_dtype: str = "float32"
+
+  @classmethod
+  def from_config(cls, config) -> "SFTSettings":
+    m = config.model
+    return cls(chunk=m.logprob_chunk, remat=m.remat,
+               compute_dtype=m.compute_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Host side: examples -> fixed-shape rows.
+# ----------------------------------------------------------------------------
+
+def example_length(example: SFTExample) -> int:
+  return len(example.prompt_ids) + len(example.completion_ids)
+
+
+def group_rows(examples: Sequence[SFTExample], row_len: int,
+               pack: bool) -> list[list[SFTExample]]:
+  """Examples grouped into rows of at most `row_len` tokens, in order: one
+  per row, or (pack) each appended to the current row while it fits."""
+  rows: list[list[SFTExample]] = []
+  used = row_len
+  for e in examples:
+    n = example_length(e)
+    if n > row_len:
+      raise ValueError(f"an example of {n} tokens does not fit a row of "
+                       f"{row_len}; drop it or raise row_len")
+    if not pack or used + n > row_len:
+      rows.append([])
+      used = 0
+    rows[-1].append(e)
+    used += n
+  return rows
+
+
+def rows_to_batch(rows: Sequence[Sequence[SFTExample]], row_len: int,
+                  pad_id: int) -> SFTBatch:
+  """Fixed-shape (N, row_len) arrays for the rows; the tail is padding."""
+  N = len(rows)
+  tokens = np.full((N, row_len), pad_id, np.int32)
+  positions = np.zeros((N, row_len), np.int32)
+  segments = np.zeros((N, row_len), np.int32)
+  loss_mask = np.zeros((N, row_len), np.float32)
+  for i, row in enumerate(rows):
+    col = 0
+    for seg, e in enumerate(row, start=1):
+      P, C = len(e.prompt_ids), len(e.completion_ids)
+      end = col + P + C
+      tokens[i, col:end] = (*e.prompt_ids, *e.completion_ids)
+      positions[i, col:end] = np.arange(P + C)
+      segments[i, col:end] = seg
+      loss_mask[i, col + P:end] = 1.0
+      col = end
+  return SFTBatch(tokens, positions, segments, loss_mask)
+
+
+def sft_batches(examples: Sequence[SFTExample], rows_per_step: int,
+                row_len: int, pack: bool, pad_id: int,
+                rng: np.random.Generator) -> Iterator[SFTBatch]:
+  """Endless batches of `rows_per_step` rows: each epoch shuffles the
+  examples and groups them into rows; rows run on across epoch ends, so
+  every batch is full."""
+  if not examples:
+    raise ValueError("sft_batches needs at least one example")
+  pending: list[list[SFTExample]] = []
+  while True:
+    order = rng.permutation(len(examples))
+    pending += group_rows([examples[i] for i in order], row_len, pack)
+    while len(pending) >= rows_per_step:
+      batch, pending = pending[:rows_per_step], pending[rows_per_step:]
+      yield rows_to_batch(batch, row_len, pad_id)
+
+
+# ----------------------------------------------------------------------------
+# The loss and the jitted step.
+# ----------------------------------------------------------------------------
+
+def completion_nll_sum(params: Params, model_config: ModelConfig,
+                       batch: SFTBatch, s: SFTSettings) -> jax.Array:
+  """Σ -log p(token) over the completion tokens of the batch (a scalar).
+
+  Column t's hidden state predicts token t+1; targets are tokens[:, 1:]
+  weighted by loss_mask[:, 1:]. A completion token never starts a segment
+  (its prompt precedes it), so no prediction crosses two packed examples.
+  """
+  params = cast(params, s.compute_dtype)
+  h_nsd = transformer.hidden_states(
+      model_config, params, batch.tokens_ns, batch.positions_ns,
+      batch.segments_ns > 0, remat=s.remat, segment_bt=batch.segments_ns)
+  logp_ns, _ = logprobs_lib.token_logprobs(
+      model_config, params, h_nsd[:, :-1], batch.tokens_ns[:, 1:],
+      chunk_size=s.chunk)                                   # (N, S-1)
+  return -jnp.sum(logp_ns * batch.loss_mask_ns[:, 1:])
+
+
+def num_target_tokens(batch: SFTBatch) -> jax.Array:
+  """The token-mean normaliser: completion tokens in the whole batch (>= 1)."""
+  return jnp.maximum(jnp.sum(batch.loss_mask_ns[:, 1:]), 1.0)
+
+
+def sft_loss(params: Params, model_config: ModelConfig, batch: SFTBatch,
+             num_tokens: jax.Array, s: SFTSettings) -> jax.Array:
+  """This (micro-)batch's share of the token-mean loss: its NLL sum over
+  the whole batch's completion-token count."""
+  return completion_nll_sum(params, model_config, batch, s) / num_tokens
+
+
+def _micro_batches(batch: SFTBatch, num_micro: int) -> SFTBatch:
+  """(N, S) -> (M, N/M, S); micro-batch i holds rows i, i+M, ... (strided,
+  so rows sharded over the batch axis stay split in every micro-batch)."""
+  split = lambda x: jnp.swapaxes(
+      x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def accumulate_gradients(params: Params, model_config: ModelConfig,
+                         batch: SFTBatch, num_micro: int, s: SFTSettings):
+  """(loss, grads) of the whole batch's token-mean loss, summed over
+  micro-batches that share one normaliser: exact whatever the split."""
+  if batch.tokens_ns.shape[0] % num_micro:
+    raise ValueError(f"num_micro={num_micro} must divide the "
+                     f"{batch.tokens_ns.shape[0]} rows")
+  num_tokens = num_target_tokens(batch)
+  grad_fn = jax.value_and_grad(sft_loss)
+  micro = _micro_batches(batch, num_micro)
+
+  def body(carry, mb):
+    loss, grads = carry
+    l, g = grad_fn(params, model_config, mb, num_tokens, s)
+    return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+
+  first = jax.tree.map(lambda x: x[0], micro)
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  carry = grad_fn(params, model_config, first, num_tokens, s)
+  (loss, grads), _ = jax.lax.scan(body, carry, rest)
+  return loss, grads, num_tokens
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
+                                             "num_micro", "s"),
+                   donate_argnames=("state",))
+def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
+             optimizer: optax.GradientTransformation, num_micro: int,
+             s: SFTSettings) -> tuple[TrainState, dict]:
+  """One optimizer update on the completion-token NLL. The state is donated:
+  pass a copy of parameters that must survive (e.g. the original model)."""
+  loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
+                                                 batch, num_micro, s)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+             "tokens": num_tokens}
+  return TrainState(state.step + 1, params, opt_state, state.key), metrics
