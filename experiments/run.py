@@ -31,10 +31,12 @@ def main(argv):
   if _CONFIG.value is None:
     raise app.UsageError("--config is required (or --list)")
   from grpo_jax import train  # pylint: disable=import-outside-toplevel
+  from grpo_jax.algorithms import star  # pylint: disable=import-outside-toplevel
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join("workdirs", config.name)
   logging.info("config:\n%s", config)
-  summary = train.run(config, workdir)
+  run = star.run if config.method == "star" else train.run
+  summary = run(config, workdir)
   for key in ("eval_before", "eval_after", "reward/mean", "plot"):
     if key in summary:
       print(f"{key}: {summary[key]}")

@@ -23,6 +23,7 @@ def base_config() -> ConfigDict:
   c.description = "GRPO defaults"
   c.seed = 0
   c.init_from = ""          # a checkpoint dir to start from (resume order)
+  c.method = "rl"           # rl: train.run | star: algorithms/star.run
 
   c.model = ConfigDict(dict(
       source="smollm2-135m-instruct",  # preset, HF directory or .gguf file
@@ -71,6 +72,27 @@ def base_config() -> ConfigDict:
   c.reward_kwargs = ConfigDict()
   c.accuracy_reward = "last_number"     # whose value > 0 counts as correct
 
+  # STaR (Zelikman et al. 2022), read when method == "star"; fine-tuning
+  # uses `optim` (a fresh optimizer each outer iteration).
+  c.star = ConfigDict(dict(
+      iterations=3,                    # outer iterations (Algorithm 1's N)
+      rationalize=True,                # retry failures with the answer as a
+                                       # hint (off: the paper's ablation)
+      samples_per_problem=1,           # attempts; the first correct is kept
+      problems_per_iteration=0,        # a fresh random subset (0: all)
+      few_shot=0,                      # exemplars (question + gold rationale)
+                                       # in the generation prompt only
+      few_shot_first_only=False,       # drop them once the model is tuned
+      drop_hint_mentions=True,         # rationales that say "hint" are not kept
+      sample_batch=64,                 # prompts per sampler call
+      sft_steps=40,                    # fine-tuning steps of iteration 1 (paper)
+      sft_growth=1.2,                  # x steps per iteration (paper: +20%)
+      batch_size=8,                    # rows per fine-tuning step (paper: 8)
+      micro_batch_size=0,              # rows per forward/backward (0: all)
+      pack=False,                      # several examples per row, isolated
+      row_length=0,                    # tokens per row (0: longest, bucketed)
+  ))
+
   c.optim = ConfigDict(dict(
       learning_rate=1e-6, warmup_steps=0, schedule="constant",  # | cosine
       weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
@@ -106,6 +128,7 @@ def base_config() -> ConfigDict:
 
 
 _CHOICES = {
+    "method": ("rl", "star"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "dots", "full"),
@@ -187,7 +210,49 @@ def validate(config: ConfigDict) -> ConfigDict:
                       f"{list(config.rewards.keys())}")
   _check_ranges(config)
   _check_eval(config.eval)
+  _check_data_paths(config.data)
+  if config.method == "star":
+    _check_star(config.star)
   return config
+
+
+# Keywords that locate the data of a file-backed dataset; "path" and
+# "data_dir" are also required non-empty wherever a config lists them.
+_DATA_LOCATION = {"jsonl": ("path",), "parquet": ("path",), "tfds": ("name",)}
+
+
+def _check_data_paths(data: ConfigDict) -> None:
+  sources = (("data.source", data.source, "data.kwargs", data.kwargs),
+             ("data.eval_source", data.eval_source or data.source,
+              "data.eval_kwargs", data.eval_kwargs))
+  for field, source, group, kwargs in sources:
+    listed = tuple(k for k in ("path", "data_dir") if k in kwargs)
+    for key in _DATA_LOCATION.get(source, ()) + listed:
+      if not kwargs.get(key):
+        raise ConfigError(f"config field '{group}.{key}' is unset but "
+                          f"{field} = {source!r} needs it: pass "
+                          f"--config.{group}.{key}=...")
+
+
+def _check_star(star: ConfigDict) -> None:
+  positive = ("iterations", "samples_per_problem", "sample_batch",
+              "sft_steps", "batch_size")
+  for name in positive:
+    if star[name] < 1:
+      raise ConfigError(f"config field 'star.{name}' = {star[name]} must be "
+                        f">= 1")
+  for name in ("problems_per_iteration", "few_shot", "micro_batch_size",
+               "row_length"):
+    if star[name] < 0:
+      raise ConfigError(f"config field 'star.{name}' = {star[name]} must be "
+                        f">= 0")
+  if star.sft_growth <= 0:
+    raise ConfigError(f"config field 'star.sft_growth' = {star.sft_growth} "
+                      f"must be > 0")
+  if star.micro_batch_size and star.batch_size % star.micro_batch_size:
+    raise ConfigError(f"config field 'star.micro_batch_size' = "
+                      f"{star.micro_batch_size} must divide star.batch_size "
+                      f"= {star.batch_size}")
 
 
 def _check_ranges(config: ConfigDict) -> None:

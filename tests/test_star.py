@@ -1,0 +1,241 @@
+"""STaR: hint-free stored examples, fine-tuning from the original weights,
+the 20% step growth, config errors, and a 2-iteration run end to end.
+
+A scripted sampler (a model that copies the hint) makes every outcome known
+in advance; the CLI smoke run uses the real sampler on the tiny model."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_jax import config as config_lib
+from grpo_jax import rollout, sampling
+from grpo_jax.algorithms import star
+from grpo_jax.data import Example, answer_hint
+from grpo_jax.tiny_tokenizer import byte_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOK = byte_tokenizer()
+
+
+def _config(**star_fields):
+  spec = importlib.util.spec_from_file_location(
+      "star_tiny", os.path.join(ROOT, "configs", "star_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  # "What is a + b?" with single digits: the scripted model can solve some.
+  c.data.source = "arithmetic"
+  c.data.kwargs = dict(num_examples=12, levels=1, seed=0)
+  c.sampling.max_new_tokens = 24
+  c.star.sample_batch = 16               # one sampler call per phase
+  c.star.update(star_fields)
+  return c
+
+
+def _reply(prompt: str) -> str:
+  """The scripted model: copies the hint when it has one (saying "hint" when
+  the answer is even), else solves sums whose first term is odd."""
+  hints = re.findall(r"Hint: The correct answer is (-?\d+)\.", prompt)
+  if hints:   # the last one: exemplars show their own hints first
+    n = int(hints[-1])
+    return f"The hint says {n}." if n % 2 == 0 else f"So it is {n}."
+  a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])
+  return f"{a} + {b} = {a + b}." if a % 2 else "It is 0."
+
+
+class ScriptedSampler:
+  """Stands in for sampling.sample: the reply of `_reply`, then the stop id;
+  records the parameters each call was given."""
+
+  def __init__(self):
+    self.params_seen = []
+
+  def __call__(self, model_config, params, prompts, key, cfg,
+               num_generations=1, batch_multiple=1):
+    del model_config, key, batch_multiple
+    self.params_seen.append(jax.tree.map(np.array, params))
+    T = cfg.max_new_tokens
+    rows = [TOK.encode(_reply(TOK.decode(p))) + [cfg.stop_ids[0]]
+            for p in prompts for _ in range(num_generations)]
+    tokens = np.full((len(rows), T), cfg.pad_id, np.int32)
+    for i, r in enumerate(rows):
+      tokens[i, :len(r)] = r
+    length = np.array([len(r) for r in rows], np.int32)
+    mask = np.arange(T)[None] < length[:, None]
+    return sampling.Samples(tokens, np.zeros((len(rows), T), np.float32), mask,
+                            length, np.zeros(len(rows), bool), np.int32(T))
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+  sampler = ScriptedSampler()
+  monkeypatch.setattr(sampling, "sample", sampler)
+  return sampler
+
+
+def _problems(n=12):
+  """a = 1..n, b = 1, 2, 3, 1, ...: answers of both parities."""
+  return [Example(question=f"What is {i + 1} + {i % 3 + 1}?",
+                  answer=str(i + 1 + i % 3 + 1)) for i in range(n)]
+
+
+def _collect(config, problems, shots=()):
+  from grpo_jax.train import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
+  model_config, params, tokenizer = load_model_and_tokenizer(config)
+  return star.collect_examples(config, model_config, params, tokenizer,
+                               problems, shots, jax.random.key(0),
+                               rollout.RewardSpec.from_config(config))
+
+
+def test_render_is_the_rollout_prompt_without_hint_or_shots():
+  q = "What is 2 + 3?"
+  plain = rollout.render_prompts(TOK, "last_number", [q], "Be brief.")[0]
+  assert star.render(TOK, "last_number", q, "Be brief.") == plain
+  shot = Example("What is 1 + 1?", "2", rationale="1 + 1 = 2. The answer is 2.")
+  hinted = star.render(TOK, "last_number", q, "", hint=answer_hint("5"),
+                       shots=[shot])
+  # The exemplar shows its gold rationale and, under a hint, its own hint.
+  assert "assistant: 1 + 1 = 2. The answer is 2." in hinted
+  assert hinted.count("Hint: The correct answer is") == 2
+  assert hinted.endswith("assistant: ")
+
+
+def test_hint_never_appears_in_a_stored_example(scripted):
+  config = _config(few_shot=0)
+  problems = _problems()
+  shots = [Example("What is 9 + 9?", "18", rationale="9 + 9 = 18.")]
+  kept, metrics = _collect(config, problems, shots)
+  odd_first = [i for i in range(12) if (i + 1) % 2]     # a = i + 1 odd
+  fixable = [i for i in range(12) if (i + 1) % 2 == 0
+             and int(problems[i].answer) % 2]
+  assert [i for i, r in zip(kept.problem, kept.rationalized) if not r] == odd_first
+  assert [i for i, r in zip(kept.problem, kept.rationalized) if r] == fixable
+  assert metrics["star/kept_direct"] == 6
+  assert metrics["star/kept_rationalized"] == len(fixable) > 0
+  # Even answers were reached by citing the hint: dropped.
+  assert metrics["star/dropped_hint_mentions"] == 6 - len(fixable)
+  plain = rollout.render_prompts(TOK, config.data.template,
+                                 [p.question for p in problems],
+                                 config.data.system_prompt)
+  for e, i in zip(kept.examples, kept.problem):
+    prompt, completion = TOK.decode(e.prompt_ids), TOK.decode(e.completion_ids)
+    assert prompt == plain[i]                 # hint-free, shot-free
+    assert "Hint" not in prompt and answer_hint(problems[i].answer) not in prompt
+    assert "hint" not in completion.lower()
+    assert completion.rstrip("\0").endswith(f"{problems[i].answer}.")
+  # One call for the direct attempts, one for the hinted retries.
+  assert len(scripted.params_seen) == 2
+
+
+def test_without_rationalisation_only_direct_successes_are_kept(scripted):
+  kept, metrics = _collect(_config(rationalize=False), _problems())
+  assert not any(kept.rationalized) and len(kept.examples) == 6
+  assert "star/rationalization_accuracy" not in metrics
+  assert len(scripted.params_seen) == 1      # no second (hinted) sampling
+
+
+def test_finetune_steps_grow_twenty_percent_per_iteration():
+  c = config_lib.base_config().star
+  assert [star.finetune_steps(c, n) for n in (1, 2, 3, 4)] == [40, 48, 58, 69]
+
+
+def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
+                                                       tmp_path):
+  starts, results = [], []
+  real_finetune = star.finetune
+
+  def spy(config, model_config, original, *args, **kwargs):
+    starts.append(jax.tree.map(np.array, original))
+    params, metrics = real_finetune(config, model_config, original, *args,
+                                    **kwargs)
+    results.append(jax.tree.map(np.array, params))
+    return params, metrics
+
+  monkeypatch.setattr(star, "finetune", spy)
+  config = _config(iterations=2, few_shot=0, sft_steps=3, sft_growth=1.5)
+  summary = star.run(config, str(tmp_path))
+  from grpo_jax.train import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
+  original = jax.tree.map(np.array, load_model_and_tokenizer(config)[1])
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in
+                          zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  assert len(starts) == 2
+  assert same(starts[0], original) and same(starts[1], original)
+  assert not same(results[0], original)
+  # Sampling calls: eval 0, (direct, hinted) x 2 iterations, eval after each.
+  # Iteration 2 samples with M_1, the model fine-tuned in iteration 1.
+  seen = scripted.params_seen
+  assert len(seen) == 7
+  assert same(seen[1], original) and same(seen[2], original)
+  assert same(seen[4], results[0]) and same(seen[5], results[0])
+  assert same(summary["params"], results[1])
+  history = summary["history"]
+  assert [h["sft/steps"] for h in history[1:]] == [3, 4]   # 3 * 1.5 = 4.5
+  assert all(h["star/kept_total"] > 0 for h in history[1:])
+  assert history[1]["sft/loss_last"] < history[1]["sft/loss_first"]
+  rows = [json.loads(l) for l in open(tmp_path / "star" / "iteration_1.jsonl")]
+  assert len(rows) == history[1]["star/kept_total"]
+  assert not any("Hint" in r["prompt"] for r in rows)
+
+
+def test_cli_runs_two_iterations_of_the_tiny_config(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "run.py"),
+       f"--config={os.path.join(ROOT, 'configs', 'star_tiny.py')}",
+       f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=300,
+      cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "eval_before: " in result.stdout and "eval_after: " in result.stdout
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  for r in rows[1:]:
+    assert r["star/problems"] == 10
+    assert {"eval/greedy_accuracy", "star/kept_direct",
+            "star/kept_rationalized", "sft/steps"} <= set(r)
+  assert (tmp_path / "star" / "iteration_2.jsonl").exists()
+
+
+def test_config_errors_name_the_field():
+  spec = importlib.util.spec_from_file_location(
+      "star_cqa", os.path.join(ROOT, "configs", "star_commonsenseqa.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for arg in ("commonsenseqa", "gsm8k", "gsm8k_tfds"):
+    with pytest.raises(config_lib.ConfigError, match=r"data\.(eval_)?kwargs"):
+      config_lib.validate(module.get_config(arg))
+  c = module.get_config("commonsenseqa")
+  c.data.kwargs.path = c.data.eval_kwargs.path = "/data/cqa.jsonl"
+  config_lib.validate(c)
+  c.star.micro_batch_size = 3
+  with pytest.raises(config_lib.ConfigError, match="star.micro_batch_size"):
+    config_lib.validate(c)
+  c = _config()
+  c.method = "dpo"
+  with pytest.raises(config_lib.ConfigError, match="'method'"):
+    config_lib.validate(c)
+
+
+def test_commonsenseqa_layout_reads_both_record_shapes(tmp_path):
+  from grpo_jax import registry  # pylint: disable=g-import-not-at-top
+  original = {"answerKey": "B", "id": "x1", "question": {
+      "stem": "Where is a fish?", "choices": [
+          {"label": "A", "text": "tree"}, {"label": "B", "text": "river"}]}}
+  hf = {"id": "x2", "question": "Where is a fish?", "answerKey": "B",
+        "choices": {"label": ["A", "B"], "text": ["tree", "river"]}}
+  path = tmp_path / "cqa.jsonl"
+  path.write_text(json.dumps(original) + "\n" + json.dumps(hf) + "\n")
+  a, b = registry.lookup("dataset", "jsonl")(path=str(path),
+                                             layout="commonsenseqa")
+  assert a.question == b.question == (
+      "Where is a fish?\n(A) tree\n(B) river\n"
+      "Answer with the letter of the correct choice.")
+  assert a.answer == b.answer == "B" and a.choices == ("tree", "river")
+  from grpo_jax.data import DataError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(DataError, match="answerKey"):
+    star.commonsenseqa_example({**hf, "answerKey": "F"}, "row 3")
