@@ -12,6 +12,7 @@ parses flags and calls it.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -22,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, registry, rollout, sampling
+from grpo_jax import checkpoint, evaluation, registry, rollout, sampling
 from grpo_jax import metrics as metrics_lib
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.update import (LossSettings, TrainState, UpdateBatch, cast,
                              init_state, make_optimizer, score_logprobs,
@@ -100,21 +103,25 @@ def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
   return np.asarray(adv_bg, np.float32).reshape(-1)
 
 
-def _minibatches(n: int, size: int, key: np.random.Generator):
-  order = key.permutation(n)
+def _minibatches(n: int, size: int, rng: np.random.Generator):
+  order = rng.permutation(n)
   return [order[i:i + size] for i in range(0, n, size)]
 
 
 def train_step(config, model_config, state, optimizer, packed, adv_n,
-               ref_params, settings: LossSettings, rng: np.random.Generator):
-  """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches."""
+               ref_params, settings: LossSettings, rng: np.random.Generator,
+               layout: sharding_lib.Layout | None = None):
+  """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches.
+  With a layout, batches are row-sharded global arrays (each host gives its
+  rows) and the update keeps the state's shardings."""
   rl = config.rl
   T = packed.mask_nt.shape[1]
   n = packed.tokens_ns.shape[0]
-  cols = (jnp.asarray(packed.tokens_ns), jnp.asarray(packed.positions_ns),
-          jnp.asarray(packed.valid_ns))
+  put = layout.rows if layout is not None else jnp.asarray
+  cols = (put(packed.tokens_ns), put(packed.positions_ns),
+          put(packed.valid_ns))
   metrics, t0 = {}, time.perf_counter()
-  old = jnp.asarray(packed.old_logp_nt)
+  old = put(packed.old_logp_nt)
   if rl.old_logp == "recompute":
     old = score_logprobs(state.params, *cols, model_config, T, settings)
   ref = jnp.zeros_like(old)
@@ -122,17 +129,16 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
     ref = score_logprobs(ref_params, *cols, model_config, T, settings)
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
-  full = UpdateBatch(*cols, jnp.asarray(packed.mask_nt), old, ref,
-                     jnp.asarray(adv_n))
+  full = UpdateBatch(*cols, put(packed.mask_nt), old, ref, put(adv_n))
   mini = rl.mini_batch_size or n
   num_micro = mini // (rl.micro_batch_size or mini)
   t0 = time.perf_counter()
   step_metrics = []
   for _ in range(rl.num_updates):
     for idx in _minibatches(n, mini, rng):
-      batch = jax.tree.map(lambda x: x[idx], full)
+      batch = jax.tree.map(lambda x: put(x[idx]), full)
       state, m = update_step(state, batch, model_config, optimizer,
-                             num_micro, settings)
+                             num_micro, settings, layout)
       step_metrics.append(m)
   step_metrics = jax.device_get(step_metrics)
   metrics["time/update"] = time.perf_counter() - t0
@@ -142,13 +148,53 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   return state, metrics
 
 
+def _restore_or_init(ckpt, workdir: str, config, state: TrainState
+                     ) -> tuple[TrainState, dict]:
+  """The resume order (checkpoint.resolve_init): this run's latest checkpoint,
+  else config.init_from's parameters, else the pretrained weights."""
+  how, where = checkpoint.resolve_init(workdir, config.init_from or None,
+                                       config.model.source)
+  if how == "resume":
+    state, host = ckpt.restore(state, step=where)
+    logging.info("resumed from step %d of %s", where, workdir)
+    return state, host
+  if how == "init_from":
+    params = checkpoint.load_params(where, state.params)
+    logging.info("parameters from %s", where)
+    return state._replace(params=params), {}
+  return state, {}
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+  """On resume, drops metric rows written after the restored checkpoint (they
+  are recomputed), so the log reads like one uninterrupted run."""
+  if os.path.exists(path):
+    rows = [r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
+    with open(path, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def run(config, workdir: str) -> dict:
   """Trains as `config` says, writing everything under `workdir`; returns
-  the final metrics (including the held-out greedy accuracy before/after)."""
+  the final metrics (including the held-out greedy accuracy before/after).
+
+  Restarting with the same workdir resumes exactly from the last checkpoint:
+  the checkpoint holds the TrainState (params, optimizer state, step, PRNG
+  key) and the host state (data iterator position, held-out accuracy before
+  training); mini-batch order is a function of (seed, step). Dynamic
+  sampling discards surplus groups (as DAPO does), so nothing else carries
+  over between steps.
+  """
   config_lib.validate(config)
+  sharding_lib.initialize_distributed(config)  # before any device is used
+  layout = sharding_lib.Layout.from_config(config)
   os.makedirs(workdir, exist_ok=True)
-  writer = metrics_lib.MetricWriter(workdir)
   model_config, params, tokenizer = load_model_and_tokenizer(config)
+  ckpt = checkpoint.Checkpointer(
+      checkpoint.checkpoint_dir(workdir),
+      save_every=config.train.checkpoint_every,
+      keep=config.train.keep_checkpoints, config=config,
+      model_config=model_config)
   train_examples, eval_examples = load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
   spec = rollout.RewardSpec.from_config(config)
@@ -159,22 +205,21 @@ def run(config, workdir: str) -> dict:
   updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
   optimizer = make_optimizer(config.optim,
                              config.train.steps * updates_per_step)
-  ref_params = params if settings.use_kl else None
-  state = init_state(params, optimizer, config.seed)
+  # Policy and reference on one mesh; the reference is its own copy, as the
+  # update donates the policy's buffers.
+  params = layout.shard_params(model_config, params)
+  ref_params = sharding_lib.copy_tree(params) if settings.use_kl else None
+  state = layout.place_state(model_config, optimizer,
+                             init_state(params, optimizer, config.seed))
   del params
-  rng = np.random.default_rng(config.seed)
-  order = rng.permutation(len(train_examples))
-  cursor = 0
-  summary: dict[str, Any] = {}
-
-  def next_prompts():
-    nonlocal cursor, order
-    if cursor + rl.prompts_per_step > len(order):
-      order, cursor = rng.permutation(len(train_examples)), 0
-    chosen = [train_examples[i] for i in
-              order[cursor:cursor + rl.prompts_per_step]]
-    cursor += rl.prompts_per_step
-    return chosen
+  state, host = _restore_or_init(ckpt, workdir, config, state)
+  start = int(state.step) // updates_per_step
+  data = (BatchIterator.from_state(train_examples, host["data"])
+          if "data" in host else
+          BatchIterator(train_examples, rl.prompts_per_step, seed=config.seed))
+  summary: dict[str, Any] = dict(host.get("summary", {}))
+  _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start)
+  writer = metrics_lib.MetricWriter(workdir)
 
   def evaluate(step):
     m = evaluation.evaluate_policy(config, model_config, state.params,
@@ -183,10 +228,10 @@ def run(config, workdir: str) -> dict:
     logging.info("step %d: %s", step, m)
     return m
 
-  if config.train.eval_at_start and eval_examples:
+  if config.train.eval_at_start and eval_examples and start == 0:
     summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
-  progress = _progress(config.train.steps, config.train.progress)
-  for step in range(config.train.steps):
+  progress = _progress(config.train.steps, config.train.progress, start)
+  for step in range(start, config.train.steps):
     t_step = time.perf_counter()
     key = jax.random.wrap_key_data(state.key)
     key, step_key = jax.random.split(key)
@@ -196,7 +241,7 @@ def run(config, workdir: str) -> dict:
     # SAMPLE + SCORE
     def generate(i):
       return rollout.generate_groups(
-          model_config, compute, tokenizer, next_prompts(),
+          model_config, compute, tokenizer, next(data),
           jax.random.fold_in(step_key, i), sample_cfg, rl.num_generations,
           spec, config.data.template, config.data.system_prompt)
 
@@ -210,9 +255,9 @@ def run(config, workdir: str) -> dict:
                     "advantage/std": float(adv_n.std()),
                     "advantage/abs_max": float(np.abs(adv_n).max())})
     # REFERENCE + UPDATE
-    state, update_metrics = train_step(config, model_config, state,
-                                       optimizer, packed, adv_n, ref_params,
-                                       settings, rng)
+    state, update_metrics = train_step(
+        config, model_config, state, optimizer, packed, adv_n, ref_params,
+        settings, np.random.default_rng([config.seed, step]), layout)
     metrics.update(update_metrics)
     metrics["learning_rate"] = float(optimizer_lr(config, state))
     metrics["time/step"] = time.perf_counter() - t_step
@@ -229,8 +274,15 @@ def run(config, workdir: str) -> dict:
       evaluate(step + 1)
     summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
                                             "loss") if k in metrics})
+    ckpt.save(step + 1, state, {"data": data.state_dict(), "summary": summary},
+              force=step + 1 == config.train.steps)
+    if ckpt.preempted:
+      logging.warning("pre-empted: checkpoint saved at step %d", step + 1)
+      break
   progress.close()
-  if config.train.eval_at_end and eval_examples:
+  ckpt.close()
+  finished = int(state.step) // updates_per_step == config.train.steps
+  if finished and config.train.eval_at_end and eval_examples:
     summary["eval_after"] = evaluate(config.train.steps)["eval/greedy_accuracy"]
   writer.close()
   if config.train.plot:
@@ -250,6 +302,7 @@ def optimizer_lr(config, state: TrainState) -> float:
       int(state.step))
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  return tqdm(total=total, disable=not enabled, desc="train", unit="step")
+  return tqdm(total=total, initial=initial, disable=not enabled, desc="train",
+              unit="step")

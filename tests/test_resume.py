@@ -1,0 +1,72 @@
+"""Exact resume of the real trainer after SIGKILL at a random point."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from grpo_jax import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+_VOLATILE = ("time/", "tokens_per_second")  # and every "*seconds": timings
+
+
+def _command(workdir):
+  return [sys.executable, os.path.join(ROOT, "experiments", "run.py"),
+          f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}",
+          f"--workdir={workdir}", f"--config.train.steps={STEPS}",
+          "--config.train.checkpoint_every=1", "--config.train.eval_at_start=false"]
+
+
+def _run(workdir, timeout=600):
+  subprocess.run(_command(workdir), check=True, timeout=timeout, cwd=ROOT,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _metrics(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [{k: v for k, v in r.items()
+           if not k.startswith(_VOLATILE) and not k.endswith("seconds")}
+          for r in rows]
+
+
+def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
+  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+  _run(straight)
+  # Start, wait until a random checkpoint is finalised, then SIGKILL.
+  kill_after = random.Random(0).randint(1, STEPS - 1)
+  proc = subprocess.Popen(_command(killed), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True)
+  try:
+    deadline = time.time() + 600
+    ckpt_dir = checkpoint.checkpoint_dir(killed)
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.isdir(ckpt_dir) and kill_after in checkpoint.finalized_steps(
+          ckpt_dir):
+        time.sleep(random.Random(1).uniform(0.0, 1.0))
+        break
+      time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  assert max(checkpoint.finalized_steps(ckpt_dir)) < STEPS
+  _run(killed)   # resumes from the latest finalised checkpoint
+  a = checkpoint.load_params(straight)
+  b = checkpoint.load_params(killed)
+  for x, y in zip(_leaves(a), _leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)   # bitwise on CPU
+  assert _metrics(straight) == _metrics(killed)
+
+
+def _leaves(tree):
+  import jax  # pylint: disable=import-outside-toplevel
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
