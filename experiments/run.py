@@ -35,8 +35,14 @@ def main(argv):
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join("workdirs", config.name)
   logging.info("config:\n%s", config)
+  from grpo_jax import checkpoint, runs  # pylint: disable=import-outside-toplevel
   run = star.run if config.method == "star" else train.run
-  summary = run(config, workdir)
+  # Every run is recorded (name, config, commit, times, status, metrics,
+  # workdir, checkpoint) in the run store: experiments/runs.py list|show|compare.
+  with runs.RunStore().record(config.name, config, workdir) as record:
+    summary = run(config, workdir)
+    record.metrics = runs.scalar_metrics(summary)
+    record.checkpoint = checkpoint.latest_checkpoint(workdir)
   for key in ("eval_before", "eval_after", "reward/mean", "plot"):
     if key in summary:
       print(f"{key}: {summary[key]}")

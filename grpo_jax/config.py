@@ -211,6 +211,11 @@ def validate(config: ConfigDict) -> ConfigDict:
   _check_ranges(config)
   _check_eval(config.eval)
   _check_data_paths(config.data)
+  if not config.model.source:
+    raise ConfigError("config field 'model.source' is unset: give a preset "
+                      "name (e.g. smollm2-135m-instruct), a Hugging Face model "
+                      "directory or a .gguf file, e.g. "
+                      "--config.model.source=/ckpt/Qwen2.5-32B")
   if config.method == "star":
     _check_star(config.star)
   return config
