@@ -199,3 +199,25 @@ def test_bad_settings_are_named():
     sampling.SamplingConfig(top_p=0.0)
   with pytest.raises(ValueError, match="max_new_tokens"):
     sampling.SamplingConfig(max_new_tokens=0)
+
+
+def test_greedy_equals_uncached_argmax_on_bundled_smollm2():
+  from grpo_jax.models import load_pretrained  # pylint: disable=import-outside-toplevel
+  from grpo_jax.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  config, params = load_pretrained("smollm2-135m-instruct")
+  tok = load_tokenizer("smollm2-135m-instruct")
+  prompts = [tok.encode(tok.apply_chat_template(
+      [{"role": "user", "content": q}]))
+             for q in ("What is 7 + 5?", "Name a prime number.")]
+  steps, width = 16, 128
+  cfg = sampling.SamplingConfig(max_new_tokens=steps, greedy=True)
+  out = sampling.sample(config, params, prompts, jax.random.key(0), cfg)
+  fwd = jax.jit(forward, static_argnums=0)
+  for b, prompt in enumerate(prompts):
+    seq = list(prompt)
+    for _ in range(steps):
+      padded = np.zeros((1, width), np.int32)
+      padded[0, :len(seq)] = seq
+      logits = fwd(config, params, jnp.asarray(padded))[0, len(seq) - 1]
+      seq.append(int(jnp.argmax(logits)))
+    np.testing.assert_array_equal(out.tokens_bt[b], seq[len(prompt):])
