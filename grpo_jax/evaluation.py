@@ -246,7 +246,8 @@ def eval_sampling_config(config, tokenizer, *, greedy: bool,
       pad_id=tokenizer.pad_id or 0)
 
 
-def _decode(tokenizer, batch: rollout.GroupBatch) -> list[list[str]]:
+def completion_texts(tokenizer, batch: rollout.GroupBatch
+                     ) -> list[list[str]]:
   """The completion texts of a group batch, [B][G], as the rewards read them
   (the stop token is not part of the text)."""
   ends_bg = batch["length"] - (~batch["truncated"])
@@ -270,7 +271,7 @@ def sample_completions(config, model_config, params, tokenizer, examples,
         model_config, params, tokenizer, examples[start:start + size],
         jax.random.fold_in(key, start), cfg, n, spec, config.data.template,
         config.data.system_prompt, batch_multiple=size)
-    texts += _decode(tokenizer, batch)
+    texts += completion_texts(tokenizer, batch)
     correct.append(batch["correct"])
     lengths.append(batch["length"])
   answers = [[answer(t) for t in row] for row in texts]
