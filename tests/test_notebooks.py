@@ -66,7 +66,6 @@ def test_star_notebook(tmp_path):
   nb = execute("star.ipynb", f"""
 MODEL = "tiny"
 PROBLEMS, EVAL_EXAMPLES, MAX_NEW_TOKENS, SFT_STEPS = 8, 4, 8, 2
-LEARNING_RATE = 1e-3
 WORKDIR = {str(tmp_path / "run")!r}
 """)
   plain, hinted = printed(cell_with(nb, "Rationalisation prompt")).splitlines()
