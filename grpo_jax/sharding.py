@@ -17,7 +17,10 @@ heads are split.
 Placement is by committed input shardings: parameters, optimizer state and
 batches are `NamedSharding`ed global arrays, so the jitted sampler and update
 run SPMD over the mesh without a mesh context. Policy and reference are two
-parameter trees with the same shardings on the same mesh.
+parameter trees with the same shardings on the same mesh. (The sampler
+builds its prompt rows itself, so today its batch and KV cache are split
+only as XLA propagates the params' shardings - heads over tensor - and its
+rows are replicated over data and fsdp.)
 
 Multi-host (SPMD, every host runs the same program): `initialize_distributed`
 joins the processes before any other JAX call. Every host builds the same
@@ -148,7 +151,8 @@ def logical_rules(mesh_cfg) -> Rules:
                  (target,) if isinstance(target, str) else tuple(target))
     if logical not in _known_logical_axes():
       raise ConfigError(f"config field 'mesh.rules': unknown logical axis "
-                        f"{logical!r}; allowed: {sorted(_known_logical_axes())}")
+                        f"{logical!r}; allowed: "
+                        f"{sorted(_known_logical_axes())}")
     for axis in mesh_axes:
       if axis not in mesh_cfg.axes:
         raise ConfigError(f"config field 'mesh.rules': {logical!r} -> "

@@ -1,0 +1,199 @@
+"""Sharded vs single-device numerics on 8 fake CPU devices (a script).
+
+tests/test_sharding.py runs this in a subprocess, because the device count
+must be fixed before JAX starts and the rest of the suite runs on one device.
+For each mesh (data, fsdp, tensor) given on the command line it checks, with
+the tiny model and the default `config.mesh.rules`:
+
+  - every parameter's `.sharding.spec` and shard shape are what the rules say,
+  - greedy sampling (`sampling.sample` with sharded params) gives the same
+    tokens and log-probs as one device,
+  - the loss and the gradient (micro-batched, KL on) match one device,
+  - one `update_step` (donated, sharded state) gives the same params and keeps
+    every leaf's sharding.
+
+It prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
+"""
+import os
+
+if __name__ == "__main__":  # before JAX starts a backend; importers keep theirs
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
+
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax import config as config_lib
+from grpo_jax import sampling, sharding, update
+from grpo_jax.models import get_preset, init_params
+
+MODEL = get_preset("tiny")   # H=4, K=2, hd=16, D=64, F=128, V=256, L=2
+SETTINGS = update.LossSettings(chunk=4, use_kl=True, kl_beta=0.05)
+NUM_MICRO = 2
+GREEDY = sampling.SamplingConfig(max_new_tokens=6, greedy=True)
+# A step large enough to see (lr 1e-2), and eps large enough that Adam's
+# first step is ~ linear in small gradients instead of ~ their sign, which
+# float32 rounding noise could flip.
+OPTIM = config_lib.base_config().optim
+OPTIM.update(learning_rate=1e-2, eps=1e-3)
+PROMPTS = [[5, 9, 17, 3], [40, 2], [7, 7, 100, 31, 64, 8], [1, 250, 99]]
+
+# Expected specs, written out by hand from the default rules (not computed
+# by the code under test). Size-1 mesh axes never appear in a spec.
+_REPLICATED = {"final_norm": P(), "attn_norm": P(), "mlp_norm": P()}
+
+
+def _specs(embed, wq, wkv, wo, w_in, w_down):
+  return {**_REPLICATED, "embed": embed, "wq": wq, "wk": wkv, "wv": wkv,
+          "wo": wo, "w_gate": w_in, "w_up": w_in, "w_down": w_down}
+
+
+EXPECTED = {
+    (8, 1, 1): _specs(P(), P(), P(), P(), P(), P()),
+    (1, 8, 1): _specs(P(None, "fsdp"), P(None, "fsdp"), P(None, "fsdp"),
+                      P(None, None, None, "fsdp"), P(None, "fsdp"),
+                      P(None, None, "fsdp")),
+    (2, 2, 2): _specs(P("tensor", "fsdp"), P(None, "fsdp", "tensor"),
+                      P(None, "fsdp", "tensor"),
+                      P(None, "tensor", None, "fsdp"),
+                      P(None, "fsdp", "tensor"), P(None, "tensor", "fsdp")),
+    # kv_heads = 2 does not divide by tensor = 4: wk, wv fall back to
+    # replication on that axis while wq's 4 heads are split.
+    (1, 2, 4): _specs(P("tensor", "fsdp"), P(None, "fsdp", "tensor"),
+                      P(None, "fsdp"), P(None, "tensor", None, "fsdp"),
+                      P(None, "fsdp", "tensor"), P(None, "tensor", "fsdp")),
+}
+EXPECTED_ROWS = {(8, 1, 1): P("data"), (1, 8, 1): P("fsdp"),
+                 (2, 2, 2): P(("data", "fsdp")), (1, 2, 4): P("fsdp")}
+# Shard shapes of two leaves, by hand: wq (L, D, H, hd), embed (V, D).
+EXPECTED_SHARD = {
+    (8, 1, 1): {"wq": (2, 64, 4, 16), "embed": (256, 64)},
+    (1, 8, 1): {"wq": (2, 8, 4, 16), "embed": (256, 8)},
+    (2, 2, 2): {"wq": (2, 32, 2, 16), "embed": (128, 32)},
+    (1, 2, 4): {"wq": (2, 32, 1, 16), "wk": (2, 32, 2, 16),
+                "embed": (64, 32)},
+}
+
+
+def make_batch(n: int = 16, p: int = 8, t: int = 8) -> update.UpdateBatch:
+  """A fixed update batch: left-padded prompts, ragged completions."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, MODEL.vocab_size, (n, p + t)).astype(np.int32)
+  prompt_len = rng.integers(2, p + 1, n)
+  comp_len = rng.integers(1, t + 1, n)
+  col = np.arange(p + t)[None]
+  pad = (p - prompt_len)[:, None]
+  valid = (col >= pad) & (col < p + comp_len[:, None])
+  positions = np.maximum(col - pad, 0).astype(np.int32)
+  mask = (np.arange(t)[None] < comp_len[:, None]).astype(np.float32)
+  old = (-3.0 + 0.3 * rng.standard_normal((n, t))).astype(np.float32)
+  ref = (old + 0.1 * rng.standard_normal((n, t))).astype(np.float32)
+  adv = rng.standard_normal(n).astype(np.float32)
+  return update.UpdateBatch(tokens, positions, valid, mask, old * mask,
+                            ref * mask, adv)
+
+
+@jax.jit
+def loss_and_grad(params, batch):
+  """The whole batch's loss and gradient (no micro-batches: update_step
+  covers those) - one compile, not two."""
+  norm = update.global_normalisers(batch.mask_nt, SETTINGS)
+  (loss, _), grads = jax.value_and_grad(update.loss_fn, has_aux=True)(
+      params, MODEL, batch, norm, SETTINGS.kl_beta, SETTINGS)
+  return loss, grads
+
+
+def run_all(params, batch, optimizer, layout=None):
+  """Greedy samples, (grads, loss) and the state after one update."""
+  samples = sampling.sample(MODEL, params, PROMPTS, jax.random.key(3), GREEDY,
+                            num_generations=2)
+  loss, grads = loss_and_grad(params, batch)
+  # A copy: the update donates its state, and `params` is used again.
+  state = update.init_state(jax.tree.map(jnp.copy, params), optimizer, seed=0)
+  if layout is not None:
+    state = layout.place_state(MODEL, optimizer, state)
+  placed = jax.tree.map(lambda x: x.sharding, state)
+  new_state, metrics = update.update_step(state, batch, MODEL, optimizer,
+                                          NUM_MICRO, SETTINGS, layout)
+  return dict(samples=jax.device_get(samples), grads=jax.device_get(grads),
+              loss=float(loss), new_params=jax.device_get(new_state.params),
+              metrics_loss=float(metrics["loss"]), placed=placed,
+              new_state=new_state)
+
+
+def check_specs(shape, params) -> None:
+  expected = EXPECTED[shape]
+  flat = {**{k: v for k, v in params.items() if k != "layers"},
+          **params["layers"]}
+  for name, x in flat.items():
+    assert x.sharding.spec == expected[name], (
+        f"{name}: spec {x.sharding.spec}, expected {expected[name]}")
+  for name, shard in EXPECTED_SHARD[shape].items():
+    got = flat[name].addressable_shards[0].data.shape
+    assert got == shard, f"{name}: shard shape {got}, expected {shard}"
+
+
+def check_close(name, got, want, rtol=2e-5, atol=2e-6) -> None:
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                          jax.tree.leaves(want)):
+    np.testing.assert_allclose(
+        g, w, rtol=rtol, atol=atol,
+        err_msg=f"{name} {jax.tree_util.keystr(path)}")
+
+
+def check_mesh(shape, params, batch, optimizer, ref) -> None:
+  config = config_lib.base_config()
+  config.mesh.shape = shape
+  layout = sharding.Layout.from_config(config)
+  sharded = layout.shard_params(MODEL, params)
+  check_specs(shape, sharded)
+  placed_batch = jax.tree.map(layout.rows, batch)
+  assert placed_batch.tokens_ns.sharding.spec == EXPECTED_ROWS[shape], (
+      placed_batch.tokens_ns.sharding.spec)
+  out = run_all(sharded, placed_batch, optimizer, layout)
+  np.testing.assert_array_equal(out["samples"].tokens_bt,
+                                ref["samples"].tokens_bt)
+  check_close("sample logp", out["samples"].logp_bt, ref["samples"].logp_bt)
+  np.testing.assert_allclose(out["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(out["metrics_loss"], ref["metrics_loss"],
+                             rtol=1e-5, atol=1e-7)
+  check_close("grad", out["grads"], ref["grads"], atol=2e-7)
+  check_close("updated params", out["new_params"], ref["new_params"],
+              atol=1e-6)
+  kept = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim),
+                      out["new_state"], out["placed"])
+  assert all(jax.tree.leaves(kept)), f"update changed shardings: {kept}"
+
+
+def main(argv) -> int:
+  shapes = [tuple(int(v) for v in a.split(",")) for a in argv[1:]]
+  assert jax.device_count() == 8, jax.devices()
+  params = init_params(MODEL, jax.random.key(0))
+  batch = make_batch()
+  optimizer = update.make_optimizer(OPTIM, 10)
+  t0 = time.perf_counter()
+  ref = run_all(params, jax.tree.map(jnp.asarray, batch), optimizer)
+  print(f"# reference {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+  failed = False
+  for shape in shapes:
+    t0 = time.perf_counter()
+    try:
+      check_mesh(shape, params, batch, optimizer, ref)
+      result = {"mesh": shape, "ok": True, "error": ""}
+    except Exception:  # pylint: disable=broad-except
+      result = {"mesh": shape, "ok": False, "error": traceback.format_exc()}
+      failed = True
+    print(json.dumps(result), flush=True)
+    print(f"# {shape} {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+  return int(failed)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
