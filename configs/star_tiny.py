@@ -15,6 +15,7 @@ def get_config(arg=None):
   c.data.eval_kwargs = dict(num_examples=4, levels=1, seed=1)
   c.data.template = "last_number"
   c.sampling.max_new_tokens = 8
+  c.sampling.temperature = 0.0        # greedy: eval and STaR share one program
   c.star.iterations = 2
   c.star.sample_batch = 4
   c.star.sft_steps = 2

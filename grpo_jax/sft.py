@@ -194,17 +194,22 @@ def accumulate_gradients(params: Params, model_config: ModelConfig,
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
-                                             "num_micro", "s"),
+                                             "num_micro", "s", "layout"),
                    donate_argnames=("state",))
 def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
              optimizer: optax.GradientTransformation, num_micro: int,
-             s: SFTSettings) -> tuple[TrainState, dict]:
+             s: SFTSettings, layout=None) -> tuple[TrainState, dict]:
   """One optimizer update on the completion-token NLL. The state is donated:
-  pass a copy of parameters that must survive (e.g. the original model)."""
+  pass a copy of parameters that must survive (e.g. the original model).
+  With a `sharding.Layout` the new state keeps the placed state's shardings
+  (batches then come row-sharded, `layout.rows`)."""
   loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
                                                  batch, num_micro, s)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
              "tokens": num_tokens}
-  return TrainState(state.step + 1, params, opt_state, state.key), metrics
+  new_state = TrainState(state.step + 1, params, opt_state, state.key)
+  if layout is not None:
+    new_state = layout.constrain_state(model_config, optimizer, new_state)
+  return new_state, metrics

@@ -159,7 +159,11 @@ def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
     return params, metrics
 
   monkeypatch.setattr(star, "finetune", spy)
-  config = _config(iterations=2, few_shot=0, sft_steps=3, sft_growth=1.5)
+  # Iteration 1, then a second run in the same workdir that resumes from its
+  # checkpoint for iteration 2.
+  config = _config(iterations=1, few_shot=0, sft_steps=3, sft_growth=1.5)
+  star.run(config, str(tmp_path))
+  config.star.iterations = 2
   summary = star.run(config, str(tmp_path))
   from grpo_jax.train import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   original = jax.tree.map(np.array, load_model_and_tokenizer(config)[1])
@@ -168,20 +172,23 @@ def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
   assert len(starts) == 2
   assert same(starts[0], original) and same(starts[1], original)
   assert not same(results[0], original)
-  # Sampling calls: eval 0, (direct, hinted) x 2 iterations, eval after each.
-  # Iteration 2 samples with M_1, the model fine-tuned in iteration 1.
+  # Sampler calls: eval 0, (direct, hinted), eval 1 | resumed: (direct,
+  # hinted), eval 2. Iteration 2 samples with M_1 (restored), tunes M_0.
   seen = scripted.params_seen
   assert len(seen) == 7
   assert same(seen[1], original) and same(seen[2], original)
   assert same(seen[4], results[0]) and same(seen[5], results[0])
   assert same(summary["params"], results[1])
   history = summary["history"]
+  assert [h["step"] for h in history] == [0, 1, 2]
   assert [h["sft/steps"] for h in history[1:]] == [3, 4]   # 3 * 1.5 = 4.5
   assert all(h["star/kept_total"] > 0 for h in history[1:])
   assert history[1]["sft/loss_last"] < history[1]["sft/loss_first"]
-  rows = [json.loads(l) for l in open(tmp_path / "star" / "iteration_1.jsonl")]
-  assert len(rows) == history[1]["star/kept_total"]
-  assert not any("Hint" in r["prompt"] for r in rows)
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  kept = [json.loads(l) for l in open(tmp_path / "star" / "iteration_1.jsonl")]
+  assert len(kept) == history[1]["star/kept_total"]
+  assert not any("Hint" in r["prompt"] for r in kept)
 
 
 def test_cli_runs_two_iterations_of_the_tiny_config(tmp_path):

@@ -32,9 +32,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from grpo_jax import checkpoint
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation, registry, rollout, sampling, sft, train
 from grpo_jax import metrics as metrics_lib
+from grpo_jax import sharding as sharding_lib
 from grpo_jax.data import DataError, Example, answer_hint, format_choices
 from grpo_jax.update import cast, init_state, make_optimizer
 
@@ -81,8 +83,9 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
                   ) -> tuple[list[Optional[tuple[int, ...]]], dict[str, int]]:
   """Samples `num_samples` completions per prompt; per prompt, the token ids
   (stop token included) of the first one that the accuracy reward verifies
-  and that ended within the budget, else None. Also counts."""
-  G, size = num_samples, min(batch, len(prompts))
+  and that ended within the budget, else None. Also counts. Every call is
+  padded to `batch` prompts: one compiled shape however many remain."""
+  G, size = num_samples, batch
   found: list[Optional[tuple[int, ...]]] = []
   counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0, tokens=0)
   for start in range(0, len(prompts), size):
@@ -128,6 +131,8 @@ def collect_examples(config, model_config, params, tokenizer,
   (when star.rationalize): Algorithm 1, lines 3-6."""
   st, d = config.star, config.data
   cfg = train.sampling_config(config, tokenizer)
+  if cfg.is_greedy:  # the evaluation's greedy program: compiled once for both
+    cfg = evaluation.eval_sampling_config(config, tokenizer, greedy=True)
   questions = [p.question for p in problems]
   answers = [p.answer for p in problems]
   stored = rollout.render_prompts(tokenizer, d.template, questions,
@@ -204,10 +209,12 @@ def _cached_optimizer(optim_items: tuple, total: int):
 
 def finetune(config, model_config, original: Params,
              examples: Sequence[sft.SFTExample], steps: int, pad_id: int,
-             seed: int) -> tuple[Params, dict[str, float]]:
+             seed: int, layout: Optional[sharding_lib.Layout] = None
+             ) -> tuple[Params, dict[str, float]]:
   """`steps` SFT updates starting from the ORIGINAL weights with a fresh
   optimizer state (Algorithm 1, l. 7: M_n = train(M, D_n)). `original` is
-  left intact: the jitted step donates its state, so it trains a copy."""
+  left intact: the jitted step donates its state, so it trains a copy
+  (placed on `layout`'s mesh when given)."""
   st = config.star
   row_len = st.row_length or sampling.bucket(
       max(map(sft.example_length, examples)))
@@ -215,16 +222,24 @@ def finetune(config, model_config, original: Params,
   if not fits:
     raise ValueError(f"no kept example fits star.row_length={row_len}")
   optimizer = sft_optimizer(config.optim, steps)
-  state = init_state(jax.tree.map(jnp.copy, original), optimizer, seed)
+  state = init_state(sharding_lib.copy_tree(original), optimizer, seed)
+  put = jnp.asarray
+  if layout is not None:
+    # Placed through the same sharding constraint as sft_step's output: with
+    # `layout.place_state` (device_put) the second step's input state has
+    # another aval type and the step compiles twice.
+    state = jax.jit(functools.partial(layout.constrain_state, model_config,
+                                      optimizer))(state)
+    put = layout.rows
   batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
                             np.random.default_rng(seed))
   num_micro = st.batch_size // (st.micro_batch_size or st.batch_size)
   settings = sft.SFTSettings.from_config(config)
   t0, losses = time.perf_counter(), []
   for _ in range(steps):
-    batch = jax.tree.map(jnp.asarray, next(batches))
+    batch = jax.tree.map(put, next(batches))
     state, m = sft.sft_step(state, batch, model_config, optimizer, num_micro,
-                            settings)
+                            settings, layout)
     losses.append(m["loss"])
   losses = [float(x) for x in jax.device_get(losses)]
   return state.params, {
@@ -263,44 +278,72 @@ def _save_kept(path: str, tokenizer, problems: Sequence[Example],
           "completion": tokenizer.decode(e.completion_ids)}) + "\n")
 
 
+def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
+           original: Params) -> tuple[Params, Params, list[dict]]:
+  """(original model, current model, history) by the resume order
+  (checkpoint.resolve_init): this run's latest outer iteration (its M_n and
+  metrics), else config.init_from's params as the original model, else the
+  pretrained weights."""
+  how, where = checkpoint.resolve_init(workdir, config.init_from or None,
+                                       config.model.source)
+  if how == "resume":
+    tree, host = ckpt.restore({"params": original}, step=where)
+    logging.info("STaR: resumed after outer iteration %d", where)
+    return original, tree["params"], host["history"]
+  if how == "init_from":
+    original = checkpoint.load_params(where, original)
+  return original, original, []
+
+
 def run(config, workdir: str) -> dict:
-  """STaR as `config` says, writing metrics.jsonl, TensorBoard, curves.png
-  and the kept examples (star/iteration_<n>.jsonl) under `workdir`. Returns
-  eval_before / eval_after (held-out greedy accuracy), the per-iteration
-  history and the final params."""
+  """STaR as `config` says, writing metrics.jsonl, TensorBoard, curves.png,
+  the kept examples (star/iteration_<n>.jsonl) and a checkpoint of M_n every
+  train.checkpoint_every outer iterations and after the last (restarting in
+  the same workdir resumes there) under `workdir`. Returns eval_before /
+  eval_after (held-out greedy accuracy), the per-iteration history and the
+  final params."""
   config_lib.validate(config)
   if config.method != "star":
     raise config_lib.ConfigError(f"star.run needs method='star', got "
                                  f"{config.method!r}")
+  sharding_lib.initialize_distributed(config)  # before any device is used
   st = config.star
   os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
-  writer = metrics_lib.MetricWriter(workdir)
   model_config, original, tokenizer = train.load_model_and_tokenizer(config)
   problems, held_out = train.load_examples(config)
   held_out = held_out[:config.train.eval_examples]
   shots, problems = split_shots(problems, st.few_shot)
   spec = rollout.RewardSpec.from_config(config)
-  key, rng = jax.random.key(config.seed), np.random.default_rng(config.seed)
-  history: list[dict] = []
+  layout = sharding_lib.Layout.from_config(config)
+  ckpt = checkpoint.Checkpointer(
+      checkpoint.checkpoint_dir(workdir),
+      save_every=config.train.checkpoint_every,
+      keep=config.train.keep_checkpoints, config=config,
+      model_config=model_config)
+  original, params, history = _start(
+      config, workdir, ckpt, layout.shard_params(model_config, original))
+  writer = _metric_writer(workdir, history)
 
   def evaluate(n: int, params, metrics: dict) -> None:
     metrics = {**evaluation.evaluate_policy(
         config, model_config, params, tokenizer, held_out).metrics, **metrics}
-    history.append(writer.write(n, metrics))
+    history.append({"step": n, **writer.write(n, metrics)})
     logging.info("STaR iteration %d: %s", n, history[-1])
 
-  evaluate(0, original, {})
-  params = original
-  for n in range(1, st.iterations + 1):
+  if not history:
+    evaluate(0, original, {})
+  for n in range(len(history), st.iterations + 1):
     chosen = problems
     if st.problems_per_iteration and st.problems_per_iteration < len(problems):
+      rng = np.random.default_rng([config.seed, n])
       idx = rng.choice(len(problems), st.problems_per_iteration, replace=False)
       chosen = [problems[i] for i in sorted(idx)]
     use_shots = shots if n == 1 or not st.few_shot_first_only else []
     t0 = time.perf_counter()
     kept, metrics = collect_examples(
         config, model_config, cast(params, config.model.compute_dtype),
-        tokenizer, chosen, use_shots, jax.random.fold_in(key, n), spec)
+        tokenizer, chosen, use_shots, jax.random.fold_in(
+            jax.random.key(config.seed), n), spec)
     metrics["time/sample"] = time.perf_counter() - t0
     _save_kept(os.path.join(workdir, "star", f"iteration_{n}.jsonl"),
                tokenizer, chosen, kept)
@@ -309,11 +352,17 @@ def run(config, workdir: str) -> dict:
     if kept.examples:
       params, m = finetune(config, model_config, original, kept.examples,
                            finetune_steps(st, n), tokenizer.pad_id or 0,
-                           config.seed + n)
+                           config.seed + n, layout)
       metrics.update(m)
     else:
       metrics["sft/steps"] = 0
     evaluate(n, params, metrics)
+    ckpt.save(n, {"params": params}, {"history": history},
+              force=n == st.iterations)
+    if ckpt.preempted:
+      logging.warning("pre-empted: checkpoint saved after iteration %d", n)
+      break
+  ckpt.close()
   writer.close()
   summary = {"eval_before": history[0]["eval/greedy_accuracy"],
              "eval_after": history[-1]["eval/greedy_accuracy"],
@@ -323,6 +372,15 @@ def run(config, workdir: str) -> dict:
         history, os.path.join(workdir, "curves.png"), keys=CURVES,
         title=f"{config.name} (x: outer iteration)")
   return summary
+
+
+def _metric_writer(workdir: str, history: list[dict]
+                   ) -> metrics_lib.MetricWriter:
+  """A writer whose metrics.jsonl holds exactly `history` (on resume, rows
+  written after the restored iteration are dropped: they are recomputed)."""
+  with open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(row) + "\n" for row in history)
+  return metrics_lib.MetricWriter(workdir)
 
 
 def plot_comparison(runs: Mapping[str, str], png_path: str,

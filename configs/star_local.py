@@ -1,0 +1,64 @@
+"""STaR on the bundled SmolLM2-135M with generated tasks, on 2 CPU cores.
+
+    python experiments/run.py --config=configs/star_local.py:word_problems
+    python experiments/run.py --config=configs/star_local.py:word_problems \
+        --config.star.rationalize=False          # the paper's ablation
+    python experiments/run.py --config=configs/star_local.py:commonsense_mc
+
+word_problems: one-step integer word problems with worked rationales
+(grpo_jax/data/word_problems.py), scored by the last number.
+commonsense_mc: "which of these is the heaviest/fastest/..." with three
+lettered choices (grpo_jax/data/commonsense.py), scored by the letter.
+
+The algorithm is the paper's (rationalisation, every iteration fine-tuned
+from the original model, +20% steps per iteration); the scale is a CPU's:
+a few dozen problems, a few fine-tuning steps, short completions.
+"""
+from grpo_jax.config import base_config
+
+
+def word_problems(c):
+  c.data.source = "word_problems"
+  c.data.kwargs = dict(num_examples=64, levels=1, seed=0)
+  c.data.eval_kwargs = dict(num_examples=64, levels=1, seed=12345)
+  c.data.template = "last_number"
+  c.rewards = {"last_number": 1.0}
+  c.accuracy_reward = "last_number"
+  return c
+
+
+def commonsense_mc(c):
+  c.data.source = "commonsense_mc"
+  c.data.kwargs = dict(num_examples=64, levels=2, seed=0)
+  c.data.eval_kwargs = dict(num_examples=64, levels=2, seed=12345)
+  c.data.template = "dapo_answer"      # a last line "Answer: <letter>"
+  c.rewards = {"multiple_choice": 1.0}
+  c.accuracy_reward = "multiple_choice"
+  return c
+
+
+_TASKS = {"word_problems": word_problems, "commonsense_mc": commonsense_mc}
+
+
+def get_config(arg=None):
+  arg = arg or "word_problems"
+  if arg not in _TASKS:
+    raise ValueError(f"unknown task {arg!r}; known: {sorted(_TASKS)}")
+  c = base_config()
+  c.name = f"star_{arg}"
+  c.description = __doc__.splitlines()[0]
+  c.method = "star"
+  c.model.source = "smollm2-135m-instruct"
+  c.data.system_prompt = "You are a concise assistant."
+  c.sampling.max_new_tokens = 64
+  c.sampling.temperature = 0.0        # greedy rationales (one sampler program)
+  c.star.iterations = 2
+  c.star.sample_batch = 64
+  c.star.sft_steps = 8
+  c.star.batch_size = 2               # rows of 256 tokens, ~2 examples each
+  c.star.pack = True
+  c.star.row_length = 256
+  c.optim.learning_rate = 5e-5
+  c.train.eval_examples = 64
+  c.eval.batch_size = 64
+  return _TASKS[arg](c)
