@@ -28,8 +28,8 @@ NO_LENGTHS = np.zeros(1)
 
 def test_every_reward_is_registered():
   assert registry.names("reward") == sorted([
-      "code", "countdown", "format_r1", "format_think", "math", "math_dapo",
-      "multiple_choice", "overlong"])
+      "code", "countdown", "format_r1", "format_think", "last_number", "math",
+      "math_dapo", "multiple_choice", "overlong"])
 
 
 # ---------------------------------------------------------------- format
