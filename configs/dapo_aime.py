@@ -70,7 +70,7 @@ def local(c):
   c.reward_kwargs = {"overlong": dict(max_length=32, cache_length=8)}
   c.accuracy_reward = "last_number"
   c.optim.learning_rate, c.optim.warmup_steps = 2e-5, 2
-  c.train.steps = 20
+  c.train.steps = 4
   c.train.eval_examples = 200
   return c
 
