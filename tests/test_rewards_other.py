@@ -27,9 +27,10 @@ NO_LENGTHS = np.zeros(1)
 
 
 def test_every_reward_is_registered():
-  assert registry.names("reward") == sorted([
-      "code", "countdown", "format_r1", "format_think", "last_number", "math",
-      "math_dapo", "multiple_choice", "overlong"])
+  # Other tests register rewards of their own: every shipped one must be there.
+  assert {"code", "countdown", "format_r1", "format_think", "last_number",
+          "math", "math_dapo", "multiple_choice",
+          "overlong"} <= set(registry.names("reward"))
 
 
 # ---------------------------------------------------------------- format
