@@ -12,7 +12,13 @@ lettered choices (grpo_jax/data/commonsense.py), scored by the letter.
 
 The algorithm is the paper's (rationalisation, every iteration fine-tuned
 from the original model, +20% steps per iteration); the scale is a CPU's:
-a few dozen problems, a few fine-tuning steps, short completions.
+64 problems, 8 -> 10 -> 12 fine-tuning steps of 2 packed rows, 64-token
+greedy rationales. Measured on word_problems (64 held-out, greedy accuracy,
+iterations 0-3): without rationalisation 7.8 -> 35.9 -> 39.1 -> 48.4; with
+it 7.8 -> 25.0 -> 14.1 -> 10.9: at 135M the hinted samples soon just echo
+the hint ("1. The answer is 31. 2. The answer is 31. ..."), and tuning on
+them teaches that. So on this model --config.star.rationalize=False is the
+better setting; the default stays the paper's algorithm.
 """
 from grpo_jax.config import base_config
 

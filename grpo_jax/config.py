@@ -84,6 +84,9 @@ def base_config() -> ConfigDict:
                                        # in the generation prompt only
       few_shot_first_only=False,       # drop them once the model is tuned
       drop_hint_mentions=True,         # rationales that say "hint" are not kept
+      rationale_reasoning_check=False, # keep a rationalisation only if its
+                                       # reasoning (all but the last line)
+                                       # verifies: derived, not asserted
       sample_batch=64,                 # prompts per sampler call
       sft_steps=40,                    # fine-tuning steps of iteration 1 (paper)
       sft_growth=1.2,                  # x steps per iteration (paper: +20%)

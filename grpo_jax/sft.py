@@ -207,7 +207,7 @@ def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
                                                  batch, num_micro, s)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
              "tokens": num_tokens}
   new_state = TrainState(state.step + 1, params, opt_state, state.key)
   if layout is not None:

@@ -33,20 +33,23 @@ def _config(**star_fields):
   # "What is a + b?" with single digits: the scripted model can solve some.
   c.data.source = "arithmetic"
   c.data.kwargs = dict(num_examples=12, levels=1, seed=0)
-  c.sampling.max_new_tokens = 24
+  c.sampling.max_new_tokens = 32
   c.star.sample_batch = 16               # one sampler call per phase
   c.star.update(star_fields)
   return c
 
 
 def _reply(prompt: str) -> str:
-  """The scripted model: copies the hint when it has one (saying "hint" when
-  the answer is even), else solves sums whose first term is odd."""
+  """The scripted model: solves sums whose first term a is odd; given the
+  answer n as a hint, says "hint" when n is even, else derives n when 4
+  divides a and only asserts it otherwise."""
+  a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])
   hints = re.findall(r"Hint: The correct answer is (-?\d+)\.", prompt)
   if hints:   # the last one: exemplars show their own hints first
     n = int(hints[-1])
-    return f"The hint says {n}." if n % 2 == 0 else f"So it is {n}."
-  a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])
+    if n % 2 == 0:
+      return f"The hint says {n}."
+    return f"{a} + {b} = {n}.\nSo it is {n}." if a % 4 == 0 else f"So it is {n}."
   return f"{a} + {b} = {a + b}." if a % 2 else "It is 0."
 
 
@@ -139,6 +142,17 @@ def test_without_rationalisation_only_direct_successes_are_kept(scripted):
   assert not any(kept.rationalized) and len(kept.examples) == 6
   assert "star/rationalization_accuracy" not in metrics
   assert len(scripted.params_seen) == 1      # no second (hinted) sampling
+
+
+def test_reasoning_check_drops_asserted_rationalisations(scripted):
+  kept, metrics = _collect(_config(rationale_reasoning_check=True),
+                           _problems())
+  # Of the odd answers reached with the hint (problems 3, 5, 9, 11), only
+  # those with a = 4, 12 derive the answer before stating it.
+  assert [i for i, r in zip(kept.problem, kept.rationalized) if r] == [3, 11]
+  assert metrics["star/dropped_unreasoned"] == 2
+  assert star.without_last_line("14 + 17 = 31.\nSo 31.") == "14 + 17 = 31."
+  assert star.without_last_line("So 31.\n") == ""
 
 
 def test_finetune_steps_grow_twenty_percent_per_iteration():
@@ -246,3 +260,16 @@ def test_commonsenseqa_layout_reads_both_record_shapes(tmp_path):
   from grpo_jax.data import DataError  # pylint: disable=g-import-not-at-top
   with pytest.raises(DataError, match="answerKey"):
     star.commonsenseqa_example({**hf, "answerKey": "F"}, "row 3")
+
+
+def test_plot_comparison_draws_every_run(tmp_path):
+  for name, acc in (("rat", [0.1, 0.3]), ("norat", [0.1, 0.2])):
+    os.makedirs(tmp_path / name)
+    with open(tmp_path / name / "metrics.jsonl", "w") as f:
+      for step, a in enumerate(acc):
+        f.write(json.dumps({"step": step, "eval/greedy_accuracy": a}) + "\n")
+  png = star.plot_comparison({"with": str(tmp_path / "rat"),
+                              "without": str(tmp_path / "norat")},
+                             str(tmp_path / "cmp.png"),
+                             keys=("eval/greedy_accuracy", "sft/steps"))
+  assert os.path.getsize(png) > 1000

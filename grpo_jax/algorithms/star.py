@@ -76,18 +76,32 @@ def mentions_hint(text: str) -> bool:
 # SAMPLE + FILTER, RATIONALISE.
 # ----------------------------------------------------------------------------
 
+def without_last_line(text: str) -> str:
+  """The reasoning of a completion: everything before its final line."""
+  lines = text.rstrip().split("\n")
+  return "\n".join(lines[:-1])
+
+
 def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
                   answers: Sequence[str], key: jax.Array,
                   cfg: sampling.SamplingConfig, num_samples: int,
-                  spec: rollout.RewardSpec, batch: int, drop_hint_mentions: bool
+                  spec: rollout.RewardSpec, batch: int,
+                  drop_hint_mentions: bool = False,
+                  reasoning_check: bool = False
                   ) -> tuple[list[Optional[tuple[int, ...]]], dict[str, int]]:
   """Samples `num_samples` completions per prompt; per prompt, the token ids
   (stop token included) of the first one that the accuracy reward verifies
   and that ended within the budget, else None. Also counts. Every call is
-  padded to `batch` prompts: one compiled shape however many remain."""
+  padded to `batch` prompts: one compiled shape however many remain.
+
+  For rationalisations: `drop_hint_mentions` rejects completions that say
+  "hint"; `reasoning_check` rejects those whose reasoning (all but the last
+  line) does not itself verify, i.e. the answer is asserted after the hint
+  rather than derived ("14 + 17 = 21. The answer is 31.")."""
   G, size = num_samples, batch
   found: list[Optional[tuple[int, ...]]] = []
-  counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0, tokens=0)
+  counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0,
+                unreasoned=0, tokens=0)
   for start in range(0, len(prompts), size):
     texts, golds = prompts[start:start + size], answers[start:start + size]
     out = jax.device_get(sampling.sample(
@@ -104,6 +118,13 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
       mention = np.array([mentions_hint(c) for c in completions])
       counts["hint_mentions"] += int((usable & mention).sum())
       usable &= ~mention
+    if reasoning_check:
+      _, derived, _ = rollout.score(
+          spec, np.repeat(texts, G).tolist(),
+          [without_last_line(c) for c in completions],
+          np.repeat(golds, G).tolist(), out.length_b)
+      counts["unreasoned"] += int((usable & ~derived).sum())
+      usable &= derived
     for b in range(len(texts)):
       good = np.flatnonzero(usable[b * G:(b + 1) * G])
       row = b * G + good[0] if good.size else None
@@ -137,14 +158,14 @@ def collect_examples(config, model_config, params, tokenizer,
   answers = [p.answer for p in problems]
   stored = rollout.render_prompts(tokenizer, d.template, questions,
                                   d.system_prompt)
-  attempt = lambda prompts, golds, k, drop: first_correct(
+  attempt = lambda prompts, golds, k, **checks: first_correct(
       model_config, params, tokenizer, prompts, golds, k, cfg,
-      st.samples_per_problem, spec, st.sample_batch, drop)
+      st.samples_per_problem, spec, st.sample_batch, **checks)
   # SAMPLE + FILTER
   prompts = stored if not shots else [
       render(tokenizer, d.template, q, d.system_prompt, shots=shots)
       for q in questions]
-  direct, counts = attempt(prompts, answers, jax.random.fold_in(key, 0), False)
+  direct, counts = attempt(prompts, answers, jax.random.fold_in(key, 0))
   kept = {i: (ids, False) for i, ids in enumerate(direct) if ids is not None}
   # RATIONALISE: the hint goes into the sampling prompt only.
   failed = [i for i, ids in enumerate(direct) if ids is None]
@@ -152,9 +173,10 @@ def collect_examples(config, model_config, params, tokenizer,
   if st.rationalize and failed:
     hinted = [render(tokenizer, d.template, questions[i], d.system_prompt,
                      hint=answer_hint(answers[i]), shots=shots) for i in failed]
-    fixed, hinted_counts = attempt(hinted, [answers[i] for i in failed],
-                                   jax.random.fold_in(key, 1),
-                                   st.drop_hint_mentions)
+    fixed, hinted_counts = attempt(
+        hinted, [answers[i] for i in failed], jax.random.fold_in(key, 1),
+        drop_hint_mentions=st.drop_hint_mentions,
+        reasoning_check=st.rationale_reasoning_check)
     kept.update({i: (ids, True) for i, ids in zip(failed, fixed)
                  if ids is not None})
   order = sorted(kept)
@@ -181,6 +203,7 @@ def _collect_metrics(num_problems: int, direct: dict, hinted: dict,
     metrics["star/rationalization_accuracy"] = (
         hinted["correct"] / max(hinted["sampled"], 1))
     metrics["star/dropped_hint_mentions"] = hinted["hint_mentions"]
+    metrics["star/dropped_unreasoned"] = hinted["unreasoned"]
   return metrics
 
 
@@ -390,6 +413,7 @@ def plot_comparison(runs: Mapping[str, str], png_path: str,
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
   rows = {label: metrics_lib.read_jsonl(os.path.join(d, "metrics.jsonl"))
           for label, d in runs.items()}
   fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.0),
@@ -401,6 +425,7 @@ def plot_comparison(runs: Mapping[str, str], png_path: str,
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_title(key)
     ax.set_xlabel("outer iteration")
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
   axes[0][0].legend()
   fig.tight_layout()
