@@ -83,7 +83,8 @@ def base_config() -> ConfigDict:
       few_shot=0,                      # exemplars (question + gold rationale)
                                        # in the generation prompt only
       few_shot_first_only=False,       # drop them once the model is tuned
-      drop_hint_mentions=True,         # rationales that say "hint" are not kept
+      drop_hint_mentions=True,         # rationales that say "hint" or repeat
+                                       # the hint are not kept
       rationale_reasoning_check=False, # keep a rationalisation only if its
                                        # reasoning (all but the last line)
                                        # verifies: derived, not asserted

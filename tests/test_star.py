@@ -41,14 +41,15 @@ def _config(**star_fields):
 
 def _reply(prompt: str) -> str:
   """The scripted model: solves sums whose first term a is odd; given the
-  answer n as a hint, says "hint" when n is even, else derives n when 4
-  divides a and only asserts it otherwise."""
+  answer n as a hint, cites the hint when n is even (saying "hint" or
+  repeating it), else derives n when 4 divides a and only asserts it
+  otherwise."""
   a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])
   hints = re.findall(r"Hint: The correct answer is (-?\d+)\.", prompt)
   if hints:   # the last one: exemplars show their own hints first
     n = int(hints[-1])
     if n % 2 == 0:
-      return f"The hint says {n}."
+      return f"The hint says {n}." if n % 4 else f"The correct answer is {n}."
     return f"{a} + {b} = {n}.\nSo it is {n}." if a % 4 == 0 else f"So it is {n}."
   return f"{a} + {b} = {a + b}." if a % 2 else "It is 0."
 
@@ -132,6 +133,7 @@ def test_hint_never_appears_in_a_stored_example(scripted):
     assert prompt == plain[i]                 # hint-free, shot-free
     assert "Hint" not in prompt and answer_hint(problems[i].answer) not in prompt
     assert "hint" not in completion.lower()
+    assert answer_hint(problems[i].answer) not in completion
     assert completion.rstrip("\0").endswith(f"{problems[i].answer}.")
   # One call for the direct attempts, one for the hinted retries.
   assert len(scripted.params_seen) == 2

@@ -66,10 +66,12 @@ def render(tokenizer, template: str, question: str, system_prompt: str = "",
   return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def mentions_hint(text: str) -> bool:
-  """A rationalisation that talks about its hint ("as the hint says") is no
-  rationale for the prompt it is stored with, which has no hint."""
-  return "hint" in text.lower()
+def mentions_hint(text: str, hint: str) -> bool:
+  """A rationalisation that talks about its hint ("as the hint says") or
+  repeats it ("The correct answer is B.") is no rationale for the prompt it
+  is stored with, which has no hint; and the hint must never reach a stored
+  example."""
+  return "hint" in text.lower() or hint in text
 
 
 # ----------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
                   answers: Sequence[str], key: jax.Array,
                   cfg: sampling.SamplingConfig, num_samples: int,
                   spec: rollout.RewardSpec, batch: int,
-                  drop_hint_mentions: bool = False,
+                  hints: Optional[Sequence[str]] = None,
                   reasoning_check: bool = False
                   ) -> tuple[list[Optional[tuple[int, ...]]], dict[str, int]]:
   """Samples `num_samples` completions per prompt; per prompt, the token ids
@@ -94,16 +96,18 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
   and that ended within the budget, else None. Also counts. Every call is
   padded to `batch` prompts: one compiled shape however many remain.
 
-  For rationalisations: `drop_hint_mentions` rejects completions that say
-  "hint"; `reasoning_check` rejects those whose reasoning (all but the last
-  line) does not itself verify, i.e. the answer is asserted after the hint
-  rather than derived ("14 + 17 = 21. The answer is 31.")."""
+  For rationalisations: with `hints` (one per prompt) completions that
+  mention or repeat their hint are rejected (`mentions_hint`);
+  `reasoning_check` rejects those whose reasoning (all but the last line)
+  does not itself verify, i.e. the answer is asserted after the hint rather
+  than derived ("14 + 17 = 21. The answer is 31.")."""
   G, size = num_samples, batch
   found: list[Optional[tuple[int, ...]]] = []
   counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0,
                 unreasoned=0, tokens=0)
   for start in range(0, len(prompts), size):
     texts, golds = prompts[start:start + size], answers[start:start + size]
+    chunk_hints = None if hints is None else hints[start:start + size]
     out = jax.device_get(sampling.sample(
         model_config, params, tokenizer.encode_batch(texts),
         jax.random.fold_in(key, start), cfg, G, batch_multiple=size))
@@ -114,8 +118,9 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
                                   completions, np.repeat(golds, G).tolist(),
                                   out.length_b)
     usable = correct & ~out.truncated_b
-    if drop_hint_mentions:
-      mention = np.array([mentions_hint(c) for c in completions])
+    if chunk_hints is not None:
+      mention = np.array([mentions_hint(c, h) for c, h in
+                          zip(completions, np.repeat(chunk_hints, G))])
       counts["hint_mentions"] += int((usable & mention).sum())
       usable &= ~mention
     if reasoning_check:
@@ -171,11 +176,12 @@ def collect_examples(config, model_config, params, tokenizer,
   failed = [i for i, ids in enumerate(direct) if ids is None]
   hinted_counts: dict[str, int] = {}
   if st.rationalize and failed:
+    hints = [answer_hint(answers[i]) for i in failed]
     hinted = [render(tokenizer, d.template, questions[i], d.system_prompt,
-                     hint=answer_hint(answers[i]), shots=shots) for i in failed]
+                     hint=h, shots=shots) for i, h in zip(failed, hints)]
     fixed, hinted_counts = attempt(
         hinted, [answers[i] for i in failed], jax.random.fold_in(key, 1),
-        drop_hint_mentions=st.drop_hint_mentions,
+        hints=hints if st.drop_hint_mentions else None,
         reasoning_check=st.rationale_reasoning_check)
     kept.update({i: (ids, True) for i, ids in zip(failed, fixed)
                  if ids is not None})
