@@ -18,7 +18,10 @@ iterations 0-3): without rationalisation 7.8 -> 35.9 -> 39.1 -> 48.4; with
 it 7.8 -> 25.0 -> 14.1 -> 10.9: at 135M the hinted samples soon just echo
 the hint ("1. The answer is 31. 2. The answer is 31. ..."), and tuning on
 them teaches that. So on this model --config.star.rationalize=False is the
-better setting; the default stays the paper's algorithm.
+better setting; the default stays the paper's algorithm. On commonsense_mc
+both reach 23.4 -> 45.3 -> 45.3, but degenerately: the tuned model answers
+"A" every time (29 of the 64 held-out answers are A); most kept examples
+were correct "A" guesses, so the correctness filter amplified a position bias.
 """
 from grpo_jax.config import base_config
 
