@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -50,6 +51,11 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
   except AttributeError:
     return os.cpu_count() or 1
+
+
+def peak_rss_gib() -> float:
+  """This process's peak resident memory so far (Linux: ru_maxrss in KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 def set_torch_threads(n: int) -> int:
@@ -212,6 +218,8 @@ def ratio(ours: float, theirs: float, higher_is_better: bool) -> str:
 
 
 def _fmt(x: Any) -> str:
+  if x is None:
+    return "-"
   if isinstance(x, float):
     if x == 0:
       return "0"

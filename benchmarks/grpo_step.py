@@ -1,7 +1,7 @@
 """One GRPO step, phase by phase: grpo_jax next to TRL's GRPOTrainer.
 
     python benchmarks/grpo_step.py [--prompts 8] [--generations 8]
-        [--new-tokens 64] [--micro-batch 0] [--threads N] [--quick]
+        [--new-tokens 64] [--micro-batch 32] [--threads N] [--quick]
 
 The same SmolLM2-135M-Instruct weights in float32 (grpo_jax loads the
 bundled GGUF; TRL loads the transformers directory grpo_jax builds from it),
@@ -16,11 +16,13 @@ sampling off (one generation batch, as TRL) and only the last_number reward;
 the step is `train.run`'s loop body: rollout.collect (SAMPLE + SCORE),
 pack, advantages, train.train_step (REFERENCE + UPDATE).
 
-TRL: GRPOTrainer on an in-memory Dataset of the 8 prompts,
-per_device_train_batch_size = B*G, gradient_accumulation_steps = 1,
-num_iterations = 1, max_steps = 2, use_cpu, no bf16, no gradient
-checkpointing. Phases are timed by wrapping the trainer's own methods:
-sample = `_generate` (chat template, generate, decode), score =
+TRL: GRPOTrainer on an in-memory Dataset of the 8 prompts, one generation
+of B*G rows per optimizer step (per_device_train_batch_size = --micro-batch,
+gradient_accumulation_steps = B*G / --micro-batch, the same micro-batch as
+grpo_jax's; all B*G rows at once needed ~15 GiB in TRL and was OOM-killed on
+a shared 24 GiB machine), num_iterations = 1, max_steps = 2, use_cpu, no
+bf16, no gradient checkpointing. Phases are timed by wrapping the trainer's
+own methods: sample = `_generate` (chat template, generate, decode), score =
 `_calculate_rewards`, reference = log-prob passes inside
 `_generate_and_score_completions` (none at beta = 0, mu = 1), update = the
 rest of the step (loss, backward, optimizer step), total = on_step_begin to
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import importlib.util
 import os
 import sys
@@ -70,9 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--generations", type=int, default=8, help="G per prompt")
   p.add_argument("--new-tokens", type=int, default=64,
                  help="max completion tokens")
-  p.add_argument("--micro-batch", type=int, default=0,
-                 help="grpo_jax rows per forward/backward (0: all B*G, as "
-                      "TRL's single batch)")
+  p.add_argument("--micro-batch", type=int, default=32,
+                 help="rows per forward/backward on both sides (grpo_jax "
+                      "micro_batch_size, TRL per_device_train_batch_size "
+                      "with gradient accumulation up to B*G); 0: all B*G")
   p.add_argument("--levels", default="1", help="arithmetic levels")
   p.add_argument("--warmup-steps", type=int, default=2,
                  help="grpo_jax steps before the measured one (2: the "
@@ -84,12 +88,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--skip-trl", action="store_true",
                  help="time grpo_jax only (no ratio)")
   p.add_argument("--quick", action="store_true",
-                 help="smoke check: 2 prompts x 4 generations x 8 tokens")
+                 help="smoke check: 2 prompts x 4 generations x 8 tokens, "
+                      "micro-batch 4")
   args = p.parse_args(argv)
   if args.quick:
     args.prompts, args.generations, args.new_tokens = 2, 4, 8
+    args.micro_batch = 4
   if args.generations < 2:
     p.error("--generations must be >= 2 (GRPO's group baseline)")
+  rows = args.prompts * args.generations
+  args.micro_batch = min(args.micro_batch or rows, rows)
+  if rows % args.micro_batch:
+    p.error(f"--micro-batch {args.micro_batch} must divide B*G = {rows}")
   return args
 
 
@@ -264,10 +274,11 @@ def trl_step_times(args, examples, messages) -> list[dict[str, float]]:
       steps.append(row)
 
   with tempfile.TemporaryDirectory() as out_dir:
+    rows = args.prompts * args.generations
     config = trl.GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=(
-            args.prompts * args.generations),
-        gradient_accumulation_steps=1, num_generations=args.generations,
+        output_dir=out_dir, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=rows // args.micro_batch,
+        num_generations=args.generations,
         max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0,
         top_k=0, beta=0.0, num_iterations=1, loss_type="dapo", epsilon=0.2,
         epsilon_high=0.28, learning_rate=args.lr, lr_scheduler_type="constant",
@@ -350,15 +361,39 @@ def main(argv=None) -> int:
                  "last_number template + system prompt (dapo_aime:local)",
       "reward": "last_number (grpo_jax's function on both sides)",
       "grpo_jax": "configs/dapo_aime.py:local, dynamic sampling off, "
-                  f"micro-batch {args.micro_batch or B * G}",
-      "TRL": f"trl GRPOTrainer, per_device_train_batch_size={B * G}, "
-             "max_steps=2, use_cpu, bf16=False, no gradient checkpointing",
+                  f"micro_batch_size {args.micro_batch}",
+      "TRL": "trl GRPOTrainer, per_device_train_batch_size="
+             f"{args.micro_batch} x gradient_accumulation_steps="
+             f"{B * G // args.micro_batch} (one generation of {B * G} rows "
+             "per optimizer step), max_steps=2, use_cpu, bf16=False, no "
+             "gradient checkpointing",
       "timing": f"grpo_jax {args.warmup_steps} warm-up step(s), TRL 1, "
                 "then one measured step each",
   }, threads)
   examples = _common.arithmetic_examples(B, _common.parse_ints(args.levels),
                                          args.seed)
   messages = [_common.chat_messages(e.question) for e in examples]
+  ours, prompt_ids = run_ours(args, examples)
+  print(f"peak RSS after grpo_jax: {_common.peak_rss_gib():.1f} GiB")
+  theirs = None
+  if not args.skip_trl:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        loading.preset_directory(_common.MODEL))
+    if _common.hf_prompt_ids(tokenizer, messages) != prompt_ids:
+      raise RuntimeError("grpo_jax and transformers render the prompts to "
+                         "different token ids")
+    print("prompt token ids identical on both sides")
+    theirs = trl_step_times(args, examples, messages)
+    for i, row in enumerate(theirs):
+      print(f"TRL step {i + 1}: {row['total']:.2f} s")
+    print(f"peak RSS after TRL: {_common.peak_rss_gib():.1f} GiB")
+  print_report(ours, theirs, args, threads)
+  return 0
+
+
+def run_ours(args, examples) -> tuple[list[dict], list[list[int]]]:
+  """grpo_jax's warm-up and measured steps, then its memory is released
+  (the TRL side runs in the same process)."""
   step = OursStep(ours_config(args), examples)
   ours = []
   for i in range(args.warmup_steps + 1):
@@ -370,23 +405,11 @@ def main(argv=None) -> int:
   if ours[-1]["compiles"]:
     raise RuntimeError("grpo_jax compiled during the measured step; raise "
                        "--warmup-steps")
-  theirs = None
-  if not args.skip_trl:
-    hf_ids = _common.hf_prompt_ids(transformers.AutoTokenizer.from_pretrained(
-        _load_directory()), messages)
-    if hf_ids != step.prompt_ids():
-      raise RuntimeError("grpo_jax and transformers render the prompts to "
-                         "different token ids")
-    print("prompt token ids identical on both sides")
-    theirs = trl_step_times(args, examples, messages)
-    for i, row in enumerate(theirs):
-      print(f"TRL step {i + 1}: {row['total']:.2f} s")
-  print_report(ours, theirs, args, threads)
-  return 0
-
-
-def _load_directory():
-  return loading.preset_directory(_common.MODEL)
+  prompt_ids = step.prompt_ids()
+  del step
+  gc.collect()
+  jax.clear_caches()
+  return ours, prompt_ids
 
 
 if __name__ == "__main__":
