@@ -278,7 +278,8 @@ def _is_global(x) -> bool:
 
 
 def put(x, sharding: NamedSharding) -> jax.Array:
-  """One array onto `sharding`: itself if already there, else new buffers.
+  """One array onto `sharding`: itself if already committed there, else new
+  buffers.
   A global array is resharded; a host value (numpy, or a process-local
   jax.Array), which must be identical on every host, is cut into the shards
   this process owns.
@@ -288,8 +289,11 @@ def put(x, sharding: NamedSharding) -> jax.Array:
   the caller's array. (Keep a tree that must outlive a donation, like the
   reference params, as its own `copy_tree`.)
   """
-  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
-                                                              x.ndim):
+  # An uncommitted array (e.g. a fresh jnp.zeros) is re-placed even when its
+  # sharding matches: committed and uncommitted inputs are different jit
+  # signatures, so leaving it would compile the update a second time.
+  if (isinstance(x, jax.Array) and x.committed
+      and x.sharding.is_equivalent_to(sharding, x.ndim)):
     return x
   if jax.process_count() == 1 or _is_global(x):
     return jax.device_put(x, sharding, may_alias=False)

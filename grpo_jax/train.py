@@ -29,7 +29,8 @@ from grpo_jax import sharding as sharding_lib
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.update import (LossSettings, TrainState, UpdateBatch, cast,
-                             init_state, make_optimizer, score_logprobs,
+                             init_state, learning_rate_schedule,
+                             make_optimizer, score_logprobs,
                              update_step)
 
 Params = Any
@@ -203,8 +204,9 @@ def run(config, workdir: str) -> dict:
   rl = config.rl
   rows = rl.prompts_per_step * rl.num_generations
   updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
-  optimizer = make_optimizer(config.optim,
-                             config.train.steps * updates_per_step)
+  total_updates = config.train.steps * updates_per_step
+  optimizer = make_optimizer(config.optim, total_updates)
+  lr_schedule = learning_rate_schedule(config.optim, total_updates)
   # Policy and reference on one mesh; the reference is its own copy, as the
   # update donates the policy's buffers.
   params = layout.shard_params(model_config, params)
@@ -259,7 +261,7 @@ def run(config, workdir: str) -> dict:
         config, model_config, state, optimizer, packed, adv_n, ref_params,
         settings, np.random.default_rng([config.seed, step]), layout)
     metrics.update(update_metrics)
-    metrics["learning_rate"] = float(optimizer_lr(config, state))
+    metrics["learning_rate"] = float(lr_schedule(int(state.step)))
     metrics["time/step"] = time.perf_counter() - t_step
     metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
         metrics["time/sample"], 1e-9)
@@ -291,15 +293,6 @@ def run(config, workdir: str) -> dict:
         rows_, os.path.join(workdir, "curves.png"), title=config.name)
   summary["state"] = state
   return summary
-
-
-def optimizer_lr(config, state: TrainState) -> float:
-  from grpo_jax.update import learning_rate_schedule  # pylint: disable=import-outside-toplevel
-  rl = config.rl
-  rows = rl.prompts_per_step * rl.num_generations
-  per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
-  return learning_rate_schedule(config.optim, config.train.steps * per_step)(
-      int(state.step))
 
 
 def _progress(total: int, enabled: bool, initial: int = 0):
