@@ -13,7 +13,7 @@ import pytest
 from grpo_jax import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 4
+STEPS = 6   # a tiny step takes ~80 ms on CPU; leave >= 3 steps after the kill point
 _VOLATILE = ("time/", "tokens_per_second")  # and every "*seconds": timings
 
 
@@ -40,7 +40,10 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   _run(straight)
   # Start, wait until a random checkpoint is finalised, then SIGKILL.
-  kill_after = random.Random(0).randint(1, STEPS - 1)
+  # The kill lands at most ~70 ms after `kill_after` is finalised, mid-step or
+  # mid-write, and always before the last step is finalised (a fast CI machine
+  # once finished 2 steps inside a 1 s random sleep).
+  kill_after = random.Random(0).randint(1, STEPS - 3)
   proc = subprocess.Popen(_command(killed), cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True)
   try:
@@ -49,9 +52,9 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
     while time.time() < deadline and proc.poll() is None:
       if os.path.isdir(ckpt_dir) and kill_after in checkpoint.finalized_steps(
           ckpt_dir):
-        time.sleep(random.Random(1).uniform(0.0, 1.0))
+        time.sleep(random.Random(1).uniform(0.0, 0.05))
         break
-      time.sleep(0.05)
+      time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
