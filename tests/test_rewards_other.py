@@ -221,27 +221,31 @@ def _sandbox_dirs() -> set[str]:
   return {d for d in os.listdir(tmp) if d.startswith("grpo_jax_sandbox_")}
 
 
-def _runner_processes() -> list[str]:
-  """Live processes running the sandbox runner."""
+def _runner_processes(under: str) -> list[str]:
+  """Live sandbox runners whose working directory (on their command line) is
+  below `under`; other test sessions' runners on the machine don't count."""
   found = []
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
-        if b"_sandbox_runner.py" in f.read():
-          found.append(pid)
+        cmdline = f.read()
+      if b"_sandbox_runner.py" in cmdline and under.encode() in cmdline:
+        found.append(pid)
     except OSError:
       pass
   return found
 
 
-def test_sandbox_leaves_no_process_and_no_directory_behind():
+def test_sandbox_leaves_no_process_and_no_directory_behind(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # our runners only
   program = ("import threading\n"
              "threading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\n"
              "while True:\n  pass")
   before = _sandbox_dirs()
   result = sandbox.run_tests(program, ADD_TESTS, sandbox.Limits(timeout=1.0))
   assert result.timed_out
-  assert not _runner_processes()
+  assert not _runner_processes(str(tmp_path))
   assert _sandbox_dirs() <= before
 
 
