@@ -20,22 +20,33 @@ temperature-scaled distribution BEFORE top-k / top-p truncation (for greedy,
 temperature 1). The trainer matches it by dividing its logits by the same
 temperature and ignoring top-k/top-p (as verl and TRL do), so with unchanged
 parameters the first update's ratio is exactly 1.
+
+Sharding (with a `sharding.Layout`): every per-row array - prompts, tokens,
+log-probs, done flags, the KV cache and its masks - is split along rows as
+the `batch` rule says (data x fsdp by default) and the cache's KV heads as
+`kv_heads` says (tensor), pinned inside the jit (`_pin_carry`). Rows are
+padded to a multiple of the row shards; the G rows of one prompt may live on
+different shards (the cache's repeat to G rows is then a resharding).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple, Sequence
+import math
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import sharding
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
 
 Params = transformer.Params
+Layout = Optional[sharding.Layout]    # None: one device, or XLA's choice
+_CACHE_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")  # (BG, K, S, hd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +152,25 @@ class _Carry(NamedTuple):
   key: jax.Array
 
 
+def _pin_rows(layout: Layout, x: jax.Array) -> jax.Array:
+  """Inside jit: rows (axis 0) split as the `batch` rule says."""
+  return x if layout is None else layout.constrain(x, (sharding.BATCH,))
+
+
+def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
+  """Inside jit: the decode state split along rows, KV heads as the rules
+  say, so every batch shard holds and decodes only its own rows."""
+  if layout is None:
+    return c
+  rows = functools.partial(_pin_rows, layout)
+  kv = lambda x: layout.constrain(x, _CACHE_AXES)
+  cache = transformer.KVCache(
+      tuple(map(kv, c.cache.k)), tuple(map(kv, c.cache.v)),
+      rows(c.cache.valid_bs), rows(c.cache.pos_bs))
+  return c._replace(tokens_bt=rows(c.tokens_bt), logp_bt=rows(c.logp_bt),
+                    done_b=rows(c.done_b), cache=cache)
+
+
 def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
             prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
             num_generations: int) -> _Carry:
@@ -176,12 +206,13 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
 
 
 def generate(config: ModelConfig, params: Params, carry: _Carry,
-             prompt_len_b: jax.Array, cfg: SamplingConfig) -> Samples:
+             prompt_len_b: jax.Array, cfg: SamplingConfig,
+             layout: Layout = None) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
   BG, T = carry.tokens_bt.shape
   P = carry.cache.valid_bs.shape[1] - T
   G = BG // prompt_len_b.shape[0]
-  len_rows = jnp.repeat(prompt_len_b, G)
+  len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
   layers = transformer.unstack_layers(params, config.num_layers)  # once
 
   def cond(c: _Carry):
@@ -199,25 +230,31 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
     tokens_bt = jax.lax.dynamic_update_slice(c.tokens_bt, tok[:, None], (0, c.t))
     logp_bt = jax.lax.dynamic_update_slice(c.logp_bt, logp[:, None], (0, c.t))
     done = c.done_b | _is_stop(tok, cfg.stop_ids)
-    return _Carry(c.t + 1, tokens_bt, logp_bt, done, cache, key)
+    return _pin_carry(layout,
+                      _Carry(c.t + 1, tokens_bt, logp_bt, done, cache, key))
 
   final = jax.lax.while_loop(cond, body, carry)
   return _finish(final.tokens_bt, final.logp_bt, final.t - carry.t, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations"))
+@functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
+                                             "layout"))
 def sample_padded(config: ModelConfig, params: Params, prompt_bp: jax.Array,
                   prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
-                  num_generations: int) -> Samples:
+                  num_generations: int, layout: Layout = None) -> Samples:
   """prefill + generate as ONE jitted program on left-padded prompts.
 
   The KV cache is born and dies inside this program: XLA updates it in place
   through the while loop, and no cache buffer crosses the host boundary (this
   is what donating it between two jitted stages would buy, minus the copy).
+  With a layout, rows are split over the batch shards (module docstring).
   """
-  carry = prefill(config, params, prompt_bp, prompt_len_b, key, cfg,
-                  num_generations)
-  return generate(config, params, carry, prompt_len_b, cfg)
+  prompt_bp, prompt_len_b = (_pin_rows(layout, x)
+                             for x in (prompt_bp, prompt_len_b))
+  carry = _pin_carry(layout, prefill(config, params, prompt_bp, prompt_len_b,
+                                     key, cfg, num_generations))
+  out = generate(config, params, carry, prompt_len_b, cfg, layout)
+  return Samples(*(_pin_rows(layout, x) for x in out[:-1]), steps=out.steps)
 
 
 def _finish(tokens_bt: jax.Array, logp_bt: jax.Array, steps: jax.Array,
@@ -280,26 +317,42 @@ class CompileCounter:
 COMPILES = CompileCounter()
 
 
+def prompt_multiple(batch_multiple: int, row_shards: int,
+                    num_generations: int) -> int:
+  """The number of prompts is padded to a multiple of this: of
+  `batch_multiple`, and such that the B*G rows divide into `row_shards`."""
+  return math.lcm(batch_multiple,
+                  row_shards // math.gcd(row_shards, num_generations))
+
+
 def sample(config: ModelConfig, params: Params,
            prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig, num_generations: int = 1,
-           batch_multiple: int = 1) -> Samples:
+           batch_multiple: int = 1, layout: Layout = None) -> Samples:
   """G completions for each prompt (rows b*G .. b*G+G-1 belong to prompt b).
 
   Prompt length is padded to a power-of-two bucket and the number of prompts
   to a multiple of `batch_multiple`, so a run compiles a bounded number of
   times (see COMPILES). The same key gives the same output.
+
+  With a `layout` (the run's mesh and rules) the rows and the KV cache are
+  split over the batch mesh axes; the returned arrays are then row-sharded
+  global arrays (`sharding.to_host` brings them to every host).
   """
   if not prompts:
     raise ValueError("sample() needs at least one prompt")
-  B = len(prompts)
-  rows = -(-B // batch_multiple) * batch_multiple
+  B, G = len(prompts), num_generations
+  shards = 1 if layout is None else layout.batch_shards
+  multiple = prompt_multiple(batch_multiple, shards, G)
+  rows = -(-B // multiple) * multiple
   P = bucket(max(len(p) for p in prompts))
   prompt_bp, len_b = left_pad(prompts, P, rows, cfg.pad_id)
-  COMPILES.note((config, cfg, num_generations, rows, P),
-                f"rows={rows} prompt_len={P} G={num_generations} "
+  COMPILES.note((config, cfg, G, rows, P, layout),
+                f"rows={rows} prompt_len={P} G={G} "
                 f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
-  out = sample_padded(config, params, jnp.asarray(prompt_bp),
-                      jnp.asarray(len_b), key, cfg, num_generations)
-  keep = B * num_generations
-  return Samples(*(x[:keep] for x in out[:-1]), steps=out.steps)
+  put = jnp.asarray if layout is None else layout.rows
+  out = sample_padded(config, params, put(prompt_bp), put(len_b), key, cfg,
+                      G, layout)
+  if rows == B:
+    return out
+  return Samples(*(x[:B * G] for x in out[:-1]), steps=out.steps)

@@ -17,16 +17,17 @@ heads are split.
 Placement is by committed input shardings: parameters, optimizer state and
 batches are `NamedSharding`ed global arrays, so the jitted sampler and update
 run SPMD over the mesh without a mesh context. Policy and reference are two
-parameter trees with the same shardings on the same mesh. (The sampler
-builds its prompt rows itself, so today its batch and KV cache are split
-only as XLA propagates the params' shardings - heads over tensor - and its
-rows are replicated over data and fsdp.)
+parameter trees with the same shardings on the same mesh. The sampler
+splits its rows (prompts, tokens, KV cache) like a batch and the cache's KV
+heads like the parameters' (`Layout.constrain` inside its jit).
 
 Multi-host (SPMD, every host runs the same program): `initialize_distributed`
-joins the processes before any other JAX call. Every host builds the same
-rollout (same seed, replicated sampler output); each then hands over only the
-rows its devices own (`host_rows`), and `global_rows` assembles the global
-batch with `jax.make_array_from_process_local_data`.
+joins the processes before any other JAX call. Each host samples its own
+rows; `to_host` all-gathers them, so every host scores the same rollout
+(rewards work on strings); each then hands over only the rows its devices own
+(`host_rows`), and `global_rows` assembles the global batch with
+`jax.make_array_from_process_local_data`. Host-side files (metrics, plots,
+the run record) are written by process 0 only (`metrics.is_primary`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpo_jax.config import ConfigError
@@ -331,6 +333,17 @@ def global_rows(x_local, sharding: NamedSharding,
                                                 tuple(global_shape))
 
 
+def to_host(tree: Any) -> Any:
+  """Arrays -> whole numpy arrays on every host. A global array (rows on
+  other processes' devices) is all-gathered: a collective, so every process
+  calls this in the same order."""
+  def one(x):
+    if _is_global(x):
+      return multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_get(x)
+  return jax.tree.map(one, tree)
+
+
 def put_rows(x, mesh: Mesh, rules: Rules) -> jax.Array:
   """A batch array, row-sharded by the `batch` rule. A host value must be
   the same on every host: each host contributes only its own rows."""
@@ -373,3 +386,17 @@ class Layout:
 
   def rows(self, x) -> jax.Array:
     return put_rows(x, self.mesh, self.rules)
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways the `batch` rule splits rows (data x fsdp by default)."""
+    return math.prod(self.mesh.shape[a]
+                     for a in dict(self.rules).get(BATCH, ()))
+
+  def constrain(self, x: jax.Array, logical_axes: Sequence[Optional[str]]
+                ) -> jax.Array:
+    """Inside jit: pins `x` to the sharding its logical axes get from the
+    rules (axes past the named ones: replicated)."""
+    spec = spec_for(logical_axes, x.shape, self.mesh, self.rules,
+                    f"{tuple(logical_axes)} {tuple(x.shape)}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))

@@ -6,8 +6,11 @@ For each mesh (data, fsdp, tensor) given on the command line it checks, with
 the tiny model and the default `config.mesh.rules`:
 
   - every parameter's `.sharding.spec` and shard shape are what the rules say,
-  - greedy sampling (`sampling.sample` with sharded params) gives the same
-    tokens and log-probs as one device,
+  - greedy sampling (`sampling.sample` with sharded params and the layout)
+    gives the same tokens and log-probs as one device, its rows are split
+    over data x fsdp, and no device holds more than its slice of the KV
+    cache (rows over data x fsdp, KV heads over tensor where they divide);
+    with a prompt count that needs padding too,
   - the loss and the gradient (micro-batched, KL on) match one device,
   - one `update_step` (donated, sharded state) gives the same params and keeps
     every leaf's sharding.
@@ -72,6 +75,10 @@ EXPECTED = {
 }
 EXPECTED_ROWS = {(8, 1, 1): P("data"), (1, 8, 1): P("fsdp"),
                  (2, 2, 2): P(("data", "fsdp")), (1, 2, 4): P("fsdp")}
+# The sampler's KV cache per device, by hand: (rows, KV heads) of the
+# B*G = 8 rows and K = 2 heads (tensor = 4 does not divide K: replicated).
+EXPECTED_CACHE_SHARD = {(8, 1, 1): (1, 2), (1, 8, 1): (1, 2),
+                        (2, 2, 2): (2, 1), (1, 2, 4): (4, 2)}
 # Shard shapes of two leaves, by hand: wq (L, D, H, hd), embed (V, D).
 EXPECTED_SHARD = {
     (8, 1, 1): {"wq": (2, 64, 4, 16), "embed": (256, 64)},
@@ -113,7 +120,7 @@ def loss_and_grad(params, batch):
 def run_all(params, batch, optimizer, layout=None):
   """Greedy samples, (grads, loss) and the state after one update."""
   samples = sampling.sample(MODEL, params, PROMPTS, jax.random.key(3), GREEDY,
-                            num_generations=2)
+                            num_generations=2, layout=layout)
   loss, grads = loss_and_grad(params, batch)
   # A copy: the update donates its state, and `params` is used again.
   state = update.init_state(jax.tree.map(jnp.copy, params), optimizer, seed=0)
@@ -122,7 +129,8 @@ def run_all(params, batch, optimizer, layout=None):
   placed = jax.tree.map(lambda x: x.sharding, state)
   new_state, metrics = update.update_step(state, batch, MODEL, optimizer,
                                           NUM_MICRO, SETTINGS, layout)
-  return dict(samples=jax.device_get(samples), grads=jax.device_get(grads),
+  return dict(samples=jax.device_get(samples), sharded_samples=samples,
+              grads=jax.device_get(grads),
               loss=float(loss), new_params=jax.device_get(new_state.params),
               metrics_loss=float(metrics["loss"]), placed=placed,
               new_state=new_state)
@@ -138,6 +146,44 @@ def check_specs(shape, params) -> None:
   for name, shard in EXPECTED_SHARD[shape].items():
     got = flat[name].addressable_shards[0].data.shape
     assert got == shard, f"{name}: shard shape {got}, expected {shard}"
+
+
+def row_shards(x: jax.Array) -> set[tuple[int, int]]:
+  """The distinct (start, stop) row ranges of an array's shards."""
+  rows = range(x.shape[0])
+  return {(rows[s.index[0]].start, rows[s.index[0]].stop)
+          for s in x.addressable_shards}
+
+
+def check_sampler_sharding(shape, layout, params, samples, ref) -> None:
+  """Rows of every output split data*fsdp ways; the compiled sampler holds
+  only a slice of the KV cache per device; padded prompt counts work."""
+  data, fsdp, _ = shape
+  for name in ("tokens_bt", "logp_bt", "mask_bt", "length_b"):
+    x = getattr(samples, name)
+    ranges = row_shards(x)
+    assert len(ranges) == data * fsdp, f"{name}: row shards {sorted(ranges)}"
+    assert {b - a for a, b in ranges} == {x.shape[0] // (data * fsdp)}, (
+        name, sorted(ranges))
+  # The per-device shapes of the partitioned program: the cache buffer of
+  # one layer is (rows, K, S, hd) sliced, and never whole on one device,
+  # even from replicated prompts (the layout, not the inputs, splits it).
+  P_ = sampling.bucket(max(len(p) for p in PROMPTS))
+  S, hd, K = P_ + GREEDY.max_new_tokens, MODEL.head_dim, MODEL.num_kv_heads
+  prompt_bp, len_b = sampling.left_pad(PROMPTS, P_, len(PROMPTS), 0)
+  hlo = sampling.sample_padded.lower(
+      MODEL, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
+      jax.random.key(3), GREEDY, 2, layout).compile().as_text()
+  rows, heads = EXPECTED_CACHE_SHARD[shape]
+  assert f"f32[{rows},{heads},{S},{hd}]" in hlo, (
+      f"no per-device cache buffer f32[{rows},{heads},{S},{hd}]")
+  assert f"f32[{2 * len(PROMPTS)},{K},{S},{hd}]" not in hlo, (
+      "a whole KV cache on one device")
+  # 3 prompts x G=2: padded to a prompt count whose rows divide evenly.
+  three = sampling.sample(MODEL, params, PROMPTS[:3], jax.random.key(3),
+                          GREEDY, num_generations=2, layout=layout)
+  np.testing.assert_array_equal(jax.device_get(three.tokens_bt),
+                                ref["samples"].tokens_bt[:6])
 
 
 def check_close(name, got, want, rtol=2e-5, atol=2e-6) -> None:
@@ -161,6 +207,7 @@ def check_mesh(shape, params, batch, optimizer, ref) -> None:
   np.testing.assert_array_equal(out["samples"].tokens_bt,
                                 ref["samples"].tokens_bt)
   check_close("sample logp", out["samples"].logp_bt, ref["samples"].logp_bt)
+  check_sampler_sharding(shape, layout, sharded, out["sharded_samples"], ref)
   np.testing.assert_allclose(out["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(out["metrics_loss"], ref["metrics_loss"],
                              rtol=1e-5, atol=1e-7)
