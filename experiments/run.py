@@ -5,6 +5,7 @@
                                    checkpoints and plots go
   --list                           lists the named experiments in configs/
 """
+import contextlib
 import os
 import sys
 
@@ -39,13 +40,23 @@ def main(argv):
   run = star.run if config.method == "star" else train.run
   # Every run is recorded (name, config, commit, times, status, metrics,
   # workdir, checkpoint) in the run store: experiments/runs.py list|show|compare.
-  with runs.RunStore().record(config.name, config, workdir) as record:
+  with _record(config, workdir) as record:
     summary = run(config, workdir)
     record.metrics = runs.scalar_metrics(summary)
     record.checkpoint = checkpoint.latest_checkpoint(workdir)
   for key in ("eval_before", "eval_after", "reward/mean", "plot"):
     if key in summary:
       print(f"{key}: {summary[key]}")
+
+
+def _record(config, workdir: str):
+  """The run store's record on process 0 (one row per run, not per host); a
+  record that goes nowhere on the other processes of a multi-host run."""
+  from grpo_jax import metrics, runs, sharding  # pylint: disable=import-outside-toplevel
+  sharding.initialize_distributed(config)  # before jax.process_index()
+  if not metrics.is_primary():
+    return contextlib.nullcontext(runs.RunRecord(id=-1))
+  return runs.RunStore().record(config.name, config, workdir)
 
 
 if __name__ == "__main__":

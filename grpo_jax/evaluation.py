@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from grpo_jax import registry, rollout, sampling
+from grpo_jax import registry, rollout, sampling, sharding
 from grpo_jax.rewards import choice, extract, last_number, minerva
 from grpo_jax.rewards import math as math_rewards
 from grpo_jax.update import cast
@@ -258,9 +258,11 @@ def completion_texts(tokenizer, batch: rollout.GroupBatch
 
 def sample_completions(config, model_config, params, tokenizer, examples,
                        key: jax.Array, cfg: sampling.SamplingConfig, n: int,
-                       batch_size: int) -> Completions:
+                       batch_size: int,
+                       layout: sharding.Layout | None = None) -> Completions:
   """n completions per example through the group sampler (G = n), scored by
-  the config's rewards; correct = the accuracy reward > 0."""
+  the config's rewards; correct = the accuracy reward > 0. With a layout the
+  sampler's rows are split over the mesh."""
   spec = rollout.RewardSpec.from_config(config)
   answer = final_answer(config.accuracy_reward).extract
   # One padded chunk shape for the whole set: the sampler compiles once.
@@ -270,7 +272,7 @@ def sample_completions(config, model_config, params, tokenizer, examples,
     batch, _ = rollout.generate_groups(
         model_config, params, tokenizer, examples[start:start + size],
         jax.random.fold_in(key, start), cfg, n, spec, config.data.template,
-        config.data.system_prompt, batch_multiple=size)
+        config.data.system_prompt, batch_multiple=size, layout=layout)
     texts += completion_texts(tokenizer, batch)
     correct.append(batch["correct"])
     lengths.append(batch["length"])
@@ -299,7 +301,8 @@ def evaluate_policy(config, model_config, params, tokenizer, examples, *,
                     temperature: float | None = None,
                     top_p: float | None = None, greedy: bool = True,
                     batch_size: int | None = None,
-                    key: jax.Array | None = None) -> PolicyEval:
+                    key: jax.Array | None = None,
+                    layout: sharding.Layout | None = None) -> PolicyEval:
   """Samples n completions per problem (and one greedy), scores and summarises.
 
   Args:
@@ -314,6 +317,8 @@ def evaluate_policy(config, model_config, params, tokenizer, examples, *,
     greedy: also decode greedily once per problem (greedy accuracy).
     key: PRNG key of the sampled completions (default: from config.seed,
       so periodic evaluations of one run use the same sampling noise).
+    layout: the run's mesh and rules: the sampler's rows are split over the
+      batch mesh axes (default: XLA's choice from the params' shardings).
 
   Returns:
     PolicyEval whose metrics are "eval/greedy_accuracy",
@@ -334,7 +339,7 @@ def evaluate_policy(config, model_config, params, tokenizer, examples, *,
 
   def sample(cfg, g):
     return sample_completions(config, model_config, params, tokenizer,
-                              examples, key, cfg, g, batch_size)
+                              examples, key, cfg, g, batch_size, layout)
 
   greedy_done = sampled = None
   if greedy:

@@ -1,4 +1,8 @@
-"""Metrics out: JSONL and TensorBoard in the workdir, a progress bar, a PNG."""
+"""Metrics out: JSONL and TensorBoard in the workdir, a progress bar, a PNG.
+
+In a multi-process run every host runs the same loop; only process 0 writes
+(`is_primary`), so each file has one writer and each row appears once.
+"""
 from __future__ import annotations
 
 import json
@@ -6,7 +10,14 @@ import math
 import os
 from typing import Any, Mapping
 
+import jax
 import numpy as np
+
+
+def is_primary() -> bool:
+  """Whether this process writes the run's host-side files: process 0.
+  (Call after `sharding.initialize_distributed`.)"""
+  return jax.process_index() == 0
 
 
 def _scalar(v: Any) -> float | None:
@@ -19,19 +30,28 @@ def _scalar(v: Any) -> float | None:
 
 class MetricWriter:
   """Appends one JSON line per step to metrics.jsonl and mirrors every scalar
-  to TensorBoard (tensorboardX event files under workdir/tensorboard)."""
+  to TensorBoard (tensorboardX event files under workdir/tensorboard).
 
-  def __init__(self, workdir: str, tensorboard: bool = True):
-    os.makedirs(workdir, exist_ok=True)
+  Writes only where `enabled` (default: on process 0); elsewhere `write`
+  just returns the cleaned scalars."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True,
+               enabled: bool | None = None):
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.enabled = is_primary() if enabled is None else enabled
+    self._file = self._tb = None
+    if not self.enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
     self._file = open(self.path, "a", encoding="utf-8")
-    self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
     clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+    if not self.enabled:
+      return clean
     self._file.write(json.dumps({"step": int(step), **clean}) + "\n")
     self._file.flush()
     if self._tb is not None:
@@ -40,7 +60,8 @@ class MetricWriter:
     return clean
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
 

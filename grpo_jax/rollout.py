@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from grpo_jax import registry, rewards, sampling
+from grpo_jax import registry, rewards, sampling, sharding
 from grpo_jax.algorithms import dynamic_sampling
 
 # One group per row of axis 0 (B groups of G completions).
@@ -62,17 +62,20 @@ def render_prompts(tokenizer, template: str, questions: Sequence[str],
 def generate_groups(model_config, params, tokenizer, examples, key,
                     cfg: sampling.SamplingConfig, num_generations: int,
                     spec: RewardSpec, template: str, system_prompt: str = "",
-                    batch_multiple: int = 1
+                    batch_multiple: int = 1,
+                    layout: sharding.Layout | None = None
                     ) -> tuple[GroupBatch, dict[str, float]]:
-  """Samples G completions for each example and scores them, group-major."""
+  """Samples G completions for each example and scores them, group-major.
+  With a layout the sampler's rows are split over the mesh; every host gets
+  all of them back (the rewards read every row)."""
   B, G = len(examples), num_generations
   t0 = time.perf_counter()
   texts = render_prompts(tokenizer, template, [e.question for e in examples],
                          system_prompt)
   prompt_ids = tokenizer.encode_batch(texts)
-  out = jax.device_get(sampling.sample(model_config, params, prompt_ids, key,
-                                       cfg, num_generations=G,
-                                       batch_multiple=batch_multiple))
+  out = sharding.to_host(sampling.sample(
+      model_config, params, prompt_ids, key, cfg, num_generations=G,
+      batch_multiple=batch_multiple, layout=layout))
   t1 = time.perf_counter()
   # The stop token itself is not part of the text the rewards read.
   ends = out.length_b - (~out.truncated_b)

@@ -220,19 +220,23 @@ def run(config, workdir: str) -> dict:
           if "data" in host else
           BatchIterator(train_examples, rl.prompts_per_step, seed=config.seed))
   summary: dict[str, Any] = dict(host.get("summary", {}))
-  _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start)
-  writer = metrics_lib.MetricWriter(workdir)
+  primary = metrics_lib.is_primary()   # the one host that writes files
+  if primary:
+    _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start)
+  writer = metrics_lib.MetricWriter(workdir, enabled=primary)
 
   def evaluate(step):
     m = evaluation.evaluate_policy(config, model_config, state.params,
-                                   tokenizer, eval_examples).metrics
+                                   tokenizer, eval_examples,
+                                   layout=layout).metrics
     writer.write(step, m)
     logging.info("step %d: %s", step, m)
     return m
 
   if config.train.eval_at_start and eval_examples and start == 0:
     summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
-  progress = _progress(config.train.steps, config.train.progress, start)
+  progress = _progress(config.train.steps, config.train.progress and primary,
+                       start)
   for step in range(start, config.train.steps):
     t_step = time.perf_counter()
     key = jax.random.wrap_key_data(state.key)
@@ -245,7 +249,8 @@ def run(config, workdir: str) -> dict:
       return rollout.generate_groups(
           model_config, compute, tokenizer, next(data),
           jax.random.fold_in(step_key, i), sample_cfg, rl.num_generations,
-          spec, config.data.template, config.data.system_prompt)
+          spec, config.data.template, config.data.system_prompt,
+          layout=layout)
 
     groups, metrics = rollout.collect(generate, rl.prompts_per_step,
                                       rl.dynamic_sampling, rl.max_gen_batches,
@@ -287,7 +292,7 @@ def run(config, workdir: str) -> dict:
   if finished and config.train.eval_at_end and eval_examples:
     summary["eval_after"] = evaluate(config.train.steps)["eval/greedy_accuracy"]
   writer.close()
-  if config.train.plot:
+  if config.train.plot and primary:
     rows_ = metrics_lib.read_jsonl(writer.path)
     summary["plot"] = metrics_lib.plot_curves(
         rows_, os.path.join(workdir, "curves.png"), title=config.name)

@@ -3,8 +3,10 @@
 tests/multiprocess_worker.py runs configs/tiny.py for 2 steps three times at
 once: alone (1 process, 1 device) and as processes 0 and 1 of a 2-process
 run on 127.0.0.1 (1 device each, mesh data=2: each host feeds its half of
-every batch, gradients are all-reduced across processes with gloo). The
-last step's loss, the rewards and the final parameters must agree.
+every batch, gradients are all-reduced across processes with gloo; the
+sampler's rows are split over the two processes and gathered for the
+rewards). The last step's loss, the rewards and the final parameters must
+agree, and the shared workdir's metrics are written once (by process 0).
 Bounded in time; every process is killed on failure.
 """
 import json
@@ -18,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from grpo_jax import metrics
 from grpo_jax.models import get_preset, init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,11 +80,11 @@ def runs(tmp_path_factory):
         proc.kill()
         proc.wait(timeout=30)
   params = {name: dict(np.load(tmp_path / f"{name}.npz")) for name in procs}
-  return results, params
+  return results, params, tmp_path
 
 
 def test_two_processes_form_one_two_device_mesh(runs):
-  results, _ = runs
+  results, _, _ = runs
   assert results["single"]["processes"] == 1
   assert results["single"]["devices"] == 1
   for name in ("p0", "p1"):
@@ -90,7 +93,7 @@ def test_two_processes_form_one_two_device_mesh(runs):
 
 
 def test_two_processes_train_like_one(runs):
-  results, params = runs
+  results, params, _ = runs
   single = results["single"]
   assert abs(single["loss"]) > 1e-5, single   # a loss worth comparing
   for name in ("p0", "p1"):
@@ -104,10 +107,19 @@ def test_two_processes_train_like_one(runs):
 
 
 def test_training_moved_the_parameters(runs):
-  _, params = runs
+  _, params, _ = runs
   init = init_params(get_preset("tiny"), jax.random.key(0))
   moved = max(float(np.abs(params["single"]["['embed']"]
                            - np.asarray(init["embed"])).max()),
               float(np.abs(params["single"]["['layers']['wq']"]
                            - np.asarray(init["layers"]["wq"])).max()))
   assert moved > 1e-4, moved
+
+
+def test_only_process_zero_writes_the_metrics(runs):
+  """Both processes share the workdir: each step's row appears once (two
+  writers would append every row twice)."""
+  _, _, tmp_path = runs
+  steps = lambda d: [r["step"] for r in metrics.read_jsonl(
+      tmp_path / d / "metrics.jsonl")]
+  assert steps("pair") == steps("single") == [1, 2]

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import sharding_checks as checks
 from grpo_jax import config as config_lib
-from grpo_jax import sharding, update
+from grpo_jax import metrics, sharding, update
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,3 +260,20 @@ def test_sharded_sampling_loss_grad_update_match_one_device(
   assert shape in sharded_results, sorted(sharded_results)
   result = sharded_results[shape]
   assert result["ok"], result["error"]
+
+
+# ----------------------------------------------------------------------------
+# Multi-host: only process 0 writes host-side files.
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("process,writes", [(0, True), (1, False), (3, False)])
+def test_only_process_zero_writes_metrics(tmp_path, monkeypatch, process,
+                                          writes):
+  monkeypatch.setattr(jax, "process_index", lambda: process)
+  assert metrics.is_primary() is writes
+  writer = metrics.MetricWriter(str(tmp_path / "run"))
+  assert writer.write(1, {"loss": np.float32(0.5), "note": "x"}) == {
+      "loss": 0.5}
+  writer.close()
+  assert (tmp_path / "run" / "metrics.jsonl").exists() is writes
+  assert (tmp_path / "run" / "tensorboard").exists() is writes

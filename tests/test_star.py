@@ -62,8 +62,8 @@ class ScriptedSampler:
     self.params_seen = []
 
   def __call__(self, model_config, params, prompts, key, cfg,
-               num_generations=1, batch_multiple=1):
-    del model_config, key, batch_multiple
+               num_generations=1, batch_multiple=1, layout=None):
+    del model_config, key, batch_multiple, layout
     self.params_seen.append(jax.tree.map(np.array, params))
     T = cfg.max_new_tokens
     rows = [TOK.encode(_reply(TOK.decode(p))) + [cfg.stop_ids[0]]

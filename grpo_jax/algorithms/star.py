@@ -351,11 +351,12 @@ def run(config, workdir: str) -> dict:
       model_config=model_config)
   original, params, history = _start(
       config, workdir, ckpt, layout.shard_params(model_config, original))
-  writer = _metric_writer(workdir, history)
+  writer = _metric_writer(workdir, history, metrics_lib.is_primary())
 
   def evaluate(n: int, params, metrics: dict) -> None:
     metrics = {**evaluation.evaluate_policy(
-        config, model_config, params, tokenizer, held_out).metrics, **metrics}
+        config, model_config, params, tokenizer, held_out,
+        layout=layout).metrics, **metrics}
     history.append({"step": n, **writer.write(n, metrics)})
     logging.info("STaR iteration %d: %s", n, history[-1])
 
@@ -374,8 +375,9 @@ def run(config, workdir: str) -> dict:
         tokenizer, chosen, use_shots, jax.random.fold_in(
             jax.random.key(config.seed), n), spec)
     metrics["time/sample"] = time.perf_counter() - t0
-    _save_kept(os.path.join(workdir, "star", f"iteration_{n}.jsonl"),
-               tokenizer, chosen, kept)
+    if writer.enabled:
+      _save_kept(os.path.join(workdir, "star", f"iteration_{n}.jsonl"),
+                 tokenizer, chosen, kept)
     # FINE-TUNE the original model; nothing kept leaves it unchanged.
     params = original
     if kept.examples:
@@ -396,20 +398,23 @@ def run(config, workdir: str) -> dict:
   summary = {"eval_before": history[0]["eval/greedy_accuracy"],
              "eval_after": history[-1]["eval/greedy_accuracy"],
              "history": history, "params": params}
-  if config.train.plot:
+  if config.train.plot and writer.enabled:
     summary["plot"] = metrics_lib.plot_curves(
         history, os.path.join(workdir, "curves.png"), keys=CURVES,
         title=f"{config.name} (x: outer iteration)")
   return summary
 
 
-def _metric_writer(workdir: str, history: list[dict]
+def _metric_writer(workdir: str, history: list[dict], enabled: bool
                    ) -> metrics_lib.MetricWriter:
   """A writer whose metrics.jsonl holds exactly `history` (on resume, rows
-  written after the restored iteration are dropped: they are recomputed)."""
-  with open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(row) + "\n" for row in history)
-  return metrics_lib.MetricWriter(workdir)
+  written after the restored iteration are dropped: they are recomputed);
+  one that writes nothing where not `enabled` (processes other than 0)."""
+  if enabled:
+    with open(os.path.join(workdir, "metrics.jsonl"), "w",
+              encoding="utf-8") as f:
+      f.writelines(json.dumps(row) + "\n" for row in history)
+  return metrics_lib.MetricWriter(workdir, enabled=enabled)
 
 
 def plot_comparison(runs: Mapping[str, str], png_path: str,
