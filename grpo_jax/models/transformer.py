@@ -155,8 +155,11 @@ def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array,
                       preferred_element_type=jnp.float32) / np.sqrt(hd)
   scores = jnp.where(mask_bts[:, None, None], scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype)
-  out = jnp.einsum("bkgts,bksd->btkgd", probs, v_bksd)
-  return out.reshape(B, T, H, hd)
+  # Heads-first output, then one transpose: asking the dot for (b, t, k, g, d)
+  # directly made XLA:CPU pick a (b, k)-batched dot with N = G (3 for
+  # SmolLM2), 3.5x slower for decode attention (benchmarks/sampler.py).
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd)
+  return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
 
 
 def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
