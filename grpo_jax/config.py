@@ -61,6 +61,7 @@ def base_config() -> ConfigDict:
       mini_batch_size=0,               # completions per optimizer update (0: all)
       micro_batch_size=0,              # completions per forward/backward (0: all)
       old_logp="sampler",              # sampler | recompute
+      shared_prompt=True,              # run each group's prompt once in the update
       dynamic_sampling=True,
       max_gen_batches=3,               # cap on generation batches per step
       on_cap="fill",                   # fill | fewer | raise

@@ -104,9 +104,20 @@ def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
   return np.asarray(adv_bg, np.float32).reshape(-1)
 
 
-def _minibatches(n: int, size: int, rng: np.random.Generator):
-  order = rng.permutation(n)
+def _minibatches(n: int, size: int, rng: np.random.Generator,
+                 group_size: int = 1):
+  """Shuffled mini-batches of row indices. group_size > 1: whole groups are
+  shuffled, so each mini-batch is whole groups of consecutive rows."""
+  groups = rng.permutation(n // group_size)
+  order = (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)
   return [order[i:i + size] for i in range(0, n, size)]
+
+
+def update_group_size(rl, mini: int) -> int:
+  """Rows per prompt the update may rely on (1: none): the G rows of a group
+  share their prompt, which the update then runs once (rl.shared_prompt)."""
+  G = rl.num_generations
+  return G if rl.shared_prompt and G > 1 and mini % G == 0 else 1
 
 
 def train_step(config, model_config, state, optimizer, packed, adv_n,
@@ -122,24 +133,27 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   cols = (put(packed.tokens_ns), put(packed.positions_ns),
           put(packed.valid_ns))
   metrics, t0 = {}, time.perf_counter()
+  mini = rl.mini_batch_size or n
+  group = update_group_size(rl, mini)
+  whole = update_group_size(rl, n)
   old = put(packed.old_logp_nt)
   if rl.old_logp == "recompute":
-    old = score_logprobs(state.params, *cols, model_config, T, settings)
+    old = score_logprobs(state.params, *cols, model_config, T, settings,
+                         whole)
   ref = jnp.zeros_like(old)
   if settings.use_kl:
-    ref = score_logprobs(ref_params, *cols, model_config, T, settings)
+    ref = score_logprobs(ref_params, *cols, model_config, T, settings, whole)
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
   full = UpdateBatch(*cols, put(packed.mask_nt), old, ref, put(adv_n))
-  mini = rl.mini_batch_size or n
   num_micro = mini // (rl.micro_batch_size or mini)
   t0 = time.perf_counter()
   step_metrics = []
   for _ in range(rl.num_updates):
-    for idx in _minibatches(n, mini, rng):
+    for idx in _minibatches(n, mini, rng, group):
       batch = jax.tree.map(lambda x: put(x[idx]), full)
       state, m = update_step(state, batch, model_config, optimizer,
-                             num_micro, settings, layout)
+                             num_micro, settings, layout, group)
       step_metrics.append(m)
   step_metrics = jax.device_get(step_metrics)
   metrics["time/update"] = time.perf_counter() - t0

@@ -128,20 +128,23 @@ def cast(params: Params, dtype: str) -> Params:
 
 def completion_logprobs(model_config: ModelConfig, params: Params,
                         tokens_ns, positions_ns, valid_ns, num_completion: int,
-                        s: LossSettings):
+                        s: LossSettings, group_size: int = 1):
   """log π(token) and entropy over the last `num_completion` columns, (N, T),
-  temperature-scaled exactly as the sampler's log-probs."""
+  temperature-scaled exactly as the sampler's log-probs. group_size > 1:
+  rows come in groups of that many sharing one prompt, run once per group."""
   return logprobs_lib.sequence_logprobs(
       model_config, cast(params, s.compute_dtype), tokens_ns, positions_ns,
       valid_ns, completion_len=num_completion, chunk_size=s.chunk,
-      temperature=s.temperature, remat=s.remat)
+      temperature=s.temperature, remat=s.remat, group_size=group_size)
 
 
 def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
-            norm: losses.Normalisers, kl_beta, s: LossSettings):
+            norm: losses.Normalisers, kl_beta, s: LossSettings,
+            group_size: int = 1):
   T = batch.mask_nt.shape[1]
   logp, entropy = completion_logprobs(model_config, params, batch.tokens_ns,
-                                      batch.positions_ns, batch.valid_ns, T, s)
+                                      batch.positions_ns, batch.valid_ns, T, s,
+                                      group_size)
   return losses.policy_loss(
       logp, batch.old_logp_nt, batch.adv_n, batch.mask_nt,
       batch.ref_logp_nt if s.use_kl else None, eps_low=s.eps_low,
@@ -155,12 +158,29 @@ def global_normalisers(mask_nt: jax.Array, s: LossSettings
   return losses.normalisers(mask_nt, s.max_len_norm or None)
 
 
+def micro_group_size(group_size: int, num_micro: int) -> int:
+  """Rows per prompt inside each strided micro-batch (1: no sharing).
+
+  Micro-batch i takes rows i, i+M, ... of a batch of groups of `group_size`
+  consecutive rows; when M divides the group size, it holds group_size / M
+  consecutive rows of every group, which still share their prompt."""
+  if group_size > 1 and group_size % num_micro == 0:
+    return group_size // num_micro
+  return 1
+
+
 def accumulate_gradients(params, model_config, batch: UpdateBatch,
-                         num_micro: int, kl_beta, s: LossSettings):
+                         num_micro: int, kl_beta, s: LossSettings,
+                         group_size: int = 1):
   """Sum of micro-batch gradients of the loss normalised by the whole batch:
-  exactly the gradient of the full batch's loss (REFERENCE: token-mean)."""
+  exactly the gradient of the full batch's loss (REFERENCE: token-mean).
+  group_size: the batch's rows come in groups of that many consecutive rows
+  with one prompt (1: no such structure); see `micro_group_size`."""
   norm = global_normalisers(batch.mask_nt, s)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  grad_fn = jax.value_and_grad(
+      functools.partial(loss_fn,
+                        group_size=micro_group_size(group_size, num_micro)),
+      has_aux=True)
   # Micro-batch i takes rows i, i+M, i+2M, ... (M = num_micro): the rows stay
   # split over the batch mesh axes inside every micro-batch, where contiguous
   # blocks would each live on a few devices and be resharded every step.
@@ -182,22 +202,27 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
-                                             "num_micro", "s", "layout"),
+                                             "num_micro", "s", "layout",
+                                             "group_size"),
                    donate_argnames=("state",))
 def update_step(state: TrainState, batch: UpdateBatch,
                 model_config: ModelConfig,
                 optimizer: optax.GradientTransformation, num_micro: int,
-                s: LossSettings, layout=None) -> tuple[TrainState, dict]:
+                s: LossSettings, layout=None, group_size: int = 1
+                ) -> tuple[TrainState, dict]:
   """One optimizer update on one mini-batch. The state is donated; with a
-  `sharding.Layout` the new state keeps the placed state's shardings."""
+  `sharding.Layout` the new state keeps the placed state's shardings.
+  group_size > 1: the rows are whole groups of that many consecutive rows
+  sharing a prompt (each prompt's forward/backward then runs once)."""
   kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
                                     start_step=s.kl_start_step,
                                     ramp_steps=s.kl_ramp_steps)
   grads, loss, metrics = accumulate_gradients(state.params, model_config,
-                                              batch, num_micro, kl_beta, s)
+                                              batch, num_micro, kl_beta, s,
+                                              group_size)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
+  metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
              "kl_beta": kl_beta}
   new_state = TrainState(state.step + 1, params, opt_state, state.key)
   if layout is not None:
@@ -206,10 +231,10 @@ def update_step(state: TrainState, batch: UpdateBatch,
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "num_completion",
-                                             "s"))
+                                             "s", "group_size"))
 def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
                    model_config: ModelConfig, num_completion: int,
-                   s: LossSettings) -> jax.Array:
+                   s: LossSettings, group_size: int = 1) -> jax.Array:
   """Token log-probs of given completions (π_ref, or π_old recomputed)."""
   return completion_logprobs(model_config, params, tokens_ns, positions_ns,
-                             valid_ns, num_completion, s)[0]
+                             valid_ns, num_completion, s, group_size)[0]

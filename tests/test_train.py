@@ -1,4 +1,5 @@
 """The trainer end to end on the tiny config, and its invariants."""
+import dataclasses
 import json
 import os
 
@@ -66,6 +67,72 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
     np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results[0][0])):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def _grouped_batch(prompt_lens=(3, 6), G=4, P=6, comp=5, seed=1):
+  """B = len(prompt_lens) left-padded prompts, each with G completions: the
+  packed layout train.py feeds the update (rows b*G .. b*G+G-1 share b)."""
+  rng = np.random.RandomState(seed)
+  rows = []
+  for n in prompt_lens:
+    prompt = rng.randint(1, 256, n)
+    for _ in range(G):
+      rows.append(np.concatenate([np.zeros(P - n, int), prompt,
+                                  rng.randint(1, 256, comp)]))
+  tokens = np.array(rows, np.int32)
+  pad = np.repeat([P - n for n in prompt_lens], G)[:, None]
+  col = np.arange(P + comp)[None]
+  N = len(rows)
+  lengths = rng.randint(1, comp + 1, N)
+  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
+  valid = (col >= pad) & ((col < P) | (col - P < lengths[:, None]))
+  return update.UpdateBatch(
+      jnp.asarray(tokens), jnp.asarray(np.maximum(col - pad, 0), jnp.int32),
+      jnp.asarray(valid), jnp.asarray(mask),
+      jnp.asarray(rng.randn(N, comp).astype(np.float32) * 0.1 - 2.0),
+      jnp.zeros((N, comp)), jnp.asarray(rng.randn(N).astype(np.float32)))
+
+
+@pytest.mark.parametrize("variant,remat", [("tiny", "none"), ("tiny", "dots"),
+                                           ("window+bias+qk_norm", "none")])
+def test_shared_prompt_pass_equals_full_rows(variant, remat):
+  """Running each group's prompt once gives the loss, gradient and log-probs
+  of running every row whole, for any micro-batching."""
+  cfg = get_preset("tiny")
+  if variant != "tiny":   # Mistral's sliding window, Qwen's bias and q/k norm
+    cfg = dataclasses.replace(cfg, sliding_window=4, qkv_bias=True,
+                              qk_norm=True)
+  params = init_params(cfg, jax.random.key(0))
+  batch = _grouped_batch()
+  s = update.LossSettings(chunk=4, remat=remat)
+  step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5, 6))
+  want_grads, want_loss, _ = step(params, cfg, batch, 1, 0.0, s, 1)
+  for num_micro in (1, 2, 4):
+    grads, loss, _ = step(params, cfg, batch, num_micro, 0.0, s, 4)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  args = (batch.tokens_ns, batch.positions_ns, batch.valid_ns, cfg, 5, s)
+  np.testing.assert_allclose(update.score_logprobs(params, *args, 4),
+                             update.score_logprobs(params, *args, 1),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_micro_group_size_and_group_minibatches():
+  assert [update.micro_group_size(8, m) for m in (1, 2, 4, 8, 16)] == [
+      8, 4, 2, 1, 1]
+  assert update.micro_group_size(6, 4) == 1 and update.micro_group_size(1, 1) == 1
+  rl = config_lib.base_config().rl
+  rl.num_generations = 4
+  assert train.update_group_size(rl, 8) == 4
+  assert train.update_group_size(rl, 6) == 1     # mini-batch splits a group
+  rl.shared_prompt = False
+  assert train.update_group_size(rl, 8) == 1
+  batches = train._minibatches(12, 8 // 2, np.random.default_rng(0), 4)
+  for idx in batches:                           # whole groups, in order
+    assert len(idx) == 4 and idx[0] % 4 == 0
+    assert list(idx) == list(range(idx[0], idx[0] + 4))
+  assert sorted(np.concatenate(batches)) == list(range(12))
 
 
 def test_dynamic_sampling_returns_exactly_b_groups_with_signal():

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import Params, hidden_states
+from grpo_jax.models.transformer import (Params, hidden_states,
+                                         hidden_states_shared_prompt)
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -118,19 +119,38 @@ def sequence_logprobs(config: ModelConfig, params: Params,
                       valid_bt: Optional[jax.Array] = None, *,
                       completion_len: Optional[int] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      temperature: float = 1.0, remat: str = "none"):
+                      temperature: float = 1.0, remat: str = "none",
+                      group_size: int = 1):
   """Runs the decoder, then the chunked head: log-probs and entropies of the
   last K = completion_len tokens of tokens_bt (default K = T - 1, every token
   but the first), float32 (B, K). Entry k is log p(tokens[:, T-K+k] | the
   tokens before it), so with [prompt | completion] rows and K the completion
   length it lines up with the sampler's completion log-probs and mask.
+
+  group_size G > 1 declares that rows come in groups of G consecutive rows
+  whose first T - K columns (the prompt, padding included) are identical: each
+  group's prompt then runs through the decoder once
+  (`hidden_states_shared_prompt`), with the same result.
   """
   T = tokens_bt.shape[1]
   K = T - 1 if completion_len is None else completion_len
   if not 0 < K < T:
     raise ValueError(f"completion_len={completion_len}; need 0 < K < T={T}")
-  h_btd = hidden_states(config, params, tokens_bt, positions_bt, valid_bt,
-                        remat=remat)
-  return token_logprobs(config, params, h_btd[:, T - 1 - K:T - 1],
-                        tokens_bt[:, T - K:], chunk_size=chunk_size,
-                        temperature=temperature)
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32),
+                                    tokens_bt.shape)
+  if valid_bt is None:
+    valid_bt = jnp.ones(tokens_bt.shape, bool)
+  if group_size > 1:
+    P, first = T - K, slice(None, None, group_size)   # one row per group
+    h_last_bd, h_nkd = hidden_states_shared_prompt(
+        config, params, tokens_bt[first, :P], positions_bt[first, :P],
+        valid_bt[first, :P], tokens_bt[:, P:], positions_bt[:, P:],
+        valid_bt[:, P:], remat=remat)
+    h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
+    h_btd = jnp.concatenate([h_last_nd[:, None], h_nkd[:, :K - 1]], axis=1)
+  else:
+    h_btd = hidden_states(config, params, tokens_bt, positions_bt, valid_bt,
+                          remat=remat)[:, T - 1 - K:T - 1]
+  return token_logprobs(config, params, h_btd, tokens_bt[:, T - K:],
+                        chunk_size=chunk_size, temperature=temperature)

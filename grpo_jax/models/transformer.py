@@ -264,6 +264,48 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
   return (h, kv) if return_kv else h
 
 
+def hidden_states_shared_prompt(config: ModelConfig, params: Params,
+                                prompt_bp: jax.Array, prompt_pos_bp: jax.Array,
+                                prompt_valid_bp: jax.Array,
+                                tokens_nt: jax.Array, positions_nt: jax.Array,
+                                valid_nt: jax.Array, remat: str = "none"):
+  """`hidden_states` of N = B*G rows [prompt b | continuation n], with each
+  of the B prompts run through the decoder ONCE instead of G times.
+
+  Row n continues prompt b = n // G. Its continuation tokens attend to the
+  prompt's keys and values (repeated to the G rows; autodiff sums their
+  cotangents back) and causally to their own. The result equals
+  `hidden_states` on the concatenated rows: the same logits, a GRPO update
+  with fewer FLOPs (B*P + N*T tokens instead of N*(P+T)).
+
+  Returns the last prompt column's hidden state per prompt (B, D), which
+  predicts the first continuation token, and the continuation's (N, T, D).
+  """
+  B, N = prompt_bp.shape[0], tokens_nt.shape[0]
+  if N % B:
+    raise ValueError(f"{N} rows do not split into groups of {B} prompts")
+  rep = lambda x: jnp.repeat(x, N // B, axis=0)
+  h_bpd, (k_lbksd, v_lbksd) = hidden_states(
+      config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
+      return_kv=True)
+  key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
+  key_valid_ns = jnp.concatenate([rep(prompt_valid_bp), valid_nt], axis=1)
+  mask = attention_mask(config, positions_nt, key_pos_ns, key_valid_ns)
+
+  def layer(x, xs):
+    lp, k_prompt, v_prompt = xs
+    q, k, v = _qkv(config, lp, x, positions_nt)
+    k = jnp.concatenate([rep(k_prompt), k], axis=2)
+    v = jnp.concatenate([rep(v_prompt), v], axis=2)
+    return _attn_out_and_mlp(config, lp, x, attention(q, k, v, mask)), None
+
+  if remat != "none":
+    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+  x, _ = jax.lax.scan(layer, embed(params, tokens_nt),
+                      (params["layers"], k_lbksd, v_lbksd))
+  return h_bpd[:, -1], rms_norm(x, params["final_norm"], config.norm_eps)
+
+
 def forward(config: ModelConfig, params: Params, tokens_bt: jax.Array,
             positions_bt: Optional[jax.Array] = None,
             valid_bt: Optional[jax.Array] = None,
