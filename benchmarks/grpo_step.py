@@ -29,10 +29,9 @@ rest of the step (loss, backward, optimizer step), total = on_step_begin to
 on_step_end of a TrainerCallback.
 
 grpo_jax runs --warmup-steps steps (default 2: the first compiles the
-sampler and the update, and the second compiles update_step again because
-its state arrives committed to a device from the first update, where
-init_state's scalars were uncommitted), then the measured step, which must
-not compile. TRL runs one warm-up step and the measured step.
+sampler and the update; on 2026-11-29 the second still compiled one small
+program, 5 s), then the measured step, which must not compile. TRL runs one
+warm-up step and the measured step.
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ of several, measured in the same run).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import traceback
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -96,6 +98,27 @@ def decode_flops(config, prompt_lens: list[int], generations: int,
     total += generations * (2.0 * (body + head) * (new_tokens - 1)
                             + per_key * keys)
   return total
+
+
+def step_matmul_floor(config, rows: int, repeats: int = 8) -> tuple[float, float]:
+  """(seconds, FLOPs) of one decode step's weight matmuls alone: each distinct
+  (rows, in) @ (in, out) shape timed on its own in jax (best of `repeats`),
+  times how often a step does it. What no decode step can go below."""
+  D, F, L = config.dim, config.mlp_dim, config.num_layers
+  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  shapes = collections.Counter({(D, q): L, (q, D): L, (D, F): 2 * L,
+                                (F, D): L, (D, config.vocab_size): 1})
+  shapes[(D, kv)] += 2 * L
+  seconds = flops = 0.0
+  for (n_in, n_out), count in shapes.items():
+    x = jnp.ones((rows, n_in), jnp.float32)
+    w = jnp.ones((n_in, n_out), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(x, w).block_until_ready()
+    _, best = _common.best_of(lambda: mm(x, w).block_until_ready(), repeats)  # pylint: disable=cell-var-from-loop
+    seconds += count * best
+    flops += count * 2.0 * rows * n_in * n_out
+  return seconds, flops
 
 
 # ----------------------------------------------------------------------------
@@ -288,6 +311,11 @@ def main(argv=None) -> int:
   print(f"prompt lengths: {lens} (identical ids on both sides)")
   peaks = _common.matmul_peak()
   peak = max(peaks.values())
+  floor_s, floor_flops = step_matmul_floor(model_config, B * G)
+  print(f"one decode step's weight matmuls alone ({B * G} rows, each shape "
+        f"timed on its own in jax): {floor_s * 1e3:.0f} ms, "
+        f"{floor_flops / 1e9:.1f} GFLOP at {floor_flops / floor_s / 1e9:.0f} "
+        "GFLOP/s")
   pad_id = tok.pad_id or 0
   stop_ids = tuple(tok.stop_ids)
 
