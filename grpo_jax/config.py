@@ -87,8 +87,9 @@ def base_config() -> ConfigDict:
       drop_hint_mentions=True,         # rationales that say "hint" or repeat
                                        # the hint are not kept
       rationale_reasoning_check=False, # keep a rationalisation only if its
-                                       # reasoning (all but the last line)
-                                       # verifies: derived, not asserted
+                                       # reasoning (no final line, no answer
+                                       # statements) verifies: derived, not
+                                       # asserted (star.reasoning)
       sample_batch=64,                 # prompts per sampler call
       sft_steps=40,                    # fine-tuning steps of iteration 1 (paper)
       sft_growth=1.2,                  # x steps per iteration (paper: +20%)

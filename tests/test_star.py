@@ -153,8 +153,26 @@ def test_reasoning_check_drops_asserted_rationalisations(scripted):
   # those with a = 4, 12 derive the answer before stating it.
   assert [i for i, r in zip(kept.problem, kept.rationalized) if r] == [3, 11]
   assert metrics["star/dropped_unreasoned"] == 2
-  assert star.without_last_line("14 + 17 = 31.\nSo 31.") == "14 + 17 = 31."
-  assert star.without_last_line("So 31.\n") == ""
+
+
+def test_reasoning_is_the_text_without_answer_statements():
+  r = star.reasoning
+  assert r("14 + 17 = 31.\nSo 31.") == "14 + 17 = 31."
+  assert r("So 31.\n") == r("31.") == ""
+  # A one-line reply loses its last sentence, not the whole line.
+  assert r("Noah starts with 14. Finding 17 more gives 14 + 17 = 31. "
+           "The answer is 31.") == (
+               "Noah starts with 14. Finding 17 more gives 14 + 17 = 31.")
+  # Echoes of the answer (seen at 135M) are no derivation; list numbers
+  # ("3. The answer is 3.") are not read as numbers of the text.
+  assert r("1. The answer is 3.\n2. The answer is 3.\n3. The answer is 3."
+           "\n\nThe solution is 3.") == ""
+  assert r("1. Noah has 14 + 17 = 21 cards.\n2. The answer is 31.\n\n"
+           "The answer is 31.") == "Noah has 14 + 17 = 21 cards."
+  assert r("- 30 + 30 = 60\n- Noah has 60 cards now\n\nThe answer is 60."
+           ) == "30 + 30 = 60 Noah has 60 cards now"
+  assert r("Step 1.5 kg. Then 3.5 + 1 = 4.5 kg.\nAnswer: 4.5") == (
+      "Step 1.5 kg. Then 3.5 + 1 = 4.5 kg.")
 
 
 def test_finetune_steps_grow_twenty_percent_per_iteration():

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
@@ -78,10 +79,23 @@ def mentions_hint(text: str, hint: str) -> bool:
 # SAMPLE + FILTER, RATIONALISE.
 # ----------------------------------------------------------------------------
 
-def without_last_line(text: str) -> str:
-  """The reasoning of a completion: everything before its final line."""
-  lines = text.rstrip().split("\n")
-  return "\n".join(lines[:-1])
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_LIST_MARKER = re.compile(r"^\s*(?:\d+[.)]|[-*\u2022])\s+")
+
+
+def reasoning(text: str) -> str:
+  """What a completion offers as the derivation of its answer: the text
+  without its final answer statement (the last line, or the last sentence
+  of a one-line reply) and without any sentence that states an answer
+  (contains "answer"): "1. The answer is 31.\n2. The answer is 31." derives
+  nothing, "14 + 17 = 31." does. Sentences end at . ! ? before whitespace;
+  list markers ("3. ", "- ") are not part of a line's text."""
+  lines = [_LIST_MARKER.sub("", l) for l in text.strip().split("\n")
+           if l.strip()]
+  if len(lines) == 1:
+    lines = _SENTENCE_END.split(lines[0])
+  sentences = [s for line in lines[:-1] for s in _SENTENCE_END.split(line)]
+  return " ".join(s for s in sentences if "answer" not in s.lower())
 
 
 def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
@@ -98,9 +112,10 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
 
   For rationalisations: with `hints` (one per prompt) completions that
   mention or repeat their hint are rejected (`mentions_hint`);
-  `reasoning_check` rejects those whose reasoning (all but the last line)
-  does not itself verify, i.e. the answer is asserted after the hint rather
-  than derived ("14 + 17 = 21. The answer is 31.")."""
+  `reasoning_check` rejects those whose `reasoning` (no final line, no
+  answer statements) does not itself verify, i.e. the answer is asserted
+  after the hint rather than derived ("14 + 17 = 21.\nThe answer is 31.",
+  "1. The answer is 31.\n2. The answer is 31.\nSo 31.")."""
   G, size = num_samples, batch
   found: list[Optional[tuple[int, ...]]] = []
   counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0,
@@ -126,7 +141,7 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
     if reasoning_check:
       _, derived, _ = rollout.score(
           spec, np.repeat(texts, G).tolist(),
-          [without_last_line(c) for c in completions],
+          [reasoning(c) for c in completions],
           np.repeat(golds, G).tolist(), out.length_b)
       counts["unreasoned"] += int((usable & ~derived).sum())
       usable &= derived
