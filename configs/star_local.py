@@ -34,6 +34,14 @@ def word_problems(c):
   c.rewards = {"last_number": 1.0}
   c.accuracy_reward = "last_number"
   c.star.iterations = 3
+  # The paper's prompt set P: 3 problems (out of the 64) with their worked
+  # rationales as few-shot turns in the sampling prompts of iteration 1;
+  # under a hint each exemplar shows its own hint, so the rationalisation
+  # prompt demonstrates how to reach a hinted answer. Stored and evaluated
+  # prompts are zero-shot, so a tuned M_n samples zero-shot too (prompted
+  # with P, M_2 solved 26% of the problems against 45% held-out zero-shot).
+  c.star.few_shot = 3
+  c.star.few_shot_first_only = True
   # A rationalisation is kept only if its reasoning reaches the answer
   # before the final line states it (star.reasoning): at 135M most hinted
   # replies assert the hinted number after unrelated arithmetic or echo it.
