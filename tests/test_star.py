@@ -60,11 +60,13 @@ class ScriptedSampler:
 
   def __init__(self):
     self.params_seen = []
+    self.prompts_seen = []
 
   def __call__(self, model_config, params, prompts, key, cfg,
                num_generations=1, batch_multiple=1, layout=None):
     del model_config, key, batch_multiple, layout
     self.params_seen.append(jax.tree.map(np.array, params))
+    self.prompts_seen.append([TOK.decode(p) for p in prompts])
     T = cfg.max_new_tokens
     rows = [TOK.encode(_reply(TOK.decode(p))) + [cfg.stop_ids[0]]
             for p in prompts for _ in range(num_generations)]
@@ -223,6 +225,29 @@ def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
   kept = [json.loads(l) for l in open(tmp_path / "star" / "iteration_1.jsonl")]
   assert len(kept) == history[1]["star/kept_total"]
   assert not any("Hint" in r["prompt"] for r in kept)
+
+
+@pytest.mark.parametrize("first_only", [True, False])
+def test_few_shot_exemplars_prompt_the_first_iteration_or_all(
+    scripted, tmp_path, first_only):
+  config = _config(iterations=2, few_shot=1, few_shot_first_only=first_only,
+                   sft_steps=1)
+  star.run(config, str(tmp_path))
+  # Sampler calls: eval 0, (direct, hinted) 1, eval 1, (direct, hinted) 2,
+  # eval 2. The exemplar ("What is 1 + 1?", problem 0 of the data) is a
+  # few-shot turn of the sampling prompts, never of the evaluation's.
+  calls = scripted.prompts_seen
+  assert len(calls) == 7
+  shot = re.findall(r"What is \d+ \+ \d+\?", calls[1][0])[0]
+  with_shot = [[p.count("What is") == 2 and shot in p for p in c]
+               for c in calls]
+  assert all(with_shot[1]) and all(with_shot[2])
+  assert all(with_shot[4]) == all(with_shot[5]) == (not first_only)
+  assert not any(with_shot[0] + with_shot[3] + with_shot[6])
+  for n in (1, 2):
+    kept = [json.loads(l) for l in
+            open(tmp_path / "star" / f"iteration_{n}.jsonl")]
+    assert kept and all(r["prompt"].count("What is") == 1 for r in kept)
 
 
 def test_cli_runs_two_iterations_of_the_tiny_config(tmp_path):
