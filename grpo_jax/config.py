@@ -88,8 +88,9 @@ def base_config() -> ConfigDict:
                                        # the hint are not kept
       rationale_reasoning_check=False, # keep a rationalisation only if its
                                        # reasoning (no final line, no answer
-                                       # statements) verifies: derived, not
-                                       # asserted (star.reasoning)
+                                       # statements) verifies and its
+                                       # equations hold: derived, not
+                                       # asserted (star.first_correct)
       sample_batch=64,                 # prompts per sampler call
       sft_steps=40,                    # fine-tuning steps of iteration 1 (paper)
       sft_growth=1.2,                  # x steps per iteration (paper: +20%)

@@ -42,15 +42,17 @@ def _config(**star_fields):
 def _reply(prompt: str) -> str:
   """The scripted model: solves sums whose first term a is odd; given the
   answer n as a hint, cites the hint when n is even (saying "hint" or
-  repeating it), else derives n when 4 divides a and only asserts it
-  otherwise."""
+  repeating it), else derives n when 4 divides a, forces it into a false
+  equation ("a - b = n") when a = 6 mod 8 and only asserts it otherwise."""
   a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])
   hints = re.findall(r"Hint: The correct answer is (-?\d+)\.", prompt)
   if hints:   # the last one: exemplars show their own hints first
     n = int(hints[-1])
     if n % 2 == 0:
       return f"The hint says {n}." if n % 4 else f"The correct answer is {n}."
-    return f"{a} + {b} = {n}.\nSo it is {n}." if a % 4 == 0 else f"So it is {n}."
+    if a % 4 == 0:
+      return f"{a} + {b} = {n}.\nSo it is {n}."
+    return f"{a} - {b} = {n}.\nSo it is {n}." if a % 8 == 6 else f"So it is {n}."
   return f"{a} + {b} = {a + b}." if a % 2 else "It is 0."
 
 
@@ -152,9 +154,23 @@ def test_reasoning_check_drops_asserted_rationalisations(scripted):
   kept, metrics = _collect(_config(rationale_reasoning_check=True),
                            _problems())
   # Of the odd answers reached with the hint (problems 3, 5, 9, 11), only
-  # those with a = 4, 12 derive the answer before stating it.
+  # those with a = 4, 12 derive the answer before stating it: a = 6 writes
+  # "6 - 3 = 9.", a = 10 only asserts 11.
   assert [i for i, r in zip(kept.problem, kept.rationalized) if r] == [3, 11]
   assert metrics["star/dropped_unreasoned"] == 2
+
+
+def test_arithmetic_holds_checks_every_stand_alone_equation():
+  holds = star.arithmetic_holds
+  assert holds("4 packs of 4 is 4 * 4 = 16 more, so 15 + 16 = 31.")
+  assert holds("26 x 2 = 52, 5 - 7 = -2, 10 / 4 = 2.5, 10 / 3 = 3.33.")
+  assert holds("No equation here: 31.") and holds("2 + 3 * 4 = 14")
+  # Hinted replies seen at 135M: the hinted number in a false equation.
+  assert not holds("Noah starts with 23. 4 marbles are Ava's, so 23 + 4 = 19.")
+  assert not holds("He buys 2 packs of 5, so 15 - 25 = 25.")
+  assert not holds("27 bags = 3 x 10 = 33 apples")
+  assert not holds("14 + 17 = 31, then 31 / 2 = 15.") and not holds("1 / 0 = 0")
+  assert not holds("10 / 3 = 3.4") and not holds("10 / 4 = 2")
 
 
 def test_reasoning_is_the_text_without_answer_statements():

@@ -20,6 +20,7 @@ the sampled token ids, stop token included, so nothing is re-tokenised.
 """
 from __future__ import annotations
 
+import fractions
 import functools
 import json
 import logging
@@ -98,6 +99,31 @@ def reasoning(text: str) -> str:
   return " ".join(s for s in sentences if "answer" not in s.lower())
 
 
+# "a op b = c" standing alone: not preceded by a number or an operator, c
+# not followed by one (a chain such as "2 + 3 * 4 = 14" is not checked).
+_EQUATION = re.compile(
+    r"(?<![\d.\-+*/\u00d7])(?<![\-+*/\u00d7] )(\d+(?:\.\d+)?)\s*"
+    r"([-+*/x\u00d7])\s*(\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)"
+    r"(?!\.?\d|\s*[-+*/x\u00d7]\s*\d)")
+
+
+def arithmetic_holds(text: str) -> bool:
+  """Whether every stand-alone "a op b = c" in `text` (op: + - * / x; a c
+  with decimals may be rounded to them) is true. A hint can pull the
+  hinted number into a false equation ("23 + 4 = 19. The answer is 19."):
+  the answer is then asserted, not derived."""
+  for a, op, b, c in _EQUATION.findall(text):
+    x, y = fractions.Fraction(a), fractions.Fraction(b)
+    if op == "/" and y == 0:
+      return False
+    value = {"+": x + y, "-": x - y, "/": x / y}.get(op, x * y)
+    decimals = len(c.partition(".")[2])
+    error = abs(value - fractions.Fraction(c))
+    if error > (fractions.Fraction(1, 2 * 10 ** decimals) if decimals else 0):
+      return False
+  return True
+
+
 def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
                   answers: Sequence[str], key: jax.Array,
                   cfg: sampling.SamplingConfig, num_samples: int,
@@ -143,6 +169,7 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
           spec, np.repeat(texts, G).tolist(),
           [reasoning(c) for c in completions],
           np.repeat(golds, G).tolist(), out.length_b)
+      derived &= np.array([arithmetic_holds(c) for c in completions])
       counts["unreasoned"] += int((usable & ~derived).sum())
       usable &= derived
     for b in range(len(texts)):
