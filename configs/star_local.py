@@ -13,12 +13,17 @@ lettered choices (grpo_jax/data/commonsense.py), scored by the letter.
 The algorithm is the paper's (rationalisation, every iteration fine-tuned
 from the original model, +20% steps per iteration); the scale is a CPU's:
 64 problems, 8 -> 10 -> 12 fine-tuning steps of 2 packed rows, 64-token
-greedy rationales. Measured on word_problems (64 held-out, greedy accuracy,
-iterations 0-3): without rationalisation 7.8 -> 35.9 -> 39.1 -> 48.4; with
-it 7.8 -> 25.0 -> 14.1 -> 10.9: at 135M the hinted samples soon just echo
-the hint ("1. The answer is 31. 2. The answer is 31. ..."), and tuning on
-them teaches that. So on this model --config.star.rationalize=False is the
-better setting; the default stays the paper's algorithm. On commonsense_mc
+greedy rationales. word_problems adds the paper's few-shot prompt set (3 of
+the 64 problems as worked exemplars, hinted under rationalisation) in
+iteration 1 and keeps a rationalisation only if its reasoning derives the
+answer with true arithmetic (see word_problems below). Measured on
+word_problems (64 held-out, greedy accuracy, iterations 0-3; README
+"Results", 7.5 and 5.7 min on 2 cores): with rationalisation 7.8 -> 46.9 ->
+37.5 -> 53.1 (kept directly + by rationalisation: 12+9, 33+11, 23+7);
+without 7.8 -> 45.3 -> 25.0 -> 35.9 (kept 12, 28, 24). Without the few-shot
+exemplars and the reasoning check, the 135M model's hinted samples echo the
+hint ("1. The answer is 31. 2. The answer is 31. ...") and tuning on them
+made rationalisation hurt. On commonsense_mc (measured at commit f08e7e1)
 both reach 23.4 -> 45.3 -> 45.3, but degenerately: the tuned model answers
 "A" every time (29 of the 64 held-out answers are A); most kept examples
 were correct "A" guesses, so the correctness filter amplified a position bias.
@@ -38,8 +43,9 @@ def word_problems(c):
   # rationales as few-shot turns in the sampling prompts of iteration 1;
   # under a hint each exemplar shows its own hint, so the rationalisation
   # prompt demonstrates how to reach a hinted answer. Stored and evaluated
-  # prompts are zero-shot, so a tuned M_n samples zero-shot too (prompted
-  # with P, M_2 solved 26% of the problems against 45% held-out zero-shot).
+  # prompts are zero-shot, so a tuned M_n samples zero-shot too (in a run
+  # that kept P in every iteration, M_2 prompted with P solved 26% of the
+  # problems, against 45% held-out zero-shot).
   c.star.few_shot = 3
   c.star.few_shot_first_only = True
   # A rationalisation is kept only if its reasoning reaches the answer
