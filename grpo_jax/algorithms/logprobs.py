@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import (Params, hidden_states,
+from grpo_jax.models.transformer import (Params, default_positions_and_valid,
+                                         hidden_states,
                                          hidden_states_shared_prompt)
 
 DEFAULT_CHUNK_SIZE = 256
@@ -136,12 +137,9 @@ def sequence_logprobs(config: ModelConfig, params: Params,
   K = T - 1 if completion_len is None else completion_len
   if not 0 < K < T:
     raise ValueError(f"completion_len={completion_len}; need 0 < K < T={T}")
-  if positions_bt is None:
-    positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32),
-                                    tokens_bt.shape)
-  if valid_bt is None:
-    valid_bt = jnp.ones(tokens_bt.shape, bool)
   if group_size > 1:
+    positions_bt, valid_bt = default_positions_and_valid(
+        tokens_bt, positions_bt, valid_bt)
     P, first = T - K, slice(None, None, group_size)   # one row per group
     h_last_bd, h_nkd = hidden_states_shared_prompt(
         config, params, tokens_bt[first, :P], positions_bt[first, :P],

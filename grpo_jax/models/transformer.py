@@ -228,6 +228,18 @@ REMAT_POLICIES = {
 }
 
 
+def default_positions_and_valid(tokens_bt: jax.Array,
+                                positions_bt: Optional[jax.Array],
+                                valid_bt: Optional[jax.Array]):
+  """Positions 0..T-1 and every token valid, where not given."""
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(
+        jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+  if valid_bt is None:
+    valid_bt = jnp.ones(tokens_bt.shape, bool)
+  return positions_bt, valid_bt
+
+
 def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
                   positions_bt: Optional[jax.Array] = None,
                   valid_bt: Optional[jax.Array] = None,
@@ -241,11 +253,8 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
   (positions then restart at 0 per segment). With return_kv, also returns k
   and v stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
   """
-  B, T = tokens_bt.shape
-  if positions_bt is None:
-    positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  if valid_bt is None:
-    valid_bt = jnp.ones((B, T), bool)
+  positions_bt, valid_bt = default_positions_and_valid(tokens_bt, positions_bt,
+                                                       valid_bt)
   mask = attention_mask(config, positions_bt, positions_bt, valid_bt,
                         segment_bt, segment_bt)
 
