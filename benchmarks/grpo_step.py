@@ -58,7 +58,7 @@ import trl
 
 import _common
 from grpo_jax import config as config_lib
-from grpo_jax import rollout, train, update
+from grpo_jax import experiment, rollout, train, update
 from grpo_jax.models import loading
 from grpo_jax.rewards import last_number
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -134,10 +134,10 @@ class OursStep:
   def __init__(self, config, examples):
     self.config, self.examples = config, examples
     self.model_config, params, self.tokenizer = (
-        train.load_model_and_tokenizer(config))
+        experiment.load_model_and_tokenizer(config))
     self.spec = rollout.RewardSpec.from_config(config)
     self.settings = update.LossSettings.from_config(config)
-    self.sample_cfg = train.sampling_config(config, self.tokenizer)
+    self.sample_cfg = experiment.sampling_config(config, self.tokenizer)
     self.optimizer = update.make_optimizer(config.optim, 100)
     self.state = update.init_state(params, self.optimizer, config.seed)
     self.rng = np.random.default_rng(config.seed)

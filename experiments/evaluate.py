@@ -47,11 +47,11 @@ def main(argv):
   if _CONFIG.value is None:
     raise app.UsageError("--config is required")
   from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from grpo_jax import evaluation, train  # pylint: disable=import-outside-toplevel
+  from grpo_jax import evaluation, experiment  # pylint: disable=import-outside-toplevel
   config = config_lib.validate(_CONFIG.value)
-  model_config, params, tokenizer, step = evaluation.load_policy(
+  model_config, params, tokenizer, step = experiment.load_policy(
       config, _CHECKPOINT.value, _STEP.value)
-  examples = train.load_examples(config)[1][:config.train.eval_examples]
+  examples = experiment.load_examples(config)[1][:config.train.eval_examples]
   result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
                                       examples)
   workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)

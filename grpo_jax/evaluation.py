@@ -13,7 +13,7 @@ Data-set scores are means over problems.
 
 `evaluate_policy` (below) samples a policy on held-out problems and reports
 all of these; the trainer calls it every `train.eval_every` steps and
-`experiments/evaluate.py` calls it on a checkpoint.
+`experiments/evaluate.py` calls it on a checkpoint (`experiment.load_policy`).
 """
 from __future__ import annotations
 
@@ -356,36 +356,3 @@ def evaluate_policy(config, model_config, params, tokenizer, examples, *,
   metrics["eval/seconds"] = time.perf_counter() - t0
   return PolicyEval(metrics, [x.question for x in examples], golds, sampled,
                     greedy_done)
-
-
-def load_policy(config, checkpoint: str = "", step: int | None = None
-                ) -> tuple[Any, Any, Any, int | None]:
-  """(model_config, params, tokenizer, step) to evaluate.
-
-  Without `checkpoint`: the model `config.model` names (step None). With it
-  (a run's workdir, its checkpoints directory or one step directory): the
-  policy params of that checkpoint's `step` (None: the latest there), its
-  saved ModelConfig, and the tokenizer of the config the run started from.
-  """
-  # Lazy: train imports this module (a top-level import would be circular),
-  # and a pretrained evaluation needs no orbax.
-  from grpo_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
-  from grpo_jax import train  # pylint: disable=import-outside-toplevel
-  if not checkpoint:
-    return (*train.load_model_and_tokenizer(config), None)
-  directory, found = ckpt_lib.locate(checkpoint)
-  step = step if step is not None else found
-  step = ckpt_lib.finalized_steps(directory)[-1] if step is None else step
-  model_config = ckpt_lib.load_model_config(checkpoint, step)
-  params = ckpt_lib.load_params(checkpoint, step=step)
-  return model_config, params, _load_tokenizer(config), step
-
-
-def _load_tokenizer(config):
-  """The tokenizer of `config.model` without loading its weights."""
-  source = config.model.tokenizer or config.model.source
-  if source == "tiny":
-    from grpo_jax.tiny_tokenizer import byte_tokenizer  # pylint: disable=import-outside-toplevel
-    return byte_tokenizer()
-  from grpo_jax import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
-  return tok_lib.load_tokenizer(source)

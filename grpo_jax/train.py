@@ -12,7 +12,6 @@ parses flags and calls it.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -23,77 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import config as config_lib
-from grpo_jax import checkpoint, evaluation, registry, rollout, sampling
+from grpo_jax import evaluation, experiment, registry, rollout, sampling
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.data.iterator import BatchIterator
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.update import (LossSettings, TrainState, UpdateBatch, cast,
+from grpo_jax.update import (LossSettings, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
                              make_optimizer, score_logprobs,
                              update_step)
-
-Params = Any
-
-def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:
-  """The model and tokenizer that `config.model` names (the `tiny` preset is
-  randomly initialised from config.seed and uses the byte tokenizer)."""
-  from grpo_jax import models, tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
-  source = config.model.source
-  if source == "tiny":
-    model_config = models.get_preset("tiny")
-    params = models.init_params(model_config, jax.random.key(config.seed))
-  else:
-    model_config, params = models.load_pretrained(source)
-  params = cast(params, config.model.param_dtype)
-  tok_source = config.model.tokenizer or source
-  if tok_source == "tiny":
-    from grpo_jax.tiny_tokenizer import byte_tokenizer  # pylint: disable=import-outside-toplevel
-    return model_config, params, byte_tokenizer()
-  return model_config, params, tok_lib.load_tokenizer(tok_source)
-
-
-def sampling_config(config, tokenizer) -> "sampling.SamplingConfig":
-  from grpo_jax import sampling  # pylint: disable=import-outside-toplevel
-  s = config.sampling
-  return sampling.SamplingConfig(
-      max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-      top_p=s.top_p, top_k=s.top_k, stop_ids=tuple(tokenizer.stop_ids),
-      pad_id=tokenizer.pad_id or 0)
-
-
-def load_examples(config) -> tuple[list, list]:
-  """Train and held-out examples from the `dataset` registry."""
-  import grpo_jax.data  # pylint: disable=import-outside-toplevel,unused-import
-  train = list(registry.lookup("dataset", config.data.source)(
-      **dict(config.data.kwargs)))
-  eval_source = config.data.eval_source or config.data.source
-  held_out = list(registry.lookup("dataset", eval_source)(
-      **dict(config.data.eval_kwargs)))
-  if not train:
-    raise ValueError(f"data.source={config.data.source!r} gave no examples")
-  return train, held_out
-
-
-def greedy_eval(config, model_config, params, tokenizer, examples,
-                spec: rollout.RewardSpec, batch_size: int = 50) -> dict:
-  """Greedy accuracy (the accuracy reward > 0) on held-out examples."""
-  cfg = sampling_config(config, tokenizer)
-  cfg = sampling.SamplingConfig(**{**cfg.__dict__, "greedy": True})
-  correct, lengths = [], []
-  compute = cast(params, config.model.compute_dtype)
-  for i in range(0, len(examples), batch_size):
-    chunk = examples[i:i + batch_size]
-    batch, _ = rollout.generate_groups(
-        model_config, compute, tokenizer, chunk, jax.random.key(0), cfg, 1,
-        spec, config.data.template, config.data.system_prompt,
-        batch_multiple=batch_size)
-    correct.append(batch["correct"].ravel())
-    lengths.append(batch["length"].ravel())
-  correct = np.concatenate(correct)
-  return {"eval/greedy_accuracy": float(correct.mean()),
-          "eval/response_length": float(np.concatenate(lengths).mean()),
-          "eval/num_examples": len(correct)}
 
 
 def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
@@ -163,32 +99,6 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   return state, metrics
 
 
-def _restore_or_init(ckpt, workdir: str, config, state: TrainState
-                     ) -> tuple[TrainState, dict]:
-  """The resume order (checkpoint.resolve_init): this run's latest checkpoint,
-  else config.init_from's parameters, else the pretrained weights."""
-  how, where = checkpoint.resolve_init(workdir, config.init_from or None,
-                                       config.model.source)
-  if how == "resume":
-    state, host = ckpt.restore(state, step=where)
-    logging.info("resumed from step %d of %s", where, workdir)
-    return state, host
-  if how == "init_from":
-    params = checkpoint.load_params(where, state.params)
-    logging.info("parameters from %s", where)
-    return state._replace(params=params), {}
-  return state, {}
-
-
-def _truncate_metrics(path: str, last_step: int) -> None:
-  """On resume, drops metric rows written after the restored checkpoint (they
-  are recomputed), so the log reads like one uninterrupted run."""
-  if os.path.exists(path):
-    rows = [r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
-    with open(path, "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
 def run(config, workdir: str) -> dict:
   """Trains as `config` says, writing everything under `workdir`; returns
   the final metrics (including the held-out greedy accuracy before/after).
@@ -204,17 +114,13 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   layout = sharding_lib.Layout.from_config(config)
   os.makedirs(workdir, exist_ok=True)
-  model_config, params, tokenizer = load_model_and_tokenizer(config)
-  ckpt = checkpoint.Checkpointer(
-      checkpoint.checkpoint_dir(workdir),
-      save_every=config.train.checkpoint_every,
-      keep=config.train.keep_checkpoints, config=config,
-      model_config=model_config)
-  train_examples, eval_examples = load_examples(config)
+  model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
+  ckpt = experiment.make_checkpointer(config, workdir, model_config)
+  train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
   spec = rollout.RewardSpec.from_config(config)
   settings = LossSettings.from_config(config)
-  sample_cfg = sampling_config(config, tokenizer)
+  sample_cfg = experiment.sampling_config(config, tokenizer)
   rl = config.rl
   rows = rl.prompts_per_step * rl.num_generations
   updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
@@ -228,16 +134,15 @@ def run(config, workdir: str) -> dict:
   state = layout.place_state(model_config, optimizer,
                              init_state(params, optimizer, config.seed))
   del params
-  state, host = _restore_or_init(ckpt, workdir, config, state)
+  state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
+                                                    state)
   start = int(state.step) // updates_per_step
   data = (BatchIterator.from_state(train_examples, host["data"])
           if "data" in host else
           BatchIterator(train_examples, rl.prompts_per_step, seed=config.seed))
   summary: dict[str, Any] = dict(host.get("summary", {}))
-  primary = metrics_lib.is_primary()   # the one host that writes files
-  if primary:
-    _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start)
-  writer = metrics_lib.MetricWriter(workdir, enabled=primary)
+  writer = experiment.metric_writer(workdir, None if resumed is None else start)
+  primary = writer.enabled   # the one host that writes files
 
   def evaluate(step):
     m = evaluation.evaluate_policy(config, model_config, state.params,

@@ -18,7 +18,7 @@ import pytest
 
 from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, models, registry, rollout, train
+from grpo_jax import evaluation, experiment, models, registry
 from grpo_jax.evaluation import Completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +53,7 @@ def parity_config(**eval_fields):
 def even_examples(config):
   """The held-out problems, each with the gold answer "even"."""
   return [dataclasses.replace(ex, answer="even")
-          for ex in train.load_examples(config)[1]]
+          for ex in experiment.load_examples(config)[1]]
 
 
 def completions(correct, answers, lengths=None) -> Completions:
@@ -140,7 +140,7 @@ def test_unregistered_rewards_vote_with_the_math_verifier():
 @pytest.fixture(scope="module")
 def tiny_policy():
   config = parity_config(n=4, ks=(1, 2, 4), batch_size=3)
-  model_config, params, tokenizer = train.load_model_and_tokenizer(config)
+  model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
   return config, model_config, params, tokenizer, even_examples(config)
 
 
@@ -171,15 +171,16 @@ def _majority_is_even(answers) -> bool:
   return even > odd or (even == odd > 0 and votes[0] == "even")
 
 
-def test_greedy_accuracy_matches_the_trainers_greedy_eval(tiny_policy):
+def test_greedy_only_evaluation_scores_the_greedy_texts(tiny_policy):
   config, model_config, params, tokenizer, examples = tiny_policy
   result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
                                       examples, n=0)
-  assert result.sampled is None
-  old = train.greedy_eval(config, model_config, params, tokenizer, examples,
-                          rollout.RewardSpec.from_config(config))
-  assert result.metrics["eval/greedy_accuracy"] == old["eval/greedy_accuracy"]
-  assert result.metrics["eval/response_length"] == old["eval/response_length"]
+  assert result.sampled is None and len(result.greedy.texts) == len(examples)
+  verdicts = [_parity(row[0]) == "even" for row in result.greedy.texts]
+  assert result.greedy.correct_pn[:, 0].tolist() == verdicts
+  assert result.metrics["eval/greedy_accuracy"] == pytest.approx(np.mean(verdicts))
+  assert result.metrics["eval/response_length"] == pytest.approx(
+      result.greedy.length_pn.mean())
 
 
 def test_temperature_zero_samples_are_the_greedy_completion(tiny_policy):
@@ -237,7 +238,7 @@ def test_cli_evaluates_a_checkpoint_and_writes_json(tmp_path, tiny_policy):
   # settings), not of the config's own initialisation.
   tiny_config = tiny.get_config()
   tiny_config.eval.update(n=4, ks=(1, 4), batch_size=3)
-  examples = train.load_examples(tiny_config)[1]
+  examples = experiment.load_examples(tiny_config)[1]
   samples = lambda p: evaluation.evaluate_policy(
       tiny_config, model_config, p, tokenizer, examples,
       greedy=False).sampled.texts

@@ -95,7 +95,7 @@ def _problems(n=12):
 
 
 def _collect(config, problems, shots=()):
-  from grpo_jax.train import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
+  from grpo_jax.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   model_config, params, tokenizer = load_model_and_tokenizer(config)
   return star.collect_examples(config, model_config, params, tokenizer,
                                problems, shots, jax.random.key(0),
@@ -217,7 +217,7 @@ def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
   star.run(config, str(tmp_path))
   config.star.iterations = 2
   summary = star.run(config, str(tmp_path))
-  from grpo_jax.train import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
+  from grpo_jax.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   original = jax.tree.map(np.array, load_model_and_tokenizer(config)[1])
   same = lambda a, b: all(np.array_equal(x, y) for x, y in
                           zip(jax.tree.leaves(a), jax.tree.leaves(b)))

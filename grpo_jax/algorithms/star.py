@@ -36,7 +36,7 @@ import numpy as np
 
 from grpo_jax import checkpoint
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, registry, rollout, sampling, sft, train
+from grpo_jax import evaluation, experiment, registry, rollout, sampling, sft
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.data import DataError, Example, answer_hint, format_choices
@@ -198,7 +198,7 @@ def collect_examples(config, model_config, params, tokenizer,
   """SAMPLE + FILTER with the current model, then RATIONALISE the failures
   (when star.rationalize): Algorithm 1, lines 3-6."""
   st, d = config.star, config.data
-  cfg = train.sampling_config(config, tokenizer)
+  cfg = experiment.sampling_config(config, tokenizer)
   if cfg.is_greedy:  # the evaluation's greedy program: compiled once for both
     cfg = evaluation.eval_sampling_config(config, tokenizer, greedy=True)
   questions = [p.question for p in problems]
@@ -352,18 +352,14 @@ def _save_kept(path: str, tokenizer, problems: Sequence[Example],
 def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
            original: Params) -> tuple[Params, Params, list[dict]]:
   """(original model, current model, history) by the resume order
-  (checkpoint.resolve_init): this run's latest outer iteration (its M_n and
-  metrics), else config.init_from's params as the original model, else the
-  pretrained weights."""
-  how, where = checkpoint.resolve_init(workdir, config.init_from or None,
-                                       config.model.source)
-  if how == "resume":
-    tree, host = ckpt.restore({"params": original}, step=where)
-    logging.info("STaR: resumed after outer iteration %d", where)
+  (experiment.restore_or_init): this run's latest outer iteration (its M_n
+  and metrics), else config.init_from's params as the original model, else
+  the pretrained weights."""
+  tree, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
+                                                   {"params": original})
+  if resumed is not None:
     return original, tree["params"], host["history"]
-  if how == "init_from":
-    original = checkpoint.load_params(where, original)
-  return original, original, []
+  return tree["params"], tree["params"], []
 
 
 def run(config, workdir: str) -> dict:
@@ -380,20 +376,17 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   st = config.star
   os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
-  model_config, original, tokenizer = train.load_model_and_tokenizer(config)
-  problems, held_out = train.load_examples(config)
+  model_config, original, tokenizer = experiment.load_model_and_tokenizer(config)
+  problems, held_out = experiment.load_examples(config)
   held_out = held_out[:config.train.eval_examples]
   shots, problems = split_shots(problems, st.few_shot)
   spec = rollout.RewardSpec.from_config(config)
   layout = sharding_lib.Layout.from_config(config)
-  ckpt = checkpoint.Checkpointer(
-      checkpoint.checkpoint_dir(workdir),
-      save_every=config.train.checkpoint_every,
-      keep=config.train.keep_checkpoints, config=config,
-      model_config=model_config)
+  ckpt = experiment.make_checkpointer(config, workdir, model_config)
   original, params, history = _start(
       config, workdir, ckpt, layout.shard_params(model_config, original))
-  writer = _metric_writer(workdir, history, metrics_lib.is_primary())
+  writer = experiment.metric_writer(
+      workdir, history[-1]["step"] if history else None)
 
   def evaluate(n: int, params, metrics: dict) -> None:
     metrics = {**evaluation.evaluate_policy(
@@ -445,18 +438,6 @@ def run(config, workdir: str) -> dict:
         history, os.path.join(workdir, "curves.png"), keys=CURVES,
         title=f"{config.name} (x: outer iteration)")
   return summary
-
-
-def _metric_writer(workdir: str, history: list[dict], enabled: bool
-                   ) -> metrics_lib.MetricWriter:
-  """A writer whose metrics.jsonl holds exactly `history` (on resume, rows
-  written after the restored iteration are dropped: they are recomputed);
-  one that writes nothing where not `enabled` (processes other than 0)."""
-  if enabled:
-    with open(os.path.join(workdir, "metrics.jsonl"), "w",
-              encoding="utf-8") as f:
-      f.writelines(json.dumps(row) + "\n" for row in history)
-  return metrics_lib.MetricWriter(workdir, enabled=enabled)
 
 
 def plot_comparison(runs: Mapping[str, str], png_path: str,

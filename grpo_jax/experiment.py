@@ -1,0 +1,162 @@
+"""What every experiment sets up the same way, whichever loop runs it.
+
+The RL loop (`train.py`), the STaR loop (`star_loop.py`) and the evaluation
+entry point (`experiments/evaluate.py`) all start here:
+
+- `load_model_and_tokenizer` / `load_tokenizer`: what `config.model` names;
+- `load_examples`: the train and held-out problems of `config.data`;
+- `sampling_config`: the sampler settings of `config.sampling`;
+- `load_policy`: a checkpoint's (or the pretrained) policy to evaluate;
+- `make_checkpointer` and `restore_or_init`: the resume order, written down
+  once (`checkpoint.resolve_init`): this run's latest checkpoint, else
+  `config.init_from`'s parameters, else the pretrained weights;
+- `metric_writer`: metrics.jsonl continued after a resume as if the run had
+  never stopped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Mapping, NamedTuple
+
+import jax
+
+from grpo_jax import checkpoint, models, registry, sampling
+from grpo_jax import metrics as metrics_lib
+from grpo_jax import tokenizer as tok_lib
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.tiny_tokenizer import byte_tokenizer
+from grpo_jax.update import cast
+
+Params = Any
+
+
+def load_tokenizer(config):
+  """The tokenizer of `config.model` without loading its weights ("tiny":
+  the byte tokenizer)."""
+  source = config.model.tokenizer or config.model.source
+  return byte_tokenizer() if source == "tiny" else tok_lib.load_tokenizer(source)
+
+
+def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:
+  """The model and tokenizer that `config.model` names (the `tiny` preset is
+  randomly initialised from config.seed and uses the byte tokenizer)."""
+  source = config.model.source
+  if source == "tiny":
+    model_config = models.get_preset("tiny")
+    params = models.init_params(model_config, jax.random.key(config.seed))
+  else:
+    model_config, params = models.load_pretrained(source)
+  params = cast(params, config.model.param_dtype)
+  return model_config, params, load_tokenizer(config)
+
+
+def sampling_config(config, tokenizer) -> sampling.SamplingConfig:
+  """The sampler settings of training: `config.sampling` and the tokenizer's
+  stop and pad ids."""
+  s = config.sampling
+  return sampling.SamplingConfig(
+      max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+      top_p=s.top_p, top_k=s.top_k, stop_ids=tuple(tokenizer.stop_ids),
+      pad_id=tokenizer.pad_id or 0)
+
+
+def load_examples(config) -> tuple[list, list]:
+  """Train and held-out examples from the `dataset` registry."""
+  train = list(registry.lookup("dataset", config.data.source)(
+      **dict(config.data.kwargs)))
+  eval_source = config.data.eval_source or config.data.source
+  held_out = list(registry.lookup("dataset", eval_source)(
+      **dict(config.data.eval_kwargs)))
+  if not train:
+    raise ValueError(f"data.source={config.data.source!r} gave no examples")
+  return train, held_out
+
+
+def load_policy(config, source: str = "", step: int | None = None
+                ) -> tuple[ModelConfig, Params, Any, int | None]:
+  """(model_config, params, tokenizer, step) to evaluate.
+
+  Without `source`: the model `config.model` names (step None). With it (a
+  run's workdir, its checkpoints directory or one step directory): the
+  policy params of that checkpoint's `step` (None: the step directory's, else
+  the latest there), its saved ModelConfig, and the tokenizer of the config
+  the run started from.
+  """
+  if not source:
+    return (*load_model_and_tokenizer(config), None)
+  _, step = checkpoint.find_step(source, step)
+  model_config = checkpoint.load_model_config(source, step)
+  params = checkpoint.load_params(source, step=step)
+  return model_config, params, load_tokenizer(config), step
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints and the resume order.
+# ----------------------------------------------------------------------------
+
+def make_checkpointer(config, workdir: str, model_config: ModelConfig
+                      ) -> checkpoint.Checkpointer:
+  """The run's Checkpointer under `<workdir>/checkpoints`, saving every
+  `train.checkpoint_every` steps and keeping `train.keep_checkpoints`."""
+  return checkpoint.Checkpointer(
+      checkpoint.checkpoint_dir(workdir),
+      save_every=config.train.checkpoint_every,
+      keep=config.train.keep_checkpoints, config=config,
+      model_config=model_config)
+
+
+class Start(NamedTuple):
+  """Where a run starts: `state` restored or initialised, the host state
+  saved with it ({} unless resumed) and the step it was saved at (None
+  unless resumed)."""
+  state: Any
+  host: dict
+  step: int | None
+
+
+def _params(state) -> Params:
+  return state["params"] if isinstance(state, Mapping) else state.params
+
+
+def _with_params(state, params: Params):
+  if isinstance(state, Mapping):
+    return {**state, "params": params}
+  return state._replace(params=params)
+
+
+def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
+                    state) -> Start:
+  """The resume order (`checkpoint.resolve_init`) applied to `state`, a
+  pytree with a "params" entry (a TrainState, or {"params": ...}) that
+  gives the shapes and shardings: this run's latest checkpoint (the whole
+  state and its host state), else config.init_from's parameters, else
+  `state` as it is (the pretrained weights)."""
+  how, where = checkpoint.resolve_init(workdir, config.init_from or None,
+                                       config.model.source)
+  if how == "resume":
+    state, host = ckpt.restore(state, step=where)
+    logging.info("resumed from checkpoint step %d of %s", where, workdir)
+    return Start(state, host, where)
+  if how == "init_from":
+    logging.info("parameters from %s", where)
+    params = checkpoint.load_params(where, _params(state))
+    return Start(_with_params(state, params), {}, None)
+  return Start(state, {}, None)
+
+
+def metric_writer(workdir: str, last_step: int | None
+                  ) -> metrics_lib.MetricWriter:
+  """The run's MetricWriter (only process 0 writes). On resume from
+  `last_step`, metrics.jsonl first loses the rows written after it (they are
+  recomputed), so the log reads like one uninterrupted run; a fresh start
+  (`last_step` None) starts an empty log."""
+  primary = metrics_lib.is_primary()
+  path = os.path.join(workdir, "metrics.jsonl")
+  if primary:
+    rows = [] if last_step is None or not os.path.exists(path) else [
+        r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
+    with open(path, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  return metrics_lib.MetricWriter(workdir, enabled=primary)
