@@ -31,13 +31,12 @@ def main(argv):
     return
   if _CONFIG.value is None:
     raise app.UsageError("--config is required (or --list)")
-  from grpo_jax import train  # pylint: disable=import-outside-toplevel
-  from grpo_jax.algorithms import star  # pylint: disable=import-outside-toplevel
+  from grpo_jax import registry  # pylint: disable=import-outside-toplevel
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join("workdirs", config.name)
   logging.info("config:\n%s", config)
   from grpo_jax import checkpoint, runs  # pylint: disable=import-outside-toplevel
-  run = star.run if config.method == "star" else train.run
+  run = registry.lookup("method", config.method)  # rl: train.run, star: star_loop.run
   # Every run is recorded (name, config, commit, times, status, metrics,
   # workdir, checkpoint) in the run store: experiments/runs.py list|show|compare.
   with _record(config, workdir) as record:

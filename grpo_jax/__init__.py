@@ -1,2 +1,14 @@
-"""grpo_jax: STaR, GRPO and DAPO post-training of language-model reasoners in JAX."""
+"""grpo_jax: STaR, GRPO and DAPO post-training of language-model reasoners in JAX.
+
+Importing the package registers every name a config can use (see
+`grpo_jax.registry`): data sets, layouts, tasks and templates (`data`),
+rewards (`rewards`), advantages, loss aggregations and KL estimators
+(`algorithms`), model presets and bundled weights (`models`), maj@k answer
+readers (`evaluation`) and the methods, i.e. the loops: "rl" (`train`) and
+"star" (`star_loop`).
+"""
 __version__ = "0.1.0"
+
+# pylint: disable=wrong-import-position,unused-import
+from grpo_jax import algorithms, data, models, rewards
+from grpo_jax import evaluation, star_loop, train

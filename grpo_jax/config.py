@@ -23,7 +23,8 @@ def base_config() -> ConfigDict:
   c.description = "GRPO defaults"
   c.seed = 0
   c.init_from = ""          # a checkpoint dir to start from (resume order)
-  c.method = "rl"           # rl: train.run | star: algorithms/star.run
+  c.method = "rl"           # a "method" registry name: rl (train.run) |
+                            # star (star_loop.run)
 
   c.model = ConfigDict(dict(
       source="smollm2-135m-instruct",  # preset, HF directory or .gguf file
@@ -135,7 +136,6 @@ def base_config() -> ConfigDict:
 
 
 _CHOICES = {
-    "method": ("rl", "star"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "dots", "full"),
@@ -144,6 +144,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "cosine"),
 }
 _REGISTRY_FIELDS = {
+    "method": "method",
     "data.source": "dataset",
     "data.template": "template",
     "rl.advantage": "advantage",
@@ -193,10 +194,6 @@ def _get(config: ConfigDict, path: str) -> Any:
 
 def validate(config: ConfigDict) -> ConfigDict:
   """Checks names, types, choices and ranges; returns the config unchanged."""
-  # Importing the registries fills them (rewards, datasets, algorithms).
-  import grpo_jax.algorithms  # pylint: disable=import-outside-toplevel,unused-import
-  import grpo_jax.data  # pylint: disable=import-outside-toplevel,unused-import
-  import grpo_jax.rewards  # pylint: disable=import-outside-toplevel,unused-import
   _check_fields(config, base_config(), "",
                 ("rewards", "reward_kwargs", "data.kwargs", "data.eval_kwargs"))
   for path, allowed in _CHOICES.items():

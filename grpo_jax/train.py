@@ -7,8 +7,9 @@
       # REFERENCE       (log-probs under π_ref, only when β > 0)
       # UPDATE          (update.py: μ passes × mini-batches; jitted, donated)
 
-`run(config, workdir)` is the whole experiment; `experiments/run.py` only
-parses flags and calls it.
+`run(config, workdir)` is the whole experiment, registered as the method
+"rl" (config.method = "rl"; the STaR loop, `star_loop.py`, is its sibling);
+`experiments/run.py` only parses flags and calls it.
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   return state, metrics
 
 
+@registry.register("method", "rl")
 def run(config, workdir: str) -> dict:
   """Trains as `config` says, writing everything under `workdir`; returns
   the final metrics (including the held-out greedy accuracy before/after).

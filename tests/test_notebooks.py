@@ -70,7 +70,7 @@ WORKDIR = {str(tmp_path / "run")!r}
 """)
   plain, hinted = printed(cell_with(nb, "Rationalisation prompt")).splitlines()
   assert "correct answer is" not in plain and "correct answer is" in hinted
-  ran = printed(cell_with(nb, "star.run(config, WORKDIR)"))
+  ran = printed(cell_with(nb, "star_loop.run(config, WORKDIR)"))
   assert "star/kept_rationalized" in ran and "(M_0) ->" in ran
   shown = printed(cell_with(nb, "read_jsonl"))
   assert "=== Kept" in shown and "=== Rationalised" in shown

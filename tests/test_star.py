@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from grpo_jax import config as config_lib
-from grpo_jax import rollout, sampling
+from grpo_jax import rollout, sampling, star_collect, star_loop
 from grpo_jax.algorithms import star
+from grpo_jax.data import commonsenseqa
 from grpo_jax.data import Example, answer_hint
 from grpo_jax.tiny_tokenizer import byte_tokenizer
 
@@ -97,7 +98,7 @@ def _problems(n=12):
 def _collect(config, problems, shots=()):
   from grpo_jax.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   model_config, params, tokenizer = load_model_and_tokenizer(config)
-  return star.collect_examples(config, model_config, params, tokenizer,
+  return star_collect.collect_examples(config, model_config, params, tokenizer,
                                problems, shots, jax.random.key(0),
                                rollout.RewardSpec.from_config(config))
 
@@ -105,9 +106,9 @@ def _collect(config, problems, shots=()):
 def test_render_is_the_rollout_prompt_without_hint_or_shots():
   q = "What is 2 + 3?"
   plain = rollout.render_prompts(TOK, "last_number", [q], "Be brief.")[0]
-  assert star.render(TOK, "last_number", q, "Be brief.") == plain
+  assert star_collect.render(TOK, "last_number", q, "Be brief.") == plain
   shot = Example("What is 1 + 1?", "2", rationale="1 + 1 = 2. The answer is 2.")
-  hinted = star.render(TOK, "last_number", q, "", hint=answer_hint("5"),
+  hinted = star_collect.render(TOK, "last_number", q, "", hint=answer_hint("5"),
                        shots=[shot])
   # The exemplar shows its gold rationale and, under a hint, its own hint.
   assert "assistant: 1 + 1 = 2. The answer is 2." in hinted
@@ -201,7 +202,7 @@ def test_finetune_steps_grow_twenty_percent_per_iteration():
 def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
                                                        tmp_path):
   starts, results = [], []
-  real_finetune = star.finetune
+  real_finetune = star_loop.finetune
 
   def spy(config, model_config, original, *args, **kwargs):
     starts.append(jax.tree.map(np.array, original))
@@ -210,13 +211,13 @@ def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
     results.append(jax.tree.map(np.array, params))
     return params, metrics
 
-  monkeypatch.setattr(star, "finetune", spy)
+  monkeypatch.setattr(star_loop, "finetune", spy)
   # Iteration 1, then a second run in the same workdir that resumes from its
   # checkpoint for iteration 2.
   config = _config(iterations=1, few_shot=0, sft_steps=3, sft_growth=1.5)
-  star.run(config, str(tmp_path))
+  star_loop.run(config, str(tmp_path))
   config.star.iterations = 2
-  summary = star.run(config, str(tmp_path))
+  summary = star_loop.run(config, str(tmp_path))
   from grpo_jax.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   original = jax.tree.map(np.array, load_model_and_tokenizer(config)[1])
   same = lambda a, b: all(np.array_equal(x, y) for x, y in
@@ -248,7 +249,7 @@ def test_few_shot_exemplars_prompt_the_first_iteration_or_all(
     scripted, tmp_path, first_only):
   config = _config(iterations=2, few_shot=1, few_shot_first_only=first_only,
                    sft_steps=1)
-  star.run(config, str(tmp_path))
+  star_loop.run(config, str(tmp_path))
   # Sampler calls: eval 0, (direct, hinted) 1, eval 1, (direct, hinted) 2,
   # eval 2. The exemplar ("What is 1 + 1?", problem 0 of the data) is a
   # few-shot turn of the sampling prompts, never of the evaluation's.
@@ -320,7 +321,7 @@ def test_commonsenseqa_layout_reads_both_record_shapes(tmp_path):
   assert a.answer == b.answer == "B" and a.choices == ("tree", "river")
   from grpo_jax.data import DataError  # pylint: disable=g-import-not-at-top
   with pytest.raises(DataError, match="answerKey"):
-    star.commonsenseqa_example({**hf, "answerKey": "F"}, "row 3")
+    commonsenseqa.commonsenseqa_example({**hf, "answerKey": "F"}, "row 3")
 
 
 def test_plot_comparison_draws_every_run(tmp_path):
@@ -329,7 +330,7 @@ def test_plot_comparison_draws_every_run(tmp_path):
     with open(tmp_path / name / "metrics.jsonl", "w") as f:
       for step, a in enumerate(acc):
         f.write(json.dumps({"step": step, "eval/greedy_accuracy": a}) + "\n")
-  png = star.plot_comparison({"with": str(tmp_path / "rat"),
+  png = star_loop.plot_comparison({"with": str(tmp_path / "rat"),
                               "without": str(tmp_path / "norat")},
                              str(tmp_path / "cmp.png"),
                              keys=("eval/greedy_accuracy", "sft/steps"))

@@ -4,7 +4,8 @@ Everything chosen by name in a config is registered (see grpo_jax.registry):
 
 - kind "dataset": jsonl, parquet, tfds, arithmetic, countdown, word_problems,
   commonsense_mc; each `(**kwargs) -> Sequence[Example]`.
-- kind "layout": dapo_math, aime, gsm8k, math, question_answer (record -> Example).
+- kind "layout": dapo_math, aime, gsm8k, math, question_answer, commonsenseqa
+  (record -> Example).
 - kind "task": arithmetic, countdown, word_problems, commonsense_mc
   (`(rng, level) -> Example`, used by the generated data sets and the balancer).
 - kind "template": r1_think, boxed, dapo_answer, last_number, as_is
@@ -18,6 +19,7 @@ from grpo_jax.data.arithmetic import arithmetic_spec, countdown_check, countdown
 from grpo_jax.data.balancer import (
     init_balancer, level_mix, sample_levels, update_balancer)
 from grpo_jax.data.commonsense import ATTRIBUTE_TABLES, format_choices
+from grpo_jax.data.commonsenseqa import commonsenseqa_example
 from grpo_jax.data.example import DataError, Example
 from grpo_jax.data.files import read_jsonl, read_parquet
 from grpo_jax.data.generated import balanced_examples, generated_examples

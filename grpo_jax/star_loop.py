@@ -1,0 +1,239 @@
+"""STaR: the self-taught reasoner loop (Zelikman et al. 2022, Algorithm 1).
+
+    M_0 = the original model
+    for n = 1 .. N:                                       (outer iteration)
+      # SAMPLE       a rationale + answer for every problem with M_{n-1}
+      # FILTER       keep the verified-correct ones                    (l. 5)
+      # RATIONALISE  retry the failures with the correct answer as a hint;
+      #              keep those now correct, stored without the hint (l. 4, 6)
+      #              (those three: star_collect.collect_examples)
+      # FINE-TUNE    the ORIGINAL M_0 on everything kept, for
+      #              sft_steps * sft_growth^(n-1) steps (paper: 40, x1.2) (l. 7)
+      # EVALUATE     held-out accuracy of M_n
+
+`run(config, workdir)` is the whole experiment, registered as the method
+"star" (config.method = "star"); the RL loop (`train.py`) is its sibling.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from grpo_jax import checkpoint
+from grpo_jax import config as config_lib
+from grpo_jax import evaluation, experiment, registry, sampling, sft
+from grpo_jax import metrics as metrics_lib
+from grpo_jax import rollout
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.algorithms.star import finetune_steps, split_shots
+from grpo_jax.data import Example
+from grpo_jax.star_collect import Kept, collect_examples
+from grpo_jax.update import cast, init_state, make_optimizer
+
+Params = Any
+CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
+          "star/kept_rationalized", "sft/steps", "sft/loss_last")
+
+
+# ----------------------------------------------------------------------------
+# FINE-TUNE the original model.
+# ----------------------------------------------------------------------------
+
+def sft_optimizer(optim, steps: int):
+  """The optimizer of a `steps`-step fine-tune. The jitted step takes it as
+  a static argument, so outer iterations share one object (one compile)
+  unless the schedule depends on the step count (cosine)."""
+  total = steps if optim.schedule == "cosine" else 0
+  return _cached_optimizer(tuple(sorted(optim.items())), total)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_optimizer(optim_items: tuple, total: int):
+  return make_optimizer(ml_collections.ConfigDict(dict(optim_items)), total)
+
+
+def finetune(config, model_config, original: Params,
+             examples: Sequence[sft.SFTExample], steps: int, pad_id: int,
+             seed: int, layout: Optional[sharding_lib.Layout] = None
+             ) -> tuple[Params, dict[str, float]]:
+  """`steps` SFT updates starting from the ORIGINAL weights with a fresh
+  optimizer state (Algorithm 1, l. 7: M_n = train(M, D_n)). `original` is
+  left intact: the jitted step donates its state, so it trains a copy
+  (placed on `layout`'s mesh when given)."""
+  st = config.star
+  row_len = st.row_length or sampling.bucket(
+      max(map(sft.example_length, examples)))
+  fits = [e for e in examples if sft.example_length(e) <= row_len]
+  if not fits:
+    raise ValueError(f"no kept example fits star.row_length={row_len}")
+  optimizer = sft_optimizer(config.optim, steps)
+  state = init_state(sharding_lib.copy_tree(original), optimizer, seed)
+  put = jnp.asarray
+  if layout is not None:
+    # Placed through the same sharding constraint as sft_step's output: with
+    # `layout.place_state` (device_put) the second step's input state has
+    # another aval type and the step compiles twice.
+    state = jax.jit(functools.partial(layout.constrain_state, model_config,
+                                      optimizer))(state)
+    put = layout.rows
+  batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
+                            np.random.default_rng(seed))
+  num_micro = st.batch_size // (st.micro_batch_size or st.batch_size)
+  settings = sft.SFTSettings.from_config(config)
+  t0, losses = time.perf_counter(), []
+  for _ in range(steps):
+    batch = jax.tree.map(put, next(batches))
+    state, m = sft.sft_step(state, batch, model_config, optimizer, num_micro,
+                            settings, layout)
+    losses.append(m["loss"])
+  losses = [float(x) for x in jax.device_get(losses)]
+  return state.params, {
+      "sft/steps": steps, "sft/loss_first": losses[0],
+      "sft/loss_last": float(np.mean(losses[-max(1, steps // 10):])),
+      "sft/row_length": row_len,
+      "sft/dropped_too_long": len(examples) - len(fits),
+      "time/finetune": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------
+# The loop.
+# ----------------------------------------------------------------------------
+
+def _save_kept(path: str, tokenizer, problems: Sequence[Example],
+               kept: Kept) -> None:
+  """One JSON line per kept example: what the model will be tuned on."""
+  with open(path, "w", encoding="utf-8") as f:
+    for e, i, rat in zip(kept.examples, kept.problem, kept.rationalized):
+      f.write(json.dumps({
+          "question": problems[i].question, "answer": problems[i].answer,
+          "rationalized": rat, "prompt": tokenizer.decode(e.prompt_ids),
+          "completion": tokenizer.decode(e.completion_ids)}) + "\n")
+
+
+def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
+           original: Params) -> tuple[Params, Params, list[dict]]:
+  """(original model, current model, history) by the resume order
+  (experiment.restore_or_init): this run's latest outer iteration (its M_n
+  and metrics), else config.init_from's params as the original model, else
+  the pretrained weights."""
+  tree, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
+                                                   {"params": original})
+  if resumed is not None:
+    return original, tree["params"], host["history"]
+  return tree["params"], tree["params"], []
+
+
+@registry.register("method", "star")
+def run(config, workdir: str) -> dict:
+  """STaR as `config` says, writing metrics.jsonl, TensorBoard, curves.png,
+  the kept examples (star/iteration_<n>.jsonl) and a checkpoint of M_n every
+  train.checkpoint_every outer iterations and after the last (restarting in
+  the same workdir resumes there) under `workdir`. Returns eval_before /
+  eval_after (held-out greedy accuracy), the per-iteration history and the
+  final params."""
+  config_lib.validate(config)
+  if config.method != "star":
+    raise config_lib.ConfigError(f"star.run needs method='star', got "
+                                 f"{config.method!r}")
+  sharding_lib.initialize_distributed(config)  # before any device is used
+  st = config.star
+  os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
+  model_config, original, tokenizer = experiment.load_model_and_tokenizer(config)
+  problems, held_out = experiment.load_examples(config)
+  held_out = held_out[:config.train.eval_examples]
+  shots, problems = split_shots(problems, st.few_shot)
+  spec = rollout.RewardSpec.from_config(config)
+  layout = sharding_lib.Layout.from_config(config)
+  ckpt = experiment.make_checkpointer(config, workdir, model_config)
+  original, params, history = _start(
+      config, workdir, ckpt, layout.shard_params(model_config, original))
+  writer = experiment.metric_writer(
+      workdir, history[-1]["step"] if history else None)
+
+  def evaluate(n: int, params, metrics: dict) -> None:
+    metrics = {**evaluation.evaluate_policy(
+        config, model_config, params, tokenizer, held_out,
+        layout=layout).metrics, **metrics}
+    history.append({"step": n, **writer.write(n, metrics)})
+    logging.info("STaR iteration %d: %s", n, history[-1])
+
+  if not history:
+    evaluate(0, original, {})
+  for n in range(len(history), st.iterations + 1):
+    chosen = problems
+    if st.problems_per_iteration and st.problems_per_iteration < len(problems):
+      rng = np.random.default_rng([config.seed, n])
+      idx = rng.choice(len(problems), st.problems_per_iteration, replace=False)
+      chosen = [problems[i] for i in sorted(idx)]
+    use_shots = shots if n == 1 or not st.few_shot_first_only else []
+    t0 = time.perf_counter()
+    kept, metrics = collect_examples(
+        config, model_config, cast(params, config.model.compute_dtype),
+        tokenizer, chosen, use_shots, jax.random.fold_in(
+            jax.random.key(config.seed), n), spec)
+    metrics["time/sample"] = time.perf_counter() - t0
+    if writer.enabled:
+      _save_kept(os.path.join(workdir, "star", f"iteration_{n}.jsonl"),
+                 tokenizer, chosen, kept)
+    # FINE-TUNE the original model; nothing kept leaves it unchanged.
+    params = original
+    if kept.examples:
+      params, m = finetune(config, model_config, original, kept.examples,
+                           finetune_steps(st, n), tokenizer.pad_id or 0,
+                           config.seed + n, layout)
+      metrics.update(m)
+    else:
+      metrics["sft/steps"] = 0
+    evaluate(n, params, metrics)
+    ckpt.save(n, {"params": params}, {"history": history},
+              force=n == st.iterations)
+    if ckpt.preempted:
+      logging.warning("pre-empted: checkpoint saved after iteration %d", n)
+      break
+  ckpt.close()
+  writer.close()
+  summary = {"eval_before": history[0]["eval/greedy_accuracy"],
+             "eval_after": history[-1]["eval/greedy_accuracy"],
+             "history": history, "params": params}
+  if config.train.plot and writer.enabled:
+    summary["plot"] = metrics_lib.plot_curves(
+        history, os.path.join(workdir, "curves.png"), keys=CURVES,
+        title=f"{config.name} (x: outer iteration)")
+  return summary
+
+
+def plot_comparison(runs: Mapping[str, str], png_path: str,
+                    keys: Sequence[str] = CURVES) -> str:
+  """Runs side by side (label -> workdir), one panel per metric against the
+  outer iteration, e.g. STaR with and without rationalisation."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
+  rows = {label: metrics_lib.read_jsonl(os.path.join(d, "metrics.jsonl"))
+          for label, d in runs.items()}
+  fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.0),
+                           squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    for label, history in rows.items():
+      pts = [(r["step"], r[key]) for r in history if key in r]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_title(key)
+    ax.set_xlabel("outer iteration")
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+  axes[0][0].legend()
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+  return png_path
