@@ -1,12 +1,8 @@
-"""Tests for format, overlong, countdown, multiple-choice and code rewards,
-the code sandbox, the reward registry and `compute_rewards`."""
+"""Tests for format, overlong, countdown and multiple-choice rewards, the
+reward registry and `compute_rewards` (the code reward: test_sandbox.py)."""
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from fractions import Fraction
 
@@ -16,11 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from grpo_jax import registry
 from grpo_jax.rewards import choice
-from grpo_jax.rewards import code
 from grpo_jax.rewards import compute_rewards
 from grpo_jax.rewards import countdown
 from grpo_jax.rewards import format as fmt
-from grpo_jax.rewards import sandbox
 from grpo_jax.rewards import validate_specs
 
 NO_LENGTHS = np.zeros(1)
@@ -172,134 +166,6 @@ def test_multiple_choice_reward():
   golds = ["B", "(B)", "B) a river", "b"]
   got = choice.multiple_choice_reward(None, completions, golds, np.ones(4))
   np.testing.assert_array_equal(got, [1, 0, 0, 1])
-
-
-# ---------------------------------------------------------------- code sandbox
-
-ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
-QUICK = sandbox.Limits(timeout=5.0)
-
-
-def _fenced(program: str) -> str:
-  return f"Here is my solution:\n```python\n{program}\n```\nDone."
-
-
-@pytest.mark.parametrize("name,program,passed", [
-    ("correct", "def add(a, b):\n  return a + b", 2),
-    ("wrong", "def add(a, b):\n  return a - b", 1),
-    ("syntax_error", "def add(a, b) return a + b", 0),
-    ("exit_zero_early", "import sys\nsys.exit(0)", 0),
-    ("os_exit_zero", "import os\nos._exit(0)", 0),
-    ("fork_bomb", "import os\nwhile True:\n  os.fork()", 0),
-    ("posix_fork_bomb", "import posix\nwhile True:\n  posix.fork()", 0),
-    ("subprocess", "import subprocess\nsubprocess.run(['true'])\ndef add(a, b): return a + b", 0),
-    ("network", "import socket\nsocket.create_connection(('1.1.1.1', 80), 1)\n"
-                "def add(a, b): return a + b", 0),
-    ("memory_bomb", "x = bytearray(64 * 2**30)\ndef add(a, b): return a + b", 0),
-    ("output_flood", "while True:\n  print('x' * 100000)", 0),
-    ("reads_its_tests", "import os\nassert 'tests.json' not in os.listdir('.')\n"
-                        "def add(a, b): return a + b", 2),
-    ("main_guard_not_run", "def add(a, b): return a + b\n"
-                           "if __name__ == '__main__':\n  raise SystemExit(1)", 2),
-])
-def test_sandbox_outcomes(name, program, passed):
-  del name
-  result = sandbox.run_tests(program, ADD_TESTS, QUICK)
-  assert (result.passed, result.total, result.timed_out) == (passed, 2, False)
-
-
-def test_sandbox_kills_an_infinite_loop_at_the_wall_clock_timeout():
-  start = time.monotonic()
-  result = sandbox.run_tests("while True:\n  pass", ADD_TESTS,
-                             sandbox.Limits(timeout=1.5))
-  assert result.timed_out and result.passed == 0
-  assert time.monotonic() - start < 1.5 + 5.0
-
-
-def _sandbox_dirs() -> set[str]:
-  tmp = tempfile.gettempdir()
-  return {d for d in os.listdir(tmp) if d.startswith("grpo_jax_sandbox_")}
-
-
-def _runner_processes(under: str) -> list[str]:
-  """Live sandbox runners whose working directory (on their command line) is
-  below `under`; other test sessions' runners on the machine don't count."""
-  found = []
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        cmdline = f.read()
-      if b"_sandbox_runner.py" in cmdline and under.encode() in cmdline:
-        found.append(pid)
-    except OSError:
-      pass
-  return found
-
-
-def test_sandbox_leaves_no_process_and_no_directory_behind(tmp_path,
-                                                           monkeypatch):
-  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # our runners only
-  program = ("import threading\n"
-             "threading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\n"
-             "while True:\n  pass")
-  before = _sandbox_dirs()
-  result = sandbox.run_tests(program, ADD_TESTS, sandbox.Limits(timeout=1.0))
-  assert result.timed_out
-  assert not _runner_processes(str(tmp_path))
-  assert _sandbox_dirs() <= before
-
-
-def _isolated(argv: list[str], workdir: str) -> str:
-  """stdout of `argv` run under the sandbox's namespaces, no Python guards."""
-  wrapped = sandbox._wrap(sandbox.isolation_mode(), workdir, argv)  # pylint: disable=protected-access
-  return subprocess.run(wrapped, capture_output=True, text=True, timeout=30).stdout
-
-
-@pytest.mark.skipif(sandbox.isolation_mode() == "none", reason="host forbids namespaces")
-def test_network_namespace_has_no_route_even_without_python_guards(tmp_path):
-  probe = ("import socket\ntry:\n  socket.create_connection(('1.1.1.1', 53), 2)\n"
-           "  print('connected')\nexcept OSError:\n  print('blocked')")
-  assert _isolated([sys.executable, "-c", probe], str(tmp_path)).strip() == "blocked"
-
-
-@pytest.mark.skipif(sandbox.isolation_mode() != "readonly", reason="no mount namespace")
-def test_file_system_is_read_only_outside_the_working_directory(tmp_path):
-  workdir, outside = tmp_path / "work", tmp_path / "outside"
-  workdir.mkdir()
-  probe = ("import sys\nfor path in sys.argv[1:]:\n  try:\n"
-           "    open(path, 'w').close(); print('wrote')\n"
-           "  except OSError:\n    print('refused')")
-  out = _isolated([sys.executable, "-c", probe, str(workdir / "f"), str(outside)],
-                  str(workdir))
-  assert out.split() == ["wrote", "refused"]
-  assert (workdir / "f").exists() and not outside.exists()
-
-
-@pytest.mark.skipif(sandbox.isolation_mode() != "readonly", reason="no mount namespace")
-def test_sandboxed_code_cannot_write_outside_its_directory(tmp_path):
-  target = tmp_path / "escaped"
-  program = (f"try:\n  open({str(target)!r}, 'w').close()\nexcept OSError:\n  pass\n"
-             "open('scratch.txt', 'w').write('ok')\n"
-             "def add(a, b): return a + b")
-  assert sandbox.run_tests(program, ADD_TESTS, QUICK).passed == 2
-  assert not target.exists()
-
-
-def test_extract_code_takes_the_last_python_block():
-  text = "```python\nx = 1\n```\nbetter:\n```python\nx = 2\n```\n```\nplain\n```"
-  assert code.extract_code(text).strip() == "x = 2"
-  assert code.extract_code("```\ny = 3\n```").strip() == "y = 3"
-  assert code.extract_code("no code here") is None
-
-
-def test_code_reward_all_or_nothing_and_fraction():
-  completions = [_fenced("def add(a, b):\n  return a + b"),
-                 _fenced("def add(a, b):\n  return a - b"),
-                 _fenced("def add(a, b):\n  return a - b"),
-                 "I cannot write code."]
-  answers = ["\n".join(ADD_TESTS), "\n".join(ADD_TESTS), ADD_TESTS, ADD_TESTS]
-  got = code.code_reward(None, completions, answers, np.ones(4), timeout=5.0)
-  np.testing.assert_array_equal(got, [1.0, 0.0, 0.5, 0.0])
 
 
 @pytest.mark.parametrize("name", ["format_think", "format_r1", "countdown",

@@ -1,19 +1,26 @@
 """Code reward: the completion's Python program against the task's unit tests.
 
 `answers[i]` is the test code: one string (all-or-nothing) or a list of
-test snippets (reward = fraction passed). The program is the last fenced
-```python block of the completion (any fenced block if none is marked).
-Execution happens in `sandbox.run_tests`, several at a time in threads
-(each run is its own subprocess; the threads only wait).
+test snippets (reward = fraction passed), assert statements as in MBPP
+(`_code_checks` says which forms are decided and how). The program is the
+last fenced ```python block of the completion (any fenced block if none is
+marked). It runs in `sandbox` (one fresh, isolated run per completion,
+several at a time in threads that only wait); the sandbox returns the values
+of the tests' calls and the verdicts are taken here, outside it.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import logging
 import os
+import time
+from typing import Sequence
 
 import numpy as np
 
 from grpo_jax.registry import register
+from grpo_jax.rewards import _code_checks
 from grpo_jax.rewards import sandbox
 from grpo_jax.rewards._common import per_completion
 
@@ -40,26 +47,99 @@ def extract_code(completion: str) -> str | None:
   return blocks[-1][1] if blocks else None
 
 
-def _score(completion: str, tests, limits: sandbox.Limits) -> float:
-  program = extract_code(completion)
-  if program is None:
+@dataclasses.dataclass(frozen=True)
+class Result:
+  passed: int
+  total: int
+  timed_out: bool = False
+
+  @property
+  def fraction(self) -> float:
+    return self.passed / self.total if self.total else 0.0
+
+
+def run_tests(program: str, tests: Sequence[str],
+              limits: sandbox.Limits = sandbox.Limits(), *, label: str = ""
+              ) -> Result:
+  """How many of `tests` (assert-style sources, see `_code_checks`) the
+  program passes: their calls run in one sandbox, the verdicts are taken
+  here. Raises `sandbox.SandboxUnavailable` where code cannot be isolated."""
+  sandbox.require()
+  parsed = [_code_checks.parse_or_warn(t) for t in tests]
+  calls, offsets = [], []
+  for test in parsed:
+    offsets.append(len(calls))
+    calls.extend(test.calls if test is not None else ())
+  if not calls:
+    return Result(0, len(tests))
+  run = sandbox.run_calls(program, calls, limits, label=label)
+  if run.setup_error is not None:
+    _log_once(f"a sandbox could not be built ({run.setup_error}); "
+              "that completion scores 0")
+  passed = sum(test is not None and _code_checks.passes(
+      test, run.values[start:start + len(test.calls)])
+               for test, start in zip(parsed, offsets))
+  return Result(passed, len(tests), run.timed_out)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+  if message not in _logged and len(_logged) < 20:
+    _logged.add(message)
+    logging.error("code reward: %s", message)
+
+
+def _score(completion: str, tests, limits: sandbox.Limits,
+           batch_end: float) -> float:
+  """Never raises for any completion: a failure of any kind scores 0."""
+  try:
+    program = extract_code(completion)
+    if program is None:
+      return 0.0
+    remaining = batch_end - time.monotonic()
+    if remaining <= 0:
+      return 0.0
+    limits = dataclasses.replace(limits, timeout=min(limits.timeout, remaining))
+    all_or_nothing = isinstance(tests, str)
+    result = run_tests(program, [tests] if all_or_nothing else list(tests),
+                       limits)
+    return (float(result.passed == result.total) if all_or_nothing
+            else result.fraction)
+  except sandbox.SandboxUnavailable:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    _log_once(f"scoring a completion failed ({type(e).__name__}: {e}); "
+              "it scores 0")
     return 0.0
-  all_or_nothing = isinstance(tests, str)
-  result = sandbox.run_tests(program, [tests] if all_or_nothing else list(tests),
-                             limits)
-  return float(result.passed == result.total) if all_or_nothing else result.fraction
 
 
 @register("reward", "code")
 def code_reward(prompts, completions, answers, completion_lengths, *,
                 timeout: float = 10.0, memory_mb: int = 1024,
-                max_parallel: int | None = None) -> np.ndarray:
-  """Fraction of unit tests the completion's program passes, in a sandbox."""
+                disk_mb: int = 64, processes: int = 16,
+                max_parallel: int | None = None,
+                batch_timeout: float | None = None) -> np.ndarray:
+  """Fraction of unit tests the completion's program passes, in a sandbox.
+
+  `timeout` bounds each completion's run (wall clock); up to `max_parallel`
+  run at once (default: 4 per CPU, at most 32), so N looping completions
+  cost about timeout * N / max_parallel. `batch_timeout`, if set, bounds the
+  whole batch: a run gets at most the time left, one not started by then
+  scores 0. Raises `sandbox.SandboxUnavailable` (before running anything)
+  where the host cannot isolate model code.
+  """
   del prompts, completion_lengths
+  sandbox.require()
   tests = per_completion(answers, len(completions))
-  limits = sandbox.Limits(timeout=timeout, memory_mb=memory_mb)
-  workers = max_parallel or max(1, min(16, os.cpu_count() or 1))
+  limits = sandbox.Limits(timeout=timeout, memory_mb=memory_mb,
+                          disk_mb=disk_mb, processes=processes)
+  batch_end = time.monotonic() + (batch_timeout if batch_timeout is not None
+                                  else float("inf"))
+  workers = max_parallel or max(1, min(32, 4 * (os.cpu_count() or 1)))
   with concurrent.futures.ThreadPoolExecutor(workers) as executor:
-    scores = list(executor.map(lambda ct: _score(ct[0], ct[1], limits),
-                               zip(completions, tests)))
+    scores = list(executor.map(
+        lambda ct: _score(ct[0], ct[1], limits, batch_end),
+        zip(completions, tests)))
   return np.asarray(scores, np.float32)

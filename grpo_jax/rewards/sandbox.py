@@ -1,170 +1,250 @@
-"""Running model-written Python against unit tests, isolated from the trainer.
+"""Running model-written Python, isolated from the host, and reading back values.
 
-Layers, outermost first:
-  * a fresh process (never a fork of the trainer) in its own session, killed
-    with its whole process group at the wall-clock timeout;
-  * where the host allows it, `unshare` puts it in new network, PID and
-    mount namespaces: no network at all, every process it starts dies with
-    it, and the whole file system but its working directory is read-only;
-  * in the process (`_sandbox_runner.py`, before any model code runs):
-    rlimits on CPU seconds, address space, file size, open files and process
-    count, root dropped to `nobody` where the interpreter stays readable,
-    sockets / fork / exec / kill / ctypes replaced by functions that raise;
-  * a temporary working directory, deleted afterwards; output goes to files
-    there, so the file-size limit also caps what it can print;
-  * a secret token that only the runner prints, after the tests: exiting
-    early with status 0 is not a pass.
+`run_calls(program, calls)` runs `program` in a fresh sandbox, then evaluates
+each call expression there, and returns the values (serialised to plain data
+inside, rebuilt here) or the names of the exceptions raised. It never tells
+the sandbox what the values should be: the caller compares (`code.py`).
+
+The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
+
+  * new user, mount, PID, network, IPC, UTS and cgroup namespaces; the code
+    runs as an unprivileged uid inside, mapped to the caller's uid, or, for a
+    root caller, to a random unprivileged host uid: never host root;
+  * a new root on a tmpfs: read-only /usr, /lib* and standard library, a
+    fresh /proc of its own PID namespace, a /dev of five harmless devices, no
+    /sys, no /home, /root, /etc (but ld.so.cache), and a private tmpfs /tmp
+    (also /dev/shm) of `disk_mb`;
+  * no capabilities, no new privileges, a seccomp filter on x86_64 (no
+    execve, ptrace, mount, setns, unshare, bpf, io_uring, keyctl, ...);
+  * rlimits, which bind because the sandbox's host uid is not root: CPU
+    seconds, address space per process, file size, processes and threads;
+  * the wall-clock timeout kills the PID namespace's init, so every process
+    the run started is gone, and nothing was ever written to the host's disk,
+    when `run_calls` returns. If the trainer dies, the sandbox dies with it.
+
+cgroups are not used: the hosts this was built on (root in a VM without
+CAP_SYS_RESOURCE, cgroup v1) do not delegate them; memory is bounded by
+RLIMIT_AS per process times the process limit, plus the tmpfs size.
+
+Where the host cannot build this (no user namespaces, a masked kernel),
+`require()` raises `SandboxUnavailable` naming the reason, and logs it once:
+the code reward refuses to run code rather than run it with less.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import logging
 import os
 import secrets
-import shutil
+import selectors
 import signal
 import subprocess
 import sys
-import tempfile
+import time
+from typing import Any, Sequence
 
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_sandbox_runner.py")
+_EXIT_TIMEOUT, _EXIT_SETUP = 3, 70
+_GRACE = 5.0  # Seconds past the timeout before the launcher itself is killed.
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  timeout: float = 10.0  # Wall-clock seconds.
-  memory_mb: int = 1024
-  file_mb: int = 16
-  processes: int = 16
+  timeout: float = 10.0  # Wall-clock seconds for the whole run.
+  memory_mb: int = 1024  # Address space per process.
+  disk_mb: int = 64  # All files together (the tmpfs /tmp).
+  processes: int = 16  # Processes and threads, the first one included.
+  result_mb: int = 8  # Results read back; a run writing more is stopped.
+
+
+class SandboxUnavailable(RuntimeError):
+  """This host cannot isolate model code; it is not run at all."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Result:
-  passed: int
-  total: int
+class Raised:
+  """A call raised (or the program did, or it never ran): the type's name."""
+  name: str
+
+
+NOT_RUN = Raised("not run")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  values: tuple[Any, ...]  # One per call: plain data, or a `Raised`.
   timed_out: bool = False
-
-  @property
-  def fraction(self) -> float:
-    return self.passed / self.total if self.total else 0.0
+  setup_error: str | None = None  # The sandbox could not be built.
 
 
-# Runs inside the new mount namespace as root of it: the working directory
-# stays writable, every other mount (but /proc, /sys, /dev) is remounted
-# read-only, and the script refuses to go on if "/" is still writable.
-_READONLY_FS = r"""
-mount --bind "$1" "$1" || exit 111
-for m in $(awk '{print $2}' /proc/self/mounts); do
-  case "$m" in "$1"|/proc|/proc/*|/sys|/sys/*|/dev|/dev/*) ;;
-    *) mount -o remount,bind,ro "$m" 2>/dev/null ;;
-  esac
-done
-if touch /.grpo_jax_sandbox_probe 2>/dev/null; then exit 112; fi
-cd "$1" || exit 113  # The old cwd still points into the read-only mount.
-shift
-exec "$@"
-"""
+def decode(obj: Any, depth: int = 0) -> Any:
+  """The runner's tagged JSON back to plain Python data (exact types)."""
+  if depth > 200:
+    raise ValueError("nested too deeply")
+  if obj is None or isinstance(obj, (bool, str)):
+    return obj
+  if not isinstance(obj, dict) or len(obj) != 1:
+    raise ValueError(f"not a serialised value: {type(obj).__name__}")
+  (tag, body), = obj.items()
+  items = lambda: [decode(x, depth + 1) for x in body]
+  if tag == "i":
+    return int(body, 16)
+  if tag == "f":
+    return float.fromhex(body)
+  if tag == "c":
+    return complex(float.fromhex(body[0]), float.fromhex(body[1]))
+  if tag == "b":
+    return bytes.fromhex(body)
+  if tag == "d":
+    return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
+  kinds = {"l": list, "t": tuple, "s": set, "z": frozenset}
+  if tag in kinds:
+    return kinds[tag](items())
+  raise ValueError(f"unknown tag {tag!r}")
 
 
-def _namespace_args() -> tuple[str, ...]:
-  unshare = shutil.which("unshare")
-  if unshare is None:
-    return ()
-  user = () if os.geteuid() == 0 else ("--user", "--map-root-user")
-  return (unshare, *user, "--net", "--pid", "--fork", "--kill-child")
+def _parse_results(out: bytes, num_calls: int) -> tuple[Any, ...] | None:
+  """Values by call index from the runner's lines; None if it never started
+  (no ready line first). Garbage lines are skipped; a call's first line
+  wins. The model's code can write lines too: it never learns the expected
+  values, so it can only report values a program could have returned."""
+  lines = out.split(b"\n")
+  if not lines or lines[0] != b'{"ready": true}':
+    return None
+  values: list[Any] = [NOT_RUN] * num_calls
+  seen = set()
+  for line in lines[1:]:
+    try:
+      record = json.loads(line.decode("ascii"))
+      i = record["i"]
+      if type(i) is not int or not 0 <= i < num_calls or i in seen:  # pylint: disable=unidiomatic-typecheck
+        continue
+      seen.add(i)
+      values[i] = decode(record["v"]) if "v" in record else Raised(
+          str(record["e"])[:100])
+    except Exception:  # pylint: disable=broad-except
+      continue  # Malformed, too deep, unhashable set items: not a value.
+  return tuple(values)
 
 
-def _wrap(mode: str, workdir: str, argv: list[str]) -> list[str]:
-  """`argv` inside the isolation `mode`: "readonly", "namespaces" or "none"."""
-  if mode == "readonly":
-    return [*_namespace_args(), "--mount", "--", "sh", "-c", _READONLY_FS,
-            "sh", workdir, *argv]
-  if mode == "namespaces":
-    return [*_namespace_args(), "--", *argv]
-  return list(argv)
+def _command(label: str) -> list[str]:
+  return [sys.executable, "-I", "-S", "-B", _RUNNER, label]
+
+
+def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
+                 result_bytes: int) -> tuple[bytes, bytes]:
+  """Sends the job; reads results and diagnostics until the launcher's pipes
+  close (it exits only after every sandboxed process is gone) or `deadline`."""
+  try:
+    proc.stdin.write(job)
+    proc.stdin.close()
+  except OSError:
+    pass  # It died early; its stderr says why.
+  out, err = bytearray(), bytearray()
+  buffers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+  caps = {proc.stdout.fileno(): result_bytes, proc.stderr.fileno(): 65536}
+  with selectors.DefaultSelector() as selector:
+    for fd in buffers:
+      selector.register(fd, selectors.EVENT_READ)
+    while selector.get_map():
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        break
+      for key, _ in selector.select(remaining):
+        chunk = os.read(key.fd, 1 << 16)
+        if not chunk:
+          selector.unregister(key.fd)
+          continue
+        buffer = buffers[key.fd]
+        if len(buffer) + len(chunk) > caps[key.fd]:
+          if key.fd == proc.stdout.fileno() and len(buffer) < caps[key.fd]:
+            proc.send_signal(signal.SIGTERM)  # The launcher kills the run.
+          chunk = chunk[:max(0, caps[key.fd] - len(buffer))]
+        buffer += chunk
+  return bytes(out), bytes(err)
+
+
+def run_calls(program: str, calls: Sequence[tuple[str, str]],
+              limits: Limits = Limits(), *, label: str = "") -> Run:
+  """Runs `program`, then for each (setup statements, expression) in `calls`
+  the setup and the expression, in one fresh sandbox. `label` goes on the
+  sandbox's command line (to find its processes)."""
+  job = json.dumps({"program": program, "calls": [list(c) for c in calls],
+                    "limits": dataclasses.asdict(limits)},
+                   ensure_ascii=True).encode("ascii")
+  deadline = time.monotonic() + limits.timeout + _GRACE
+  try:
+    proc = subprocess.Popen(
+        _command(label or secrets.token_hex(8)), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
+        env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+  except OSError as e:
+    return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}")
+  try:
+    out, err = _communicate(proc, job, deadline, limits.result_mb * 2**20)
+  finally:
+    if proc.poll() is None:  # Only past the grace period: a stuck launcher.
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+      stream.close()
+  values = _parse_results(out, len(calls))
+  timed_out = proc.returncode in (_EXIT_TIMEOUT, -signal.SIGKILL)
+  if values is None:
+    reason = err.decode("utf-8", "replace").strip() or (
+        f"the launcher exited with status {proc.returncode}")
+    return Run((NOT_RUN,) * len(calls), timed_out, setup_error=reason)
+  return Run(values, timed_out)
 
 
 @functools.lru_cache(maxsize=1)
-def isolation_mode() -> str:
-  """The strongest isolation this host allows, found by trying it once.
+def unavailable_reason() -> str | None:
+  """Why this host cannot run the sandbox, or None; found by trying it once,
+  including that the code's uid is not host root."""
+  run = run_calls("x = 41", [("", "x + 1"),
+                             ("", "open('/proc/self/uid_map').read().split()")],
+                  Limits(timeout=30.0))
+  if run.setup_error is not None:
+    return run.setup_error
+  if run.values[0] != 42 or not isinstance(run.values[1], list):
+    return f"the probe program returned {run.values!r}"
+  inside, host, _ = run.values[1]
+  if _host_root() and host == "0":
+    return f"the sandbox's uid {inside} is host root"
+  return None
 
-  "readonly": new network, PID and mount namespaces with a read-only file
-  system but for the working directory; "namespaces": the first two only;
-  "none": just the in-process guards.
-  """
-  if not _namespace_args():
-    return "none"
-  probe_dir = tempfile.mkdtemp(prefix="grpo_jax_sandbox_")
+
+def _host_root() -> bool:
+  """Whether this process is root of the host's user namespace."""
   try:
-    for mode in ("readonly", "namespaces"):
-      if mode == "readonly" and not (shutil.which("mount") and shutil.which("awk")):
-        continue
-      try:  # A relative path: the code must be able to write in its cwd.
-        subprocess.run(_wrap(mode, probe_dir, ["touch", mode]), cwd=probe_dir,
-                       capture_output=True, timeout=10, check=True)
-      except (OSError, subprocess.SubprocessError):
-        continue
-      if os.path.exists(os.path.join(probe_dir, mode)):
-        return mode
-    return "none"
-  finally:
-    shutil.rmtree(probe_dir, ignore_errors=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-
-
-def _command(workdir: str, limits: Limits) -> list[str]:
-  runner_limits = {"cpu_seconds": int(limits.timeout) + 1,
-                   "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
-                   "processes": limits.processes}
-  return _wrap(isolation_mode(), workdir, [
-      sys.executable, "-I", _RUNNER, workdir, json.dumps(runner_limits)])
-
-
-def _read_result(path: str, token: str, total: int) -> Result:
-  """Parses the runner's last line; anything else is zero passes."""
-  with open(path, "rb") as f:
-    f.seek(max(0, os.path.getsize(path) - 256))
-    tail = f.read().decode(errors="replace").strip().splitlines()
-  fields = tail[-1].split() if tail else []
-  if len(fields) == 3 and fields[0] == token and fields[1].isdigit():
-    return Result(min(int(fields[1]), total), total)
-  return Result(0, total)
-
-
-def run_tests(solution: str, tests: list[str], limits: Limits = Limits()
-              ) -> Result:
-  """Runs `solution` then each test (assert statements) in a sandbox."""
-  workdir = tempfile.mkdtemp(prefix="grpo_jax_sandbox_")
-  try:
-    with open(os.path.join(workdir, "solution.py"), "w") as f:
-      f.write(solution)
-    with open(os.path.join(workdir, "tests.json"), "w") as f:
-      json.dump(list(tests), f)
-    out_path = os.path.join(workdir, "stdout")
-    token = secrets.token_hex(16)
-    with open(out_path, "wb") as out:
-      proc = subprocess.Popen(
-          _command(workdir, limits), cwd=workdir, stdin=subprocess.PIPE,
-          stdout=out, stderr=subprocess.DEVNULL, start_new_session=True,
-          env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"})
-      try:
-        proc.communicate((token + "\n").encode(), timeout=limits.timeout)
-      except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.wait()
-        return Result(0, len(tests), timed_out=True)
-      finally:
-        _kill_group(proc)  # Anything it left running in the background.
-    return _read_result(out_path, token, len(tests))
+    with open("/proc/self/uid_map", "rb") as f:
+      full = f.read().split()[:3] == [b"0", b"0", b"4294967295"]
   except OSError:
-    return Result(0, len(tests))
-  finally:
-    shutil.rmtree(workdir, ignore_errors=True)
+    full = False
+  return os.geteuid() == 0 and full
+
+
+_logged = []
+
+
+def require() -> None:
+  """Raises `SandboxUnavailable` (logging it the first time) where model
+  code cannot be isolated on this host."""
+  reason = unavailable_reason()
+  if reason is None:
+    return
+  message = (f"refusing to run model-written code: this host cannot isolate it "
+             f"({reason}). The sandbox needs unprivileged user namespaces "
+             "(sysctl user.max_user_namespaces > 0, and on Debian/Ubuntu "
+             "kernel.unprivileged_userns_clone=1 / no AppArmor userns "
+             "restriction) with mount, PID and network namespaces.")
+  if not _logged:
+    logging.error("code reward: %s", message)
+    _logged.append(True)
+  raise SandboxUnavailable(message)

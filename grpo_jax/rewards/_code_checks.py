@@ -1,0 +1,284 @@
+"""Unit tests in the dataset format, decided by the trusted parent.
+
+A test is Python source of `assert` statements (MBPP style), optionally with
+imports and assignments before them:
+
+    assert add(1, 2) == 3
+    assert math.isclose(area(2), 12.566, rel_tol=1e-3)
+    assert set(pairs([1, 2])) == {(1, 2)}
+    assert not is_prime(8)
+
+Each assert's expression is split here (with `ast`, never executed): every
+maximal sub-expression that needs the model's code ("leaf": `add(1, 2)`,
+`area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox and
+comes back as plain data; the rest (literals, arithmetic, comparisons,
+`not`/`and`/`or`, and the builtins in `_FUNCTIONS` and `math.*` in `_MATH`
+applied to those values) is evaluated here on rebuilt builtin values. So
+an object whose `__eq__` is always true, a patched `exec`/`compile`/`os.write`
+or a rewritten test list inside the sandbox changes only the values it
+reports, and it never learns the values expected of them.
+
+A leaf may not itself contain a comparison or `and`/`or`/`not` (its value
+would be a verdict the sandbox could fake: `all(f(x) == y for ...)`), and a
+test may not hold other statements (loops, `def check(candidate)`, ...).
+Such a test cannot be decided outside the sandbox: it counts as failed and
+is logged once; write it as `assert <call> == <value>` instead.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import logging
+import math
+import operator
+from typing import Any, Callable
+
+from grpo_jax.rewards import sandbox
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int,
+                            len, list, max, min, round, set, sorted, str, sum,
+                            tuple)}
+_MATH = {name: getattr(math, name) for name in (
+    "isclose", "sqrt", "floor", "ceil", "fabs", "isnan", "isinf", "pi", "e",
+    "inf", "nan", "log", "exp", "gcd")}
+_VERDICT_NODES = (ast.Compare, ast.BoolOp, ast.IfExp, ast.NamedExpr)
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub,
+           ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow, ast.LShift: operator.lshift,
+           ast.RShift: operator.rshift, ast.BitAnd: operator.and_,
+           ast.BitOr: operator.or_, ast.BitXor: operator.xor}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos,
+          ast.Not: operator.not_, ast.Invert: operator.invert}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+            ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+            ast.Is: operator.is_, ast.IsNot: operator.is_not,
+            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_LEAF = "__leaf_"
+
+
+class Unsplittable(ValueError):
+  """This test cannot be decided outside the sandbox."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """One assert: its expression with leaves as names `__leaf_<k>`."""
+  expression: ast.expr
+  first_leaf: int  # Index of its first leaf in the test's `calls`.
+  env: tuple[tuple[str, Any], ...]  # Names the test assigned literals to.
+
+
+@dataclasses.dataclass(frozen=True)
+class Test:
+  calls: tuple[tuple[str, str], ...]  # (setup, leaf expression), in order.
+  checks: tuple[Check, ...]
+
+
+def _is_verdict(node: ast.AST) -> bool:
+  return any(isinstance(n, _VERDICT_NODES) or (
+      isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not))
+             for n in ast.walk(node))
+
+
+class _Splitter:
+  """Replaces leaves by names; collects their source."""
+
+  def __init__(self, env: dict[str, Any]):
+    self.env, self.leaves = env, []
+
+  def _is_local_function(self, func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+      if func.id in self.env:  # `from math import isclose`, or data.
+        return callable(self.env[func.id])
+      return func.id in _FUNCTIONS
+    return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            and func.value.id == "math" and func.attr in _MATH)
+
+  def split(self, node: ast.expr) -> ast.expr:
+    local = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp,
+             ast.BinOp, ast.BoolOp, ast.Compare, ast.IfExp)
+    if isinstance(node, ast.Name) and node.id in self.env:
+      return node
+    if isinstance(node, ast.Attribute) and self._is_local_function(node):
+      return node
+    if isinstance(node, ast.Call) and self._is_local_function(node.func) and (
+        not any(isinstance(a, ast.Starred) for a in node.args)) and not any(
+            isinstance(n, ast.Lambda) for n in ast.walk(node)):
+      node = ast.Call(node.func, [self.split(a) for a in node.args],
+                      [ast.keyword(k.arg, self.split(k.value))
+                       for k in node.keywords])
+      if any(k.arg is None for k in node.keywords):
+        raise Unsplittable("**kwargs")
+      return node
+    if isinstance(node, local) and not isinstance(node, ast.Dict):
+      if any(isinstance(c, ast.Starred) for c in ast.iter_child_nodes(node)):
+        raise Unsplittable("starred expression")
+      fields = {}
+      for name, value in ast.iter_fields(node):
+        if isinstance(value, ast.expr):
+          fields[name] = self.split(value)
+        elif isinstance(value, list):
+          fields[name] = [self.split(v) if isinstance(v, ast.expr) else v
+                          for v in value]
+        else:
+          fields[name] = value
+      return type(node)(**fields)
+    if isinstance(node, ast.Dict):
+      if any(k is None for k in node.keys):
+        raise Unsplittable("dict unpacking")
+      return ast.Dict([self.split(k) for k in node.keys],
+                      [self.split(v) for v in node.values])
+    if _is_verdict(node):
+      raise Unsplittable(f"the sandbox would compute a verdict: "
+                         f"{ast.unparse(node)[:80]}")
+    if isinstance(node, ast.GeneratorExp):  # Its values, as a list.
+      node = ast.ListComp(node.elt, node.generators)
+    self.leaves.append(ast.unparse(node))
+    return ast.Name(f"{_LEAF}{len(self.leaves) - 1}", ast.Load())
+
+
+def _literal(node: ast.expr, env: dict[str, Any]) -> Any:
+  """The value of an expression with no leaves (else Unsplittable)."""
+  splitter = _Splitter(env)
+  tree = splitter.split(node)
+  if splitter.leaves:
+    raise Unsplittable("not a literal")
+  return evaluate(tree, env, ())
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(text: str) -> Test:
+  """The test's calls for the sandbox and its checks; raises Unsplittable."""
+  try:
+    module = ast.parse(text)
+  except (SyntaxError, ValueError, UnicodeError, MemoryError, RecursionError
+          ) as e:
+    raise Unsplittable(f"not Python: {type(e).__name__}") from e
+  env: dict[str, Any] = {}
+  calls: list[tuple[str, str]] = []
+  checks: list[Check] = []
+  setup: list[str] = []
+  for statement in module.body:
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+      if isinstance(statement, ast.ImportFrom) and statement.module == "math":
+        env.update({a.asname or a.name: _MATH[a.name]
+                    for a in statement.names if a.name in _MATH})
+      setup.append(ast.unparse(statement))
+    elif isinstance(statement, ast.Assign) and len(statement.targets) == 1 and (
+        isinstance(statement.targets[0], ast.Name)):
+      name = statement.targets[0].id
+      try:
+        env[name] = _literal(statement.value, env)
+      except (Unsplittable, Exception):  # pylint: disable=broad-except
+        env.pop(name, None)  # The sandbox computes it: a leaf wherever used.
+        if _is_verdict(statement.value):
+          raise Unsplittable("an assignment computes a verdict") from None
+      setup.append(ast.unparse(statement))
+    elif isinstance(statement, ast.Assert):
+      splitter = _Splitter(env)
+      tree = ast.fix_missing_locations(
+          ast.Expression(splitter.split(statement.test)))
+      checks.append(Check(tree.body, len(calls), tuple(env.items())))
+      for leaf in splitter.leaves:
+        calls.append(("\n".join(setup), leaf))
+        setup = []
+    else:
+      raise Unsplittable(f"a {type(statement).__name__} statement")
+  if not checks:
+    raise Unsplittable("no assert statement")
+  return Test(tuple(calls), tuple(checks))
+
+
+def _guarded_binary(op: ast.operator, a: Any, b: Any) -> Any:
+  """Arithmetic on values the model chose: no huge powers, shifts or repeats
+  (they would stall the trainer); those fail the test."""
+  ints = lambda *xs: all(isinstance(x, int) for x in xs)
+  if isinstance(op, ast.Pow) and ints(a, b) and abs(b) > 10_000 and abs(a) > 1:
+    raise OverflowError("power too large")
+  if isinstance(op, ast.LShift) and ints(b) and b > 100_000:
+    raise OverflowError("shift too large")
+  if isinstance(op, ast.Mult) and any(
+      isinstance(x, int) and abs(x) > 1_000_000 for x in (a, b)) and any(
+          isinstance(x, (str, bytes, list, tuple)) for x in (a, b)):
+    raise OverflowError("repetition too large")
+  return _BINARY[type(op)](a, b)
+
+
+def evaluate(node: ast.expr, env: dict[str, Any], values: tuple[Any, ...]
+             ) -> Any:
+  """A split expression on the leaves' values, here, on plain data only."""
+  ev = lambda n: evaluate(n, env, values)
+  if isinstance(node, ast.Constant):
+    return node.value
+  if isinstance(node, ast.Name):
+    if node.id.startswith(_LEAF):
+      value = values[int(node.id[len(_LEAF):])]
+      if isinstance(value, sandbox.Raised):
+        raise ValueError(f"the call raised {value.name}")
+      return value
+    if node.id in env:
+      return env[node.id]
+    return _FUNCTIONS[node.id]
+  if isinstance(node, ast.Attribute):
+    return _MATH[node.attr]
+  if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+    kind = {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)]
+    return kind(ev(e) for e in node.elts)
+  if isinstance(node, ast.Dict):
+    return {ev(k): ev(v) for k, v in zip(node.keys, node.values)}
+  if isinstance(node, ast.UnaryOp):
+    return _UNARY[type(node.op)](ev(node.operand))
+  if isinstance(node, ast.BinOp):
+    return _guarded_binary(node.op, ev(node.left), ev(node.right))
+  if isinstance(node, ast.BoolOp):
+    result = None
+    for operand in node.values:
+      result = ev(operand)
+      if bool(result) == isinstance(node.op, ast.Or):
+        return result
+    return result
+  if isinstance(node, ast.Compare):
+    left = ev(node.left)
+    for op, comparator in zip(node.ops, node.comparators):
+      right = ev(comparator)
+      if not _COMPARE[type(op)](left, right):
+        return False
+      left = right
+    return True
+  if isinstance(node, ast.IfExp):
+    return ev(node.body) if ev(node.test) else ev(node.orelse)
+  if isinstance(node, ast.Call):
+    return ev(node.func)(*[ev(a) for a in node.args],
+                         **{k.arg: ev(k.value) for k in node.keywords})
+  raise ValueError(f"cannot evaluate a {type(node).__name__}")
+
+
+def passes(test: Test, values: tuple[Any, ...]) -> bool:
+  """Whether every assert of `test` holds on the sandbox's leaf values."""
+  for check in test.checks:
+    try:
+      if not evaluate(check.expression, dict(check.env),
+                      values[check.first_leaf:]):
+        return False
+    except Exception:  # pylint: disable=broad-except
+      return False  # A leaf raised, or the values do not support the test.
+  return True
+
+
+_warned: set[str] = set()
+
+
+def parse_or_warn(text: str) -> Test | None:
+  """`parse`, or None after logging (once per test text) why not."""
+  try:
+    return parse(text)
+  except Unsplittable as e:
+    if len(_warned) < 100 and text not in _warned:
+      _warned.add(text)
+      logging.warning("code reward: a test cannot be decided outside the "
+                      "sandbox (%s); it counts as failed. Write it as "
+                      "`assert <call> == <value>`: %r", e, text[:200])
+    return None

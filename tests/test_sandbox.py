@@ -1,0 +1,627 @@
+"""The code reward and its sandbox: outcomes, the trusted-side test checks,
+and one regression test per escape or reward hack found against the old
+sandbox (issue 18). Every probe is harmless when it succeeds: markers go to
+this test's tmp_path, listeners are this test's own on 127.0.0.1, and the
+process it would write into is this test's own sleeping child.
+
+The probes run as whoever runs the tests (root in CI) and, where the host
+allows it, once more as uid 65534 (`test_as_an_unprivileged_caller`)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from grpo_jax.rewards import _code_checks
+from grpo_jax.rewards import code
+from grpo_jax.rewards import sandbox
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
+QUICK = sandbox.Limits(timeout=5.0)
+CORRECT = "def add(a, b):\n  return a + b"
+WRONG = "def add(a, b):\n  return a - b + 7"  # Fails both ADD_TESTS.
+
+
+def _fenced(program: str) -> str:
+  return f"Here is my solution:\n```python\n{program}\n```\nDone."
+
+
+def _reward(programs: list[str], tests=None, **kwargs) -> list[float]:
+  tests = ADD_TESTS if tests is None else tests
+  kwargs.setdefault("timeout", 5.0)
+  got = code.code_reward(None, [_fenced(p) for p in programs],
+                         [tests] * len(programs), np.ones(len(programs)),
+                         **kwargs)
+  return got.tolist()
+
+
+def _probe(program: str, *expressions: str, limits=QUICK, label: str = ""):
+  """The values of `expressions` after `program`, straight from the sandbox."""
+  run = sandbox.run_calls(program, [("", e) for e in expressions], limits,
+                          label=label)
+  assert run.setup_error is None, run.setup_error
+  return run.values
+
+
+# ---------------------------------------------------------------- outcomes
+
+@pytest.mark.parametrize("name,program,passed", [
+    ("correct", CORRECT, 2),
+    ("wrong", "def add(a, b):\n  return a - b", 1),
+    ("syntax_error", "def add(a, b) return a + b", 0),
+    ("exit_zero_early", "import sys\nsys.exit(0)", 0),
+    ("os_exit_zero", "import os\nos._exit(0)", 0),
+    ("fork_bomb", "import os\nwhile True:\n  os.fork()", 0),
+    ("subprocess", "import subprocess\nsubprocess.run(['true'])\n" + CORRECT, 0),
+    ("network", "import socket\nsocket.create_connection(('1.1.1.1', 80), 1)\n"
+                + CORRECT, 0),
+    ("memory_bomb", "x = bytearray(64 * 2**30)\n" + CORRECT, 0),
+    ("output_flood", "while True:\n  print('x' * 100000)", 0),
+    ("fake_result_lines", "print('{\"i\": 0, \"v\": {\"i\": \"3\"}}')\n" + WRONG, 0),
+    ("nul_byte", "def add(a, b):\n  return a + b\x00", 0),
+    ("writes_its_cwd", "open('scratch.txt', 'w').write('ok')\n" + CORRECT, 2),
+    ("main_guard_not_run", CORRECT + "\nif __name__ == '__main__':\n"
+                                     "  raise SystemExit(1)", 2),
+])
+def test_run_tests_outcomes(name, program, passed):
+  del name
+  result = code.run_tests(program, ADD_TESTS, sandbox.Limits(timeout=3.0))
+  assert (result.passed, result.total) == (passed, 2)
+
+
+def test_an_infinite_loop_is_killed_and_earlier_results_still_count():
+  program = CORRECT + "\ndef spin():\n  while True:\n    pass"
+  values = _probe(program, "add(1, 2)", "spin()", "add(2, 2)",
+                  limits=sandbox.Limits(timeout=1.5))
+  assert values == (3, sandbox.NOT_RUN, sandbox.NOT_RUN)
+
+
+def test_code_reward_all_or_nothing_and_fraction():
+  completions = [_fenced(CORRECT), _fenced("def add(a, b):\n  return a - b"),
+                 _fenced("def add(a, b):\n  return a - b"), "I cannot."]
+  answers = ["\n".join(ADD_TESTS), "\n".join(ADD_TESTS), ADD_TESTS, ADD_TESTS]
+  got = code.code_reward(None, completions, answers, np.ones(4), timeout=5.0)
+  np.testing.assert_array_equal(got, [1.0, 0.0, 0.5, 0.0])
+
+
+def test_extract_code_takes_the_last_python_block():
+  text = "```python\nx = 1\n```\nbetter:\n```python\nx = 2\n```\n```\nplain\n```"
+  assert code.extract_code(text).strip() == "x = 2"
+  assert code.extract_code("```\ny = 3\n```").strip() == "y = 3"
+  assert code.extract_code("no code here") is None
+
+
+def test_values_come_back_as_exact_plain_data():
+  program = ("import collections\n"
+             "def data():\n  return [1, -2**80, 0.1, float('inf'), 1j, 'π', "
+             "b'\\x00', (1,), {2}, frozenset([3]), {'a': [None, True]}]\n"
+             "def counter():\n  return collections.Counter('aab')\n"
+             "def obj():\n  return object()\n")
+  values = _probe(program, "data()", "counter()", "obj()", "1 / 0")
+  assert values[:2] == ([1, -2**80, 0.1, float("inf"), 1j, "π", b"\x00", (1,),
+                         {2}, frozenset([3]), {"a": [None, True]}],
+                        {"a": 2, "b": 1})
+  assert values[2:] == (sandbox.Raised("TypeError"),
+                        sandbox.Raised("ZeroDivisionError"))
+
+
+# ---------------------------------------------------------------- test checks
+
+@pytest.mark.parametrize("test,program,passes", [
+    ("assert add(1, 2) == 3", CORRECT, True),
+    ("assert add(1, 2) == 4", CORRECT, False),
+    ("assert add(1, 2) != 4\nassert -add(1, 2) == -3", CORRECT, True),
+    ("assert add(0.1, 0.2) == 0.3", CORRECT, False),
+    ("import math\nassert math.isclose(add(0.1, 0.2), 0.3)", CORRECT, True),
+    ("from math import isclose\nassert isclose(add(0.1, 0.2), 0.3)", CORRECT,
+     True),
+    ("assert abs(add(0.1, 0.2) - 0.3) < 1e-9", CORRECT, True),
+    ("assert set(add([1, 2], [2])) == {1, 2}", CORRECT, True),
+    ("assert sorted(add([3], [1])) == [1, 3]", CORRECT, True),
+    ("assert add(1, 1)", "def add(a, b): return a - b", False),
+    ("assert not add(1, 1)", "def add(a, b): return a - b", True),
+    ("assert add(1, 2) is None", "def add(a, b): return None", True),
+    ("x = [1, 2]\nassert add(x, [3]) == x + [3]", CORRECT, True),
+    ("y = add(1, 2)\nassert y == 3", CORRECT, True),
+    ("assert add('a', 'b') == 'ab', 'message'", CORRECT, True),
+    ("assert 3 == add(1, 2) == 3", CORRECT, True),
+    ("assert all(x > 0 for x in [add(1, 2)])", CORRECT, False),  # Unsplittable.
+    ("def check(f):\n  assert f(1, 2) == 3\ncheck(add)", CORRECT, False),
+    ("for i in range(3):\n  assert add(i, 0) == i", CORRECT, False),
+    ("assert add(2, 3) ** add(10**6, 0) == 1", CORRECT, False),  # Too large.
+])
+def test_tests_are_decided_outside_the_sandbox(test, program, passes):
+  result = code.run_tests(program, [test], QUICK)
+  assert result.passed == int(passes)
+
+
+def test_leaves_are_the_calls_and_never_the_expected_values():
+  test = _code_checks.parse("import math\nassert add(1, 2) == 3\n"
+                            "assert math.isclose(area(2), 12.56, rel_tol=0.1)"
+                            "\nassert not f([1, 2])")
+  assert test.calls == (("import math", "add(1, 2)"), ("", "area(2)"),
+                        ("", "f([1, 2])"))
+
+
+@pytest.mark.parametrize("text", [
+    "assert all(f(i) == i for i in range(3))", "assert (lambda: f() == 1)()",
+    "print(f(1))\nassert f(1) == 2", "not python (", "x = 1",
+    "x = f(1) == 2\nassert x"])
+def test_unsplittable_tests_are_refused(text):
+  with pytest.raises(_code_checks.Unsplittable):
+    _code_checks.parse(text)
+
+
+# ---------------------------------------------------------------- host escapes
+
+PROBES = r'''
+import ctypes, os, socket, subprocess, sys
+libc = ctypes.CDLL(None, use_errno=True)
+
+def outcome(fn):
+  try:
+    return "done: " + repr(fn())[:200]
+  except BaseException as e:
+    return "failed: " + type(e).__name__
+
+def pids():
+  return [p for p in os.listdir('/proc') if p.isdigit()]
+
+def write_through_proc_root(path):
+  hits = []
+  for pid in pids():
+    try:
+      with open(f'/proc/{pid}/root{path}', 'w') as f:
+        f.write('escaped')
+      hits.append(pid)
+    except OSError:
+      pass
+  try:
+    open(path, 'w').write('escaped')
+    hits.append('direct')
+  except OSError:
+    pass
+  return hits
+
+def remount_and_write():
+  results = []
+  for target in (b'/', b'/usr'):
+    results.append(libc.mount(None, target, None, 32 | 4096, None))  # MS_REMOUNT|MS_BIND
+  try:
+    open('/usr/escaped', 'w').write('x')
+    results.append('wrote /usr')
+  except OSError:
+    pass
+  return results
+
+def environ_hits(secret):
+  hits = []
+  for pid in pids():
+    try:
+      if secret.encode() in open(f'/proc/{pid}/environ', 'rb').read():
+        hits.append(pid)
+    except OSError:
+      pass
+  return hits
+
+def setns_then_connect(port):
+  joined = []
+  for pid in pids():
+    try:
+      fd = os.open(f'/proc/{pid}/ns/net', os.O_RDONLY)
+      if libc.setns(fd, 0x40000000) == 0:
+        joined.append(pid)
+    except OSError:
+      pass
+  return joined, outcome(lambda: socket.create_connection(('127.0.0.1', port), 1))
+
+def unix_connect(address):
+  s = socket.socket(socket.AF_UNIX)
+  s.settimeout(1)
+  s.connect(address)
+  return 'connected'
+
+def write_memory(pid):
+  with open(f'/proc/{pid}/mem', 'r+b') as f:
+    f.write(b'x')
+  return 'wrote'
+
+def shm(name):
+  open('/dev/shm/' + name, 'w').write('x')
+  return sorted(os.listdir('/dev/shm'))
+
+def fork_count(n):
+  sys.modules.pop('posix', None)
+  import posix
+  children = 0
+  for _ in range(n):
+    try:
+      if posix.fork() == 0:
+        import time
+        time.sleep(3)
+        posix._exit(0)
+      children += 1
+    except OSError:
+      break
+  return children
+
+def capabilities():
+  status = open('/proc/self/status').read()
+  return [line.split()[1] for line in status.splitlines()
+          if line.startswith(('CapEff', 'CapPrm', 'CapBnd'))]
+
+def host_uid():
+  return int(open('/proc/self/uid_map').read().split()[1])
+
+def nested_namespace():
+  return libc.unshare(0x10000000), libc.unshare(0x00020000)
+
+def ptrace_init():
+  return libc.ptrace(16, 1, None, None)  # PTRACE_ATTACH to the sandbox's init
+
+def disk_bytes(chunk_mb):
+  total = 0
+  try:
+    for i in range(1000):
+      with open(f'/tmp/f{i}', 'wb') as f:
+        f.write(b'x' * (chunk_mb << 20))
+      total += chunk_mb << 20
+  except OSError:
+    pass
+  return total
+'''
+
+
+@pytest.fixture(name="listener")
+def fixture_listener():
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen()
+  server.settimeout(0.0)
+  yield server
+  server.close()
+
+
+def _accepted(server: socket.socket) -> bool:
+  try:
+    server.accept()[0].close()
+    return True
+  except BlockingIOError:
+    return False
+
+
+def test_no_file_is_written_on_the_host(tmp_path):
+  marker = tmp_path / "escaped"
+  values = _probe(PROBES, f"write_through_proc_root({str(marker)!r})",
+                  "remount_and_write()")
+  assert values[0] == [] and not marker.exists()
+  assert values[1] == [-1, -1]
+
+
+def test_host_files_environment_and_processes_are_invisible(tmp_path,
+                                                             monkeypatch):
+  secret = tmp_path / "secret"
+  secret.write_text("hunter2")
+  secret.chmod(0o600)
+  monkeypatch.setenv("GRPO_JAX_TEST_SECRET", "env-hunter2")
+  helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ})
+  try:
+    values = _probe(PROBES, f"outcome(lambda: open({str(secret)!r}).read())",
+                    "environ_hits('env-hunter2')", "pids()",
+                    f"outcome(lambda: write_memory({helper.pid}))",
+                    "outcome(lambda: write_memory(1))", "ptrace_init()")
+    assert helper.poll() is None
+  finally:
+    helper.kill()
+    helper.wait()
+  assert values[0] == "failed: FileNotFoundError"
+  assert values[1] == []
+  assert sorted(values[2], key=int) == ["1", "2"]  # Its init and itself.
+  assert values[3].startswith("failed:") and values[4].startswith("failed:")
+  assert values[5] == -1
+
+
+def test_no_network_even_after_setns_nor_unix_sockets(tmp_path, listener):
+  path = str(tmp_path / "unix.sock")
+  unix_server = socket.socket(socket.AF_UNIX)
+  unix_server.bind(path)
+  unix_server.listen()
+  abstract = socket.socket(socket.AF_UNIX)
+  abstract.bind(b"\0grpo_jax_test_" + os.urandom(4).hex().encode())
+  abstract.listen()
+  try:
+    port = listener.getsockname()[1]
+    values = _probe(PROBES, f"setns_then_connect({port})",
+                    f"outcome(lambda: unix_connect({path!r}))",
+                    f"outcome(lambda: unix_connect({abstract.getsockname()!r}))")
+  finally:
+    unix_server.close()
+    abstract.close()
+  assert values[0] == [[], "failed: OSError"] or values[0][0] == []
+  assert values[0][1].startswith("failed:")
+  assert values[1].startswith("failed:") and values[2].startswith("failed:")
+  assert not _accepted(listener)
+
+
+def test_dev_shm_is_private():
+  name = "grpo_jax_test_" + os.urandom(4).hex()
+  try:
+    assert _probe(PROBES, f"shm({name!r})") == ([name],)
+    assert not os.path.exists("/dev/shm/" + name)
+  finally:
+    if os.path.exists("/dev/shm/" + name):
+      os.remove("/dev/shm/" + name)
+
+
+def test_no_privilege_no_exec_no_nested_namespaces_and_processes_bounded():
+  limits = sandbox.Limits(timeout=8.0, processes=8)
+  values = _probe(PROBES, "capabilities()", "host_uid()",
+                  "outcome(lambda: subprocess.run(['/bin/sh', '-c', 'id']))",
+                  "nested_namespace()", "fork_count(50)", limits=limits)
+  assert values[0] == ["0000000000000000"] * 3
+  assert values[1] != 0
+  assert values[2] == "failed: PermissionError"
+  assert values[3] == (-1, -1)
+  assert 0 < values[4] < 8
+
+
+def test_total_disk_and_memory_are_bounded():
+  limits = sandbox.Limits(timeout=8.0, disk_mb=8, memory_mb=256)
+  values = _probe(PROBES, "disk_bytes(1)",
+                  "outcome(lambda: len(bytearray(512 << 20)))", limits=limits)
+  assert values[0] <= 8 << 20
+  assert values[1] == "failed: MemoryError"
+
+
+# ---------------------------------------------------------------- reward hacks
+
+HACKS = {
+    "eq_always_true": "class Yes:\n  def __eq__(self, other): return True\n"
+                      "  def __ne__(self, other): return False\n"
+                      "def add(a, b): return Yes()",
+    "exec_noop": "import builtins\nbuiltins.exec = lambda *a, **k: None\n"
+                 "builtins.eval = lambda *a, **k: True\n" + WRONG,
+    "compile_strips_asserts":
+        "import builtins\n_compile = builtins.compile\n"
+        "def compile(source, *a, **k):\n"
+        "  return _compile(str(source).replace('assert', 'pass #'), *a, **k)\n"
+        "builtins.compile = compile\n" + WRONG,
+    "frames_rewrite_job_and_fake_lines":
+        "import sys, os\n"
+        "f = sys._getframe()\n"
+        "while f is not None:\n"
+        "  job = f.f_locals.get('job')\n"
+        "  if isinstance(job, dict):\n"
+        "    job['calls'] = [['', 'True'] for _ in job['calls']]\n"
+        "  f = f.f_back\n"
+        "for fd in range(3, 64):\n"
+        "  for i in range(4):\n"
+        "    try:\n"
+        "      os.write(fd, ('{\"i\": %d, \"v\": true}\\n' % i).encode())\n"
+        "    except OSError:\n"
+        "      pass\n" + WRONG,
+    "replace_tests_list":
+        "import gc\n"
+        "for obj in gc.get_objects():\n"
+        "  if isinstance(obj, list) and any('add(' in str(x) for x in obj):\n"
+        "    obj[:] = [['', 'True']] * len(obj)\n" + WRONG,
+    "os_write_rewrites_results":
+        "import os\n_write = os.write\n"
+        "def write(fd, data):\n"
+        "  return _write(fd, data.replace(b'\"e\"', b'\"v\"'))\n"
+        "os.write = write\n"
+        "def add(a, b): raise ValueError(True)",
+    "serialiser_patched":
+        "import sys\n"
+        "for module in list(sys.modules.values()):\n"
+        "  if hasattr(module, 'encode') and hasattr(module, '_send'):\n"
+        "    module.encode = lambda value, depth=0: True\n" + WRONG,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HACKS))
+def test_reward_hacks_score_zero(name):
+  assert _reward([HACKS[name], CORRECT], timeout=5.0) == [0.0, 1.0]
+
+
+# ---------------------------------------------------------------- lifetime
+
+def _labelled_processes(label: str) -> list[str]:
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if label.encode() in f.read():
+          found.append(pid)
+    except OSError:
+      pass
+  return found
+
+
+def test_nothing_outlives_the_call_not_even_detached_daemons(tmp_path,
+                                                             monkeypatch):
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  program = textwrap.dedent("""
+      import ctypes, os, time, fcntl
+      libc = ctypes.CDLL(None)
+      libc.prctl(1, 0, 0, 0, 0)  # Clear the parent-death signal.
+      os.setsid()
+      for _ in range(3):
+        if os.fork() == 0:
+          os.setsid()
+          if os.fork() == 0:
+            while True:
+              time.sleep(0.05)
+          os._exit(0)
+      fd = os.open('/tmp/immutable', os.O_CREAT | os.O_RDONLY)
+      try:
+        fcntl.ioctl(fd, 0x40086602, (0x10).to_bytes(8, 'little'))
+      except OSError:
+        pass
+      def add(a, b):
+        while True:
+          pass
+      """)
+  label = "grpo_jax_test_" + os.urandom(4).hex()
+  run = sandbox.run_calls(program, [("", "add(1, 2)")],
+                          sandbox.Limits(timeout=1.5), label=label)
+  assert run.timed_out and run.setup_error is None
+  assert _labelled_processes(label) == []
+  assert os.listdir(tmp_path) == []
+
+
+def test_looping_completions_run_in_parallel(monkeypatch):
+  """Four loops with four workers: all four sandboxes were alive at once."""
+  live, peak, lock = [0], [0], threading.Lock()
+  run_calls = sandbox.run_calls
+
+  def counting(*args, **kwargs):
+    with lock:
+      live[0] += 1
+      peak[0] = max(peak[0], live[0])
+    try:
+      time.sleep(0.2)  # Let the others start before this one can end.
+      return run_calls(*args, **kwargs)
+    finally:
+      with lock:
+        live[0] -= 1
+
+  monkeypatch.setattr(sandbox, "run_calls", counting)
+  loop = "while True:\n  pass"
+  assert _reward([loop] * 4, timeout=1.0, max_parallel=4) == [0.0] * 4
+  assert peak[0] == 4
+
+
+def test_batch_timeout_skips_runs_that_cannot_start_in_time(monkeypatch):
+  started = []
+  run_calls = sandbox.run_calls
+  monkeypatch.setattr(sandbox, "run_calls",
+                      lambda *a, **k: started.append(1) or run_calls(*a, **k))
+  loop = "while True:\n  pass"
+  got = _reward([loop] * 4, timeout=1.0, max_parallel=1, batch_timeout=1.5)
+  assert got == [0.0] * 4 and len(started) < 4
+
+
+# ---------------------------------------------------------------- the caller
+
+def test_any_text_in_any_locale_scores_without_raising():
+  script = textwrap.dedent(r"""
+      import json, sys
+      import numpy as np
+      from grpo_jax.rewards import code
+      fence = lambda p: '```python\n' + p + '\n```'
+      completions = [
+          fence('def add(a, b):\n  "π"  # π\n  return a + b'),
+          fence('def add(a, b):\n  return a + b  # \udc80'),
+          fence(bytes(range(256)).decode('utf-8', 'surrogateescape')),
+          fence('def add(a, b):\n  return "\udc80"'),
+          '\udc80' * 3]
+      tests = ['assert add(1, 2) == 3', "assert add('π', '') == 'π'"]
+      got = code.code_reward(None, completions, [tests] * 5, np.ones(5),
+                             timeout=5.0)
+      print(json.dumps(got.tolist()))
+      """)
+  for env in ({"LC_ALL": "POSIX", "LANG": "C"}, {"LANG": "C"}):
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO,
+                         capture_output=True, timeout=120,
+                         env={"PATH": os.environ.get("PATH", ""),
+                              "PYTHONPATH": REPO, **env})
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
+    assert json.loads(out.stdout) == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_refuses_to_run_code_where_the_host_cannot_isolate_it(tmp_path):
+  """No user namespaces (max_user_namespaces = 0 in a namespace of our own):
+  the reward raises, says why, and the program never runs."""
+  marker = tmp_path / "ran"
+  script = textwrap.dedent(f"""
+      import numpy as np
+      from grpo_jax.rewards import code, sandbox
+      program = "open({str(marker)!r}, 'w').write('ran')\\ndef add(a, b): return a + b"
+      try:
+        code.code_reward(None, ['```python\\n' + program + '\\n```'],
+                         [['assert add(1, 2) == 3']], np.ones(1))
+      except sandbox.SandboxUnavailable as e:
+        print('refused:', e)
+      """)
+  shell = ("echo 0 > /proc/sys/user/max_user_namespaces && exec \"$0\" -c \"$1\"")
+  out = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c",
+                        shell, sys.executable, script], cwd=REPO,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+  if "refused" not in out.stdout and out.returncode != 0 and (
+      "unshare" in out.stderr or "max_user_namespaces" in out.stderr):
+    pytest.skip(f"cannot take user namespaces away here: {out.stderr[:200]}")
+  assert out.stdout.startswith("refused: refusing to run model-written code")
+  assert "No space left on device" in out.stdout  # The kernel's reason.
+  assert not marker.exists()
+
+
+# ---------------------------------------------------------------- non-root
+
+NON_ROOT_CHECKS = textwrap.dedent(r"""
+    import json, os, sys
+    import numpy as np
+    sys.path.insert(0, os.path.join(os.environ['REPO'], 'tests'))
+    import test_sandbox as t
+    from grpo_jax.rewards import sandbox
+    hacks = [t.HACKS[k] for k in sorted(t.HACKS)]
+    scores = t._reward([t.CORRECT, t.WRONG] + hacks, timeout=5.0)
+    values = t._probe(t.PROBES, 'capabilities()', 'host_uid()', 'pids()',
+        "outcome(lambda: subprocess.run(['/bin/sh']))", 'fork_count(50)',
+        "environ_hits('env-hunter2')", 'nested_namespace()',
+        limits=sandbox.Limits(timeout=8.0, processes=8))
+    print(json.dumps({'uid': os.geteuid(), 'scores': scores,
+                      'values': [list(v) if isinstance(v, tuple) else v
+                                 for v in values]}))
+    """)
+
+
+def _as_nobody_command(tmp_path) -> list[str]:
+  """This interpreter as uid 65534; if its files sit under a directory only
+  root may enter (e.g. /root/.pyenv), they are bound into a mount namespace
+  of the test's own where that directory is open."""
+  nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+            sys.executable, "-c", NON_ROOT_CHECKS]
+  blocked = next((d for d in ("/root", "/home") if sys.executable.startswith(
+      d + "/") and not os.stat(d).st_mode & 0o001), None)
+  if blocked is None:
+    return nobody
+  prefix = os.path.join(blocked, sys.executable[len(blocked) + 1:].split("/")[0])
+  stage = tmp_path / "stage"
+  stage.mkdir()
+  shell = (f'mount --make-rprivate / && mount --bind "{prefix}" "{stage}" && '
+           f'mount -t tmpfs -o mode=755 none "{blocked}" && '
+           f'mkdir -p "{prefix}" && mount --bind "{stage}" "{prefix}" && '
+           'exec "$@"')
+  return ["unshare", "--mount", "sh", "-c", shell, "sh", *nobody]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a "
+                    "non-root user: every other test here is that check")
+def test_as_an_unprivileged_caller(tmp_path, monkeypatch):
+  monkeypatch.setenv("GRPO_JAX_TEST_SECRET", "env-hunter2")
+  out = subprocess.run(_as_nobody_command(tmp_path), cwd="/",
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "REPO": REPO, "PYTHONPATH": REPO,
+                            "HOME": "/"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["uid"] == 65534
+  assert got["scores"] == [1.0, 0.0] + [0.0] * len(HACKS)
+  caps, host_uid, pids, shell, forks, environ, nested = got["values"]
+  assert caps == ["0000000000000000"] * 3 and host_uid == 65534
+  assert sorted(pids, key=int) == ["1", "2"]
+  assert shell == "failed: PermissionError" and 0 < forks < 8
+  assert environ == [] and nested == [-1, -1]
