@@ -86,6 +86,12 @@ def test_an_infinite_loop_is_killed_and_earlier_results_still_count():
   assert values == (3, sandbox.NOT_RUN, sandbox.NOT_RUN)
 
 
+def test_a_run_writing_too_many_results_is_stopped():
+  run = sandbox.run_calls("big = 'x' * (3 << 20)", [("", "1"), ("", "big")],
+                          sandbox.Limits(timeout=30.0, result_mb=1))
+  assert run.values == (1, sandbox.NOT_RUN) and run.timed_out
+
+
 def test_code_reward_all_or_nothing_and_fraction():
   completions = [_fenced(CORRECT), _fenced("def add(a, b):\n  return a - b"),
                  _fenced("def add(a, b):\n  return a - b"), "I cannot."]
