@@ -390,6 +390,31 @@ def test_total_disk_and_memory_are_bounded():
   assert values[1] == "failed: MemoryError"
 
 
+@pytest.mark.skipif(not sandbox._cgroups.parents(),  # pylint: disable=protected-access
+                    reason="no cgroup this process may create")
+def test_a_cgroup_bounds_the_memory_of_the_run_as_a_whole():
+  """Three children of 120 MB each fit the per-process limit (256 MB) but
+  not the run's 256 MB together."""
+  program = textwrap.dedent("""
+      import os, time
+      def children():
+        pids = []
+        for _ in range(3):
+          pid = os.fork()
+          if pid == 0:
+            block = bytearray(120 << 20)
+            block[::4096] = b'x' * len(block[::4096])
+            time.sleep(1)
+            os._exit(0)
+          pids.append(pid)
+        return [os.waitpid(pid, 0)[1] for pid in pids]
+      """)
+  limits = sandbox.Limits(timeout=10.0, memory_mb=256)
+  statuses = _probe(program, "children()", limits=limits)[0]
+  assert statuses == sandbox.NOT_RUN or any(s != 0 for s in statuses)
+  assert sandbox.resource_control().startswith("cgroup")
+
+
 # ---------------------------------------------------------------- reward hacks
 
 HACKS = {

@@ -18,13 +18,15 @@ The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
     execve, ptrace, mount, setns, unshare, bpf, io_uring, keyctl, ...);
   * rlimits, which bind because the sandbox's host uid is not root: CPU
     seconds, address space per process, file size, processes and threads;
+  * where this process may create cgroups (v2, else v1; `_cgroups.py`), one
+    per run caps its total memory (`memory_mb`, tmpfs included) and tasks;
   * the wall-clock timeout kills the PID namespace's init, so every process
     the run started is gone, and nothing was ever written to the host's disk,
     when `run_calls` returns. If the trainer dies, the sandbox dies with it.
 
-cgroups are not used: the hosts this was built on (root in a VM without
-CAP_SYS_RESOURCE, cgroup v1) do not delegate them; memory is bounded by
+Without cgroups (an unprivileged caller, usually) memory is bounded by
 RLIMIT_AS per process times the process limit, plus the tmpfs size.
+`resource_control()` says which applies here.
 
 Where the host cannot build this (no user namespaces, a masked kernel),
 `require()` raises `SandboxUnavailable` naming the reason, and logs it once:
@@ -44,6 +46,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Sequence
+
+from grpo_jax.rewards import _cgroups
 
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_sandbox_runner.py")
@@ -177,6 +181,7 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
                    ensure_ascii=True).encode("ascii")
   deadline = time.monotonic() + limits.timeout + _GRACE
   try:
+    cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 3)
     proc = subprocess.Popen(
         _command(label or secrets.token_hex(8)), stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
@@ -184,7 +189,11 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
   except OSError as e:
     return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}")
   try:
+    cgroup.add(proc.pid)  # Before it reads its job: nothing forked yet.
     out, err = _communicate(proc, job, deadline, limits.result_mb * 2**20)
+  except OSError as e:  # The cgroup refused it: no run without its limits.
+    proc.kill()
+    out, err = b"", f"cannot join the run's cgroup: {e}".encode()
   finally:
     if proc.poll() is None:  # Only past the grace period: a stuck launcher.
       try:
@@ -194,6 +203,7 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
     proc.wait()
     for stream in (proc.stdin, proc.stdout, proc.stderr):
       stream.close()
+    cgroup.close()
   values = _parse_results(out, len(calls))
   timed_out = proc.returncode in (_EXIT_TIMEOUT, -signal.SIGKILL)
   if values is None:
@@ -232,6 +242,11 @@ def _host_root() -> bool:
   return os.geteuid() == 0 and full
 
 
+def resource_control() -> str:
+  """Which limits a run gets on this host, in words."""
+  return _cgroups.describe()
+
+
 _logged = []
 
 
@@ -240,6 +255,10 @@ def require() -> None:
   code cannot be isolated on this host."""
   reason = unavailable_reason()
   if reason is None:
+    if not _logged:
+      logging.info("code reward sandbox: namespaces, seccomp; %s",
+                   resource_control())
+      _logged.append(True)
     return
   message = (f"refusing to run model-written code: this host cannot isolate it "
              f"({reason}). The sandbox needs unprivileged user namespaces "

@@ -1,0 +1,121 @@
+"""Per-run cgroups for the sandbox, where the host lets this process make them.
+
+A run's launcher is moved into a fresh cgroup before it reads its job, so
+everything the run starts is charged there: memory (tmpfs pages included)
+and the number of processes are then bounded for the run as a whole, not
+only per process as the rlimits inside the sandbox do. cgroup v2 is used
+when it is mounted with the memory and pids controllers available to this
+process's cgroup; else cgroup v1's memory and pids hierarchies; else none
+(`describe()` says which, the sandbox's rlimits hold in every case).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import time
+
+_ROOT = "/sys/fs/cgroup"
+
+
+def _own_paths() -> dict[str, str]:
+  """Hierarchy ("" for v2, else the controller) -> this process's cgroup."""
+  paths = {}
+  with open("/proc/self/cgroup", encoding="utf-8") as f:
+    for line in f:
+      _, controllers, path = line.rstrip("\n").split(":", 2)
+      for controller in controllers.split(",") if controllers else [""]:
+        paths[controller] = path
+  return paths
+
+
+def _writable_parent(directory: str, files: tuple[str, ...]) -> bool:
+  """Whether a child cgroup can be made here with `files` in it."""
+  probe = os.path.join(directory, "grpo_jax_probe_" + secrets.token_hex(4))
+  try:
+    os.mkdir(probe)
+  except OSError:
+    return False
+  try:
+    return all(os.path.exists(os.path.join(probe, f)) for f in files)
+  finally:
+    os.rmdir(probe)
+
+
+@functools.lru_cache(maxsize=1)
+def parents() -> dict[str, str]:
+  """Controller -> the directory new run cgroups go under ({} if none).
+  {"memory": d, "pids": d} for v2 (one directory), or one each for v1."""
+  try:
+    own = _own_paths()
+  except OSError:
+    return {}
+  if "" in own and os.path.exists(os.path.join(_ROOT, "cgroup.controllers")):
+    directory = os.path.join(_ROOT, own[""].lstrip("/"))
+    if _writable_parent(directory, ("memory.max", "pids.max")):
+      return {"memory": directory, "pids": directory}
+  found = {}
+  for controller, limit_file in (("memory", "memory.limit_in_bytes"),
+                                 ("pids", "pids.max")):
+    if controller in own:
+      directory = os.path.join(_ROOT, controller,
+                               own[controller].lstrip("/"))
+      if _writable_parent(directory, (limit_file,)):
+        found[controller] = directory
+  return found if len(found) == 2 else {}
+
+
+def describe() -> str:
+  found = parents()
+  if not found:
+    return "rlimits only (no cgroup this process may create)"
+  version = "v2" if found["memory"] == found["pids"] else "v1"
+  return f"cgroup {version} memory and pids limits per run, and rlimits"
+
+
+class RunCgroup:
+  """The cgroup(s) of one run: memory and process caps; removed on close."""
+
+  def __init__(self, memory_bytes: int, processes: int):
+    self.dirs: list[str] = []
+    found = parents()
+    if not found:
+      return
+    name = "grpo_jax_sandbox_" + secrets.token_hex(8)
+    v2 = found["memory"] == found["pids"]
+    limits = ({"memory.max": memory_bytes, "memory.swap.max": 0,
+               "pids.max": processes} if v2 else
+              {"memory.limit_in_bytes": memory_bytes,
+               "memory.memsw.limit_in_bytes": memory_bytes,
+               "pids.max": processes})
+    try:
+      for directory in sorted(set(found.values())):
+        path = os.path.join(directory, name)
+        os.mkdir(path)
+        self.dirs.append(path)
+        for file, value in limits.items():
+          if os.path.exists(os.path.join(path, file)):
+            with open(os.path.join(path, file), "w", encoding="ascii") as f:
+              f.write(str(value))
+    except OSError:
+      self.close()
+      raise
+
+  def add(self, pid: int) -> None:
+    for path in self.dirs:
+      with open(os.path.join(path, "cgroup.procs"), "w", encoding="ascii") as f:
+        f.write(str(pid))
+
+  def close(self) -> None:
+    """Removes the cgroups; they are empty once the run's processes are gone
+    (a moment after, for the kernel): a few short retries."""
+    for path in self.dirs:
+      for _ in range(50):
+        try:
+          os.rmdir(path)
+          break
+        except FileNotFoundError:
+          break
+        except OSError:
+          time.sleep(0.01)
+    self.dirs = []
