@@ -619,31 +619,61 @@ NON_ROOT_CHECKS = textwrap.dedent(r"""
     """)
 
 
-def _as_nobody_command(tmp_path) -> list[str]:
-  """This interpreter as uid 65534; if its files sit under a directory only
-  root may enter (e.g. /root/.pyenv), they are bound into a mount namespace
-  of the test's own where that directory is open."""
-  nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-            sys.executable, "-c", NON_ROOT_CHECKS]
-  blocked = next((d for d in ("/root", "/home") if sys.executable.startswith(
-      d + "/") and not os.stat(d).st_mode & 0o001), None)
-  if blocked is None:
-    return nobody
-  prefix = os.path.join(blocked, sys.executable[len(blocked) + 1:].split("/")[0])
-  stage = tmp_path / "stage"
-  stage.mkdir()
-  shell = (f'mount --make-rprivate / && mount --bind "{prefix}" "{stage}" && '
-           f'mount -t tmpfs -o mode=755 none "{blocked}" && '
-           f'mkdir -p "{prefix}" && mount --bind "{stage}" "{prefix}" && '
-           'exec "$@"')
-  return ["unshare", "--mount", "sh", "-c", shell, "sh", *nobody]
+# Run as root in a mount namespace of its own: every directory on the way to
+# this interpreter, its libraries and the repository that uid 65534 may not
+# enter (/root, a CI venv's 0700 temp dir) is covered, there only, by an open
+# tmpfs holding binds of just the entries needed; then it becomes 65534.
+AS_NOBODY = textwrap.dedent(r"""
+    import json, os, subprocess, sys
+    needed, script = json.loads(sys.argv[1]), sys.argv[2]
+    run = lambda *a: subprocess.run(['mount', *a], check=True)
+    run('--make-rprivate', '/')
+    def blocked(path):  # Directories on the way (itself included) closed to others.
+      return [d for d in (path[:i] for i, c in enumerate(path + '/')
+                          if c == '/' and i)
+              if os.path.isdir(d) and not os.stat(d).st_mode & 0o001]
+    closed = sorted({d for p in needed for d in blocked(p)}, key=len)
+    stage = next(d for d in ('/mnt', '/srv', '/media', '/opt', '/boot')
+                 if os.path.isdir(d) and not any(
+                     p == d or p.startswith(d + '/') for p in needed))
+    run('-t', 'tmpfs', '-o', 'mode=700', 'none', stage)
+    for k, directory in enumerate(closed):
+      entries = sorted({p[len(directory) + 1:].split('/')[0] for p in needed
+                        if p.startswith(directory + '/')})
+      held = []
+      for j, entry in enumerate(entries):
+        source, hold = os.path.join(directory, entry), f'{stage}/{k}_{j}'
+        (os.mkdir if os.path.isdir(source) else
+         lambda h: open(h, 'w').close())(hold)
+        run('--bind', source, hold)
+        held.append((entry, hold))
+      run('-t', 'tmpfs', '-o', 'mode=755', 'none', directory)
+      for entry, hold in held:
+        target = os.path.join(directory, entry)
+        (os.mkdir if os.path.isdir(hold) else
+         lambda t: open(t, 'w').close())(target)
+        run('--bind', hold, target)
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+    os.execv(sys.executable, [sys.executable, '-c', script])
+    """)
+
+
+def _as_nobody_command() -> list[str]:
+  needed = {sys.executable, os.path.realpath(sys.executable), sys.prefix,
+            sys.base_prefix, REPO, *filter(os.path.isdir, sys.path)}
+  needed = sorted(os.path.abspath(p) for p in needed if p)
+  return ["unshare", "--mount", sys.executable, "-c", AS_NOBODY,
+          json.dumps(needed), NON_ROOT_CHECKS]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a "
                     "non-root user: every other test here is that check")
 def test_as_an_unprivileged_caller(tmp_path, monkeypatch):
   monkeypatch.setenv("GRPO_JAX_TEST_SECRET", "env-hunter2")
-  out = subprocess.run(_as_nobody_command(tmp_path), cwd="/",
+  del tmp_path
+  out = subprocess.run(_as_nobody_command(), cwd="/",
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "REPO": REPO, "PYTHONPATH": REPO,
                             "HOME": "/"})
