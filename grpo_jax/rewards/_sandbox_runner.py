@@ -118,7 +118,7 @@ def _write(path, text):
     os.close(fd)
 
 
-def _map_ids_from_host(ready_read):
+def _map_ids_from_host(ready_read, ready_write):
   """Host root only: a helper left in the host's user namespace maps the
   sandbox's uid and gid to a random unprivileged host id (nothing on the
   host is owned by it, and RLIMIT_NPROC, which never binds host root,
@@ -128,6 +128,7 @@ def _map_ids_from_host(ready_read):
   pid = os.fork()
   if pid == 0:
     try:
+      os.close(ready_write)  # EOF, not a hang, if the launcher gives up.
       if os.read(ready_read, 1) != b"1":
         os._exit(1)
       _write(f"/proc/{target}/setgroups", "deny")
@@ -157,9 +158,16 @@ def _enter_namespaces(job):
   if host_root:
     os.setgroups([])  # Not host root's groups either.
   ready_read, ready_write = os.pipe()
-  helper = _map_ids_from_host(ready_read) if host_root else None
-  _check(_libc.unshare(NAMESPACES), "unshare(user, mount, pid, net, ipc, uts, "
-         "cgroup namespaces)")
+  helper = (_map_ids_from_host(ready_read, ready_write) if host_root
+            else None)
+  try:
+    _check(_libc.unshare(NAMESPACES), "unshare(user, mount, pid, net, ipc, "
+           "uts, cgroup namespaces)")
+  except SetupError:
+    if helper is not None:  # Let it see EOF and exit before we do.
+      os.close(ready_write)
+      os.waitpid(helper, 0)
+    raise
   if helper is None:
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{INSIDE_ID} {uid} 1\n")
