@@ -582,8 +582,12 @@ def test_refuses_to_run_code_where_the_host_cannot_isolate_it(tmp_path):
   marker = tmp_path / "ran"
   script = textwrap.dedent(f"""
       import numpy as np
-      from grpo_jax.rewards import code, sandbox
+      from grpo_jax.rewards import code, sandbox, validate_specs
       program = "open({str(marker)!r}, 'w').write('ran')\\ndef add(a, b): return a + b"
+      try:
+        validate_specs([("code", 1.0)])
+      except sandbox.SandboxUnavailable:
+        print('refused at start-up;', end=' ')
       try:
         code.code_reward(None, ['```python\\n' + program + '\\n```'],
                          [['assert add(1, 2) == 3']], np.ones(1))
@@ -598,7 +602,8 @@ def test_refuses_to_run_code_where_the_host_cannot_isolate_it(tmp_path):
   if "refused" not in out.stdout and out.returncode != 0 and (
       "unshare" in out.stderr or "max_user_namespaces" in out.stderr):
     pytest.skip(f"cannot take user namespaces away here: {out.stderr[:200]}")
-  assert out.stdout.startswith("refused: refusing to run model-written code")
+  assert out.stdout.startswith("refused at start-up; refused: refusing to run "
+                               "model-written code")
   assert "No space left on device" in out.stdout  # The kernel's reason.
   assert not marker.exists()
 

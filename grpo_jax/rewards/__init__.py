@@ -40,9 +40,14 @@ def _unpack(spec: Sequence[Any]) -> tuple[str, float, Mapping[str, Any]]:
 
 
 def validate_specs(specs: Sequence[Sequence[Any]]) -> None:
-  """Fails at start-up, naming the known rewards, if a name is unknown."""
+  """Fails at start-up, naming the known rewards, if a name is unknown, or
+  where a reward cannot work on this host (its `check_host()`: the code
+  reward's sandbox)."""
   for spec in specs:
-    registry.lookup("reward", _unpack(spec)[0])
+    fn = registry.lookup("reward", _unpack(spec)[0])
+    check_host = getattr(fn, "check_host", None)
+    if check_host is not None:
+      check_host()
 
 
 def compute_rewards(specs: Sequence[Sequence[Any]], prompts: Sequence[str],

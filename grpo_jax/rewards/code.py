@@ -143,3 +143,6 @@ def code_reward(prompts, completions, answers, completion_lengths, *,
         lambda ct: _score(ct[0], ct[1], limits, batch_end),
         zip(completions, tests)))
   return np.asarray(scores, np.float32)
+
+
+code_reward.check_host = sandbox.require  # For `validate_specs` at start-up.
