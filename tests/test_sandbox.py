@@ -516,6 +516,28 @@ def test_nothing_outlives_the_call_not_even_detached_daemons(tmp_path,
   assert os.listdir(tmp_path) == []
 
 
+def test_the_sandbox_dies_with_the_trainer():
+  label = "grpo_jax_test_" + os.urandom(4).hex()
+  trainer = subprocess.Popen(
+      [sys.executable, "-c", "from grpo_jax.rewards import sandbox\n"
+       f"sandbox.run_calls('while True: pass', [], sandbox.Limits(timeout=60),"
+       f" label={label!r})"], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+  try:
+    for _ in range(200):  # Until the sandbox's worker is up (at most 20 s).
+      if len(_labelled_processes(label)) >= 3:  # Launcher, init, worker.
+        break
+      time.sleep(0.1)
+    assert len(_labelled_processes(label)) >= 3
+  finally:
+    trainer.kill()
+    trainer.wait()
+  for _ in range(100):  # The kernel needs a moment to deliver the signals.
+    if not _labelled_processes(label):
+      break
+    time.sleep(0.1)
+  assert _labelled_processes(label) == []
+
+
 def test_looping_completions_run_in_parallel(monkeypatch):
   """Four loops with four workers: all four sandboxes were alive at once."""
   live, peak, lock = [0], [0], threading.Lock()

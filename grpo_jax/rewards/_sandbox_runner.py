@@ -193,6 +193,9 @@ def main():
   except (OSError, SetupError) as e:
     os.write(2, f"sandbox setup: {e}\n".encode("utf-8", "replace"))
     os._exit(EXIT_SETUP)
+  _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # Credential changes clear it.
+  if os.getppid() != parent:
+    os._exit(EXIT_SETUP)
   life_read, life_write = os.pipe()
   child = []
 
@@ -293,15 +296,16 @@ def _build_root(sources, limits):
 def _init(job, life_read):
   signal.signal(signal.SIGALRM, signal.SIG_DFL)
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
-  _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-  if select.select([life_read], [], [], 0)[0]:
-    os._exit(EXIT_SETUP)  # L died before the line above: EOF on its pipe.
   try:
     sources = _bind_sources()
     # Files can be created in the new tmpfs only by a uid mapped inside; a
     # root caller's uid 0 is not (capabilities in the namespace stay).
     os.setresgid(INSIDE_ID, INSIDE_ID, INSIDE_ID)
     os.setresuid(INSIDE_ID, INSIDE_ID, INSIDE_ID)
+    # After the uid change, which clears it: G dies with L.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([life_read], [], [], 0)[0]:
+      os._exit(EXIT_SETUP)  # L died before that: EOF on its pipe.
     _build_root(sources, job["limits"])
     _check(_libc.sethostname(b"sandbox", 7), "sethostname")
   except (OSError, SetupError) as e:

@@ -70,9 +70,10 @@ def run_tests(program: str, tests: Sequence[str],
   for test in parsed:
     offsets.append(len(calls))
     calls.extend(test.calls if test is not None else ())
-  if not calls:
-    return Result(0, len(tests))
-  run = sandbox.run_calls(program, calls, limits, label=label)
+  if not calls:  # Nothing of the program's to evaluate (or undecidable).
+    run = sandbox.Run(())
+  else:
+    run = sandbox.run_calls(program, calls, limits, label=label)
   if run.setup_error is not None:
     _log_once(f"a sandbox could not be built ({run.setup_error}); "
               "that completion scores 0")

@@ -58,7 +58,7 @@ _GRACE = 5.0  # Seconds past the timeout before the launcher itself is killed.
 @dataclasses.dataclass(frozen=True)
 class Limits:
   timeout: float = 10.0  # Wall-clock seconds for the whole run.
-  memory_mb: int = 1024  # Address space per process.
+  memory_mb: int = 1024  # Per process; per run too where a cgroup is made.
   disk_mb: int = 64  # All files together (the tmpfs /tmp).
   processes: int = 16  # Processes and threads, the first one included.
   result_mb: int = 8  # Results read back; a run writing more is stopped.
