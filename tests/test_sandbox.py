@@ -139,6 +139,9 @@ def test_values_come_back_as_exact_plain_data():
     ("assert add(1, 2) is None", "def add(a, b): return None", True),
     ("x = [1, 2]\nassert add(x, [3]) == x + [3]", CORRECT, True),
     ("y = add(1, 2)\nassert y == 3", CORRECT, True),
+    ("expected = 3\nassert add(1, 2) == expected", CORRECT, True),
+    ("expected = 3\nassert add(1, 2) == expected",
+     "def add(a, b): return globals().get('expected')", False),
     ("assert add('a', 'b') == 'ab', 'message'", CORRECT, True),
     ("assert 3 == add(1, 2) == 3", CORRECT, True),
     ("assert all(x > 0 for x in [add(1, 2)])", CORRECT, False),  # Unsplittable.
@@ -151,12 +154,15 @@ def test_tests_are_decided_outside_the_sandbox(test, program, passes):
   assert result.passed == int(passes)
 
 
-def test_leaves_are_the_calls_and_never_the_expected_values():
+def test_the_sandbox_gets_the_calls_and_inputs_never_the_expected_values():
   test = _code_checks.parse("import math\nassert add(1, 2) == 3\n"
                             "assert math.isclose(area(2), 12.56, rel_tol=0.1)"
                             "\nassert not f([1, 2])")
   assert test.calls == (("import math", "add(1, 2)"), ("", "area(2)"),
                         ("", "f([1, 2])"))
+  test = _code_checks.parse("x = [3, 1]\nexpected = [1, 3]\ny = f(x)\n"
+                            "assert y == expected\nassert g(x) == expected")
+  assert test.calls == (("x = [3, 1]\ny = f(x)", "y"), ("", "g(x)"))
 
 
 @pytest.mark.parametrize("text", [

@@ -158,15 +158,15 @@ def parse(text: str) -> Test:
           ) as e:
     raise Unsplittable(f"not Python: {type(e).__name__}") from e
   env: dict[str, Any] = {}
-  calls: list[tuple[str, str]] = []
+  leaves: list[str] = []
   checks: list[Check] = []
-  setup: list[str] = []
+  setup: list[tuple[int, str, ast.Assign | None]] = []  # Before leaf k.
   for statement in module.body:
     if isinstance(statement, (ast.Import, ast.ImportFrom)):
       if isinstance(statement, ast.ImportFrom) and statement.module == "math":
         env.update({a.asname or a.name: _MATH[a.name]
                     for a in statement.names if a.name in _MATH})
-      setup.append(ast.unparse(statement))
+      setup.append((len(leaves), ast.unparse(statement), None))
     elif isinstance(statement, ast.Assign) and len(statement.targets) == 1 and (
         isinstance(statement.targets[0], ast.Name)):
       name = statement.targets[0].id
@@ -176,20 +176,37 @@ def parse(text: str) -> Test:
         env.pop(name, None)  # The sandbox computes it: a leaf wherever used.
         if _is_verdict(statement.value):
           raise Unsplittable("an assignment computes a verdict") from None
-      setup.append(ast.unparse(statement))
+      setup.append((len(leaves), ast.unparse(statement), statement))
     elif isinstance(statement, ast.Assert):
       splitter = _Splitter(env)
       tree = ast.fix_missing_locations(
           ast.Expression(splitter.split(statement.test)))
-      checks.append(Check(tree.body, len(calls), tuple(env.items())))
-      for leaf in splitter.leaves:
-        calls.append(("\n".join(setup), leaf))
-        setup = []
+      checks.append(Check(tree.body, len(leaves), tuple(env.items())))
+      leaves.extend(splitter.leaves)
     else:
       raise Unsplittable(f"a {type(statement).__name__} statement")
   if not checks:
     raise Unsplittable("no assert statement")
-  return Test(tuple(calls), tuple(checks))
+  return Test(_with_setup(leaves, setup), tuple(checks))
+
+
+def _names(node: ast.AST) -> set[str]:
+  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _with_setup(leaves: list[str], setup: list[tuple[int, str, Any]]
+                ) -> tuple[tuple[str, str], ...]:
+  """(setup, leaf) pairs. An assignment goes to the sandbox only if a leaf
+  (or an assignment sent) reads its name: `expected = [1, 2]` used only on
+  the parent's side of `==` would hand the program its answer."""
+  used = set().union(*(_names(ast.parse(leaf, mode="eval")) for leaf in leaves))
+  before: list[list[str]] = [[] for _ in leaves]
+  for k, source, assign in reversed(setup):
+    if k < len(leaves) and (assign is None or assign.targets[0].id in used):
+      before[k].insert(0, source)
+      if assign is not None:
+        used |= _names(assign.value)
+  return tuple(("\n".join(s), leaf) for s, leaf in zip(before, leaves))
 
 
 def _guarded_binary(op: ast.operator, a: Any, b: Any) -> Any:
