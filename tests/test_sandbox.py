@@ -148,6 +148,10 @@ def test_values_come_back_as_exact_plain_data():
     ("def check(f):\n  assert f(1, 2) == 3\ncheck(add)", CORRECT, False),
     ("for i in range(3):\n  assert add(i, 0) == i", CORRECT, False),
     ("assert add(2, 3) ** add(10**6, 0) == 1", CORRECT, False),  # Too large.
+    ("assert add(2**5000, 0) ** 5000 == 1", CORRECT, False),
+    ("assert add('x', 'y') * 10**6 * 10**6 == ''", CORRECT, False),
+    ("assert add(1, 0) << add(10**9, 0) == 1", CORRECT, False),
+    ("assert add(3, 0) ** 2 * 2 == 18", CORRECT, True),
 ])
 def test_tests_are_decided_outside_the_sandbox(test, program, passes):
   result = code.run_tests(program, [test], QUICK)

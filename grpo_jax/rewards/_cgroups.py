@@ -74,10 +74,13 @@ def describe() -> str:
 
 
 class RunCgroup:
-  """The cgroup(s) of one run: memory and process caps; removed on close."""
+  """The cgroup(s) of one run: memory and process caps; removed on close.
+  Never raises: if the host refuses a step, `error` says which and the run
+  goes on under its rlimits alone."""
 
   def __init__(self, memory_bytes: int, processes: int):
     self.dirs: list[str] = []
+    self.error: str | None = None
     found = parents()
     if not found:
       return
@@ -97,14 +100,18 @@ class RunCgroup:
           if os.path.exists(os.path.join(path, file)):
             with open(os.path.join(path, file), "w", encoding="ascii") as f:
               f.write(str(value))
-    except OSError:
+    except OSError as e:
+      self.error = f"cannot set up a cgroup: {e}"
       self.close()
-      raise
 
   def add(self, pid: int) -> None:
-    for path in self.dirs:
-      with open(os.path.join(path, "cgroup.procs"), "w", encoding="ascii") as f:
-        f.write(str(pid))
+    try:
+      for path in self.dirs:
+        with open(os.path.join(path, "cgroup.procs"), "w",
+                  encoding="ascii") as f:
+          f.write(str(pid))
+    except OSError as e:
+      self.error = f"cannot move the run into its cgroup: {e}"
 
   def close(self) -> None:
     """Removes the cgroups; they are empty once the run's processes are gone

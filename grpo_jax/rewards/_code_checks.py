@@ -209,18 +209,25 @@ def _with_setup(leaves: list[str], setup: list[tuple[int, str, Any]]
   return tuple(("\n".join(s), leaf) for s, leaf in zip(before, leaves))
 
 
+_MAX_SIZE = 10**7  # Bits of an int, items of a sequence, a result may have.
+
+
 def _guarded_binary(op: ast.operator, a: Any, b: Any) -> Any:
-  """Arithmetic on values the model chose: no huge powers, shifts or repeats
-  (they would stall the trainer); those fail the test."""
+  """Arithmetic on values the model chose, refusing results over _MAX_SIZE
+  (a huge power, shift or repetition would stall the trainer): the test
+  then fails."""
   ints = lambda *xs: all(isinstance(x, int) for x in xs)
-  if isinstance(op, ast.Pow) and ints(a, b) and abs(b) > 10_000 and abs(a) > 1:
+  if isinstance(op, ast.Pow) and ints(a, b) and abs(a) > 1 and (
+      abs(b) * abs(a).bit_length() > _MAX_SIZE):
     raise OverflowError("power too large")
-  if isinstance(op, ast.LShift) and ints(b) and b > 100_000:
+  if isinstance(op, ast.LShift) and ints(a, b) and (
+      b + abs(a).bit_length() > _MAX_SIZE):
     raise OverflowError("shift too large")
-  if isinstance(op, ast.Mult) and any(
-      isinstance(x, int) and abs(x) > 1_000_000 for x in (a, b)) and any(
-          isinstance(x, (str, bytes, list, tuple)) for x in (a, b)):
-    raise OverflowError("repetition too large")
+  if isinstance(op, ast.Mult):
+    for seq, n in ((a, b), (b, a)):
+      if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and (
+          len(seq) * n > _MAX_SIZE):
+        raise OverflowError("repetition too large")
   return _BINARY[type(op)](a, b)
 
 

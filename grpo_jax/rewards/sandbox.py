@@ -190,10 +190,9 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
     return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}")
   try:
     cgroup.add(proc.pid)  # Before it reads its job: nothing forked yet.
+    if cgroup.error is not None:
+      _say_once(logging.WARNING, f"{cgroup.error}; this run has rlimits only")
     out, err = _communicate(proc, job, deadline, limits.result_mb * 2**20)
-  except OSError as e:  # The cgroup refused it: no run without its limits.
-    proc.kill()
-    out, err = b"", f"cannot join the run's cgroup: {e}".encode()
   finally:
     if proc.poll() is None:  # Only past the grace period: a stuck launcher.
       try:
@@ -247,7 +246,13 @@ def resource_control() -> str:
   return _cgroups.describe()
 
 
-_logged = []
+_said: set[str] = set()
+
+
+def _say_once(level: int, message: str) -> None:
+  if message not in _said and len(_said) < 20:
+    _said.add(message)
+    logging.log(level, "code reward sandbox: %s", message)
 
 
 def require() -> None:
@@ -255,17 +260,12 @@ def require() -> None:
   code cannot be isolated on this host."""
   reason = unavailable_reason()
   if reason is None:
-    if not _logged:
-      logging.info("code reward sandbox: namespaces, seccomp; %s",
-                   resource_control())
-      _logged.append(True)
+    _say_once(logging.INFO, f"namespaces, seccomp; {resource_control()}")
     return
   message = (f"refusing to run model-written code: this host cannot isolate it "
              f"({reason}). The sandbox needs unprivileged user namespaces "
              "(sysctl user.max_user_namespaces > 0, and on Debian/Ubuntu "
              "kernel.unprivileged_userns_clone=1 / no AppArmor userns "
              "restriction) with mount, PID and network namespaces.")
-  if not _logged:
-    logging.error("code reward: %s", message)
-    _logged.append(True)
+  _say_once(logging.ERROR, message)
   raise SandboxUnavailable(message)
