@@ -548,6 +548,25 @@ def test_the_sandbox_dies_with_the_trainer():
   assert _labelled_processes(label) == []
 
 
+@pytest.mark.skipif(not sandbox._cgroups.parents(),  # pylint: disable=protected-access
+                    reason="no cgroup this process may create")
+def test_cgroups_left_by_a_dead_trainer_are_swept():
+  cgroups = sandbox._cgroups  # pylint: disable=protected-access
+  directory = cgroups.parents()["pids"]
+  old, young = (os.path.join(directory, cgroups._PREFIX + "test_" + k)  # pylint: disable=protected-access
+                for k in ("old", "young"))
+  os.mkdir(old)
+  os.mkdir(young)
+  try:
+    os.utime(old, (0, 0))
+    cgroups._remove_stale(directory)  # pylint: disable=protected-access
+    assert not os.path.exists(old) and os.path.exists(young)
+  finally:
+    for path in (old, young):
+      if os.path.exists(path):
+        os.rmdir(path)
+
+
 def test_looping_completions_run_in_parallel(monkeypatch):
   """Four loops with four workers: all four sandboxes were alive at once."""
   live, peak, lock = [0], [0], threading.Lock()

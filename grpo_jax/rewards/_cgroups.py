@@ -16,6 +16,7 @@ import secrets
 import time
 
 _ROOT = "/sys/fs/cgroup"
+_PREFIX = "grpo_jax_sandbox_"
 
 
 def _own_paths() -> dict[str, str]:
@@ -62,7 +63,23 @@ def parents() -> dict[str, str]:
                                own[controller].lstrip("/"))
       if _writable_parent(directory, (limit_file,)):
         found[controller] = directory
-  return found if len(found) == 2 else {}
+  found = found if len(found) == 2 else {}
+  for directory in set(found.values()):
+    _remove_stale(directory)
+  return found
+
+
+def _remove_stale(directory: str, min_age_s: float = 60.0) -> None:
+  """Empty run cgroups left by trainers that died mid-run (nobody else could
+  remove them); young ones may be another trainer's, just being set up."""
+  for name in os.listdir(directory):
+    path = os.path.join(directory, name)
+    try:
+      if name.startswith(_PREFIX) and (
+          time.time() - os.stat(path).st_mtime > min_age_s):
+        os.rmdir(path)  # Fails, harmlessly, while processes are in it.
+    except OSError:
+      pass
 
 
 def describe() -> str:
@@ -84,7 +101,7 @@ class RunCgroup:
     found = parents()
     if not found:
       return
-    name = "grpo_jax_sandbox_" + secrets.token_hex(8)
+    name = _PREFIX + secrets.token_hex(8)
     v2 = found["memory"] == found["pids"]
     limits = ({"memory.max": memory_bytes, "memory.swap.max": 0,
                "pids.max": processes} if v2 else
