@@ -152,6 +152,12 @@ def test_values_come_back_as_exact_plain_data():
     ("assert add('x', 'y') * 10**6 * 10**6 == ''", CORRECT, False),
     ("assert add(1, 0) << add(10**9, 0) == 1", CORRECT, False),
     ("assert add(3, 0) ** 2 * 2 == 18", CORRECT, True),
+    ("assert list(add(1, 2)) == [0, 1, 2]", "def add(a, b): return range(a + b)",
+     True),
+    ("assert add(1, 2) == [0, 1, 2]", "def add(a, b): return range(a + b)",
+     False),
+    ("assert sorted(add(1, 2)) == [0, 2, 4]",
+     "def add(a, b): return (2 * i for i in range(a + b))", True),
 ])
 def test_tests_are_decided_outside_the_sandbox(test, program, passes):
   result = code.run_tests(program, [test], QUICK)

@@ -11,7 +11,8 @@ imports and assignments before them:
 Each assert's expression is split here (with `ast`, never executed): every
 maximal sub-expression that needs the model's code ("leaf": `add(1, 2)`,
 `area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox and
-comes back as plain data; the rest (literals, arithmetic, comparisons,
+comes back as plain data (other iterables as `sandbox.Iterated` items, which
+`list()`/`sorted()`/... accept and `==` rejects, as in Python); the rest (literals, arithmetic, comparisons,
 `not`/`and`/`or`, and the builtins in `_FUNCTIONS` and `math.*` in `_MATH`
 applied to those values) is evaluated here on rebuilt builtin values. So
 an object whose `__eq__` is always true, a patched `exec`/`compile`/`os.write`

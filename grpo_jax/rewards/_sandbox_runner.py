@@ -412,6 +412,13 @@ def encode(value, depth=0):
   for kind, tag in ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "z")):
     if isinstance(value, kind):
       return {tag: items(value)}
+  if hasattr(type(value), "__iter__"):  # A generator, map, range, deque...:
+    iterated = []  # its items (tests do list(f(x))), at most a million.
+    for item in value:
+      if len(iterated) == 10**6:
+        raise ValueError("more than a million items")
+      iterated.append(encode(item, depth + 1))
+    return {"it": iterated}
   raise TypeError(f"cannot serialise a {type(value).__name__}")
 
 

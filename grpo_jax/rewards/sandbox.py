@@ -77,9 +77,25 @@ class Raised:
 NOT_RUN = Raised("not run")
 
 
+class Iterated:
+  """A returned iterable that is not plain data (generator, map, range,
+  deque, ...), as its items: it iterates (so `list(f(x)) == [...]` holds as
+  in Python) but, like a generator, equals nothing but itself."""
+  __slots__ = ("items",)
+
+  def __init__(self, items: tuple[Any, ...]):
+    self.items = items
+
+  def __iter__(self):
+    return iter(self.items)
+
+  def __repr__(self) -> str:
+    return f"Iterated({self.items!r})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
-  values: tuple[Any, ...]  # One per call: plain data, or a `Raised`.
+  values: tuple[Any, ...]  # One per call: plain data, `Iterated`, `Raised`.
   timed_out: bool = False
   setup_error: str | None = None  # The sandbox could not be built.
 
@@ -104,7 +120,8 @@ def decode(obj: Any, depth: int = 0) -> Any:
     return bytes.fromhex(body)
   if tag == "d":
     return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
-  kinds = {"l": list, "t": tuple, "s": set, "z": frozenset}
+  kinds = {"l": list, "t": tuple, "s": set, "z": frozenset,
+           "it": lambda xs: Iterated(tuple(xs))}
   if tag in kinds:
     return kinds[tag](items())
   raise ValueError(f"unknown tag {tag!r}")
