@@ -100,6 +100,34 @@ def test_code_reward_all_or_nothing_and_fraction():
   np.testing.assert_array_equal(got, [1.0, 0.0, 0.5, 0.0])
 
 
+DOUBLE = "import sys\nfor line in sys.stdin:\n  print(int(line) * 2)"
+
+
+@pytest.mark.parametrize("program,passed", [
+    (DOUBLE, 3),
+    ("print(int(input()) * 2)", 2),  # Reads only the first line.
+    ("import sys\nprint(int(input()) * 2)\nsys.exit(3)", 0),  # Exit status.
+    ("print(4)", 1),
+    ("while True:\n  pass", 0),
+])
+def test_io_cases_compare_printed_output_here(program, passed):
+  tests = [{"input": "2\n", "output": "4"},
+           {"input": "5\n", "output": "10  \n\n"},  # Trailing space, blanks.
+           {"input": "1\n2\n", "output": "2\n4\n"}]
+  result = code.run_tests(program, tests, sandbox.Limits(timeout=2.0))
+  assert (result.passed, result.total) == (passed, 3)
+
+
+def test_io_cases_and_asserts_mix_in_one_answer():
+  answers = [[{"input": "2", "output": "4"}, "assert double(3) == 6"],
+             {"input": "2", "output": "4"}, {"input": "2"}]
+  program = "def double(x):\n  return 2 * x\nif __name__ == '__main__':\n" \
+            "  print(double(int(input())))"
+  got = code.code_reward(None, [_fenced(program)] * 3, answers, np.ones(3),
+                         timeout=5.0)
+  np.testing.assert_array_equal(got, [1.0, 1.0, 0.0])
+
+
 def test_extract_code_takes_the_last_python_block():
   text = "```python\nx = 1\n```\nbetter:\n```python\nx = 2\n```\n```\nplain\n```"
   assert code.extract_code(text).strip() == "x = 2"

@@ -296,14 +296,18 @@ def passes(test: Test, values: tuple[Any, ...]) -> bool:
 _warned: set[str] = set()
 
 
-def parse_or_warn(text: str) -> Test | None:
+def parse_or_warn(text: Any) -> Test | None:
   """`parse`, or None after logging (once per test text) why not."""
   try:
+    if not isinstance(text, str):
+      raise Unsplittable(f"a test is Python source or an I/O case, not "
+                         f"{text!r:.80}")
     return parse(text)
   except Unsplittable as e:
-    if len(_warned) < 100 and text not in _warned:
-      _warned.add(text)
+    key = repr(text)[:200]
+    if len(_warned) < 100 and key not in _warned:
+      _warned.add(key)
       logging.warning("code reward: a test cannot be decided outside the "
                       "sandbox (%s); it counts as failed. Write it as "
-                      "`assert <call> == <value>`: %r", e, text[:200])
+                      "`assert <call> == <value>`: %s", e, key)
     return None

@@ -428,6 +428,41 @@ def _send(fd, obj):
     line = line[os.write(fd, line):]
 
 
+def _run_as_main(program, stdin, k):
+  """The program as a script on `stdin`, in a child: {"o": k, "v": stdout}."""
+  in_path, out_path = f"/tmp/.stdin_{k}", f"/tmp/.stdout_{k}"
+  with open(in_path, "wb") as f:
+    f.write(stdin.encode("utf-8", "replace"))
+  pid = os.fork()
+  if pid == 0:
+    status = 1
+    try:
+      os.dup2(os.open(in_path, os.O_RDONLY), 0)
+      os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+              1)
+      sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
+      sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+      exec(compile(program, "solution.py", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used
+      status = 0
+    except SystemExit as e:
+      status = 0 if e.code in (None, 0) else 1
+    except BaseException:  # pylint: disable=broad-except
+      pass
+    try:
+      sys.stdout.flush()
+    except BaseException:  # pylint: disable=broad-except
+      status = 1
+    os._exit(status)
+  _, status = os.waitpid(pid, 0)
+  with open(out_path, "rb") as f:
+    out = f.read(1 << 20)
+  for path in (in_path, out_path):
+    os.remove(path)
+  if status != 0:
+    return {"o": k, "e": f"exit status {status}"}
+  return {"o": k, "v": out.decode("utf-8", "replace")}
+
+
 def _worker(job):
   result_fd = os.dup(1)  # Before fds 0-2 become /dev/null.
   try:
@@ -442,6 +477,8 @@ def _worker(job):
     os._exit(EXIT_SETUP)
   os.dup2(0, 2)  # From here on nothing reaches the trainer but results.
   _send(result_fd, {"ready": True})
+  for k, stdin in enumerate(job["stdin"]):
+    _send(result_fd, _run_as_main(job["program"], stdin, k))
   namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
   try:
     exec(compile(job["program"], "solution.py", "exec"), namespace)  # pylint: disable=exec-used

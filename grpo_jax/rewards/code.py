@@ -1,8 +1,9 @@
 """Code reward: the completion's Python program against the task's unit tests.
 
-`answers[i]` is the test code: one string (all-or-nothing) or a list of
-test snippets (reward = fraction passed), assert statements as in MBPP
-(`_code_checks` says which forms are decided and how). The program is the
+`answers[i]` is one test (all-or-nothing) or a list of tests (reward =
+fraction passed). A test is assert statements as in MBPP (`_code_checks`
+says which forms are decided and how), or an I/O case {"input": stdin,
+"output": expected stdout} for which the program runs as a script. The program is the
 last fenced ```python block of the completion (any fenced block if none is
 marked). It runs in `sandbox` (one fresh, isolated run per completion,
 several at a time in threads that only wait); the sandbox returns the values
@@ -15,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -58,28 +59,49 @@ class Result:
     return self.passed / self.total if self.total else 0.0
 
 
-def run_tests(program: str, tests: Sequence[str],
+def io_case(test: Any) -> tuple[str, str] | None:
+  """(stdin, expected stdout) of an I/O-style test, else None."""
+  if isinstance(test, Mapping) and isinstance(test.get("input"), str) and (
+      isinstance(test.get("output"), str)):
+    return test["input"], test["output"]
+  return None
+
+
+def same_output(got: Any, want: str) -> bool:
+  """Printed output against the expected, line by line, ignoring trailing
+  whitespace and blank lines at either end."""
+  lines = lambda text: [line.rstrip() for line in text.strip().splitlines()]
+  return isinstance(got, str) and lines(got) == lines(want)
+
+
+def run_tests(program: str, tests: Sequence[str | Mapping[str, str]],
               limits: sandbox.Limits = sandbox.Limits(), *, label: str = ""
               ) -> Result:
-  """How many of `tests` (assert-style sources, see `_code_checks`) the
-  program passes: their calls run in one sandbox, the verdicts are taken
-  here. Raises `sandbox.SandboxUnavailable` where code cannot be isolated."""
+  """How many of `tests` the program passes, all run in one sandbox and
+  decided here: assert-style sources (`_code_checks`), or I/O cases
+  {"input": stdin, "output": expected stdout} for which it runs as a script.
+  Raises `sandbox.SandboxUnavailable` where code cannot be isolated."""
   sandbox.require()
-  parsed = [_code_checks.parse_or_warn(t) for t in tests]
+  cases = [io_case(t) for t in tests]
+  parsed = [None if case else _code_checks.parse_or_warn(t)
+            for t, case in zip(tests, cases)]
   calls, offsets = [], []
   for test in parsed:
     offsets.append(len(calls))
     calls.extend(test.calls if test is not None else ())
-  if not calls:  # Nothing of the program's to evaluate (or undecidable).
+  stdin = [case[0] for case in cases if case]
+  if not calls and not stdin:  # Nothing of the program's to run.
     run = sandbox.Run(())
   else:
-    run = sandbox.run_calls(program, calls, limits, label=label)
+    run = sandbox.run_calls(program, calls, limits, stdin=stdin, label=label)
   if run.setup_error is not None:
     _log_once(f"a sandbox could not be built ({run.setup_error}); "
               "that completion scores 0")
-  passed = sum(test is not None and _code_checks.passes(
-      test, run.values[start:start + len(test.calls)])
-               for test, start in zip(parsed, offsets))
+  outputs = iter(run.outputs)
+  passed = sum(
+      same_output(next(outputs), case[1]) if case else test is not None
+      and _code_checks.passes(test, run.values[start:start + len(test.calls)])
+      for test, case, start in zip(parsed, cases, offsets))
   return Result(passed, len(tests), run.timed_out)
 
 
@@ -103,7 +125,7 @@ def _score(completion: str, tests, limits: sandbox.Limits,
     if remaining <= 0:
       return 0.0
     limits = dataclasses.replace(limits, timeout=min(limits.timeout, remaining))
-    all_or_nothing = isinstance(tests, str)
+    all_or_nothing = isinstance(tests, (str, Mapping))
     result = run_tests(program, [tests] if all_or_nothing else list(tests),
                        limits)
     return (float(result.passed == result.total) if all_or_nothing

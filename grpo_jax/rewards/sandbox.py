@@ -1,9 +1,11 @@
 """Running model-written Python, isolated from the host, and reading back values.
 
-`run_calls(program, calls)` runs `program` in a fresh sandbox, then evaluates
-each call expression there, and returns the values (serialised to plain data
-inside, rebuilt here) or the names of the exceptions raised. It never tells
-the sandbox what the values should be: the caller compares (`code.py`).
+`run_calls(program, calls, stdin=...)` runs `program` in a fresh sandbox,
+then evaluates each call expression there, and returns the values
+(serialised to plain data inside, rebuilt here) or the names of the
+exceptions raised; for I/O-style tasks it runs the program as a script on
+each given stdin and returns what it printed. It never tells the sandbox
+what the values or outputs should be: the caller compares (`code.py`).
 
 The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
 
@@ -98,6 +100,7 @@ class Run:
   values: tuple[Any, ...]  # One per call: plain data, `Iterated`, `Raised`.
   timed_out: bool = False
   setup_error: str | None = None  # The sandbox could not be built.
+  outputs: tuple[str | Raised, ...] = ()  # stdout per stdin, or `Raised`.
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
@@ -127,7 +130,8 @@ def decode(obj: Any, depth: int = 0) -> Any:
   raise ValueError(f"unknown tag {tag!r}")
 
 
-def _parse_results(out: bytes, num_calls: int) -> tuple[Any, ...] | None:
+def _parse_results(out: bytes, num_calls: int, num_stdin: int = 0
+                   ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
   """Values by call index from the runner's lines; None if it never started
   (no ready line first). Garbage lines are skipped; a call's first line
   wins. The model's code can write lines too: it never learns the expected
@@ -135,20 +139,26 @@ def _parse_results(out: bytes, num_calls: int) -> tuple[Any, ...] | None:
   lines = out.split(b"\n")
   if not lines or lines[0] != b'{"ready": true}':
     return None
-  values: list[Any] = [NOT_RUN] * num_calls
+  found = {"i": [NOT_RUN] * num_calls, "o": [NOT_RUN] * num_stdin}
   seen = set()
   for line in lines[1:]:
     try:
       record = json.loads(line.decode("ascii"))
-      i = record["i"]
-      if type(i) is not int or not 0 <= i < num_calls or i in seen:  # pylint: disable=unidiomatic-typecheck
+      kind = "i" if "i" in record else "o"
+      i = record[kind]
+      if type(i) is not int or not 0 <= i < len(found[kind]) or (  # pylint: disable=unidiomatic-typecheck
+          kind, i) in seen:
         continue
-      seen.add(i)
-      values[i] = decode(record["v"]) if "v" in record else Raised(
-          str(record["e"])[:100])
+      seen.add((kind, i))
+      if "e" in record:
+        found[kind][i] = Raised(str(record["e"])[:100])
+      elif kind == "i":
+        found[kind][i] = decode(record["v"])
+      elif isinstance(record["v"], str):
+        found[kind][i] = record["v"]
     except Exception:  # pylint: disable=broad-except
       continue  # Malformed, too deep, unhashable set items: not a value.
-  return tuple(values)
+  return tuple(found["i"]), tuple(found["o"])
 
 
 def _command(label: str) -> list[str]:
@@ -189,11 +199,16 @@ def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
 
 
 def run_calls(program: str, calls: Sequence[tuple[str, str]],
-              limits: Limits = Limits(), *, label: str = "") -> Run:
-  """Runs `program`, then for each (setup statements, expression) in `calls`
-  the setup and the expression, in one fresh sandbox. `label` goes on the
-  sandbox's command line (to find its processes)."""
+              limits: Limits = Limits(), *, stdin: Sequence[str] = (),
+              label: str = "") -> Run:
+  """In one fresh sandbox: first, for each text in `stdin`, `program` as a
+  script (`__main__`) on that input, in a process of its own, capturing its
+  stdout (1 MiB at most; a non-zero exit is `Raised`); then `program` as a
+  module and, for each (setup statements, expression) in `calls`, the setup
+  and the expression. `label` goes on the sandbox's command line (to find
+  its processes)."""
   job = json.dumps({"program": program, "calls": [list(c) for c in calls],
+                    "stdin": list(stdin),
                     "limits": dataclasses.asdict(limits)},
                    ensure_ascii=True).encode("ascii")
   deadline = time.monotonic() + limits.timeout + _GRACE
@@ -204,7 +219,8 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
         env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
   except OSError as e:
-    return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}")
+    return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}",
+               outputs=(NOT_RUN,) * len(stdin))
   try:
     cgroup.add(proc.pid)  # Before it reads its job: nothing forked yet.
     if cgroup.error is not None:
@@ -220,13 +236,14 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
     for stream in (proc.stdin, proc.stdout, proc.stderr):
       stream.close()
     cgroup.close()
-  values = _parse_results(out, len(calls))
+  results = _parse_results(out, len(calls), len(stdin))
   timed_out = proc.returncode in (_EXIT_TIMEOUT, -signal.SIGKILL)
-  if values is None:
+  if results is None:
     reason = err.decode("utf-8", "replace").strip() or (
         f"the launcher exited with status {proc.returncode}")
-    return Run((NOT_RUN,) * len(calls), timed_out, setup_error=reason)
-  return Run(values, timed_out)
+    return Run((NOT_RUN,) * len(calls), timed_out, setup_error=reason,
+               outputs=(NOT_RUN,) * len(stdin))
+  return Run(results[0], timed_out, outputs=results[1])
 
 
 @functools.lru_cache(maxsize=1)
