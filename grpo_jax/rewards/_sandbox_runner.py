@@ -428,7 +428,7 @@ def _send(fd, obj):
     line = line[os.write(fd, line):]
 
 
-def _run_as_main(program, stdin, k):
+def _run_as_main(program, stdin, k, result_fd):
   """The program as a script on `stdin`, in a child: {"o": k, "v": stdout}."""
   in_path, out_path = f"/tmp/.stdin_{k}", f"/tmp/.stdout_{k}"
   with open(in_path, "wb") as f:
@@ -437,6 +437,7 @@ def _run_as_main(program, stdin, k):
   if pid == 0:
     status = 1
     try:
+      os.close(result_fd)  # Its output is its stdout only.
       os.dup2(os.open(in_path, os.O_RDONLY), 0)
       os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
               1)
@@ -478,7 +479,7 @@ def _worker(job):
   os.dup2(0, 2)  # From here on nothing reaches the trainer but results.
   _send(result_fd, {"ready": True})
   for k, stdin in enumerate(job["stdin"]):
-    _send(result_fd, _run_as_main(job["program"], stdin, k))
+    _send(result_fd, _run_as_main(job["program"], stdin, k, result_fd))
   namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
   try:
     exec(compile(job["program"], "solution.py", "exec"), namespace)  # pylint: disable=exec-used
