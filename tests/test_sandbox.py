@@ -4,8 +4,8 @@ sandbox (issue 18). Every probe is harmless when it succeeds: markers go to
 this test's tmp_path, listeners are this test's own on 127.0.0.1, and the
 process it would write into is this test's own sleeping child.
 
-The probes run as whoever runs the tests (root in CI) and, where the host
-allows it, once more as uid 65534 (`test_as_an_unprivileged_caller`)."""
+The module runs as whoever runs the tests (root in CI) and, when that is
+root, once more as uid 65534 (`test_as_an_unprivileged_caller`)."""
 from __future__ import annotations
 
 import json
@@ -695,31 +695,13 @@ def test_refuses_to_run_code_where_the_host_cannot_isolate_it(tmp_path):
 
 # ---------------------------------------------------------------- non-root
 
-NON_ROOT_CHECKS = textwrap.dedent(r"""
-    import json, os, sys
-    import numpy as np
-    sys.path.insert(0, os.path.join(os.environ['REPO'], 'tests'))
-    import test_sandbox as t
-    from grpo_jax.rewards import sandbox
-    hacks = [t.HACKS[k] for k in sorted(t.HACKS)]
-    scores = t._reward([t.CORRECT, t.WRONG] + hacks, timeout=5.0)
-    values = t._probe(t.PROBES, 'capabilities()', 'host_uid()', 'pids()',
-        "outcome(lambda: subprocess.run(['/bin/sh']))", 'fork_count(50)',
-        "environ_hits('env-hunter2')", 'nested_namespace()',
-        limits=sandbox.Limits(timeout=8.0, processes=8))
-    print(json.dumps({'uid': os.geteuid(), 'scores': scores,
-                      'values': [list(v) if isinstance(v, tuple) else v
-                                 for v in values]}))
-    """)
-
-
 # Run as root in a mount namespace of its own: every directory on the way to
 # this interpreter, its libraries and the repository that uid 65534 may not
 # enter (/root, a CI venv's 0700 temp dir) is covered, there only, by an open
 # tmpfs holding binds of just the entries needed; then it becomes 65534.
 AS_NOBODY = textwrap.dedent(r"""
     import json, os, subprocess, sys
-    needed, script = json.loads(sys.argv[1]), sys.argv[2]
+    needed, argv = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     run = lambda *a: subprocess.run(['mount', *a], check=True)
     run('--make-rprivate', '/')
     def blocked(path):  # Directories on the way (itself included) closed to others.
@@ -750,33 +732,32 @@ AS_NOBODY = textwrap.dedent(r"""
     os.setgroups([])
     os.setresgid(65534, 65534, 65534)
     os.setresuid(65534, 65534, 65534)
-    os.execv(sys.executable, [sys.executable, '-c', script])
+    print('running as uid', os.geteuid(), flush=True)
+    os.execv(sys.executable, [sys.executable, *argv])
     """)
 
 
-def _as_nobody_command() -> list[str]:
+def _as_nobody_command(argv: list[str]) -> list[str]:
   needed = {sys.executable, os.path.realpath(sys.executable), sys.prefix,
             sys.base_prefix, REPO, *filter(os.path.isdir, sys.path)}
   needed = sorted(os.path.abspath(p) for p in needed if p)
   return ["unshare", "--mount", sys.executable, "-c", AS_NOBODY,
-          json.dumps(needed), NON_ROOT_CHECKS]
+          json.dumps(needed), json.dumps(argv)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as a "
                     "non-root user: every other test here is that check")
-def test_as_an_unprivileged_caller(tmp_path, monkeypatch):
-  monkeypatch.setenv("GRPO_JAX_TEST_SECRET", "env-hunter2")
-  del tmp_path
-  out = subprocess.run(_as_nobody_command(), cwd="/",
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "REPO": REPO, "PYTHONPATH": REPO,
-                            "HOME": "/"})
-  assert out.returncode == 0, out.stderr[-2000:]
-  got = json.loads(out.stdout.strip().splitlines()[-1])
-  assert got["uid"] == 65534
-  assert got["scores"] == [1.0, 0.0] + [0.0] * len(HACKS)
-  caps, host_uid, pids, shell, forks, environ, nested = got["values"]
-  assert caps == ["0000000000000000"] * 3 and host_uid == 65534
-  assert sorted(pids, key=int) == ["1", "2"]
-  assert shell == "failed: PermissionError" and 0 < forks < 8
-  assert environ == [] and nested == [-1, -1]
+def test_as_an_unprivileged_caller():
+  """This whole module once more, as uid 65534: every probe fails to escape
+  or to score, correct code scores 1 (the cgroup tests skip: an ordinary
+  user may not create cgroups here)."""
+  out = subprocess.run(
+      _as_nobody_command(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(REPO, "tests", "test_sandbox.py"),
+                          "-k", "not unprivileged_caller"]),
+      cwd="/", capture_output=True, text=True, timeout=600,
+      env={**os.environ, "PYTHONPATH": REPO, "HOME": "/tmp",
+           "PYTHONDONTWRITEBYTECODE": "1"})
+  assert out.stdout.startswith("running as uid 65534\n"), out.stderr[-2000:]
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+  assert " passed" in out.stdout.splitlines()[-1]
