@@ -212,13 +212,14 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
                     "limits": dataclasses.asdict(limits)},
                    ensure_ascii=True).encode("ascii")
   deadline = time.monotonic() + limits.timeout + _GRACE
+  cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 3)
   try:
-    cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 3)
     proc = subprocess.Popen(
         _command(label or secrets.token_hex(8)), stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
         env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
   except OSError as e:
+    cgroup.close()
     return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}",
                outputs=(NOT_RUN,) * len(stdin))
   try:
