@@ -74,6 +74,10 @@ def local(c):
   c.train.eval_examples = 200
   return c
 
+# The `:arg` values get_config accepts (no arg: paper);
+# tests/test_architecture.py validates each.
+VARIANTS = ("paper", "local")
+
 
 def get_config(arg=None):
   c = dapo_common(base_config())

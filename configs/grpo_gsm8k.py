@@ -10,6 +10,10 @@ or from TFDS (prepared once with `tfds build gsm8k --file_format=array_record`):
 """
 from grpo_jax.config import base_config
 
+# The `:arg` values get_config accepts ("": none);
+# tests/test_architecture.py validates each.
+VARIANTS = ("",)
+
 
 def get_config(arg=None):
   del arg

@@ -77,6 +77,10 @@ _VARIANTS = {
     "gsm8k_tfds": lambda c: gsm8k(c, "tfds"),
 }
 
+# The `:arg` values get_config accepts (no arg: commonsenseqa);
+# tests/test_architecture.py validates each.
+VARIANTS = tuple(_VARIANTS)
+
 
 def get_config(arg=None):
   arg = arg or "commonsenseqa"

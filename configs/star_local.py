@@ -69,6 +69,10 @@ def commonsense_mc(c):
 
 _TASKS = {"word_problems": word_problems, "commonsense_mc": commonsense_mc}
 
+# The `:arg` values get_config accepts (no arg: word_problems);
+# tests/test_architecture.py validates each.
+VARIANTS = tuple(_TASKS)
+
 
 def get_config(arg=None):
   arg = arg or "word_problems"

@@ -1,6 +1,10 @@
 """STaR on the tiny random model: 2 outer iterations in seconds (tests, CI)."""
 from grpo_jax.config import base_config
 
+# The `:arg` values get_config accepts ("": none);
+# tests/test_architecture.py validates each.
+VARIANTS = ("",)
+
 
 def get_config(arg=None):
   del arg

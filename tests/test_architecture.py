@@ -1,0 +1,169 @@
+"""The package's shape: no import cycles, the pure layer stays pure, and every
+config in configs/ validates with every name it uses registered after a bare
+`import grpo_jax`."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import import_graph  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------
+# The module graph.
+# ----------------------------------------------------------------------------
+
+def _package(tmp_path, files: dict[str, str]) -> str:
+  for name, text in {"grpo_jax/__init__.py": "", **files}.items():
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+  return str(tmp_path)
+
+
+def test_graph_finds_a_cycle_hidden_in_a_function(tmp_path):
+  root = _package(tmp_path, {
+      "grpo_jax/a.py": "from grpo_jax import b\n",
+      "grpo_jax/b.py": "def f():\n  from grpo_jax import a\n  return a\n",
+      "grpo_jax/c.py": "import grpo_jax.a\n"})
+  graph = import_graph.edges(root)
+  assert set(graph) == {
+      import_graph.Edge("grpo_jax.a", "grpo_jax.b", False),
+      import_graph.Edge("grpo_jax.b", "grpo_jax.a", True),
+      import_graph.Edge("grpo_jax.c", "grpo_jax.a", False)}
+  assert import_graph.find_cycle(graph) == ["grpo_jax.a", "grpo_jax.b",
+                                            "grpo_jax.a"]
+
+
+def test_graph_finds_a_cycle_through_a_package_init(tmp_path):
+  # t -> p.x runs p/__init__ first, which imports p.y, which imports t.
+  root = _package(tmp_path, {
+      "grpo_jax/t.py": "from grpo_jax.p.x import X\n",
+      "grpo_jax/p/__init__.py": "from grpo_jax.p import y\n",
+      "grpo_jax/p/x.py": "X = 1\n",
+      "grpo_jax/p/y.py": "from grpo_jax.t import *\nfrom grpo_jax.p.x import X\n"})
+  graph = import_graph.edges(root)
+  assert import_graph.find_cycle(graph) is None        # explicit edges only
+  cycle = import_graph.find_cycle(import_graph.with_parents(graph))
+  assert cycle is not None and "grpo_jax.t" in cycle
+  # p.y importing its own sibling runs no other package's __init__.
+  assert import_graph.Edge("grpo_jax.p.y", "grpo_jax.p", False) not in \
+      import_graph.with_parents(graph)
+
+
+def test_grpo_jax_has_no_import_cycle():
+  graph = import_graph.with_parents(import_graph.edges(ROOT))
+  assert import_graph.find_cycle(graph) is None
+
+
+def test_no_in_function_import_dodges_a_cycle():
+  """A lazy import between grpo_jax modules is allowed only where it saves
+  start-up time: made module-level, none of them may close a cycle."""
+  graph = import_graph.edges(ROOT)
+  eager = [e._replace(lazy=False) for e in graph]
+  assert import_graph.find_cycle(import_graph.with_parents(eager)) is None
+
+
+def test_algorithms_import_nothing_above_them():
+  allowed = ("grpo_jax.algorithms", "grpo_jax.models", "grpo_jax.registry",
+             "grpo_jax.data.example")
+  above = [e for e in import_graph.edges(ROOT)
+           if e.source.startswith("grpo_jax.algorithms")
+           and not e.target.startswith(allowed)]
+  assert not above
+
+
+# ----------------------------------------------------------------------------
+# Every config in configs/ in a fresh interpreter that imports only grpo_jax.
+# ----------------------------------------------------------------------------
+
+_CHECK_CONFIGS = r'''
+import importlib.util, json, os, re, sys
+import grpo_jax
+from grpo_jax import config as config_lib, registry
+
+# Fields a config may leave for the user to set (validation names them).
+USER_FIELDS = ("model.source", "data.kwargs.path", "data.eval_kwargs.path",
+               "data.kwargs.data_dir", "data.eval_kwargs.data_dir")
+
+def get(c, path):
+  *head, last = path.split(".")
+  for part in head:
+    c = c[part]
+  return c, last
+
+def names_used(c):
+  """(kind, name) of every registry name the config uses."""
+  used = [("method", c.method), ("dataset", c.data.source),
+          ("dataset", c.data.eval_source or c.data.source),
+          ("template", c.data.template), ("advantage", c.rl.advantage),
+          ("loss_agg", c.rl.loss_agg), ("kl_estimator", c.rl.kl_estimator),
+          ("final_answer", c.accuracy_reward)]
+  used += [("reward", name) for name in c.rewards]
+  used += [("layout", kw["layout"]) for kw in (c.data.kwargs, c.data.eval_kwargs)
+           if kw.get("layout") not in (None, "auto")]
+  if not os.path.exists(c.model.source):
+    used.append(("model", c.model.source))
+  return used
+
+out = {}
+for path in sys.argv[1:]:
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for variant in module.VARIANTS:
+    c = module.get_config(variant or None)
+    unset = []   # fields validation asked for, in the order it named them
+    while True:
+      try:
+        config_lib.validate(c)
+        break
+      except config_lib.ConfigError as e:
+        field = re.match(r"config field '([\w.]+)' is unset", str(e))
+        if not field or field[1] not in USER_FIELDS or field[1] in unset:
+          raise
+        unset.append(field[1])
+        group, key = get(c, field[1])
+        group[key] = "qwen2.5-0.5b" if field[1] == "model.source" else "/data/set"
+    for kind, name in names_used(c):
+      registry.lookup(kind, name)
+    out[f"{os.path.basename(path)}:{variant}"] = {"unset": unset, "method": c.method}
+print(json.dumps(out))
+'''
+
+
+def test_every_config_and_variant_validates_after_import_grpo_jax():
+  configs = sorted(os.path.join(ROOT, "configs", f)
+                   for f in os.listdir(os.path.join(ROOT, "configs"))
+                   if f.endswith(".py") and not f.startswith("_"))
+  proc = subprocess.run([sys.executable, "-c", _CHECK_CONFIGS, *configs],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT,
+                        env=dict(os.environ, PYTHONPATH=ROOT,
+                                 JAX_PLATFORMS="cpu"), check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  checked = json.loads(proc.stdout.splitlines()[-1])
+  files = {name.split(":")[0] for name in checked}
+  assert files == {os.path.basename(p) for p in configs}
+  assert checked["star_commonsenseqa.py:commonsenseqa"] == {
+      "unset": ["data.kwargs.path", "data.eval_kwargs.path"], "method": "star"}
+  assert checked["grpo_gsm8k.py:"]["unset"] == [
+      "data.kwargs.path", "data.eval_kwargs.path", "model.source"]
+
+
+@pytest.mark.parametrize("kind", ["layout", "method", "final_answer"])
+def test_names_exist_after_a_bare_import(kind):
+  proc = subprocess.run(
+      [sys.executable, "-c", "import grpo_jax, json; from grpo_jax import "
+       f"registry; print(json.dumps(registry.names({kind!r})))"],
+      capture_output=True, text=True, timeout=120, cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  names = json.loads(proc.stdout)
+  assert {"layout": "commonsenseqa", "method": "star",
+          "final_answer": "multiple_choice"}[kind] in names
