@@ -142,18 +142,18 @@ def test_dynamic_sampling_returns_exactly_b_groups_with_signal():
   def generate(i):
     correct = rng.rand(B, G) < 0.5
     correct[0] = True              # one group without signal per batch
-    batch = {"prompt_ids": np.array([(1, 2)] * B + [()], object)[:B],
-             "tokens": np.zeros((B, G, T), np.int32),
-             "logp": np.zeros((B, G, T), np.float32),
-             "mask": np.ones((B, G, T), bool),
-             "length": np.full((B, G), T), "truncated": np.zeros((B, G), bool),
-             "reward_bg": correct.astype(np.float32), "correct": correct,
-             "level": np.ones(B, int)}
+    prompts_b = np.empty(B, object)
+    prompts_b[:] = [(1, 2)] * B
+    batch = rollout.Groups(
+        prompts_b, np.zeros((B, G, T), np.int32), np.zeros((B, G, T), np.float32),
+        np.ones((B, G, T), bool), np.full((B, G), T), np.zeros((B, G), bool),
+        correct.astype(np.float32), correct)
     return batch, {"time/sample": 1.0, "sample/tokens": B * G * T}
 
   batch, metrics = rollout.collect(generate, B, True, 10, "raise")
-  assert batch["reward_bg"].shape == (B, G)
-  assert np.all(batch["reward_bg"].max(1) > batch["reward_bg"].min(1))
+  assert isinstance(batch, rollout.Groups) and batch.reward_bg.shape == (B, G)
+  assert np.all(batch.reward_bg.max(1) > batch.reward_bg.min(1))
+  assert batch.prompt_ids_b.shape == (B,) and batch.tokens_bgt.shape == (B, G, T)
   assert 0 < metrics["dynamic/kept_fraction"] < 1
 
 
