@@ -25,7 +25,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from grpo_jax import checkpoint
@@ -37,7 +36,7 @@ from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
 from grpo_jax.star_collect import Kept, collect_examples
-from grpo_jax.update import cast, init_state, make_optimizer
+from grpo_jax.update import OptimizerSpec, cast, init_state
 
 Params = Any
 CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
@@ -48,17 +47,12 @@ CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
 # FINE-TUNE the original model.
 # ----------------------------------------------------------------------------
 
-def sft_optimizer(optim, steps: int):
-  """The optimizer of a `steps`-step fine-tune. The jitted step takes it as
-  a static argument, so outer iterations share one object (one compile)
-  unless the schedule depends on the step count (cosine)."""
-  total = steps if optim.schedule == "cosine" else 0
-  return _cached_optimizer(tuple(sorted(optim.items())), total)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_optimizer(optim_items: tuple, total: int):
-  return make_optimizer(ml_collections.ConfigDict(dict(optim_items)), total)
+def sft_optimizer(optim, steps: int) -> OptimizerSpec:
+  """The optimizer of a `steps`-step fine-tune, as a value: outer iterations
+  get equal specs, so the jitted step compiles once, unless the schedule
+  depends on the step count (cosine)."""
+  return OptimizerSpec.from_config(
+      optim, steps if optim.schedule == "cosine" else 0)
 
 
 def finetune(config, model_config, original: Params,
@@ -83,7 +77,7 @@ def finetune(config, model_config, original: Params,
     # `layout.place_state` (device_put) the second step's input state has
     # another aval type and the step compiles twice.
     state = jax.jit(functools.partial(layout.constrain_state, model_config,
-                                      optimizer))(state)
+                                      optimizer.build()))(state)
     put = layout.rows
   batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
                             np.random.default_rng(seed))

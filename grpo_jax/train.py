@@ -27,10 +27,9 @@ from grpo_jax import evaluation, experiment, registry, rollout, sampling
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.data.iterator import BatchIterator
-from grpo_jax.update import (LossSettings, UpdateBatch, cast,
+from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
-                             make_optimizer, score_logprobs,
-                             update_step)
+                             score_logprobs, update_step)
 
 
 def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
@@ -127,13 +126,13 @@ def run(config, workdir: str) -> dict:
   rows = rl.prompts_per_step * rl.num_generations
   updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
   total_updates = config.train.steps * updates_per_step
-  optimizer = make_optimizer(config.optim, total_updates)
+  optimizer = OptimizerSpec.from_config(config.optim, total_updates)
   lr_schedule = learning_rate_schedule(config.optim, total_updates)
   # Policy and reference on one mesh; the reference is its own copy, as the
   # update donates the policy's buffers.
   params = layout.shard_params(model_config, params)
   ref_params = sharding_lib.copy_tree(params) if settings.use_kl else None
-  state = layout.place_state(model_config, optimizer,
+  state = layout.place_state(model_config, optimizer.build(),
                              init_state(params, optimizer, config.seed))
   del params
   state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
