@@ -7,11 +7,16 @@ naming the field and the allowed values.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
+import inspect
+
+from flax import traverse_util
 import ml_collections
 
-from grpo_jax import registry
+from grpo_jax import registry, update
+from grpo_jax.algorithms import dynamic_sampling, losses
+from grpo_jax.models import transformer
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -135,13 +140,14 @@ def base_config() -> ConfigDict:
   return c
 
 
+# Each list lives with the code that reads the field.
 _CHOICES = {
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.compute_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "dots", "full"),
-    "rl.old_logp": ("sampler", "recompute"),
-    "rl.on_cap": ("fill", "fewer", "raise"),
-    "optim.schedule": ("constant", "cosine"),
+    "model.param_dtype": update.DTYPES,
+    "model.compute_dtype": update.DTYPES,
+    "model.remat": tuple(transformer.REMAT_POLICIES),
+    "rl.old_logp": update.OLD_LOGP,
+    "rl.on_cap": dynamic_sampling.ON_CAP,
+    "optim.schedule": update.SCHEDULES,
 }
 _REGISTRY_FIELDS = {
     "method": "method",
@@ -155,6 +161,14 @@ _REGISTRY_FIELDS = {
 
 class ConfigError(ValueError):
   pass
+
+
+def flat_fields(tree: Mapping[str, Any]) -> dict[str, Any]:
+  """{"a": {"b": 1}, "c": {}} -> {"a.b": 1, "c": {}}: a config (as a dict)
+  by dotted field path; an empty group stays a value."""
+  flat = traverse_util.flatten_dict(dict(tree), sep=".", keep_empty_nodes=True)
+  return {k: {} if v is traverse_util.empty_node else v
+          for k, v in flat.items()}
 
 
 def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
@@ -213,8 +227,10 @@ def validate(config: ConfigDict) -> ConfigDict:
                       f"{config.accuracy_reward!r} must be one of the rewards "
                       f"{list(config.rewards.keys())}")
   _check_ranges(config)
+  _check_final_answer(config)
   _check_eval(config.eval)
   _check_data_paths(config.data)
+  _check_layouts(config.data)
   if not config.model.source:
     raise ConfigError("config field 'model.source' is unset: give a preset "
                       "name (e.g. smollm2-135m-instruct), a Hugging Face model "
@@ -241,6 +257,16 @@ def _check_data_paths(data: ConfigDict) -> None:
         raise ConfigError(f"config field '{group}.{key}' is unset but "
                           f"{field} = {source!r} needs it: pass "
                           f"--config.{group}.{key}=...")
+
+
+def _check_layouts(data: ConfigDict) -> None:
+  """A file or TFDS data set's `layout` keyword names a registered layout
+  (or "auto"), checked here rather than when the data loads."""
+  for group in ("kwargs", "eval_kwargs"):
+    layout = data[group].get("layout")
+    if layout not in (None, "auto") and layout not in registry.names("layout"):
+      raise ConfigError(f"config field 'data.{group}.layout' = {layout!r}; "
+                        f"allowed: 'auto' or {registry.names('layout')}")
 
 
 def _check_star(star: ConfigDict) -> None:
@@ -278,10 +304,12 @@ def _check_ranges(config: ConfigDict) -> None:
   if rl.num_generations < 2 and rl.advantage != "dr_grpo":
     raise ConfigError("config field 'rl.num_generations' must be >= 2 for "
                       "group-relative advantages")
-  if not 0 <= rl.eps_low < 1 or rl.eps_high < 0:
-    raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high' = "
-                      f"{rl.eps_low}/{rl.eps_high}: need 0 <= eps_low < 1, "
-                      f"eps_high >= 0")
+  try:
+    losses.validate_clip(rl.eps_low, rl.eps_high, rl.dual_clip or None)
+  except ValueError as e:
+    raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high'/"
+                      f"'rl.dual_clip': {e}") from e
+  _check_advantage(rl.advantage)
   rows = rl.prompts_per_step * rl.num_generations
   for path in ("rl.mini_batch_size", "rl.micro_batch_size"):
     size = _get(config, path)
@@ -293,6 +321,42 @@ def _check_ranges(config: ConfigDict) -> None:
     raise ConfigError(f"config field 'rl.micro_batch_size' = "
                       f"{rl.micro_batch_size} must divide rl.mini_batch_size "
                       f"= {mini}")
+
+
+def _takes_outcome_rewards(name: str) -> bool:
+  """Whether the advantage runs as the RL loop calls it: fn(reward_bg,
+  ddof=, eps=) on outcome rewards [b, g]."""
+  try:
+    inspect.signature(registry.lookup("advantage", name)).bind(
+        None, ddof=1, eps=1e-6)
+  except TypeError:
+    return False
+  return True
+
+
+def _check_advantage(name: str) -> None:
+  if not _takes_outcome_rewards(name):
+    params = list(inspect.signature(
+        registry.lookup("advantage", name)).parameters)
+    raise ConfigError(
+        f"config field 'rl.advantage' = {name!r} takes {params}, but the RL "
+        f"loop has only outcome rewards reward_bg [b, g] (no registered "
+        f"reward gives per-step rewards); allowed: "
+        f"{[n for n in registry.names('advantage') if _takes_outcome_rewards(n)]}")
+
+
+def _check_final_answer(config: ConfigDict) -> None:
+  """Evaluation reads answers (maj@k) with the accuracy reward's registered
+  FinalAnswer; a run that evaluates needs one."""
+  t = config.train
+  evaluates = (config.method == "star" or t.eval_at_start or t.eval_at_end
+               or t.eval_every)
+  if evaluates and config.accuracy_reward not in registry.names("final_answer"):
+    raise ConfigError(
+        f"config field 'accuracy_reward' = {config.accuracy_reward!r} has no "
+        f"registered final_answer (how evaluation reads an answer); known: "
+        f"{registry.names('final_answer')}; or set train.eval_at_start, "
+        f"train.eval_at_end and train.eval_every off")
 
 
 def _check_eval(e: ConfigDict) -> None:

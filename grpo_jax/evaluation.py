@@ -193,10 +193,9 @@ registry.register("final_answer", "multiple_choice")(
 
 
 def final_answer(accuracy_reward: str) -> FinalAnswer:
-  """The registered FinalAnswer of a reward; the math verifier's otherwise."""
-  if accuracy_reward in registry.names("final_answer"):
-    return registry.lookup("final_answer", accuracy_reward)
-  return registry.lookup("final_answer", "math")
+  """The registered FinalAnswer of a reward; an unknown name raises, listing
+  the known ones (config validation checks it before any work)."""
+  return registry.lookup("final_answer", accuracy_reward)
 
 
 # ----------------------------------------------------------------------------

@@ -174,3 +174,36 @@ def test_config_errors_name_the_field():
   config.rl.micro_batch_size = 3
   with pytest.raises(config_lib.ConfigError, match="micro_batch_size"):
     config_lib.validate(config)
+
+
+def test_configs_that_cannot_run_fail_validation_with_the_reason():
+  config = tiny.get_config()
+  config.rl.advantage = "grpo_process"      # needs per-step rewards
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"per-step rewards.*'grpo', 'rloo'|'grpo'.*'rloo'"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.eps_low = 1.5                   # the loss's own clip check
+  with pytest.raises(config_lib.ConfigError, match="rl.eps_low.*eps_low < 1"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.dual_clip = 0.5
+  with pytest.raises(config_lib.ConfigError, match="dual_clip.*> 1"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rewards = {"countdown": 1.0}       # no final_answer to evaluate with
+  config.accuracy_reward = "countdown"
+  with pytest.raises(config_lib.ConfigError, match="final_answer.*last_number"):
+    config_lib.validate(config)
+  config.train.eval_at_start = config.train.eval_at_end = False
+  config_lib.validate(config)               # a run that never evaluates
+  config = tiny.get_config()
+  config.data.source = "jsonl"
+  config.data.kwargs = {"path": "/data/x.jsonl", "layout": "cqa"}
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"data.kwargs.layout.*'commonsenseqa'"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.on_cap = "drop"
+  with pytest.raises(config_lib.ConfigError, match="'fill', 'fewer', 'raise'"):
+    config_lib.validate(config)
