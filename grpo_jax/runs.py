@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from grpo_jax.config import flat_fields
+
 STATUSES = ("running", "finished", "failed", "killed")
 DB_NAME = "runs.sqlite"
 _SCHEMA = """
@@ -259,20 +261,10 @@ def format_run(run: Run) -> str:
                     "", "config:", json.dumps(run.config, indent=2, sort_keys=True)])
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict) and value:
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 def compare_runs(runs: Sequence[Run]) -> str:
   """`runs.py compare`: one column per run; the config fields that differ
   between them, then every final metric."""
-  configs = [_flatten(r.config) for r in runs]
+  configs = [flat_fields(r.config) for r in runs]
   keys = sorted(set().union(*configs))
   differing = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
   metrics = sorted(set().union(*(r.metrics for r in runs)))
@@ -310,7 +302,3 @@ def list_experiments(configs_dir: os.PathLike = "configs") -> list[tuple[str, st
   sorted by name; `python experiments/run.py --list` prints these."""
   paths = sorted(Path(configs_dir).glob("*.py"))
   return [(p.stem, experiment_description(p)) for p in paths if not p.name.startswith("_")]
-
-
-def format_experiments(experiments: Sequence[tuple[str, str]]) -> str:
-  return format_table(("experiment", "description"), experiments)

@@ -151,8 +151,6 @@ def test_list_experiments_reads_docstrings_or_descriptions(tmp_path):
   (tmp_path / "sweeps" / "s.py").write_text('"""A sweep."""')
   assert runs.list_experiments(tmp_path) == [
       ("a_dapo", "DAPO, local"), ("b_grpo", "GRPO on GSM8K, DeepSeekMath style.")]
-  text = runs.format_experiments(runs.list_experiments(tmp_path))
-  assert table_rows(text)["a_dapo"] == ["DAPO,", "local"]
 
 
 # ----------------------------------------------------------------------------
