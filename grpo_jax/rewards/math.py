@@ -46,15 +46,6 @@ def default_pool() -> pool_lib.WorkerPool:
     return _default_pool
 
 
-def set_default_pool(pool: pool_lib.WorkerPool | None) -> None:
-  """Replaces the process-wide pool (e.g. to set its size from a config)."""
-  global _default_pool
-  with _default_pool_lock:
-    if _default_pool is not None and _default_pool is not pool:
-      _default_pool.close()
-    _default_pool = pool
-
-
 def _as_text(value: Any) -> str | None:
   """Golds may be numbers in a dataset; anything else that is not text is no
   answer."""
