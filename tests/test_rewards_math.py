@@ -456,7 +456,7 @@ def _elapsed(fn):
     r"\boxed{10^{10^{10}}}",  # Exact big-int power: only the kill or the memory cap stops it.
     r"\boxed{9^{9^{9^{9}}}}",
     "1+" * 500_000 + "1",  # A 1 MB string.
-    r"\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}",  # 5,000-deep nesting.
+    r"\boxed{" + "(" * 5000 + "2" + ")" * 5000 + "}",  # 5,000-deep nesting.
     r"\boxed{" + r"\frac{1}{" * 450 + "1" + "}" * 450 + "}",  # Deep, under the cap.
     "$" + "{" * 5000 + "x" + "}" * 5000 + "$",
 ])
@@ -465,6 +465,13 @@ def test_pathological_input_returns_false_in_time(prediction):
   verdict, seconds = _elapsed(lambda: rmath.verify("1", prediction, timeout=timeout))
   assert verdict is False
   assert seconds < timeout + 5.0  # Slack for a loaded machine; the point is "bounded".
+
+
+def test_deep_parentheses_around_the_right_number_verify_in_time():
+  prediction = r"\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}"
+  verdict, seconds = _elapsed(lambda: rmath.verify("1", prediction, timeout=2.0))
+  assert verdict is True
+  assert seconds < 2.0 + 5.0
 
 
 def test_hard_timeout_kills_a_worker_stuck_in_c_and_the_pool_recovers():

@@ -6,11 +6,18 @@ bound, a fixed number of scans) and never evaluates anything.
 
 Rules, in order (`extract_answer`):
   1. the content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces
-     balanced; `\\boxed 5` also counts);
+     balanced; `\\boxed 5` also counts); boxes joined only by list words
+     (`$\\boxed{2}$ and $\\boxed{3}$`, `x=\\boxed{1}, y=\\boxed{2}`) are one
+     answer, the list `2, 3`; boxes with other words between them are a
+     correction, and the last one counts;
   2. otherwise the latest of: a final `Answer:` line, "the answer is ...",
      GSM8K's `#### 42`;
-  3. otherwise the whole text (its last `TAIL_CHARS` characters), which the
+  3. otherwise the final statement: the last sentence that holds a number or
+     formula, read after its last "is"/"="/"are" ("So there are 24 ways.");
+  4. otherwise the whole text (its last `TAIL_CHARS` characters), which the
      worker reads with math-verify's heuristics.
+An answer wrapped in display math loses the wrapper and a final period
+(`\\[\\frac{2}{5}.\\]`), and doubled parentheses collapse (`((7))` -> `(7)`).
 """
 from __future__ import annotations
 
@@ -19,7 +26,15 @@ from typing import NamedTuple
 
 TAIL_CHARS = 2000  # Unanchored text: only the end can hold the answer.
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_MAX_BOX_TRIES = 4  # Bounds the work on text full of unclosed \boxed{.
+_MAX_BOX_TRIES = 8  # Bounds the work on text full of unclosed \boxed{.
+_BARE_TOKEN = re.compile(r"\s*([^\s$]+)")
+# What may stand between boxes that together are one list answer: spacing,
+# math delimiters, commas, "and"/"or", and a variable being named (`y =`).
+_MAX_CONNECTOR_CHARS = 80
+_LIST_CONNECTOR = re.compile(
+    r"(?:\s|\$|\\[()]|[,;&]|\\q?quad\b|\\[,;:! ]"
+    r"|\\(?:text|mathrm|textrm)\{\s*(?:and|or)?\s*\}|\band\b|\bor\b"
+    r"|[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)*")
 _ANSWER_LINE = re.compile(r"answer\**\s*[:\uff1a]", re.IGNORECASE)
 _ANSWER_IS = re.compile(r"answer\s+is\b\s*:?", re.IGNORECASE)
 # GSM8K's "#### 42"; not a markdown "#### Step 2" heading.
@@ -34,8 +49,15 @@ class Answer(NamedTuple):
   anchored: bool
 
 
-def _balanced_group(text: str, open_at: int) -> str | None:
-  """The content of the {...} group opening at `open_at`; None if unclosed.
+class _Box(NamedTuple):
+  """One complete box command: where it starts and ends, and its content."""
+  start: int
+  end: int
+  content: str
+
+
+def _closing_brace(text: str, open_at: int) -> int | None:
+  """The index of the `}` closing the `{` at `open_at`; None if unclosed.
 
   `\\{` and `\\}` are LaTeX set braces, not grouping, and are skipped.
   """
@@ -50,25 +72,27 @@ def _balanced_group(text: str, open_at: int) -> str | None:
     elif char == "}":
       depth -= 1
       if depth == 0:
-        return text[open_at + 1:i]
+        return i
     i += 1
   return None
 
 
-def _box_content(text: str, start: int, command: str) -> str | None:
-  """The argument of the box command at `start`: `{...}` or one bare token."""
+def _box_at(text: str, start: int, command: str) -> _Box | None:
+  """The box command at `start` with its argument: `{...}` or one bare token."""
   i = start + len(command)
   rest = text[i:i + 1]
   if rest == "{":
-    return _balanced_group(text, i)
+    close = _closing_brace(text, i)
+    return None if close is None else _Box(start, close + 1, text[i + 1:close])
   if rest in (" ", "\t"):  # "\boxed 5": the next whitespace-delimited token.
-    match = re.compile(r"\s*([^\s$]+)").match(text, i)
-    return match.group(1) if match else None
+    match = _BARE_TOKEN.match(text, i)
+    return _Box(start, match.end(), match.group(1)) if match else None
   return None
 
 
-def last_boxed(text: str) -> str | None:
-  """The content of the last complete \\boxed{...} / \\fbox{...}, or None."""
+def _boxes(text: str) -> list[_Box]:
+  """The complete, non-empty boxes among the last `_MAX_BOX_TRIES` box
+  commands, in text order; a box inside another counts, not the outer one."""
   positions = []
   for command in _BOX_COMMANDS:
     at = len(text)
@@ -77,11 +101,37 @@ def last_boxed(text: str) -> str | None:
       if at < 0:
         break
       positions.append((at, command))
-  for at, command in sorted(positions, reverse=True)[:_MAX_BOX_TRIES]:
-    content = _box_content(text, at, command)
-    if content is not None and content.strip():
-      return content.strip()
-  return None
+  boxes: list[_Box] = []
+  for at, command in sorted(positions)[-_MAX_BOX_TRIES:]:
+    box = _box_at(text, at, command)
+    if box is None or not box.content.strip():
+      continue
+    if boxes and box.start < boxes[-1].end:  # Nested: keep the inner box.
+      boxes[-1] = box
+    else:
+      boxes.append(box)
+  return boxes
+
+
+def last_boxed(text: str) -> str | None:
+  """The content of the last complete \\boxed{...} / \\fbox{...}, or None."""
+  boxes = _boxes(text)
+  return boxes[-1].content.strip() if boxes else None
+
+
+def boxed_answer(text: str) -> str | None:
+  """The last box, or the list of final boxes joined only by list words
+  (`$\\boxed{2}$ and $\\boxed{3}$` -> `2, 3`); None without a box."""
+  boxes = _boxes(text)
+  if not boxes:
+    return None
+  group = [boxes[-1]]
+  for box in reversed(boxes[:-1]):
+    between = text[box.end:group[0].start]
+    if len(between) > _MAX_CONNECTOR_CHARS or not _LIST_CONNECTOR.fullmatch(between):
+      break
+    group.insert(0, box)
+  return ", ".join(box.content.strip() for box in group)
 
 
 def last_tagged(text: str, tag: str) -> str | None:
@@ -126,18 +176,157 @@ def anchored_span(text: str) -> str | None:
   if not found:
     return None
   match = max(found, key=lambda m: m.start())
-  span = _first_sentence(_rest_of_line(text, match.end())).strip()
+  rest = _rest_of_line(text, match.end())
+  if rest in ("\\[", "$$"):  # "Answer:\n\\[\n x = 7.\n\\]": the display block.
+    close = text.find("\\]" if rest == "\\[" else "$$", text.find(rest, match.end()) + 2)
+    if close >= 0:
+      return text[text.find(rest, match.end()):close + 2]
+  span = _first_sentence(rest).strip()
   return span or None
+
+
+_DISPLAY = (("\\[", "\\]"), ("$$", "$$"), ("\\(", "\\)"), ("$", "$"))
+
+
+def strip_display(answer: str) -> str:
+  """`\\[\\frac{2}{5}.\\]` -> `\\frac{2}{5}`: one math wrapper around the whole
+  answer and a final period go; `$a$ and $b$` keeps its dollars."""
+  answer = answer.strip()
+  for open_, close in _DISPLAY:
+    inner = answer[len(open_):len(answer) - len(close)]
+    if (len(answer) >= len(open_) + len(close) and answer.startswith(open_)
+        and answer.endswith(close) and close not in inner):
+      answer = inner.strip()
+      break
+  return answer.rstrip(" .").strip()
+
+
+def collapse_parens(answer: str) -> str:
+  """Drops parentheses that directly wrap another pair: `((7))` -> `(7)`.
+
+  One linear pass. Deep wrappers cost the parser time and recursion, and
+  mean nothing: `(1, 2)` keeps its pair.
+  """
+  answer = answer.replace("\\left(", "(").replace("\\right)", ")")
+  if answer.count("((") == 0:
+    return answer
+  stack, closing = [], {}
+  for i, char in enumerate(answer):
+    if char == "(" and (i == 0 or answer[i - 1] != "\\"):
+      stack.append(i)
+    elif char == ")" and stack and answer[i - 1] != "\\":
+      closing[stack.pop()] = i
+  drop = set()
+  for open_at, close_at in closing.items():
+    if closing.get(open_at + 1) == close_at - 1:
+      drop.update((open_at, close_at))
+  return "".join(c for i, c in enumerate(answer) if i not in drop)
+
+
+# ------------------------------------------------------------ final statement
+_FINAL_LINES = 3
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+_MATH_SPAN = re.compile(r"\$\$[^$]+\$\$|\$[^$]+\$|\\\[.+?\\\]|\\\(.+?\\\)")
+_VERB = re.compile(r"(?:\b(?:is|are|was|were|equals|be|becomes|gives)\b|=|:)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+_MAX_STATEMENT_CHARS = 400
+_COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
+_FIRST_PERIOD = re.compile(r"\.\s")
+
+
+def _sentences(line: str) -> list[str]:
+  out, start = [], 0
+  for match in _SENTENCE_END.finditer(line):
+    out.append(line[start:match.start()])
+    start = match.end()
+  out.append(line[start:])
+  return [s for s in out if s.strip()]
+
+
+def _is_statement(sentence: str) -> bool:
+  """Prose holding a number or formula: two words outside math, and a digit
+  or a math span (a bare formula is left to the parser)."""
+  bare = _COMMAND.sub(" ", _MATH_SPAN.sub(" ", sentence))
+  return (len(_PROSE_WORD.findall(bare)) >= 2
+          and (any(c.isdigit() for c in sentence) or _MATH_SPAN.search(sentence) is not None))
+
+
+def _answer_in(sentence: str) -> str | None:
+  """The part of a final sentence that states the answer."""
+  spans = [m.span() for m in _MATH_SPAN.finditer(sentence)]
+  verbs = [m for m in _VERB.finditer(sentence)
+           if not any(a <= m.start() < b for a, b in spans)]
+  if verbs:
+    tail = _FIRST_PERIOD.split(sentence[verbs[-1].end():], maxsplit=1)[0].strip()
+    if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
+      return tail
+  if spans:
+    return sentence[slice(*spans[-1])]
+  numbers = _NUMBER.findall(sentence)
+  return numbers[-1] if numbers else None
+
+
+def _final_display(text: str) -> str | None:
+  """A display equation that ends the text (`...is\\n\\[\\frac{2}{5}.\\]`)."""
+  text = text.rstrip()
+  for open_, close in (("\\[", "\\]"), ("$$", "$$")):
+    if text.endswith(close) and len(text) > len(open_) + len(close):
+      at = text.rfind(open_, 0, len(text) - len(close))
+      if at >= 0 and len(text) - at <= _MAX_STATEMENT_CHARS:
+        return text[at:]
+  return None
+
+
+def final_statement(text: str) -> str | None:
+  """The answer stated by the last sentence with a number or formula among
+  the last lines of `text` ("So she has 36 apples left." -> "36"); None
+  when the end of the text is not prose."""
+  display = _final_display(text)
+  if display is not None:
+    return display
+  lines = [line for line in text[-TAIL_CHARS:].splitlines() if line.strip()]
+  for line in reversed(lines[-_FINAL_LINES:]):
+    for sentence in reversed(_sentences(line[-_MAX_STATEMENT_CHARS:])):
+      if _is_statement(sentence):
+        return _answer_in(sentence)
+  return None
+
+
+# ------------------------------------------------------------ program text
+# Text is never code: a call of a name that is no mathematical function
+# (`len(`, `math.factorial(`), `lambda`, dunder names, string literals,
+# empty call parentheses or a comprehension make an answer program text.
+_MATH_FUNCTIONS = frozenset(
+    "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp "
+    "sqrt abs max min gcd lcm det mod deg arg sgn floor ceil tr rank dim binom "
+    "choose frac lim".split())
+_CALLED = re.compile(r"(?<![\\A-Za-z_.])([A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)*)\(")
+_PROGRAM = re.compile(
+    r"\blambda\b|__|\bimport\b|\bdef\b|\breturn\b|\(\s*\)"
+    r"|(?<![A-Za-z0-9)}\\])'[^'\n]*'|\"[^\"\n]*\"|\[[^\]]*\bfor\b[^\]]*\bin\b")
+
+
+def looks_like_program(answer: str) -> bool:
+  """True if `answer` is program text (never evaluated; it earns nothing)."""
+  if _PROGRAM.search(answer):
+    return True
+  for name in _CALLED.findall(answer):
+    if "." in name or "_" in name or (
+        len(name) >= 3 and name.lower() not in _MATH_FUNCTIONS):
+      return True
+  return False
 
 
 def extract_answer(text: str) -> Answer:
   """The final answer of `text` by the rules in the module docstring."""
-  boxed = last_boxed(text)
+  boxed = boxed_answer(text)
   if boxed is not None:
-    return Answer(boxed, True)
+    return Answer(strip_display(boxed), True)
   span = anchored_span(text)
-  if span is not None:
-    return Answer(span, True)
+  if span is None:
+    span = final_statement(text)
+  if span is not None and strip_display(span):
+    return Answer(strip_display(span), True)
   return Answer(text[-TAIL_CHARS:].strip(), False)
 
 

@@ -2,8 +2,10 @@
 
 Pipeline for one (gold, prediction) pair:
   1. extraction, in the trainer process, by pure linear-time string code
-     (`extract.py`): last \\boxed{}/\\fbox{}, else the latest `Answer:` line /
-     "the answer is" / `#### 42`, else the whole text;
+     (`extract.py`): the last \\boxed{}/\\fbox{} (or the final list of boxes),
+     else the latest `Answer:` line / "the answer is" / `#### 42`, else the
+     final statement ("so there are 24 ways"), else the whole text; an
+     answer that is program text (`(lambda: 7)()`) is refused here;
   2. a fast path: answers equal after removing spacing and `$` are accepted
      without a worker (half of the benchmark's solutions);
   3. otherwise parsing and symbolic comparison (`symbolic.py`, built on
@@ -56,15 +58,26 @@ def _as_text(value: Any) -> str | None:
   return None
 
 
+def _cleaned(answer: extract.Answer) -> extract.Answer:
+  return answer._replace(text=extract.collapse_parens(answer.text))
+
+
+def _one_line(text: str) -> bool:
+  return len(text) <= 200 and "\n" not in text
+
+
 def _prepare(gold: Any, prediction: Any) -> bool | tuple:
   """Decides a pair in the parent if it can (bool), else the worker's args."""
   gold, prediction = _as_text(gold), _as_text(prediction)
   if gold is None or prediction is None:
     return False
-  gold_answer = extract.extract_answer(gold)
-  pred_answer = extract.extract_answer(prediction)
+  gold_answer = _cleaned(extract.extract_answer(gold))
+  pred_answer = _cleaned(extract.extract_answer(prediction))
   if not gold_answer.text or not pred_answer.text:
     return False
+  if ((pred_answer.anchored and extract.looks_like_program(pred_answer.text))
+      or (_one_line(prediction) and extract.looks_like_program(prediction))):
+    return False  # Text is never code: `(lambda: 7)()` earns nothing.
   if pred_answer.anchored and len(pred_answer.text) > max(
       MAX_ANSWER_CHARS, 4 * len(gold_answer.text)):
     return False
