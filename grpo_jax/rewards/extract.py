@@ -257,7 +257,8 @@ def _answer_in(sentence: str) -> str | None:
   verbs = [m for m in _VERB.finditer(sentence)
            if not any(a <= m.start() < b for a, b in spans)]
   if verbs:
-    tail = _FIRST_PERIOD.split(sentence[verbs[-1].end():], maxsplit=1)[0].strip()
+    tail = _FIRST_PERIOD.split(sentence[verbs[-1].end():], maxsplit=1)[0]
+    tail = tail.strip().rstrip(".").strip()
     if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
       return tail
   if spans:
