@@ -202,20 +202,23 @@ def strip_display(answer: str) -> str:
 
 
 def collapse_parens(answer: str) -> str:
-  """Drops parentheses that directly wrap another pair: `((7))` -> `(7)`.
+  """Drops parentheses (and TeX groups) that directly wrap another pair:
+  `((7))` -> `(7)`, `{{x}}` -> `{x}`.
 
-  One linear pass. Deep wrappers cost the parser time and recursion, and
-  mean nothing: `(1, 2)` keeps its pair.
+  Linear. Deep wrappers cost the parser time and recursion, and mean
+  nothing: `(1, 2)` keeps its pair; `\\{`, `\\(` are not grouping.
   """
   answer = answer.replace("\\left(", "(").replace("\\right)", ")")
-  if answer.count("((") == 0:
+  if "((" not in answer and "{{" not in answer:
     return answer
-  stack, closing = [], {}
+  stacks: dict[str, list[int]] = {"(": [], "{": []}
+  closing: dict[int, int] = {}
   for i, char in enumerate(answer):
-    if char == "(" and (i == 0 or answer[i - 1] != "\\"):
-      stack.append(i)
-    elif char == ")" and stack and answer[i - 1] != "\\":
-      closing[stack.pop()] = i
+    escaped = i > 0 and answer[i - 1] == "\\"
+    if char in stacks and not escaped:
+      stacks[char].append(i)
+    elif char in ")}" and not escaped and stacks["(" if char == ")" else "{"]:
+      closing[stacks["(" if char == ")" else "{"].pop()] = i
   drop = set()
   for open_at, close_at in closing.items():
     if closing.get(open_at + 1) == close_at - 1:
@@ -227,7 +230,8 @@ def collapse_parens(answer: str) -> str:
 _FINAL_LINES = 3
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _MATH_SPAN = re.compile(r"\$\$[^$]+\$\$|\$[^$]+\$|\\\[.+?\\\]|\\\(.+?\\\)")
-_VERB = re.compile(r"(?:\b(?:is|are|was|were|equals|be|becomes|gives)\b|=|:)")
+_VERB = re.compile(
+    r"(?:\b(?:is|are|was|were|equals|be|becomes|gives|get|gets|got|obtain)\b|=|:)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
 _MAX_STATEMENT_CHARS = 400
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
@@ -295,16 +299,18 @@ def final_statement(text: str) -> str | None:
 
 # ------------------------------------------------------------ program text
 # Text is never code: a call of a name that is no mathematical function
-# (`len(`, `math.factorial(`), `lambda`, dunder names, string literals,
-# empty call parentheses or a comprehension make an answer program text.
+# (`len(`, `math.factorial(`), `lambda`, dunder names, quoted literals,
+# empty call parentheses, indexing (`[1, 2][0]`) or a comprehension make an
+# answer program text.
 _MATH_FUNCTIONS = frozenset(
     "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp "
     "sqrt abs max min gcd lcm det mod deg arg sgn floor ceil tr rank dim binom "
     "choose frac lim".split())
 _CALLED = re.compile(r"(?<![\\A-Za-z_.])([A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)*)\(")
 _PROGRAM = re.compile(
-    r"\blambda\b|__|\bimport\b|\bdef\b|\breturn\b|\(\s*\)"
-    r"|(?<![A-Za-z0-9)}\\])'[^'\n]*'|\"[^\"\n]*\"|\[[^\]]*\bfor\b[^\]]*\bin\b")
+    r"\blambda\b|__|\bimport\b|\bdef\b|\breturn\b|\(\s*\)|(?<!\\)\][ \t]*\["
+    r"|(?<![A-Za-z0-9)}\\])'[^'\n]*'|[(\[,=:]\s*\"[^\"\n]*\""
+    r"|\[[^\]]*\bfor\b[^\]]*\bin\b")
 
 
 def looks_like_program(answer: str) -> bool:
@@ -312,8 +318,8 @@ def looks_like_program(answer: str) -> bool:
   if _PROGRAM.search(answer):
     return True
   for name in _CALLED.findall(answer):
-    if "." in name or "_" in name or (
-        len(name) >= 3 and name.lower() not in _MATH_FUNCTIONS):
+    base = name.split("_")[0]
+    if "." in name or (len(base) >= 3 and base.lower() not in _MATH_FUNCTIONS):
       return True
   return False
 

@@ -67,19 +67,22 @@ _EMPTY_SET = re.compile(r"\\varnothing\b|\\\{\s*\\\}")
 _SQRT_PAREN = re.compile(r"\\sqrt\s*\(([^()]*)\)")  # \sqrt(3) -> \sqrt{3}
 # Mixed numbers: "3 1/4" and "3\frac{1}{4}" (a proper fraction of digits).
 _MIXED = re.compile(
-    r"(?<![\w^_.}\\])(\d+)(?:\s+(\d+)\s*/\s*(\d+)|\s*\\[dt]?frac\{(\d+)\}\{(\d+)\})"
-    r"(?![\d.])")
+    r"(?<![\w^_.}\\])(\d+)(?:\s+(\d+)\s*/\s*(\d+)"
+    r"|\s*\\[dt]?frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d)))(?![\d.])")
 # "x_1 = 2, x_2 = -3" / "x = 2 or x = -3": one unknown's values, a list.
 _LIST_SPLIT = re.compile(
-    r"\s*(?:[,;]|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b)\s*")
+    r"\s*(?:[,;]|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b)\s*"
+    r"|\s+(?=[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)")
+# "f(x) = x^2 + 1": the function's name is no part of the answer.
+_FUNCTION_LHS = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*\(\s*[A-Za-z]\s*\)\s*=(?=[^=]*$)")
 _NAMED = re.compile(r"([A-Za-z])(?:_\{?([A-Za-z0-9]+)\}?)?\s*=\s*([^=]+)")
 _MAX_DIGITS_MIXED = 12
 
 
 def _mixed_number(match: re.Match[str]) -> str:
   whole = match.group(1)
-  num, den = (match.group(2), match.group(3)) if match.group(2) else (
-      match.group(4), match.group(5))
+  num, den = next((match.group(i), match.group(i + 1)) for i in (2, 4, 6)
+                  if match.group(i))
   if max(len(whole), len(num), len(den)) > _MAX_DIGITS_MIXED or not 0 < int(num) < int(den):
     return match.group(0)
   return f"\\frac{{{int(whole) * int(den) + int(num)}}}{{{den}}}"
@@ -88,7 +91,8 @@ def _mixed_number(match: re.Match[str]) -> str:
 def _named_values(answer: str) -> str:
   """`x_1 = 2, x_2 = -3` -> `2, -3` when every item names the same unknown
   (indexed or not); `x = 1, y = 2` keeps its names (they carry meaning)."""
-  items = _LIST_SPLIT.split(answer.strip())
+  items = [item for item in _LIST_SPLIT.split(_LATEX_SPACING.sub(" ", answer).strip())
+           if item.strip()]
   if len(items) < 2:
     return answer
   matches = [_NAMED.fullmatch(item.strip()) for item in items]
@@ -125,7 +129,7 @@ def normalise(answer: str) -> str:
   answer = _MEMBERSHIP.sub("", answer)
   answer = _SQRT_PAREN.sub(r"\\sqrt{\1}", answer)
   answer = _MIXED.sub(_mixed_number, answer)
-  answer = _named_values(answer)
+  answer = _named_values(_FUNCTION_LHS.sub("", answer))
   return _LATEX_SPACING.sub(" ", answer).strip()
 
 
