@@ -326,7 +326,7 @@ def test_verify_single_call_matches_batch(verdicts):
     ("The answer is 3.5 meters.", "3.5 meters", True),
     ("answer is 4. Answer: 5", "5", True),  # The latest anchor wins.
     ("#### 1,234", "1,234", True),
-    ("#### Step 2\nwe get 5", "#### Step 2\nwe get 5", False),  # A heading.
+    ("#### Step 2\nwe get 5", "5", True),  # A heading, then the final statement.
     (r"\boxed{}", r"\boxed{}", False),
     ("just 42", "just 42", False),
 ])

@@ -90,6 +90,9 @@ CLASSES = [
     ("named", "(x-1)(x+2)", "x^2-x-2", False),
     ("named", "2(x+3)^2-7", "y=2x^2+12x+11", True),
     ("named", "(1, 2)", r"\boxed{x = 2, y = 1}", False),
+    ("named", "2, -3", r"\boxed{x_1=2 \quad x_2=-3}", True),
+    ("named", "f(x) = -2(x-1)^2+5", r"\boxed{-2x^2+4x+3}", True),
+    ("named", "-2(x-1)^2+5", r"\boxed{g(x) = -2x^2+4x+5}", False),
     # The empty set.
     ("empty_set", r"\emptyset", r"\varnothing", True),
     ("empty_set", r"\varnothing", r"\boxed{\emptyset}", True),
@@ -107,6 +110,7 @@ CLASSES = [
     ("mixed", r"\frac{5}{2}", r"\boxed{2 \frac{1}{2}}", True),
     ("mixed", "1", r"2\frac{1}{2}", False),  # Not the product 2 * 1/2.
     ("mixed", "3 1/4", "13/4", True),
+    ("mixed", r"-\frac{13}{4}", r"\boxed{-3\frac14}", True),
     # A trailing period inside display math.
     ("display_period", r"\frac{2}{5}", "Thus the answer is\n\\[\\frac{2}{5}.\\]", True),
     ("display_period", "7", "\\[x = 7.\\]", True),
@@ -116,6 +120,8 @@ CLASSES = [
     ("final_statement", "45", _SOLUTION_45, True),
     ("final_statement", "45", _TRAIN, False),
     ("final_statement", "100", _TRAIN, True),
+    ("final_statement", r"\frac{2}{5}", r"Dividing, we get $\frac{2}{5}.$", True),
+    ("final_statement", "14", "Step 3: multiply 7 by 2 to get 14.", True),
     ("final_statement", r"\frac{1}{6}", "There are 6 favourable outcomes out of 36.\n"
      "Hence the probability of a sum of 7 is $\\frac{1}{6}$.", True),
     # Exact cancellation of astronomically large terms; deep parentheses.
@@ -125,6 +131,7 @@ CLASSES = [
     ("huge_exact", "1", r"\boxed{7^{7^{40}} - 7^{7^{40}} + 1}", True),
     ("deep_parens", "7", "(" * 500 + "7" + ")" * 500, True),
     ("deep_parens", "7", r"\boxed{" + "(" * 400 + "8" + ")" * 400 + "}", False),
+    ("deep_parens", "3", r"\boxed{" + "{" * 500 + "3" + "}" * 500 + "}", True),
     ("deep_parens", "-2", r"\boxed{" + r"\left(" * 60 + "-2" + r"\right)" * 60 + "}", True),
 ]
 
@@ -182,6 +189,8 @@ def test_collapse_parens_keeps_one_pair_and_tuples():
   assert extract.collapse_parens("((1, 2))") == "(1, 2)"
   assert extract.collapse_parens("(1)(2)") == "(1)(2)"
   assert extract.collapse_parens(r"\left(\left(2\right)\right)") == "(2)"
+  assert extract.collapse_parens(r"\frac{{1}}{{2}}") == r"\frac{1}{2}"
+  assert extract.collapse_parens(r"\{{1}\}") == r"\{{1}\}"  # Set braces stay.
 
 
 def test_strip_display_drops_wrapper_and_final_period():

@@ -228,11 +228,11 @@ def collapse_parens(answer: str) -> str:
 
 # ------------------------------------------------------------ final statement
 _FINAL_LINES = 3
-_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z_^])[A-Za-z]{2,}")
 _MATH_SPAN = re.compile(r"\$\$[^$]+\$\$|\$[^$]+\$|\\\[.+?\\\]|\\\(.+?\\\)")
 _VERB = re.compile(
     r"(?:\b(?:is|are|was|were|equals|be|becomes|gives|get|gets|got|obtain)\b|=|:)")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+_NUMBER = re.compile(r"(?<![A-Za-z\d])-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?(?![A-Za-z\d])")
 _MAX_STATEMENT_CHARS = 400
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
 _FIRST_PERIOD = re.compile(r"\.\s")
