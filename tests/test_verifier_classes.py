@@ -297,3 +297,12 @@ def test_property_verify_is_symmetric_on_bare_values(pairs):
   forward = rmath.verify_batch([a for a, _ in pairs], [b for _, b in pairs])
   backward = rmath.verify_batch([b for _, b in pairs], [a for a, _ in pairs])
   assert forward == backward, pairs
+
+
+@pytest.mark.parametrize("gold,prediction,verdict", [
+    ("1,234", "1234", True), ("5", "6", False), ("0.5", "1/2", True),
+    ("1/3", "0.333333", None),  # A differing decimal: the worker decides.
+    ("1000", "1.000", None), ("-2,1", "-2", None), ("28", "28/100", False),
+])
+def test_plain_numbers_are_decided_exactly_in_the_parent(gold, prediction, verdict):
+  assert rmath._plain_numbers_verdict(gold, prediction) is verdict  # pylint: disable=protected-access

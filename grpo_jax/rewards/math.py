@@ -7,7 +7,9 @@ Pipeline for one (gold, prediction) pair:
      final statement ("so there are 24 ways"), else the whole text; an
      answer that is program text (`(lambda: 7)()`) is refused here;
   2. a fast path: answers equal after removing spacing and `$` are accepted
-     without a worker (half of the benchmark's solutions);
+     without a worker (half of the benchmark's solutions), and two plain
+     numbers (`1,234`, `-7`, `2.50`, `3/4`) are compared exactly as
+     fractions (a differing decimal still goes to the worker);
   3. otherwise parsing and symbolic comparison (`symbolic.py`, built on
      math-verify) in a worker process of `pool.WorkerPool`, under a hard
      wall-clock timeout. Model text reaches sympy only there.
@@ -17,7 +19,9 @@ crashed worker or an unparsable answer all count as not verified.
 """
 from __future__ import annotations
 
+import fractions
 import logging
+import re
 import threading
 from typing import Any, Sequence
 
@@ -66,6 +70,27 @@ def _one_line(text: str) -> bool:
   return len(text) <= 200 and "\n" not in text
 
 
+# Integers (with or without 1,000 groups), decimals and a/b: exact values
+# that Python's Fraction reads without evaluating anything.
+_PLAIN_NUMBER = re.compile(
+    r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\d+/[1-9]\d*")
+_MAX_PLAIN_DIGITS = 100
+
+
+def _plain_numbers_verdict(gold: str, prediction: str) -> bool | None:
+  """Decides two plain numbers in the parent: exactly equal values are
+  equal; two integers or fractions that differ are not. A decimal that
+  differs goes to the worker (`0.333333` is 1/3 at 6 decimals)."""
+  if max(len(gold), len(prediction)) > _MAX_PLAIN_DIGITS or not (
+      _PLAIN_NUMBER.fullmatch(gold) and _PLAIN_NUMBER.fullmatch(prediction)):
+    return None
+  gold_value = fractions.Fraction(gold.replace(",", ""))
+  pred_value = fractions.Fraction(prediction.replace(",", ""))
+  if gold_value == pred_value:
+    return True
+  return False if "." not in gold + prediction else None
+
+
 def _prepare(gold: Any, prediction: Any) -> bool | tuple:
   """Decides a pair in the parent if it can (bool), else the worker's args."""
   gold, prediction = _as_text(gold), _as_text(prediction)
@@ -81,9 +106,13 @@ def _prepare(gold: Any, prediction: Any) -> bool | tuple:
   if pred_answer.anchored and len(pred_answer.text) > max(
       MAX_ANSWER_CHARS, 4 * len(gold_answer.text)):
     return False
-  if (extract.light_normalise(gold_answer.text)
-      == extract.light_normalise(pred_answer.text)):
+  gold_light = extract.light_normalise(gold_answer.text)
+  pred_light = extract.light_normalise(pred_answer.text)
+  if gold_light == pred_light:
     return True
+  verdict = _plain_numbers_verdict(gold_light, pred_light)
+  if verdict is not None:
+    return verdict
   return (gold_answer.text, gold_answer.anchored,
           pred_answer.text, pred_answer.anchored)
 
