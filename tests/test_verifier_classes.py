@@ -98,6 +98,7 @@ CLASSES = [
     ("empty_set", r"\varnothing", r"\boxed{\emptyset}", True),
     ("empty_set", r"\emptyset", r"\{\}", True),
     ("empty_set", r"\varnothing", r"\{1\}", False),
+    ("empty_set", r"\emptyset", "\u2205", True),
     # Euler's identity.
     ("euler", "-1", r"e^{i\pi}", True),
     ("euler", r"e^{i\pi}", "-1", True),
@@ -110,6 +111,7 @@ CLASSES = [
     ("mixed", r"\frac{5}{2}", r"\boxed{2 \frac{1}{2}}", True),
     ("mixed", "1", r"2\frac{1}{2}", False),  # Not the product 2 * 1/2.
     ("mixed", "3 1/4", "13/4", True),
+    ("mixed", "13/4", r"3\ 1/4", True),
     ("mixed", r"-\frac{13}{4}", r"\boxed{-3\frac14}", True),
     # A trailing period inside display math.
     ("display_period", r"\frac{2}{5}", "Thus the answer is\n\\[\\frac{2}{5}.\\]", True),
@@ -167,6 +169,10 @@ def test_boxed_answer_joins_only_listed_boxes(text, answer):
     ("Therefore, there are 24 ways to arrange them.", "24 ways to arrange them"),
     ("Thus, the value of $x$ is 4.", "4"),
     ("It is $\\frac{1}{6}$.\nWe are done with 2 checks, which gives $\\frac{1}{6}$.", "$\\frac{1}{6}$"),
+    ("So the total is 45, which is odd.", "45"),
+    ("The probability is 0.4 (or 2/5).", "0.4"),
+    ("The probability is 2/5, or 40%.", "2/5"),
+    ("The point is (2, 3).", "(2, 3)"),
     ("\\frac{1}{2}", None),  # A bare formula is not prose.
     ("no idea", None),
 ])

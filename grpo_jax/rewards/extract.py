@@ -232,10 +232,13 @@ _PROSE_WORD = re.compile(r"(?<![\\A-Za-z_^])[A-Za-z]{2,}")
 _MATH_SPAN = re.compile(r"\$\$[^$]+\$\$|\$[^$]+\$|\\\[.+?\\\]|\\\(.+?\\\)")
 _VERB = re.compile(
     r"(?:\b(?:is|are|was|were|equals|be|becomes|gives|get|gets|got|obtain)\b|=|:)")
-_NUMBER = re.compile(r"(?<![A-Za-z\d])-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?(?![A-Za-z\d])")
+_NUMBER = re.compile(
+    r"(?<![A-Za-z\d])-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:\s*/\s*\d+)?(?![A-Za-z\d])")
 _MAX_STATEMENT_CHARS = 400
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
-_FIRST_PERIOD = re.compile(r"\.\s")
+# Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
+# "2/5, or 40%").
+_TAIL_END = re.compile(r"\.\s|\s\((?!\s*\d)|,\s+or\b|,\s+which\b")
 
 
 def _sentences(line: str) -> list[str]:
@@ -260,8 +263,8 @@ def _answer_in(sentence: str) -> str | None:
   spans = [m.span() for m in _MATH_SPAN.finditer(sentence)]
   verbs = [m for m in _VERB.finditer(sentence)
            if not any(a <= m.start() < b for a, b in spans)]
-  if verbs:
-    tail = _FIRST_PERIOD.split(sentence[verbs[-1].end():], maxsplit=1)[0]
+  for verb in reversed(verbs):  # "... is 45, which is odd": the 45.
+    tail = _TAIL_END.split(sentence[verb.end():], maxsplit=1)[0]
     tail = tail.strip().rstrip(".").strip()
     if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
       return tail

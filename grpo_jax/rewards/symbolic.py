@@ -44,7 +44,7 @@ _UNICODE = {
     "\u2212": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u22c5": "\\cdot ",
     "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ",
     "\u2260": "\\neq ", "\u221a": "\\sqrt", "\u00b0": "^\\circ", "\u2009": " ",
-    "\u202f": " ", "\u00a0": " ",
+    "\u202f": " ", "\u00a0": " ", "\u2205": "\\emptyset ",
 }
 _SPACE = r"(?:(?<!\\)\\[,;: ]|~| )"  # Not ",": (100,200) is a pair.
 # 1\,000\,000 -> 1000000: exactly three digits after every separator.
@@ -128,7 +128,7 @@ def normalise(answer: str) -> str:
   answer = _TRAILING_UNIT.sub("", answer)
   answer = _MEMBERSHIP.sub("", answer)
   answer = _SQRT_PAREN.sub(r"\\sqrt{\1}", answer)
-  answer = _MIXED.sub(_mixed_number, answer)
+  answer = _MIXED.sub(_mixed_number, _LATEX_SPACING.sub(" ", answer))
   answer = _named_values(_FUNCTION_LHS.sub("", answer))
   return _LATEX_SPACING.sub(" ", answer).strip()
 
