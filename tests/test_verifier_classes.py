@@ -41,6 +41,9 @@ CLASSES = [
     ("float_collapse", "25!", "15511210043330985984000001", False),
     ("float_collapse", r"1.5\times 10^{20}", r"1.6\times10^{20}", False),
     ("float_collapse", r"1.5\times10^{20}", "1.5e20", True),
+    ("float_collapse", "12345678901234567", r"\boxed{12345678901234567.5}", False),
+    ("float_collapse", "0.12345678901234567", "0.12345678901234568", False),
+    ("float_collapse", r"\frac{12345678901234567}{10^{17}}", "0.12345678901234567", True),
     # The gold is a part of the prediction.
     ("part", "3", "3^{4}", False),
     ("part", "1", "1/5", False),
@@ -214,6 +217,11 @@ def test_strip_display_drops_wrapper_and_final_period():
     (2 - 1 / sympy.pi, 2 + 1 / sympy.pi, False),
     (sympy.Integer(0), sympy.Float("1e-12"), False),
     (sympy.Float("1.5e20"), sympy.Integer(150000000000000000000), True),
+    (sympy.Float("6.02214076e23"), sympy.Integer(602214076 * 10**15), True),
+    (sympy.Float("1000000.5"), sympy.Integer(10**6), False),
+    (sympy.Float("2.333333"), sympy.Rational(7, 3), True),
+    (sympy.Float("3.33333e-9"), sympy.Rational(1, 3 * 10**8), True),
+    (sympy.Float("3.3333e-9"), sympy.Rational(1, 3 * 10**8), False),
 ])
 def test_numbers_equal(a, b, equal):
   assert numeric.numbers_equal(a, b) is equal

@@ -9,10 +9,14 @@ zero. Both are absolute tolerances: `3e-9` equals `5e-9`, `2^{-80}` equals
     anywhere) are equal only if their difference is exactly zero, or, for
     irrational values that sympy does not cancel, zero to 50 significant
     digits relative to their size;
-  * a float on either side is compared with a relative tolerance (1e-6), and
-    also equals an exact value it matches to 6 decimals when they differ by
-    less than 1e-4 of their size (`0.333333` = 1/3, as math-verify's rounding
-    allowed; `3e-9` != `5e-9`, which its rounding did not see).
+  * a float on either side: below 1 in size, equal to 6 significant digits
+    (relative 2e-6: `3.33333e-9` = 1/(3e8), `3e-9` != `5e-9`); above 1,
+    equal up to a binary float's rounding (1e-12 relative: `6.02214076e23`
+    = 602214076000000000000000, `1000000.5` != 10^6); at any size, equal to
+    6 decimals for values of at least 0.01 when that difference is under
+    1e-4 of the value (`0.333333` = 1/3 and `2.333333` = 7/3, as
+    math-verify's rounding allowed, without its acceptance of any two
+    values under 5e-7).
 
 `tame` first replaces numbers too large to compute (`3^{3^{50}}`, `(10^6)!`)
 by opaque positive symbols, one per distinct expression, so that exact
@@ -26,9 +30,11 @@ import math
 import sympy
 from sympy import Basic, Float, Pow, Symbol, UnevaluatedExpr, factorial
 
-REL_TOL = 1e-6
-ROUNDED_ABS_TOL = 1e-6  # math-verify's "equal to 6 decimals" ...
-ROUNDED_REL_TOL = 1e-4  # ... only where that is not most of the value.
+SMALL_REL_TOL = 2e-6  # Below 1: six significant digits.
+BINARY_REL_TOL = 1e-12  # Above 1: only a binary float's own rounding ...
+ROUNDED_ABS_TOL = 1e-6  # ... or math-verify's "equal to 6 decimals", and
+ROUNDED_REL_TOL = 1e-4  # that only where it is not most of the value,
+ROUNDED_MIN_SIZE = 1e-2  # nor for values written in scientific notation.
 _EXACT_DIGITS = 50
 _MAX_POWER_BITS = 1_000_000
 _MAX_FACTORIAL = 20_000
@@ -112,9 +118,11 @@ def close(a: sympy.Expr, b: sympy.Expr) -> bool:
   diff, size = abs(va - vb), max(abs(va), abs(vb))
   if size == 0:
     return True
-  if diff <= REL_TOL * size:
+  rel_tol = SMALL_REL_TOL if size < 1 else BINARY_REL_TOL
+  if diff <= rel_tol * size:
     return True
-  return bool(diff <= ROUNDED_ABS_TOL and diff <= ROUNDED_REL_TOL * size)
+  return bool(size >= ROUNDED_MIN_SIZE and diff <= ROUNDED_ABS_TOL
+              and diff <= ROUNDED_REL_TOL * size)
 
 
 def numbers_equal(a, b) -> bool | None:

@@ -77,6 +77,17 @@ _LIST_SPLIT = re.compile(
 _FUNCTION_LHS = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*\(\s*[A-Za-z]\s*\)\s*=(?=[^=]*$)")
 _NAMED = re.compile(r"([A-Za-z])(?:_\{?([A-Za-z0-9]+)\}?)?\s*=\s*([^=]+)")
 _MAX_DIGITS_MIXED = 12
+# A decimal longer than a binary float holds is an exact statement: keep it
+# exact (`12345678901234567.5` must not round to `12345678901234568`).
+_LONG_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d.])")
+_FLOAT_DIGITS = 15
+
+
+def _exact_long_decimal(match: re.Match[str]) -> str:
+  whole, frac = match.groups()
+  if len(whole.lstrip("0") + frac) <= _FLOAT_DIGITS:
+    return match.group(0)
+  return f"\\frac{{{(whole + frac).lstrip('0') or '0'}}}{{1{'0' * len(frac)}}}"
 
 
 def _mixed_number(match: re.Match[str]) -> str:
@@ -129,6 +140,7 @@ def normalise(answer: str) -> str:
   answer = _MEMBERSHIP.sub("", answer)
   answer = _SQRT_PAREN.sub(r"\\sqrt{\1}", answer)
   answer = _MIXED.sub(_mixed_number, _LATEX_SPACING.sub(" ", answer))
+  answer = _LONG_DECIMAL.sub(_exact_long_decimal, answer)
   answer = _named_values(_FUNCTION_LHS.sub("", answer))
   return _LATEX_SPACING.sub(" ", answer).strip()
 
