@@ -42,8 +42,9 @@ CLASSES = [
     ("float_collapse", r"1.5\times 10^{20}", r"1.6\times10^{20}", False),
     ("float_collapse", r"1.5\times10^{20}", "1.5e20", True),
     ("float_collapse", "12345678901234567", r"\boxed{12345678901234567.5}", False),
-    ("float_collapse", "0.12345678901234567", "0.12345678901234568", False),
-    ("float_collapse", r"\frac{12345678901234567}{10^{17}}", "0.12345678901234567", True),
+    ("float_collapse", "0.1234567890123456789", "0.1234567890123456788", False),
+    ("float_collapse", r"\frac{1234567890123456789}{10^{19}}", "0.1234567890123456789", True),
+    ("float_collapse", r"\frac{1}{3}", "0.3333333333333333", True),
     # The gold is a part of the prediction.
     ("part", "3", "3^{4}", False),
     ("part", "1", "1/5", False),

@@ -77,15 +77,15 @@ _LIST_SPLIT = re.compile(
 _FUNCTION_LHS = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*\(\s*[A-Za-z]\s*\)\s*=(?=[^=]*$)")
 _NAMED = re.compile(r"([A-Za-z])(?:_\{?([A-Za-z0-9]+)\}?)?\s*=\s*([^=]+)")
 _MAX_DIGITS_MIXED = 12
-# A decimal longer than a binary float holds is an exact statement: keep it
-# exact (`12345678901234567.5` must not round to `12345678901234568`).
+# A decimal longer than a float's repr is an exact statement: keep it exact
+# (`12345678901234567.5` must not round to `12345678901234568`).
 _LONG_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d.])")
-_FLOAT_DIGITS = 15
+_FLOAT_DIGITS = 17  # A float's repr (`0.3333333333333333`) is an approximation.
 
 
 def _exact_long_decimal(match: re.Match[str]) -> str:
   whole, frac = match.groups()
-  if len(whole.lstrip("0") + frac) <= _FLOAT_DIGITS:
+  if len((whole + frac).lstrip("0")) <= _FLOAT_DIGITS:
     return match.group(0)
   return f"\\frac{{{(whole + frac).lstrip('0') or '0'}}}{{1{'0' * len(frac)}}}"
 
