@@ -318,6 +318,8 @@ def test_property_verify_is_symmetric_on_bare_values(pairs):
     ("1,234", "1234", True), ("5", "6", False), ("0.5", "1/2", True),
     ("1/3", "0.333333", None),  # A differing decimal: the worker decides.
     ("1000", "1.000", None), ("-2,1", "-2", None), ("28", "28/100", False),
+    (r"-\frac{6}{8}", "-0.75", True), (r"\frac{1}{3}", r"\frac{2}{6}", True),
+    (r"\frac{1}{3}", "1/4", False), (r"\frac{1}{0}", "1", None),
 ])
 def test_plain_numbers_are_decided_exactly_in_the_parent(gold, prediction, verdict):
   assert rmath._plain_numbers_verdict(gold, prediction) is verdict  # pylint: disable=protected-access

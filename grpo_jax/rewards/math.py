@@ -8,8 +8,8 @@ Pipeline for one (gold, prediction) pair:
      answer that is program text (`(lambda: 7)()`) is refused here;
   2. a fast path: answers equal after removing spacing and `$` are accepted
      without a worker (half of the benchmark's solutions), and two plain
-     numbers (`1,234`, `-7`, `2.50`, `3/4`) are compared exactly as
-     fractions (a differing decimal still goes to the worker);
+     numbers (`1,234`, `-7`, `2.50`, `3/4`, `\\frac{3}{4}`) are compared
+     exactly as fractions (a differing decimal still goes to the worker);
   3. otherwise parsing and symbolic comparison (`symbolic.py`, built on
      math-verify) in a worker process of `pool.WorkerPool`, under a hard
      wall-clock timeout. Model text reaches sympy only there.
@@ -70,22 +70,33 @@ def _one_line(text: str) -> bool:
   return len(text) <= 200 and "\n" not in text
 
 
-# Integers (with or without 1,000 groups), decimals and a/b: exact values
-# that Python's Fraction reads without evaluating anything.
+# Integers (with or without 1,000 groups), decimals, a/b and \frac{a}{b}:
+# exact values that Python's Fraction reads without evaluating anything.
 _PLAIN_NUMBER = re.compile(
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\d+/[1-9]\d*")
+    r"(?P<sign>[-+]?)(?:(?P<decimal>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)"
+    r"|(?P<p>\d+)/(?P<q>[1-9]\d*)|\\frac\{(?P<fp>\d+)\}\{(?P<fq>[1-9]\d*)\})")
 _MAX_PLAIN_DIGITS = 100
+
+
+def _plain_value(text: str) -> fractions.Fraction | None:
+  match = _PLAIN_NUMBER.fullmatch(text) if len(text) <= _MAX_PLAIN_DIGITS else None
+  if match is None:
+    return None
+  if match["decimal"]:
+    value = fractions.Fraction(match["decimal"].replace(",", ""))
+  else:
+    value = fractions.Fraction(int(match["p"] or match["fp"]),
+                               int(match["q"] or match["fq"]))
+  return -value if match["sign"] == "-" else value
 
 
 def _plain_numbers_verdict(gold: str, prediction: str) -> bool | None:
   """Decides two plain numbers in the parent: exactly equal values are
   equal; two integers or fractions that differ are not. A decimal that
   differs goes to the worker (`0.333333` is 1/3 at 6 decimals)."""
-  if max(len(gold), len(prediction)) > _MAX_PLAIN_DIGITS or not (
-      _PLAIN_NUMBER.fullmatch(gold) and _PLAIN_NUMBER.fullmatch(prediction)):
+  gold_value, pred_value = _plain_value(gold), _plain_value(prediction)
+  if gold_value is None or pred_value is None:
     return None
-  gold_value = fractions.Fraction(gold.replace(",", ""))
-  pred_value = fractions.Fraction(prediction.replace(",", ""))
   if gold_value == pred_value:
     return True
   return False if "." not in gold + prediction else None
