@@ -322,6 +322,8 @@ def test_verify_single_call_matches_batch(verdicts):
     (r"\boxed{2} and then \boxed{3", "2", True),  # The unclosed one is skipped.
     ("**Answer:** 42", "42", True),
     ("Answer:\n42", "42", True),
+    ("## Final Answer\n\n42", "42", True),
+    ("**Final Answer**\n$\\frac{1}{2}$", "\\frac{1}{2}", True),
     ("The answer is: 7", "7", True),
     ("The answer is 3.5 meters.", "3.5 meters", True),
     ("answer is 4. Answer: 5", "5", True),  # The latest anchor wins.

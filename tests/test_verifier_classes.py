@@ -177,6 +177,7 @@ def test_boxed_answer_joins_only_listed_boxes(text, answer):
     ("The probability is 0.4 (or 2/5).", "0.4"),
     ("The probability is 2/5, or 40%.", "2/5"),
     ("The point is (2, 3).", "(2, 3)"),
+    ("So the result is (x+1)^2.", "(x+1)^2"),
     ("\\frac{1}{2}", None),  # A bare formula is not prose.
     ("no idea", None),
 ])

@@ -36,6 +36,8 @@ _LIST_CONNECTOR = re.compile(
     r"|\\(?:text|mathrm|textrm)\{\s*(?:and|or)?\s*\}|\band\b|\bor\b"
     r"|[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)*")
 _ANSWER_LINE = re.compile(r"answer\**\s*[:\uff1a]", re.IGNORECASE)
+# A "**Final Answer**" heading with the answer on the next line.
+_ANSWER_HEADING = re.compile(r"final answer[*#\s]*?(?=\n)", re.IGNORECASE)
 _ANSWER_IS = re.compile(r"answer\s+is\b\s*:?", re.IGNORECASE)
 # GSM8K's "#### 42"; not a markdown "#### Step 2" heading.
 _HASHES = re.compile(r"####(?=\s*[-+$]?\s*\d)")
@@ -144,12 +146,17 @@ def last_tagged(text: str, tag: str) -> str | None:
   return None if open_at < 0 else text[open_at + len(tag) + 2:close]
 
 
+_BLANK_LINES = 3
+
+
 def _rest_of_line(text: str, start: int) -> str:
   end = text.find("\n", start)
   line = text[start:] if end < 0 else text[start:end]
-  if not line.strip(" *\t") and end >= 0:  # "Answer:\n42": take the next line.
-    nxt = text.find("\n", end + 1)
-    line = text[end + 1:] if nxt < 0 else text[end + 1:nxt]
+  for _ in range(_BLANK_LINES):  # "Answer:\n\n42": the next non-blank line.
+    if line.strip(" *\t") or end < 0:
+      break
+    start, end = end + 1, text.find("\n", end + 1)
+    line = text[start:] if end < 0 else text[start:end]
   return line.strip().strip("*").strip()
 
 
@@ -169,7 +176,7 @@ def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
 def anchored_span(text: str) -> str | None:
   """The latest `Answer:` line, "answer is ..." or `#### ...`; None if none."""
   found = []
-  for pattern in (_ANSWER_LINE, _ANSWER_IS, _HASHES):
+  for pattern in (_ANSWER_LINE, _ANSWER_IS, _HASHES, _ANSWER_HEADING):
     match = _last_match(pattern, text)
     if match:
       found.append(match)
@@ -238,7 +245,7 @@ _MAX_STATEMENT_CHARS = 400
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
 # Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
 # "2/5, or 40%").
-_TAIL_END = re.compile(r"\.\s|\s\((?!\s*\d)|,\s+or\b|,\s+which\b")
+_TAIL_END = re.compile(r"\.\s|(?<=\S)\s\((?!\s*\d)|,\s+or\b|,\s+which\b")
 
 
 def _sentences(line: str) -> list[str]:
