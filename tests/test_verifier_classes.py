@@ -208,6 +208,14 @@ def test_strip_display_drops_wrapper_and_final_period():
   assert extract.strip_display(r"\[\frac{2}{5}.\]") == r"\frac{2}{5}"
   assert extract.strip_display("$$17.$$") == "17"
   assert extract.strip_display("$a$ and $b$") == "$a$ and $b$"
+  assert extract.strip_display("1, 2, 3, ...") == "1, 2, 3, ..."
+
+
+def test_program_check_runs_only_on_capped_answers():
+  """A huge boxed answer is refused by length before any regex runs on it
+  (`[` without `]` would make the comprehension pattern quadratic)."""
+  huge = r"\boxed{" + "[" * 200_000 + "}"
+  assert rmath._prepare("1", huge) is False  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("a,b,equal", [

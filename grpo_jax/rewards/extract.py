@@ -205,7 +205,10 @@ def strip_display(answer: str) -> str:
         and answer.endswith(close) and close not in inner):
       answer = inner.strip()
       break
-  return answer.rstrip(" .").strip()
+  answer = answer.rstrip()
+  if answer.endswith(".") and not answer.endswith(".."):  # Not "1, 2, ...".
+    answer = answer[:-1]
+  return answer.strip()
 
 
 def collapse_parens(answer: str) -> str:
@@ -315,7 +318,7 @@ def final_statement(text: str) -> str | None:
 _MATH_FUNCTIONS = frozenset(
     "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp "
     "sqrt abs max min gcd lcm det mod deg arg sgn floor ceil tr rank dim binom "
-    "choose frac lim".split())
+    "choose frac lim erf sign gamma zeta".split())
 _CALLED = re.compile(r"(?<![\\A-Za-z_.])([A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)*)\(")
 _PROGRAM = re.compile(
     r"\blambda\b|__|\bimport\b|\bdef\b|\breturn\b|\(\s*\)|(?<!\\)\][ \t]*\["

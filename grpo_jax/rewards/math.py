@@ -111,12 +111,12 @@ def _prepare(gold: Any, prediction: Any) -> bool | tuple:
   pred_answer = _cleaned(extract.extract_answer(prediction))
   if not gold_answer.text or not pred_answer.text:
     return False
-  if ((pred_answer.anchored and extract.looks_like_program(pred_answer.text))
-      or (_one_line(prediction) and extract.looks_like_program(prediction))):
-    return False  # Text is never code: `(lambda: 7)()` earns nothing.
   if pred_answer.anchored and len(pred_answer.text) > max(
       MAX_ANSWER_CHARS, 4 * len(gold_answer.text)):
     return False
+  if ((pred_answer.anchored and extract.looks_like_program(pred_answer.text))
+      or (_one_line(prediction) and extract.looks_like_program(prediction))):
+    return False  # Text is never code: `(lambda: 7)()` earns nothing.
   gold_light = extract.light_normalise(gold_answer.text)
   pred_light = extract.light_normalise(pred_answer.text)
   if gold_light == pred_light:
