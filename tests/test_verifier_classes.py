@@ -76,6 +76,7 @@ CLASSES = [
     ("digit_groups", "5000000", "5{,}000{,}000", True),
     ("digit_groups", "20500", r"So the total is $20,\!500$ dollars.", True),
     ("digit_groups", r"12,\!345,\!678", "12345678", True),
+    ("digit_groups", "11111111100", r"is $\boxed{11,\! 111,\! 111,\! 100}$", True),
     # Several boxes that together are the gold list (and the reverse).
     ("boxes", "1, 2", r"\boxed{1} and \boxed{2}", True),
     ("boxes", "(1, 2)", r"$x=\boxed{1}$, $y=\boxed{2}$", True),
@@ -84,6 +85,12 @@ CLASSES = [
     ("boxes", r"\boxed{3}, \boxed{4}", r"\boxed{3, 4}", True),
     ("boxes", "4", r"\boxed{3} and \boxed{4}", False),
     ("boxes", "4", r"\boxed{3}. Hmm, let me recheck. Actually \boxed{4}", True),
+    ("boxes", "1, 2, 3", r"$\boxed{1,2,3}$", True),
+    ("boxes", "$1$ and $2$ and $3$", r"$\boxed{1,2,3}$", True),
+    ("boxes", "10455", r"so the interest is $\boxed{255}$, and the total is $10,455. "
+     r"Final Answer: The final answer is $10,455$. I hope it is correct.", True),
+    ("boxes", "255", r"so the interest is $\boxed{255}$, and the total is $10,455. "
+     r"Final Answer: The final answer is $10,455$. I hope it is correct.", False),
     # Named solutions and equivalent polynomial forms.
     ("named", "1, 4", "x_1 = 1, x_2 = 4", True),
     ("named", "1,4", "x_1=1, x_2=5", False),
@@ -128,6 +135,9 @@ CLASSES = [
     ("final_statement", "100", _TRAIN, True),
     ("final_statement", r"\frac{2}{5}", r"Dividing, we get $\frac{2}{5}.$", True),
     ("final_statement", "14", "Step 3: multiply 7 by 2 to get 14.", True),
+    ("final_statement", "3", "Final Answer: Jane started the garden 3 hours ago.", True),
+    ("final_statement", "1000.99", "so the number is 10 which is 1,000.99m\u00b2", True),
+    ("final_statement", "2", "so the area is 2x.", False),
     ("final_statement", r"\frac{1}{6}", "There are 6 favourable outcomes out of 36.\n"
      "Hence the probability of a sum of 7 is $\\frac{1}{6}$.", True),
     # Exact cancellation of astronomically large terms; deep parentheses.

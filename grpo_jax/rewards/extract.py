@@ -5,13 +5,15 @@ is linear in the length of the text (no regex that can backtrack without
 bound, a fixed number of scans) and never evaluates anything.
 
 Rules, in order (`extract_answer`):
-  1. the content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces
+  1. the content of the last `\\boxed{...}` or `\\fbox{...}`, unless an
+     answer anchor (rule 2) follows it (nested braces
      balanced; `\\boxed 5` also counts); boxes joined only by list words
      (`$\\boxed{2}$ and $\\boxed{3}$`, `x=\\boxed{1}, y=\\boxed{2}`) are one
      answer, the list `2, 3`; boxes with other words between them are a
      correction, and the last one counts;
   2. otherwise the latest of: a final `Answer:` line, "the answer is ...",
-     GSM8K's `#### 42`;
+     GSM8K's `#### 42`, a "Final Answer" heading; a span that is prose is
+     read like a final statement (rule 3);
   3. otherwise the final statement: the last sentence that holds a number or
      formula, read after its last "is"/"="/"are" ("So there are 24 ways.");
   4. otherwise the whole text (its last `TAIL_CHARS` characters), which the
@@ -121,10 +123,10 @@ def last_boxed(text: str) -> str | None:
   return boxes[-1].content.strip() if boxes else None
 
 
-def boxed_answer(text: str) -> str | None:
+def boxed_answer(text: str, boxes: list[_Box] | None = None) -> str | None:
   """The last box, or the list of final boxes joined only by list words
   (`$\\boxed{2}$ and $\\boxed{3}$` -> `2, 3`); None without a box."""
-  boxes = _boxes(text)
+  boxes = _boxes(text) if boxes is None else boxes
   if not boxes:
     return None
   group = [boxes[-1]]
@@ -173,16 +175,21 @@ def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
   return last
 
 
-def anchored_span(text: str) -> str | None:
-  """The latest `Answer:` line, "answer is ..." or `#### ...`; None if none."""
+def _last_anchor(text: str) -> re.Match[str] | None:
+  """The latest `Answer:`, "answer is", `####` or "Final Answer" heading."""
   found = []
   for pattern in (_ANSWER_LINE, _ANSWER_IS, _HASHES, _ANSWER_HEADING):
     match = _last_match(pattern, text)
     if match:
       found.append(match)
-  if not found:
+  return max(found, key=lambda m: m.start()) if found else None
+
+
+def anchored_span(text: str, match: re.Match[str] | None = None) -> str | None:
+  """The latest `Answer:` line, "answer is ..." or `#### ...`; None if none."""
+  match = match or _last_anchor(text)
+  if match is None:
     return None
-  match = max(found, key=lambda m: m.start())
   rest = _rest_of_line(text, match.end())
   if rest in ("\\[", "$$"):  # "Answer:\n\\[\n x = 7.\n\\]": the display block.
     close = text.find("\\]" if rest == "\\[" else "$$", text.find(rest, match.end()) + 2)
@@ -245,6 +252,7 @@ _VERB = re.compile(
 _NUMBER = re.compile(
     r"(?<![A-Za-z\d])-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:\s*/\s*\d+)?(?![A-Za-z\d])")
 _MAX_STATEMENT_CHARS = 400
+_GLUED_UNIT = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s*(?:[A-Za-z]{1,3}[\u00b2\u00b3]|[\u20ac\u00a3\u00a5])")
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
 # Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
 # "2/5, or 40%").
@@ -264,7 +272,8 @@ def _is_statement(sentence: str) -> bool:
   """Prose holding a number or formula: two words outside math, and a digit
   or a math span (a bare formula is left to the parser)."""
   bare = _COMMAND.sub(" ", _MATH_SPAN.sub(" ", sentence))
-  return (len(_PROSE_WORD.findall(bare)) >= 2
+  words = [w for w in _PROSE_WORD.findall(bare) if w.lower() not in ("and", "or")]
+  return (len(words) >= 2
           and (any(c.isdigit() for c in sentence) or _MATH_SPAN.search(sentence) is not None))
 
 
@@ -276,6 +285,9 @@ def _answer_in(sentence: str) -> str | None:
   for verb in reversed(verbs):  # "... is 45, which is odd": the 45.
     tail = _TAIL_END.split(sentence[verb.end():], maxsplit=1)[0]
     tail = tail.strip().rstrip(".").strip()
+    glued = _GLUED_UNIT.fullmatch(tail)
+    if glued:  # "1,000.99m²", "12€": a number and its unit.
+      return glued.group(1)
     if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
       return tail
   if spans:
@@ -339,14 +351,19 @@ def looks_like_program(answer: str) -> bool:
 
 def extract_answer(text: str) -> Answer:
   """The final answer of `text` by the rules in the module docstring."""
-  boxed = boxed_answer(text)
-  if boxed is not None:
-    return Answer(strip_display(boxed), True)
-  span = anchored_span(text)
+  boxes = _boxes(text)
+  anchor = _last_anchor(text)
+  if boxes and (anchor is None or anchor.start() < boxes[-1].end):
+    return Answer(strip_display(boxed_answer(text, boxes)), True)
+  span = anchored_span(text, anchor) if anchor else None
+  if span is not None and _is_statement(span):  # "Answer: she has 3 left".
+    span = _answer_in(span) or span
   if span is None:
     span = final_statement(text)
   if span is not None and strip_display(span):
     return Answer(strip_display(span), True)
+  if boxes:  # An empty answer line after the box.
+    return Answer(strip_display(boxed_answer(text, boxes)), True)
   return Answer(text[-TAIL_CHARS:].strip(), False)
 
 

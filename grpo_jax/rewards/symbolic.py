@@ -44,7 +44,8 @@ _UNICODE = {
     "\u2212": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u22c5": "\\cdot ",
     "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ",
     "\u2260": "\\neq ", "\u221a": "\\sqrt", "\u00b0": "^\\circ", "\u2009": " ",
-    "\u202f": " ", "\u00a0": " ", "\u2205": "\\emptyset ",
+    "\u202f": " ", "\u00a0": " ", "\u2205": "\\emptyset ", "\u00b2": "^2",
+    "\u00b3": "^3",
 }
 _SPACE = r"(?:(?<!\\)\\[,;: ]|~| )"  # Not ",": (100,200) is a pair.
 # 1\,000\,000 -> 1000000: exactly three digits after every separator.
@@ -63,6 +64,7 @@ _TRAILING_UNIT = re.compile(
 _PERCENT_SIGN = re.compile(r"\\?%")
 _MEMBERSHIP = re.compile(r"^[A-Za-z]\s*\\in\s*")
 _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")  # Not \$, a dollar sign.
+_SPACED_GROUP = re.compile(r",\s*\\!\s*(?=\d{3}(?!\d))")  # "11,\! 111" is 11111.
 _EMPTY_SET = re.compile(r"\\varnothing\b|\\\{\s*\\\}")
 _SQRT_PAREN = re.compile(r"\\sqrt\s*\(([^()]*)\)")  # \sqrt(3) -> \sqrt{3}
 # Mixed numbers: "3 1/4" and "3\frac{1}{4}" (a proper fraction of digits).
@@ -122,7 +124,7 @@ def safe_normalise(text: str) -> str:
   (`12,\\!345`), the empty set, unicode operators."""
   for old, new in _UNICODE.items():
     text = text.replace(old, new)
-  text = _join_thousands(_NEGATIVE_SPACE.sub("", text))
+  text = _join_thousands(_NEGATIVE_SPACE.sub("", _SPACED_GROUP.sub(",", text)))
   return _EMPTY_SET.sub(r"\\emptyset ", text)
 
 
@@ -157,7 +159,7 @@ def _has_value(parsed: list) -> bool:
 
 
 def _digits(text: str) -> collections.Counter:
-  return collections.Counter(c for c in text if c.isdigit())
+  return collections.Counter(c for c in text if c in "0123456789")
 
 
 def _covers(parsed: list, text: str) -> bool:
