@@ -86,6 +86,8 @@ CLASSES = [
     ("boxes", "4", r"\boxed{3} and \boxed{4}", False),
     ("boxes", "4", r"\boxed{3}. Hmm, let me recheck. Actually \boxed{4}", True),
     ("boxes", "1, 2, 3", r"$\boxed{1,2,3}$", True),
+    ("boxes", "4", r"So $x = \boxed{5}$. Note that the answer is not 4.", False),
+    ("boxes", "5", r"So $x = \boxed{5}$. Note that the answer is not 4.", True),
     ("boxes", "$1$ and $2$ and $3$", r"$\boxed{1,2,3}$", True),
     ("boxes", "10455", r"so the interest is $\boxed{255}$, and the total is $10,455. "
      r"Final Answer: The final answer is $10,455$. I hope it is correct.", True),

@@ -252,6 +252,7 @@ _VERB = re.compile(
 _NUMBER = re.compile(
     r"(?<![A-Za-z\d])-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:\s*/\s*\d+)?(?![A-Za-z\d])")
 _MAX_STATEMENT_CHARS = 400
+_NEGATED = re.compile(r"(?:not|never|no)\b", re.IGNORECASE)
 _GLUED_UNIT = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s*(?:[A-Za-z]{1,3}[\u00b2\u00b3]|[\u20ac\u00a3\u00a5])")
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
 # Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
@@ -285,6 +286,8 @@ def _answer_in(sentence: str) -> str | None:
   for verb in reversed(verbs):  # "... is 45, which is odd": the 45.
     tail = _TAIL_END.split(sentence[verb.end():], maxsplit=1)[0]
     tail = tail.strip().rstrip(".").strip()
+    if _NEGATED.match(tail):  # "... is not 4": no answer here.
+      return None
     glued = _GLUED_UNIT.fullmatch(tail)
     if glued:  # "1,000.99m²", "12€": a number and its unit.
       return glued.group(1)
@@ -353,9 +356,11 @@ def extract_answer(text: str) -> Answer:
   """The final answer of `text` by the rules in the module docstring."""
   boxes = _boxes(text)
   anchor = _last_anchor(text)
+  span = anchored_span(text, anchor) if anchor else None
+  if span is not None and _NEGATED.match(span):  # "the answer is not 4".
+    anchor = span = None
   if boxes and (anchor is None or anchor.start() < boxes[-1].end):
     return Answer(strip_display(boxed_answer(text, boxes)), True)
-  span = anchored_span(text, anchor) if anchor else None
   if span is not None and _is_statement(span):  # "Answer: she has 3 left".
     span = _answer_in(span) or span
   if span is None:
