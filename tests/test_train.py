@@ -200,6 +200,7 @@ def test_configs_that_cannot_run_fail_validation_with_the_reason():
   config = tiny.get_config()
   config.data.source = "jsonl"
   config.data.kwargs = {"path": "/data/x.jsonl", "layout": "cqa"}
+  config.data.eval_kwargs = {"path": "/data/x.jsonl"}
   with pytest.raises(config_lib.ConfigError,
                      match=r"data.kwargs.layout.*'commonsenseqa'"):
     config_lib.validate(config)
