@@ -7,6 +7,7 @@ naming the field and the allowed values.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Any, Mapping
 
 import inspect
@@ -136,8 +137,17 @@ def base_config() -> ConfigDict:
       # Multi-host: config field, else env JAX_COORDINATOR_ADDRESS /
       # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
       distributed=False, coordinator_address="", num_processes=0,
-      process_id=-1))
+      process_id=-1,
+      init_timeout_s=300))   # how long start-up waits for every process
   return c
+
+
+def no_variants(arg: Any, config_file: str) -> None:
+  """For `get_config(arg)` of a config without variants: `file.py:x` is a
+  mistake, not something to ignore."""
+  if arg:
+    raise ConfigError(f"{config_file} has no variants, got ':{arg}': drop it "
+                      f"(--config={config_file})")
 
 
 # Each list lives with the code that reads the field.
@@ -176,8 +186,7 @@ def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
   for key, value in config.items():
     path = f"{prefix}{key}"
     if key not in base:
-      raise ConfigError(f"unknown config field {path!r}; allowed: "
-                        f"{sorted(base.keys())}")
+      raise ConfigError(unknown_field(path, sorted(base.keys())))
     ref = base[key]
     if isinstance(ref, ConfigDict):
       if path in open_fields:
@@ -188,6 +197,18 @@ def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
     elif ref is not None and value is not None and not _same_kind(ref, value):
       raise ConfigError(f"config field {path!r} = {value!r} should be a "
                         f"{type(ref).__name__}")
+
+
+def unknown_field(path: str, names: list[str]) -> str:
+  """"unknown config field 'rl.eps_hihg': did you mean 'rl.eps_high'?" (the
+  nearest names in spelling, else every name there)."""
+  prefix, _, key = path.rpartition(".")
+  close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+  if close:
+    return (f"unknown config field {path!r}: did you mean "
+            f"{' or '.join(repr(f'{prefix}.{c}' if prefix else c) for c in close)}?")
+  return (f"unknown config field {path!r}; fields "
+          f"{'of ' + repr(prefix) if prefix else 'at the top level'}: {names}")
 
 
 def _same_kind(ref: Any, value: Any) -> bool:
@@ -254,9 +275,11 @@ def _check_data_paths(data: ConfigDict) -> None:
     listed = tuple(k for k in ("path", "data_dir") if k in kwargs)
     for key in _DATA_LOCATION.get(source, ()) + listed:
       if not kwargs.get(key):
+        # A key the dict lacks cannot be set as --config.<group>.<key>.
+        fix = (f"--config.{group}.{key}=..." if key in kwargs else
+               f"--config.{group}='{{\"{key}\": \"...\"}}' (the whole dict)")
         raise ConfigError(f"config field '{group}.{key}' is unset but "
-                          f"{field} = {source!r} needs it: pass "
-                          f"--config.{group}.{key}=...")
+                          f"{field} = {source!r} needs it: pass {fix}")
 
 
 def _check_layouts(data: ConfigDict) -> None:
@@ -297,10 +320,32 @@ def _check_ranges(config: ConfigDict) -> None:
               "rl.num_updates": rl.num_updates,
               "rl.max_gen_batches": rl.max_gen_batches,
               "train.steps": config.train.steps,
-              "sampling.max_new_tokens": config.sampling.max_new_tokens}
+              "sampling.max_new_tokens": config.sampling.max_new_tokens,
+              "mesh.init_timeout_s": config.mesh.init_timeout_s}
   for path, value in positive.items():
     if value < 1:
       raise ConfigError(f"config field {path!r} = {value} must be >= 1")
+  if config.train.keep_checkpoints < 1:
+    raise ConfigError(f"config field 'train.keep_checkpoints' = "
+                      f"{config.train.keep_checkpoints} must be >= 1 (the run "
+                      "resumes from the newest checkpoint it keeps)")
+  non_negative = {"optim.learning_rate": config.optim.learning_rate,
+                  "optim.weight_decay": config.optim.weight_decay,
+                  "optim.warmup_steps": config.optim.warmup_steps,
+                  "rl.kl_beta": rl.kl_beta,
+                  "train.checkpoint_every": config.train.checkpoint_every,
+                  "train.eval_every": config.train.eval_every,
+                  "train.eval_examples": config.train.eval_examples,
+                  "sampling.temperature": config.sampling.temperature}
+  for path, value in non_negative.items():
+    if value < 0:
+      raise ConfigError(f"config field {path!r} = {value} must be >= 0")
+  if config.method == "rl" and config.sampling.temperature == 0:
+    raise ConfigError(
+        "config field 'sampling.temperature' = 0: RL compares the "
+        f"{rl.num_generations} completions of a group, which at temperature 0 "
+        "are identical, so every advantage is 0 and nothing is learnt; use a "
+        "temperature > 0 (e.g. 1.0)")
   if rl.num_generations < 2 and rl.advantage != "dr_grpo":
     raise ConfigError("config field 'rl.num_generations' must be >= 2 for "
                       "group-relative advantages")

@@ -43,5 +43,5 @@ from grpo_jax.checkpoint.paths import (
     UnwritableDirectoryError, check_writable, checkpoint_dir,
     finalized_steps, find_step, latest_checkpoint, latest_step, locate,
     resolve_init)
-from grpo_jax.checkpoint.storage import (export_checkpoint, load_model_config,
-                                         load_params)
+from grpo_jax.checkpoint.storage import (export_checkpoint, load_config,
+                                         load_model_config, load_params)

@@ -23,11 +23,14 @@ from grpo_jax.models.config import ModelConfig, RopeScaling
 # Config fields whose change makes a resumed run a different experiment (a
 # dotted prefix covers every field under it). The optimizer and the param
 # dtype define the saved state; B and G shape the dynamic-sampling carry-over
-# and the data position; seed and data source drive the data order after
-# resume. The model's architecture is compared through its ModelConfig, so a
+# and the data position; seed and the data (source, arguments, prompt
+# format) drive the data order and content after resume. The model's architecture is compared through its ModelConfig, so a
 # moved weights directory (model.source) still resumes.
 UNSAFE_FIELDS = ("optim", "model.param_dtype", "rl.num_generations",
-                 "rl.prompts_per_step", "seed", "data.source")
+                 "rl.prompts_per_step", "seed", "data.source", "data.kwargs",
+                 "data.template", "data.system_prompt")
+# Moved data still resumes (a changed file shows as a changed example count).
+SAFE_FIELDS = ("data.kwargs.path", "data.kwargs.data_dir")
 
 
 def _leaf_name(path) -> str:
@@ -143,6 +146,8 @@ def unsafe_changes(saved: Optional[Mapping], current: Optional[Mapping],
   saved, current = flat_fields(saved or {}), flat_fields(current or {})
   out = []
   for key in sorted(saved.keys() | current.keys()):
+    if key in SAFE_FIELDS:
+      continue
     if any(key == f or key.startswith(f + ".") for f in fields):
       a, b = saved.get(key, missing), current.get(key, missing)
       if a != b:

@@ -142,6 +142,15 @@ def load_model_config(source: PathLike, step: Optional[int] = None):
   return model_config_from_json(stored)
 
 
+def load_config(source: PathLike, step: Optional[int] = None) -> Optional[dict]:
+  """The run config a checkpoint was saved with (JSON), or None."""
+  manager, step = _open(source, step)
+  try:
+    return read_meta(manager, step).get("config")
+  finally:
+    manager.close()
+
+
 def export_checkpoint(source: PathLike, step: Optional[int], out_dir: PathLike,
                       *, tokenizer=None, params_key: str = "params") -> epath.Path:
   """Writes a checkpoint's policy params as a Hugging Face directory.

@@ -52,6 +52,10 @@ def read_config(path: Path) -> ModelConfig:
   return config_from_hf(hf, source=str(path))
 
 
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "intermediate_size")
+
+
 def config_from_hf(hf: dict[str, Any], source: str = "config.json"
                    ) -> ModelConfig:
   """A ModelConfig from a transformers config dict; unsupported ones raise."""
@@ -64,6 +68,10 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
     raise unsupported(f"hidden_act={hf['hidden_act']!r}")
   if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
     raise unsupported("attention_bias/mlp_bias=true")
+  missing = [k for k in _REQUIRED_KEYS if k not in hf]
+  if missing:
+    raise CheckpointError(f"{source} lacks {', '.join(missing)}, which a "
+                          f"{arch} config.json must give: is it complete?")
   heads = hf["num_attention_heads"]
   theta, scaling = _rope(hf, unsupported)
   return ModelConfig(
