@@ -15,7 +15,6 @@ entry point (`experiments/evaluate.py`) all start here:
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Mapping, NamedTuple
@@ -23,6 +22,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 
 from grpo_jax import checkpoint, models, registry, sampling
+from grpo_jax.config import ConfigError
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
@@ -70,7 +70,14 @@ def load_examples(config) -> tuple[list, list]:
   held_out = list(registry.lookup("dataset", eval_source)(
       **dict(config.data.eval_kwargs)))
   if not train:
-    raise ValueError(f"data.source={config.data.source!r} gave no examples")
+    raise ConfigError(f"data.source={config.data.source!r} with data.kwargs="
+                      f"{dict(config.data.kwargs)} gave no examples")
+  if not held_out and config.train.eval_examples:
+    raise ConfigError(
+        f"data.eval_source={eval_source!r} with data.eval_kwargs="
+        f"{dict(config.data.eval_kwargs)} gave no examples, so nothing would be "
+        "evaluated: fix the eval data, or set --config.train.eval_examples=0 to "
+        "train without held-out evaluation")
   return train, held_out
 
 
@@ -104,7 +111,8 @@ def make_checkpointer(config, workdir: str, model_config: ModelConfig
       checkpoint.checkpoint_dir(workdir),
       save_every=config.train.checkpoint_every,
       keep=config.train.keep_checkpoints, config=config,
-      model_config=model_config)
+      model_config=model_config,
+      handle_sigterm=False)   # the loops' interrupts.guarded handles signals
 
 
 class Start(NamedTuple):
@@ -146,17 +154,18 @@ def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
   return Start(state, {}, None)
 
 
-def metric_writer(workdir: str, last_step: int | None
+def metric_writer(workdir: str, last_step: int | None, final: bool = False
                   ) -> metrics_lib.MetricWriter:
   """The run's MetricWriter (only process 0 writes). On resume from
-  `last_step`, metrics.jsonl first loses the rows written after it (they are
-  recomputed), so the log reads like one uninterrupted run; a fresh start
-  (`last_step` None) starts an empty log."""
+  `last_step`, metrics.jsonl and TensorBoard first lose the rows written
+  after it (they are recomputed), so the logs read like one uninterrupted
+  run; `final`: `last_step` is the run's last, whose closing evaluation
+  (written after that checkpoint) is recomputed too. A fresh start
+  (`last_step` None) starts empty logs."""
   primary = metrics_lib.is_primary()
-  path = os.path.join(workdir, "metrics.jsonl")
   if primary:
-    rows = [] if last_step is None or not os.path.exists(path) else [
-        r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
-    with open(path, "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
+    if last_step is None:
+      metrics_lib.truncate(workdir, -1)
+    else:
+      metrics_lib.truncate(workdir, last_step, drop_eval_at_last=final)
   return metrics_lib.MetricWriter(workdir, enabled=primary)

@@ -9,8 +9,10 @@ time, status, final metrics (JSON), workdir and checkpoint path.
       run.metrics = train.run(config, workdir)
       run.checkpoint = checkpoint.latest_checkpoint(workdir)
 
-A run whose process was SIGKILLed stays "running": nothing was left to
-write its end. On several hosts only process 0 should record.
+A run stopped by SIGTERM or Ctrl-C (after saving a checkpoint: see
+interrupts.py) is recorded "preempted"; a second Ctrl-C, "killed". A run
+whose process was SIGKILLed stays "running": nothing was left to write its
+end. On several hosts only process 0 should record.
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from grpo_jax import interrupts
 from grpo_jax.config import flat_fields
 
-STATUSES = ("running", "finished", "failed", "killed")
+STATUSES = ("running", "finished", "failed", "killed", "preempted")
 DB_NAME = "runs.sqlite"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -104,23 +107,36 @@ class Run:
 
 @dataclasses.dataclass
 class RunRecord:
-  """What `RunStore.record` hands the body: set metrics and checkpoint on it,
-  and status="killed" for a run that returned early after a pre-emption."""
+  """What `RunStore.record` hands the body: set metrics and checkpoint on it."""
   id: int
   metrics: dict = dataclasses.field(default_factory=dict)
   checkpoint: Optional[str] = None
   status: str = "finished"
 
 
-class RunStore:
-  """A SQLite table of runs under `root` (created if needed)."""
+class RunStoreError(RuntimeError):
+  """The store is missing (when reading) or is not a SQLite database."""
 
-  def __init__(self, root: Optional[os.PathLike] = None):
+
+class RunStore:
+  """A SQLite table of runs under `root`, created if needed unless `create`
+  is False (reading: a mistyped --root fails instead of making a store)."""
+
+  def __init__(self, root: Optional[os.PathLike] = None, *, create: bool = True):
     self.root = Path(root) if root is not None else default_root()
-    self.root.mkdir(parents=True, exist_ok=True)
     self.path = self.root / DB_NAME
-    with self._connect() as db:
-      db.execute(_SCHEMA)
+    if not create and not self.path.is_file():
+      raise RunStoreError(f"no run store at {self.path}: is the root right? "
+                          "(--root, else $GRPO_JAX_RUNS, else ./runs)")
+    self.root.mkdir(parents=True, exist_ok=True)
+    try:
+      with self._connect() as db:
+        db.execute(_SCHEMA)
+    except sqlite3.DatabaseError as e:
+      raise RunStoreError(
+          f"the run store {self.path} is unreadable ({e}): move it aside "
+          f"(mv {self.path} {self.path}.bad) and a new one is started; "
+          "training records nothing meanwhile") from None
 
   @contextlib.contextmanager
   def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -183,13 +199,17 @@ class RunStore:
   def record(self, name: str, config: Any, workdir: Optional[os.PathLike] = None,
              *, sweep: Optional[str] = None) -> Iterator[RunRecord]:
     """Starts a run and finishes it however the body ends: `record.status`
-    ("finished"), "failed" (an exception, re-raised) or "killed" (Ctrl-C,
+    ("finished"), "failed" (an exception, re-raised), "preempted" (SIGTERM
+    or a first Ctrl-C: interrupts.Preempted) or "killed" (a second Ctrl-C,
     SystemExit)."""
     record = RunRecord(self.start(name, config, workdir, sweep=sweep))
     status = "failed"
     try:
       yield record
       status = record.status
+    except interrupts.Preempted:
+      status = "preempted"
+      raise
     except (KeyboardInterrupt, SystemExit):
       status = "killed"
       raise

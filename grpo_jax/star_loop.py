@@ -29,7 +29,8 @@ import numpy as np
 
 from grpo_jax import checkpoint
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, experiment, registry, sampling, sft
+from grpo_jax import evaluation, experiment, interrupts, preflight, registry
+from grpo_jax import sampling, sft
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import rollout
 from grpo_jax import sharding as sharding_lib
@@ -127,6 +128,7 @@ def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
 
 
 @registry.register("method", "star")
+@interrupts.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
 def run(config, workdir: str) -> dict:
   """STaR as `config` says, writing metrics.jsonl, TensorBoard, curves.png,
   the kept examples (star/iteration_<n>.jsonl) and a checkpoint of M_n every
@@ -141,8 +143,9 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   st = config.star
   os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
+  problems, held_out = experiment.load_examples(config)   # cheap first
   model_config, original, tokenizer = experiment.load_model_and_tokenizer(config)
-  problems, held_out = experiment.load_examples(config)
+  preflight.check_model(config, model_config, tokenizer)
   held_out = held_out[:config.train.eval_examples]
   shots, problems = split_shots(problems, st.few_shot)
   spec = rollout.RewardSpec.from_config(config)
@@ -162,6 +165,7 @@ def run(config, workdir: str) -> dict:
 
   if not history:
     evaluate(0, original, {})
+  interrupts.defer_to_step_boundary()
   for n in range(len(history), st.iterations + 1):
     chosen = problems
     if st.problems_per_iteration and st.problems_per_iteration < len(problems):
@@ -188,10 +192,11 @@ def run(config, workdir: str) -> dict:
     else:
       metrics["sft/steps"] = 0
     evaluate(n, params, metrics)
+    stop = interrupts.stop_requested()
     ckpt.save(n, {"params": params}, {"history": history},
-              force=n == st.iterations)
-    if ckpt.preempted:
-      logging.warning("pre-empted: checkpoint saved after iteration %d", n)
+              force=n == st.iterations or stop)
+    if ckpt.preempted or stop:
+      interrupts.mark_preempted(n, str(ckpt.step_path(n)))
       break
   ckpt.close()
   writer.close()

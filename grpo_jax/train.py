@@ -24,6 +24,7 @@ import numpy as np
 
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation, experiment, registry, rollout, sampling
+from grpo_jax import interrupts, preflight
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.data.iterator import BatchIterator
@@ -100,6 +101,7 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
 
 
 @registry.register("method", "rl")
+@interrupts.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
 def run(config, workdir: str) -> dict:
   """Trains as `config` says, writing everything under `workdir`; returns
   the final metrics (including the held-out greedy accuracy before/after).
@@ -115,9 +117,10 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   layout = sharding_lib.Layout.from_config(config)
   os.makedirs(workdir, exist_ok=True)
+  train_examples, eval_examples = experiment.load_examples(config)  # cheap first
   model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
+  preflight.check_model(config, model_config, tokenizer)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
-  train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
   spec = rollout.RewardSpec.from_config(config)
   settings = LossSettings.from_config(config)
@@ -138,11 +141,13 @@ def run(config, workdir: str) -> dict:
   state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
                                                     state)
   start = int(state.step) // updates_per_step
+  preflight.check_resume_step(start, config, workdir)
   data = (BatchIterator.from_state(train_examples, host["data"])
           if "data" in host else
           BatchIterator(train_examples, rl.prompts_per_step, seed=config.seed))
   summary: dict[str, Any] = dict(host.get("summary", {}))
-  writer = experiment.metric_writer(workdir, None if resumed is None else start)
+  writer = experiment.metric_writer(workdir, None if resumed is None else start,
+                                    final=start == config.train.steps)
   primary = writer.enabled   # the one host that writes files
 
   def evaluate(step):
@@ -157,6 +162,7 @@ def run(config, workdir: str) -> dict:
     summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
   progress = _progress(config.train.steps, config.train.progress and primary,
                        start)
+  interrupts.defer_to_step_boundary()
   for step in range(start, config.train.steps):
     t_step = time.perf_counter()
     key = jax.random.wrap_key_data(state.key)
@@ -201,10 +207,11 @@ def run(config, workdir: str) -> dict:
       evaluate(step + 1)
     summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
                                             "loss") if k in metrics})
+    stop = interrupts.stop_requested()
     ckpt.save(step + 1, state, {"data": data.state_dict(), "summary": summary},
-              force=step + 1 == config.train.steps)
-    if ckpt.preempted:
-      logging.warning("pre-empted: checkpoint saved at step %d", step + 1)
+              force=step + 1 == config.train.steps or stop)
+    if ckpt.preempted or stop:
+      interrupts.mark_preempted(step + 1, str(ckpt.step_path(step + 1)))
       break
   progress.close()
   ckpt.close()
