@@ -43,10 +43,14 @@ class Preempted(BaseException):
   failing point) does not swallow it."""
 
   def __init__(self, reason: str, step: Optional[int] = None,
-               checkpoint: Optional[str] = None, signum: Optional[int] = None):
+               checkpoint: Optional[str] = None, signum: Optional[int] = None,
+               after_steps: bool = False):
     self.reason, self.step, self.checkpoint = reason, step, checkpoint
     self.exit_code = 128 + (signum or signal.SIGTERM)
-    if step is None:
+    if after_steps:
+      what = ("after the last step (the final evaluation or write-out), whose "
+              "checkpoint is saved: run the same command again to finish")
+    elif step is None:
       what = "during start-up, before the first step: nothing to save"
     else:
       where = f" at {checkpoint}" if checkpoint else ""
@@ -116,7 +120,8 @@ def handle_signals(install: bool = True) -> Iterator[_Stop]:
 
 def _raise_if_stopped(stop: _Stop) -> None:
   if stop.reason is not None:
-    raise Preempted(stop.reason, stop.step, stop.checkpoint, stop.signum)
+    raise Preempted(stop.reason, stop.step, stop.checkpoint, stop.signum,
+                    after_steps=stop.step is None and stop.deferring)
 
 
 def defer_to_step_boundary() -> None:
