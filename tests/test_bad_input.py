@@ -342,7 +342,8 @@ def test_sigterm_mid_run_saves_exits_non_zero_and_records_preempted(tmp_path):
 
 def test_sigterm_during_start_up_leaves_no_row_running(tmp_path):
   workdir, store = tmp_path / "run", tmp_path / "store"
-  proc = _running_tiny(workdir, store)
+  # The evaluation before training widens start-up by its compile.
+  proc = _running_tiny(workdir, store, "--config.train.eval_at_start=true")
   try:
     assert _wait_for(lambda: _statuses(store) == ["running"], proc)
     proc.send_signal(signal.SIGTERM)   # the model is loading or compiling
