@@ -21,17 +21,17 @@ A loop marks the end of its start-up and its step boundaries:
         interrupts.mark_preempted(step + 1)
         break
 
-and runs inside `guarded(run)`, which also holds the workdir lock
-(workdir_lock.py) and raises `Preempted` once the loop has returned.
+and runs inside `handle_signals()` (`experiment.guarded` wraps a loop's
+`run` in it, with the workdir lock), which raises `Preempted` once the loop
+has returned.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import signal
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 
@@ -146,21 +146,3 @@ def mark_preempted(step: int, checkpoint: Optional[str] = None,
     _ACTIVE.reason = reason
   _ACTIVE.step = step
   _ACTIVE.checkpoint = checkpoint
-
-
-def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
-  """Wraps a loop's `run(config, workdir)`: joins the processes of a
-  multi-host run, locks the workdir on process 0 (workdir_lock.py) and
-  handles signals as the module docstring says."""
-  @functools.wraps(run)
-  def wrapper(config, workdir: str, *args, **kwargs):
-    # pylint: disable=import-outside-toplevel
-    from grpo_jax import config as config_lib
-    from grpo_jax import metrics, sharding, workdir_lock
-    config_lib.validate(config)   # a bad field fails before the processes join
-    sharding.initialize_distributed(config)   # before jax.process_index()
-    import jax
-    with workdir_lock.hold(workdir, enabled=metrics.is_primary()), \
-        handle_signals(install=jax.process_count() == 1):
-      return run(config, workdir, *args, **kwargs)
-  return wrapper

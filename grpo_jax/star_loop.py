@@ -128,7 +128,7 @@ def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
 
 
 @registry.register("method", "star")
-@interrupts.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
+@experiment.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
 def run(config, workdir: str) -> dict:
   """STaR as `config` says, writing metrics.jsonl, TensorBoard, curves.png,
   the kept examples (star/iteration_<n>.jsonl) and a checkpoint of M_n every

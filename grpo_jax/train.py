@@ -101,7 +101,7 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
 
 
 @registry.register("method", "rl")
-@interrupts.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
+@experiment.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
 def run(config, workdir: str) -> dict:
   """Trains as `config` says, writing everything under `workdir`; returns
   the final metrics (including the held-out greedy accuracy before/after).
