@@ -39,6 +39,9 @@ def base_config() -> ConfigDict:
       compute_dtype="float32",         # forward/backward (bfloat16 option)
       remat="none",                    # none | dots | full
       logprob_chunk=256,               # tokens per chunk of the vocab head
+      attention="auto",                # update/scoring attention: dense |
+                                       # blockwise | auto (blockwise from
+                                       # 2048 key columns)
   ))
 
   c.data = ConfigDict(dict(
@@ -51,7 +54,9 @@ def base_config() -> ConfigDict:
   ))
 
   c.sampling = ConfigDict(dict(
-      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0))
+      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
+      chunk_rows=0))                   # rows per sampler call; 0: as many as
+                                       # the device memory holds (CPU: all)
 
   c.rl = ConfigDict(dict(
       prompts_per_step=8,              # B groups per optimizer step (kept)
@@ -158,6 +163,7 @@ _CHOICES = {
     "rl.old_logp": update.OLD_LOGP,
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "optim.schedule": update.SCHEDULES,
+    "model.attention": transformer.ATTENTION,
 }
 _REGISTRY_FIELDS = {
     "method": "method",
@@ -322,6 +328,10 @@ def _check_ranges(config: ConfigDict) -> None:
               "train.steps": config.train.steps,
               "sampling.max_new_tokens": config.sampling.max_new_tokens,
               "mesh.init_timeout_s": config.mesh.init_timeout_s}
+  if config.sampling.chunk_rows < 0:
+    raise ConfigError(f"config field 'sampling.chunk_rows' = "
+                      f"{config.sampling.chunk_rows} must be >= 0 (0: "
+                      f"automatic)")
   for path, value in positive.items():
     if value < 1:
       raise ConfigError(f"config field {path!r} = {value} must be >= 1")

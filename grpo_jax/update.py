@@ -56,6 +56,7 @@ class LossSettings:
   chunk: int = 256
   remat: str = "none"
   compute_dtype: str = "float32"
+  attention: str = "auto"
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
@@ -67,7 +68,8 @@ class LossSettings:
                kl_ramp_steps=rl.kl_ramp_steps, max_len_norm=rl.max_len_norm,
                temperature=config.sampling.temperature or 1.0,
                chunk=config.model.logprob_chunk, remat=config.model.remat,
-               compute_dtype=config.model.compute_dtype)
+               compute_dtype=config.model.compute_dtype,
+               attention=config.model.attention)
 
 
 class UpdateBatch(NamedTuple):
@@ -174,7 +176,8 @@ def completion_logprobs(model_config: ModelConfig, params: Params,
   return logprobs_lib.sequence_logprobs(
       model_config, cast(params, s.compute_dtype), tokens_ns, positions_ns,
       valid_ns, completion_len=num_completion, chunk_size=s.chunk,
-      temperature=s.temperature, remat=s.remat, group_size=group_size)
+      temperature=s.temperature, remat=s.remat, group_size=group_size,
+      attention=s.attention)
 
 
 def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,

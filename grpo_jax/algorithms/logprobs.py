@@ -121,7 +121,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
                       completion_len: Optional[int] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE,
                       temperature: float = 1.0, remat: str = "none",
-                      group_size: int = 1):
+                      group_size: int = 1, attention: str = "auto"):
   """Runs the decoder, then the chunked head: log-probs and entropies of the
   last K = completion_len tokens of tokens_bt (default K = T - 1, every token
   but the first), float32 (B, K). Entry k is log p(tokens[:, T-K+k] | the
@@ -132,6 +132,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
   whose first T - K columns (the prompt, padding included) are identical: each
   group's prompt then runs through the decoder once
   (`hidden_states_shared_prompt`), with the same result.
+  attention: the decoder's attention (`transformer.ATTENTION`).
   """
   T = tokens_bt.shape[1]
   K = T - 1 if completion_len is None else completion_len
@@ -144,11 +145,12 @@ def sequence_logprobs(config: ModelConfig, params: Params,
     h_last_bd, h_nkd = hidden_states_shared_prompt(
         config, params, tokens_bt[first, :P], positions_bt[first, :P],
         valid_bt[first, :P], tokens_bt[:, P:], positions_bt[:, P:],
-        valid_bt[:, P:], remat=remat)
+        valid_bt[:, P:], remat=remat, attention_impl=attention)
     h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
     h_btd = jnp.concatenate([h_last_nd[:, None], h_nkd[:, :K - 1]], axis=1)
   else:
     h_btd = hidden_states(config, params, tokens_bt, positions_bt, valid_bt,
-                          remat=remat)[:, T - 1 - K:T - 1]
+                          remat=remat, attention_impl=attention
+                          )[:, T - 1 - K:T - 1]
   return token_logprobs(config, params, h_btd, tokens_bt[:, T - K:],
                         chunk_size=chunk_size, temperature=temperature)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax.models import blockwise
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -206,6 +207,33 @@ def attention_mask(config: ModelConfig, q_pos_bt: jax.Array,
   return mask
 
 
+# hidden_states' attention: "dense" builds the (B, K, G, T, S) scores (the
+# reference; fastest for short rows on CPU), "blockwise" never does
+# (models/blockwise.py), "auto" is blockwise from BLOCKWISE_FROM key columns.
+ATTENTION = ("auto", "dense", "blockwise")
+BLOCKWISE_FROM = 2048
+
+
+def attend_fn(config: ModelConfig, impl: str, q_pos_bt: jax.Array,
+              k_pos_bs: jax.Array, k_valid_bs: jax.Array,
+              q_seg_bt: Optional[jax.Array] = None,
+              k_seg_bs: Optional[jax.Array] = None):
+  """(q, k, v) -> attention output under the mask these inputs define,
+  with the `impl` attention; queries are the last T of the S key columns."""
+  if impl not in ATTENTION:
+    raise ValueError(f"attention={impl!r}; allowed: {ATTENTION}")
+  if impl == "auto":
+    impl = "blockwise" if k_pos_bs.shape[1] >= BLOCKWISE_FROM else "dense"
+  if impl == "blockwise":
+    return functools.partial(
+        blockwise.attention, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs,
+        k_valid_bs=k_valid_bs, q_seg_bt=q_seg_bt, k_seg_bs=k_seg_bs,
+        sliding_window=config.sliding_window)
+  mask = attention_mask(config, q_pos_bt, k_pos_bs, k_valid_bs, q_seg_bt,
+                        k_seg_bs)
+  return lambda q, k, v: attention(q, k, v, mask)
+
+
 def embed(params: Params, tokens_bt: jax.Array) -> jax.Array:
   return jnp.take(params["embed"], tokens_bt, axis=0)
 
@@ -244,7 +272,8 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
                   positions_bt: Optional[jax.Array] = None,
                   valid_bt: Optional[jax.Array] = None,
                   remat: str = "none", return_kv: bool = False,
-                  segment_bt: Optional[jax.Array] = None):
+                  segment_bt: Optional[jax.Array] = None,
+                  attention_impl: str = "auto"):
   """Final-normed hidden states (B, T, D); optionally every layer's k, v.
 
   positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
@@ -252,15 +281,16 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
   examples packed into one row: a token attends only within its segment
   (positions then restart at 0 per segment). With return_kv, also returns k
   and v stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
+  attention_impl: one of ATTENTION (see `attend_fn`).
   """
   positions_bt, valid_bt = default_positions_and_valid(tokens_bt, positions_bt,
                                                        valid_bt)
-  mask = attention_mask(config, positions_bt, positions_bt, valid_bt,
-                        segment_bt, segment_bt)
+  attend = attend_fn(config, attention_impl, positions_bt, positions_bt,
+                     valid_bt, segment_bt, segment_bt)
 
   def layer(x, lp):
     q, k, v = _qkv(config, lp, x, positions_bt)
-    x = _attn_out_and_mlp(config, lp, x, attention(q, k, v, mask))
+    x = _attn_out_and_mlp(config, lp, x, attend(q, k, v))
     return x, ((k, v) if return_kv else None)
 
   if REMAT_POLICIES.get(remat, "bad") == "bad":
@@ -277,7 +307,8 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
                                 prompt_bp: jax.Array, prompt_pos_bp: jax.Array,
                                 prompt_valid_bp: jax.Array,
                                 tokens_nt: jax.Array, positions_nt: jax.Array,
-                                valid_nt: jax.Array, remat: str = "none"):
+                                valid_nt: jax.Array, remat: str = "none",
+                                attention_impl: str = "auto"):
   """`hidden_states` of N = B*G rows [prompt b | continuation n], with each
   of the B prompts run through the decoder ONCE instead of G times.
 
@@ -296,17 +327,18 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
   h_bpd, (k_lbksd, v_lbksd) = hidden_states(
       config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
-      return_kv=True)
+      return_kv=True, attention_impl=attention_impl)
   key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
   key_valid_ns = jnp.concatenate([rep(prompt_valid_bp), valid_nt], axis=1)
-  mask = attention_mask(config, positions_nt, key_pos_ns, key_valid_ns)
+  attend = attend_fn(config, attention_impl, positions_nt, key_pos_ns,
+                     key_valid_ns)
 
   def layer(x, xs):
     lp, k_prompt, v_prompt = xs
     q, k, v = _qkv(config, lp, x, positions_nt)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return _attn_out_and_mlp(config, lp, x, attention(q, k, v, mask)), None
+    return _attn_out_and_mlp(config, lp, x, attend(q, k, v)), None
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])

@@ -1,0 +1,229 @@
+"""Blockwise (flash-style) attention in plain JAX: no [T, S] score tensor.
+
+`transformer.attention` builds the (B, K, G, T, S) float32 scores; at 20k
+tokens that is ~16 GiB per row per layer. Here queries run in blocks of
+`block_q`, keys in blocks of `block_k`, with the online softmax (running
+max m, normaliser l, output accumulator) of Dao et al. 2022 (FlashAttention,
+Alg. 1): temporaries are O(block_q * block_k) per head.
+
+The mask is computed per block from positions, validity and segment ids,
+exactly as `transformer.attention_mask` computes it. Blocks the causal mask
+(and the sliding window) hides are never computed: key block j is visited
+by query block i only if some key column in it is <= the block's last query
+column. This relies on what every caller here guarantees: within a segment,
+a later column holds a later position (left-padded rows, packed rows whose
+positions restart per segment, [prompt | completion] rows). Query row i is
+key column `q_offset + i` (q_offset = S - T: queries are the last T
+columns).
+
+Gradients: a `jax.custom_vjp` recomputes each block's probabilities from
+the saved log-normaliser (FlashAttention Alg. 2) instead of letting
+autodiff keep every block of the loops. Fully masked query rows (padding)
+give some finite output, as the dense path's do; nothing reads them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG_INF = -1e30
+
+
+class MaskInfo(NamedTuple):
+  """What the mask is computed from, per row: (B, T) queries, (B, S) keys."""
+  q_pos: jax.Array
+  k_pos: jax.Array
+  k_valid: jax.Array
+  q_seg: Optional[jax.Array]
+  k_seg: Optional[jax.Array]
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
+  size = x.shape[axis]
+  extra = -size % multiple
+  if not extra:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, extra)
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _block_mask(info: MaskInfo, i, j, block_q: int, block_k: int,
+                window: Optional[int]) -> jax.Array:
+  """(B, bq, bk) mask of query block i against key block j."""
+  q_pos = jax.lax.dynamic_slice_in_dim(info.q_pos, i * block_q, block_q, 1)
+  k_pos = jax.lax.dynamic_slice_in_dim(info.k_pos, j * block_k, block_k, 1)
+  k_valid = jax.lax.dynamic_slice_in_dim(info.k_valid, j * block_k, block_k, 1)
+  diff = q_pos[:, :, None] - k_pos[:, None, :]
+  mask = (diff >= 0) & k_valid[:, None, :]
+  if window is not None:
+    mask &= diff < window
+  if info.q_seg is not None:
+    q_seg = jax.lax.dynamic_slice_in_dim(info.q_seg, i * block_q, block_q, 1)
+    k_seg = jax.lax.dynamic_slice_in_dim(info.k_seg, j * block_k, block_k, 1)
+    mask &= q_seg[:, :, None] == k_seg[:, None, :]
+  return mask
+
+
+def _key_blocks(i, block_q: int, block_k: int, q_offset: int,
+                num_k_blocks: int, window: Optional[int]):
+  """[lo, hi): the key blocks query block i can see (by column)."""
+  last_col = q_offset + (i + 1) * block_q - 1
+  hi = jnp.minimum(last_col // block_k + 1, num_k_blocks)
+  lo = 0
+  if window is not None:
+    first_col = q_offset + i * block_q
+    lo = jnp.maximum(first_col - window + 1, 0) // block_k
+  return lo, hi
+
+
+class _Static(NamedTuple):
+  block_q: int
+  block_k: int
+  q_offset: int
+  window: Optional[int]
+
+
+def _scores(q_blk, k_blk, mask, scale):
+  """(B, K, G, bq, bk) float32 scores of one block pair, masked."""
+  s = jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk,
+                 preferred_element_type=jnp.float32) * scale
+  return jnp.where(mask[:, None, None], s, _NEG_INF)
+
+
+def _forward(st: _Static, q, k, v, info: MaskInfo):
+  """q (B, K, G, Tp, hd), k/v (B, K, Sp, hd), padded to whole blocks.
+  Returns out (B, K, G, Tp, hd) float32 and log-normaliser (B, K, G, Tp)."""
+  B, K, G, Tp, hd = q.shape
+  nq, nk = Tp // st.block_q, k.shape[2] // st.block_k
+  scale = 1.0 / np.sqrt(hd)
+
+  def q_block(i):
+    q_blk = jax.lax.dynamic_slice_in_dim(q, i * st.block_q, st.block_q, 3)
+    lo, hi = _key_blocks(i, st.block_q, st.block_k, st.q_offset, nk,
+                         st.window)
+
+    def body(j, carry):
+      m, l, acc = carry
+      k_blk = jax.lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, 2)
+      v_blk = jax.lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, 2)
+      s = _scores(q_blk, k_blk, _block_mask(info, i, j, st.block_q,
+                                            st.block_k, st.window), scale)
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v_blk,
+                      preferred_element_type=jnp.float32)
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    shape = (B, K, G, st.block_q)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (hd,), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    return acc / l[..., None], m + jnp.log(l)
+
+  out, lse = jax.lax.map(q_block, jnp.arange(nq))   # (nq, B, K, G, bq, ...)
+  out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, hd)
+  lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
+  return out, lse
+
+
+def _backward(st: _Static, q, k, v, info: MaskInfo, out, lse, dout):
+  """FlashAttention-2 backward: per query block, recompute p from lse."""
+  B, K, G, Tp, hd = q.shape
+  nq, nk = Tp // st.block_q, k.shape[2] // st.block_k
+  scale = 1.0 / np.sqrt(hd)
+  delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)   # (B, K, G, Tp)
+
+  def q_block(carry, i):
+    dk, dv = carry
+    sl = lambda x, axis: jax.lax.dynamic_slice_in_dim(
+        x, i * st.block_q, st.block_q, axis)
+    q_blk, do_blk = sl(q, 3), sl(dout, 3)
+    lse_blk, delta_blk = sl(lse, 3), sl(delta, 3)
+    lo, hi = _key_blocks(i, st.block_q, st.block_k, st.q_offset, nk,
+                         st.window)
+
+    def body(j, inner):
+      dq, dk, dv = inner
+      k_blk = jax.lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, 2)
+      v_blk = jax.lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, 2)
+      s = _scores(q_blk, k_blk, _block_mask(info, i, j, st.block_q,
+                                            st.block_k, st.window), scale)
+      p = jnp.exp(s - lse_blk[..., None])                    # (B,K,G,bq,bk)
+      dv_blk = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(dout.dtype), do_blk,
+                          preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkgqd,bksd->bkgqs", do_blk, v_blk,
+                      preferred_element_type=jnp.float32)
+      ds = p * (dp - delta_blk[..., None]) * scale
+      dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(k.dtype), k_blk,
+                           preferred_element_type=jnp.float32)
+      dk_blk = jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(q.dtype), q_blk,
+                          preferred_element_type=jnp.float32)
+      add = lambda acc, blk: jax.lax.dynamic_update_slice_in_dim(
+          acc, jax.lax.dynamic_slice_in_dim(acc, j * st.block_k, st.block_k,
+                                            2) + blk, j * st.block_k, 2)
+      return dq, add(dk, dk_blk), add(dv, dv_blk)
+
+    dq0 = jnp.zeros(q_blk.shape, jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(lo, hi, body, (dq0, dk, dv))
+    return (dk, dv), dq
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), jnp.arange(nq))
+  dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, Tp, hd)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st: _Static, q, k, v, info: MaskInfo):
+  return _forward(st, q, k, v, info)[0].astype(q.dtype)
+
+
+def _attend_fwd(st: _Static, q, k, v, info: MaskInfo):
+  out, lse = _forward(st, q, k, v, info)
+  return out.astype(q.dtype), (q, k, v, info, out, lse)
+
+
+def _attend_bwd(st: _Static, res, dout):
+  q, k, v, info, out, lse = res
+  dq, dk, dv = _backward(st, q, k, v, info, out, lse, dout)
+  zero_info = jax.tree.map(
+      lambda x: np.zeros(x.shape, jax.dtypes.float0), info)
+  return dq, dk, dv, zero_info
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array,
+              q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Array,
+              q_seg_bt: Optional[jax.Array] = None,
+              k_seg_bs: Optional[jax.Array] = None, *,
+              sliding_window: Optional[int] = None, block_q: int = 512,
+              block_k: int = 512) -> jax.Array:
+  """`transformer.attention(q, k, v, transformer.attention_mask(...))` for
+  queries that are the last T of the S key columns. Returns (B, T, H, hd).
+
+  q (B, T, H, hd); k, v (B, K, S, hd) as the dense path takes them; the
+  mask's inputs as `transformer.attention_mask` takes them.
+  """
+  B, T, H, hd = q_bthd.shape
+  K, S = k_bksd.shape[1], k_bksd.shape[2]
+  bq, bk = min(block_q, T), min(block_k, S)
+  q = jnp.moveaxis(q_bthd.reshape(B, T, K, H // K, hd), 1, 3)  # (B,K,G,T,hd)
+  q = _pad_to(q, 3, bq)
+  k, v = _pad_to(k_bksd, 2, bk), _pad_to(v_bksd, 2, bk)
+  # Padded queries sit after the last column; padded keys are invalid.
+  seg = lambda x, n, m: None if x is None else _pad_to(x, 1, m, -1)
+  info = MaskInfo(_pad_to(q_pos_bt, 1, bq), _pad_to(k_pos_bs, 1, bk),
+                  _pad_to(k_valid_bs, 1, bk, False),
+                  seg(q_seg_bt, T, bq), seg(k_seg_bs, S, bk))
+  st = _Static(bq, bk, S - T, sliding_window)
+  out = _attend(st, q, k, v, info)[:, :, :, :T]
+  return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
