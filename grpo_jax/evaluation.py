@@ -242,7 +242,7 @@ def eval_sampling_config(config, tokenizer, *, greedy: bool,
   return sampling.SamplingConfig(
       max_new_tokens=config.sampling.max_new_tokens, temperature=temperature,
       top_p=top_p, greedy=greedy, stop_ids=tuple(tokenizer.stop_ids),
-      pad_id=tokenizer.pad_id or 0)
+      pad_id=tokenizer.pad_id or 0, chunk_rows=config.sampling.chunk_rows)
 
 
 def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:

@@ -59,6 +59,7 @@ class SamplingConfig:
   greedy: bool = False
   stop_ids: tuple[int, ...] = ()
   pad_id: int = 0
+  chunk_rows: int = 0            # rows per sampler call (0: automatic)
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -69,6 +70,8 @@ class SamplingConfig:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if self.chunk_rows < 0:
+      raise ValueError(f"chunk_rows must be >= 0, got {self.chunk_rows}")
 
   @property
   def is_greedy(self) -> bool:
@@ -106,7 +109,21 @@ def _filter_logits(logits_bv: jax.Array, top_k: int, top_p: float):
   return logits_bv
 
 
-def _inverse_cdf_sample(key: jax.Array, logits_bv: jax.Array) -> jax.Array:
+def _row_uniforms(key: jax.Array, rows: int, row_offset, total_rows: int
+                  ) -> jax.Array:
+  """Row i's uniform is entry row_offset + i of one (total_rows, 1) draw.
+  Threefry is partitionable (jax's default): entry j of a draw does not
+  depend on the draw's length, so a chunk of rows gets the uniforms that
+  one call over all rows gives them (`sample`'s chunks)."""
+  u_r1 = jax.random.uniform(key, (max(total_rows, rows), 1),
+                            minval=jnp.finfo(jnp.float32).tiny)
+  if total_rows <= rows:
+    return u_r1
+  return jax.lax.dynamic_slice_in_dim(u_r1, row_offset, rows, axis=0)
+
+
+def _inverse_cdf_sample(key: jax.Array, logits_bv: jax.Array,
+                        row_offset=0, total_rows: int = 0) -> jax.Array:
   """Exact categorical sampling with ONE uniform per row.
 
   jax.random.categorical draws V Gumbel variates per row; with threefry on
@@ -114,22 +131,25 @@ def _inverse_cdf_sample(key: jax.Array, logits_bv: jax.Array) -> jax.Array:
   CDF needs B uniforms and a cumulative sum.
   """
   cdf_bv = jnp.cumsum(jax.nn.softmax(logits_bv, axis=-1), axis=-1)
-  u_b1 = jax.random.uniform(key, (logits_bv.shape[0], 1),
-                            minval=jnp.finfo(jnp.float32).tiny) * cdf_bv[:, -1:]
+  u_b1 = _row_uniforms(key, logits_bv.shape[0], row_offset,
+                       total_rows) * cdf_bv[:, -1:]
   tokens = jnp.sum(cdf_bv < u_b1, axis=-1)
   return jnp.minimum(tokens, logits_bv.shape[-1] - 1).astype(jnp.int32)
 
 
-def choose_tokens(logits_bv: jax.Array, key: jax.Array,
-                  cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-  """Next token (B,) and its log-prob under softmax(logits / temperature)."""
+def choose_tokens(logits_bv: jax.Array, key: jax.Array, cfg: SamplingConfig,
+                  row_offset=0, total_rows: int = 0
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Next token (B,) and its log-prob under softmax(logits / temperature).
+  row_offset / total_rows: these B rows are rows row_offset.. of a call
+  over total_rows (0: just these), whose noise they then get."""
   if cfg.is_greedy:
     tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     scaled = logits_bv
   else:
     scaled = logits_bv / cfg.temperature
     filtered = _filter_logits(scaled, cfg.top_k, cfg.top_p)
-    tokens = _inverse_cdf_sample(key, filtered)
+    tokens = _inverse_cdf_sample(key, filtered, row_offset, total_rows)
   logp = jax.nn.log_softmax(scaled, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
@@ -174,7 +194,8 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
 
 def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
             prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
-            num_generations: int) -> _Carry:
+            num_generations: int, row_offset=0, total_rows: int = 0
+            ) -> _Carry:
   """Runs each left-padded prompt once and returns the decode loop's start.
 
   prompt_bp: int32 (B, P) left-padded; prompt_len_b: int32 (B,) real lengths.
@@ -199,7 +220,8 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
       valid_bs=jnp.pad(rep(valid_bp, 0), [(0, 0), (0, T)]),
       pos_bs=jnp.pad(rep(pos_bp, 0), [(0, 0), (0, T)]))
   key, sub = jax.random.split(key)
-  first, logp = choose_tokens(rep(logits_bv, 0), sub, cfg)
+  first, logp = choose_tokens(rep(logits_bv, 0), sub, cfg, row_offset,
+                              total_rows)
   tokens_nt = jnp.full((B * G, T), cfg.pad_id, jnp.int32).at[:, 0].set(first)
   logp_nt = jnp.zeros((B * G, T), jnp.float32).at[:, 0].set(logp)
   return _Carry(jnp.int32(1), tokens_nt, logp_nt, _is_stop(first, cfg.stop_ids),
@@ -208,7 +230,8 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
 
 def generate(config: ModelConfig, params: Params, carry: _Carry,
              prompt_len_b: jax.Array, cfg: SamplingConfig,
-             layout: Layout = None) -> Samples:
+             layout: Layout = None, row_offset=0, total_rows: int = 0
+             ) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
   BG, T = carry.tokens_nt.shape
   P = carry.cache.valid_bs.shape[1] - T
@@ -225,7 +248,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
         config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
         layers)
     key, sub = jax.random.split(c.key)
-    tok, logp = choose_tokens(logits, sub, cfg)
+    tok, logp = choose_tokens(logits, sub, cfg, row_offset, total_rows)
     tok = jnp.where(c.done_b, cfg.pad_id, tok)
     logp = jnp.where(c.done_b, 0.0, logp)
     tokens_nt = jax.lax.dynamic_update_slice(c.tokens_nt, tok[:, None], (0, c.t))
@@ -239,22 +262,28 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
-                                             "layout"))
+                                             "layout", "total_rows"))
 def sample_padded(config: ModelConfig, params: Params, prompt_bp: jax.Array,
                   prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
-                  num_generations: int, layout: Layout = None) -> Samples:
+                  num_generations: int, layout: Layout = None,
+                  row_offset=0, total_rows: int = 0) -> Samples:
   """prefill + generate as ONE jitted program on left-padded prompts.
 
   The KV cache is born and dies inside this program: XLA updates it in place
   through the while loop, and no cache buffer crosses the host boundary (this
   is what donating it between two jitted stages would buy, minus the copy).
   With a layout, rows are split over the batch shards (module docstring).
+  row_offset (int32, traced) / total_rows (static): this call's rows are
+  rows row_offset.. of a call over total_rows, and sample as they would
+  there (0: a call of its own).
   """
   prompt_bp, prompt_len_b = (_pin_rows(layout, x)
                              for x in (prompt_bp, prompt_len_b))
   carry = _pin_carry(layout, prefill(config, params, prompt_bp, prompt_len_b,
-                                     key, cfg, num_generations))
-  out = generate(config, params, carry, prompt_len_b, cfg, layout)
+                                     key, cfg, num_generations, row_offset,
+                                     total_rows))
+  out = generate(config, params, carry, prompt_len_b, cfg, layout,
+                 row_offset, total_rows)
   return Samples(*(_pin_rows(layout, x) for x in out[:-1]), steps=out.steps)
 
 
@@ -326,6 +355,55 @@ def prompt_multiple(batch_multiple: int, row_shards: int,
                   row_shards // math.gcd(row_shards, num_generations))
 
 
+# The automatic chunk gives the KV cache this share of the device memory that
+# is free when sampling starts; the rest is for the decode step's temporaries
+# (logits, the prefill's activations).
+KV_FRACTION = 0.5
+
+
+def kv_cache_bytes(config: ModelConfig, rows: int, length: int, itemsize: int,
+                   layout: Layout = None) -> float:
+  """Per-device bytes of the KV cache of `rows` rows of `length` positions,
+  rows split over the batch shards and KV heads as the layout says."""
+  row_shards = 1 if layout is None else layout.batch_shards
+  head_shards = 1 if layout is None else layout.splits("kv_heads",
+                                                       config.num_kv_heads)
+  per_row = (2 * config.num_layers * config.num_kv_heads // head_shards
+             * config.head_dim * length * itemsize)
+  return per_row * rows / row_shards
+
+
+def free_device_memory() -> Optional[float]:
+  """Bytes free on the first local device, or None where the backend does
+  not say (CPU)."""
+  stats = jax.local_devices()[0].memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def prompts_per_call(config: ModelConfig, prompts: int, num_generations: int,
+                     length: int, chunk_rows: int, budget: Optional[float],
+                     layout: Layout, itemsize: int, multiple: int = 1) -> int:
+  """Prompts per sampler call, a multiple of `multiple`.
+
+  chunk_rows > 0: that many rows (whole groups); else, with a memory
+  `budget` (bytes per device), the largest of prompts, prompts/2, ... whose
+  KV cache takes at most KV_FRACTION of it; without one, all prompts.
+  """
+  up = lambda b: max(multiple, -(-b // multiple) * multiple)
+  if chunk_rows:
+    return min(up(prompts), up(max(chunk_rows // num_generations, 1)))
+  b = up(prompts)
+  if budget is None:
+    return b
+  fits = lambda b: kv_cache_bytes(config, b * num_generations, length,
+                                  itemsize, layout) <= KV_FRACTION * budget
+  while b > multiple and not fits(b):
+    b = up(-(-b // 2))
+  return b
+
+
 def sample(config: ModelConfig, params: Params,
            prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig, num_generations: int = 1,
@@ -336,6 +414,11 @@ def sample(config: ModelConfig, params: Params,
   to a multiple of `batch_multiple`, so a run compiles a bounded number of
   times (see COMPILES). The same key gives the same output.
 
+  Rows run in calls of `cfg.chunk_rows` rows, or (0) as many as the
+  device's free memory holds the KV cache of (`prompts_per_call`; all at
+  once on CPU). Each row gets the noise it would get in one call over all
+  rows, so chunking does not change the samples.
+
   With a `layout` (the run's mesh and rules) the rows and the KV cache are
   split over the batch mesh axes; the returned arrays are then row-sharded
   global arrays (`sharding.to_host` brings them to every host).
@@ -345,15 +428,27 @@ def sample(config: ModelConfig, params: Params,
   B, G = len(prompts), num_generations
   shards = 1 if layout is None else layout.batch_shards
   multiple = prompt_multiple(batch_multiple, shards, G)
-  rows = -(-B // multiple) * multiple
   P = bucket(max(len(p) for p in prompts))
+  itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+  per_call = prompts_per_call(
+      config, B, G, P + cfg.max_new_tokens, cfg.chunk_rows,
+      None if cfg.chunk_rows else free_device_memory(), layout, itemsize,
+      multiple)
+  rows = -(-B // per_call) * per_call
   prompt_bp, len_b = left_pad(prompts, P, rows, cfg.pad_id)
-  COMPILES.note((config, cfg, G, rows, P, layout),
-                f"rows={rows} prompt_len={P} G={G} "
+  jit_cfg = dataclasses.replace(cfg, chunk_rows=0)
+  total = 0 if per_call == rows else rows * G
+  COMPILES.note((config, jit_cfg, G, per_call, P, layout, total),
+                f"rows={per_call} prompt_len={P} G={G} "
                 f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
   put = jnp.asarray if layout is None else layout.rows
-  out = sample_padded(config, params, put(prompt_bp), put(len_b), key, cfg,
-                      G, layout)
+  outs = [sample_padded(config, params, put(prompt_bp[s:s + per_call]),
+                        put(len_b[s:s + per_call]), key, jit_cfg, G, layout,
+                        jnp.int32(s * G), total)
+          for s in range(0, rows, per_call)]
+  out = outs[0] if len(outs) == 1 else Samples(
+      *(jnp.concatenate(xs) for xs in zip(*(o[:-1] for o in outs))),
+      steps=jnp.max(jnp.stack([o.steps for o in outs])))
   if rows == B:
     return out
   return Samples(*(x[:B * G] for x in out[:-1]), steps=out.steps)

@@ -434,6 +434,15 @@ class Layout:
     return math.prod(self.mesh.shape[a]
                      for a in dict(self.rules).get(BATCH, ()))
 
+  def splits(self, logical: str, size: int) -> int:
+    """How many ways the rules split a dimension of `size` named `logical`."""
+    spec = spec_for((logical,), (size,), self.mesh, self.rules, logical)
+    axes = spec[0] if len(spec) else None
+    if axes is None:
+      return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return math.prod(self.mesh.shape[a] for a in axes)
+
   def constrain(self, x: jax.Array, logical_axes: Sequence[Optional[str]]
                 ) -> jax.Array:
     """Inside jit: pins `x` to the sharding its logical axes get from the

@@ -221,3 +221,41 @@ def test_greedy_equals_uncached_argmax_on_bundled_smollm2():
       logits = fwd(config, params, jnp.asarray(padded))[0, len(seq) - 1]
       seq.append(int(jnp.argmax(logits)))
     np.testing.assert_array_equal(out.tokens_nt[b], seq[len(prompt):])
+
+
+@pytest.mark.parametrize("chunk_rows,top_p", [(4, 1.0), (8, 0.9)])
+def test_chunked_sampling_equals_one_call(params, chunk_rows, top_p):
+  """Rows in calls of chunk_rows give the samples of one call over all rows
+  (each row draws its entry of one noise vector), stop ids included."""
+  prompts = _prompts([3, 9, 5, 7, 4])
+  one = sampling.SamplingConfig(max_new_tokens=12, top_p=top_p, stop_ids=(7,))
+  chunked = sampling.SamplingConfig(max_new_tokens=12, top_p=top_p,
+                                    stop_ids=(7,), chunk_rows=chunk_rows)
+  a = sampling.sample(CONFIG, params, prompts, jax.random.key(5), one, 4)
+  b = sampling.sample(CONFIG, params, prompts, jax.random.key(5), chunked, 4)
+  assert a.tokens_nt.shape == b.tokens_nt.shape == (20, 12)
+  for name in ("tokens_nt", "mask_nt", "length_n", "truncated_n"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+  # The same tokens; log-probs equal up to float rounding (other row counts
+  # take other matmul paths).
+  np.testing.assert_allclose(a.logp_nt, b.logp_nt, rtol=1e-5, atol=1e-5)
+  assert len(set(map(tuple, np.asarray(a.tokens_nt)))) > 10   # not all equal
+
+
+def test_automatic_chunks_follow_free_memory(params, monkeypatch):
+  """Where the device reports its free memory, rows run in the largest
+  chunks whose KV cache fits KV_FRACTION of it, with the same samples."""
+  prompts = _prompts([3, 9, 5, 7])
+  cfg = sampling.SamplingConfig(max_new_tokens=8)
+  a = sampling.sample(CONFIG, params, prompts, jax.random.key(1), cfg, 2)
+  calls = []
+  real = sampling.sample_padded
+  monkeypatch.setattr(sampling, "sample_padded", lambda *args: calls.append(
+      args[2].shape[0]) or real(*args))
+  two_prompts = sampling.kv_cache_bytes(CONFIG, 2 * 2, 16 + 8, 4)
+  monkeypatch.setattr(sampling, "free_device_memory",
+                      lambda: two_prompts / sampling.KV_FRACTION)
+  b = sampling.sample(CONFIG, params, prompts, jax.random.key(1), cfg, 2)
+  assert calls == [2, 2]
+  np.testing.assert_array_equal(np.asarray(a.tokens_nt),
+                                np.asarray(b.tokens_nt))
