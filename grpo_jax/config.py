@@ -72,6 +72,8 @@ def base_config() -> ConfigDict:
       num_updates=1,                   # μ: passes over each rollout
       mini_batch_size=0,               # completions per optimizer update (0: all)
       micro_batch_size=0,              # completions per forward/backward (0: all)
+      micro_batch_tokens=0,            # else: the most rows whose tokens fit
+                                       # this budget (0: the whole mini-batch)
       old_logp="sampler",              # sampler | recompute
       shared_prompt=True,              # run each group's prompt once in the update
       dynamic_sampling=True,
@@ -365,6 +367,9 @@ def _check_ranges(config: ConfigDict) -> None:
     raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high'/"
                       f"'rl.dual_clip': {e}") from e
   _check_advantage(rl.advantage)
+  if rl.micro_batch_tokens < 0:
+    raise ConfigError(f"config field 'rl.micro_batch_tokens' = "
+                      f"{rl.micro_batch_tokens} must be >= 0 (0: off)")
   rows = rl.prompts_per_step * rl.num_generations
   for path in ("rl.mini_batch_size", "rl.micro_batch_size"):
     size = _get(config, path)

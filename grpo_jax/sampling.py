@@ -349,10 +349,21 @@ COMPILES = CompileCounter()
 
 def prompt_multiple(batch_multiple: int, row_shards: int,
                     num_generations: int) -> int:
-  """The number of prompts is padded to a multiple of this: of
-  `batch_multiple`, and such that the B*G rows divide into `row_shards`."""
+  """A multiple of `batch_multiple` such that its B*G rows divide into
+  `row_shards` (what a call's prompt count is padded to)."""
   return math.lcm(batch_multiple,
                   row_shards // math.gcd(row_shards, num_generations))
+
+
+def padded_prompts(prompts: int, batch_multiple: int, row_shards: int,
+                   num_generations: int) -> int:
+  """Prompts of a sampler call after padding: up to a multiple of
+  `batch_multiple` (callers' fixed chunk shape), then of the row shards.
+  (Not their lcm: 30 evaluation prompts on 64 row shards are 64 rows, not
+  960.)"""
+  up = lambda n, m: -(-n // m) * m
+  return up(up(prompts, batch_multiple),
+            prompt_multiple(1, row_shards, num_generations))
 
 
 # The automatic chunk gives the KV cache this share of the device memory that
@@ -411,8 +422,9 @@ def sample(config: ModelConfig, params: Params,
   """G completions for each prompt (rows b*G .. b*G+G-1 belong to prompt b).
 
   Prompt length is padded to a power-of-two bucket and the number of prompts
-  to a multiple of `batch_multiple`, so a run compiles a bounded number of
-  times (see COMPILES). The same key gives the same output.
+  to a multiple of `batch_multiple` and then of the row shards
+  (`padded_prompts`), so a run compiles a bounded number of times (see
+  COMPILES). The same key gives the same output.
 
   Rows run in calls of `cfg.chunk_rows` rows, or (0) as many as the
   device's free memory holds the KV cache of (`prompts_per_call`; all at
@@ -427,13 +439,13 @@ def sample(config: ModelConfig, params: Params,
     raise ValueError("sample() needs at least one prompt")
   B, G = len(prompts), num_generations
   shards = 1 if layout is None else layout.batch_shards
-  multiple = prompt_multiple(batch_multiple, shards, G)
   P = bucket(max(len(p) for p in prompts))
   itemsize = jax.tree.leaves(params)[0].dtype.itemsize
   per_call = prompts_per_call(
-      config, B, G, P + cfg.max_new_tokens, cfg.chunk_rows,
+      config, padded_prompts(B, batch_multiple, shards, G), G,
+      P + cfg.max_new_tokens, cfg.chunk_rows,
       None if cfg.chunk_rows else free_device_memory(), layout, itemsize,
-      multiple)
+      prompt_multiple(1, shards, G))
   rows = -(-B // per_call) * per_call
   prompt_bp, len_b = left_pad(prompts, P, rows, cfg.pad_id)
   jit_cfg = dataclasses.replace(cfg, chunk_rows=0)

@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpo_jax.config import ConfigError
@@ -173,8 +173,17 @@ def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
     raise ConfigError(f"config fields 'mesh.shape' = {tuple(mesh_cfg.shape)} "
                       f"and 'mesh.axes' = {axes} differ in length")
   shape = mesh_shape(mesh_cfg.shape, len(devices))
-  return jax.make_mesh(shape, axes, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  types = (jax.sharding.AxisType.Auto,) * len(axes)
+  try:
+    return jax.make_mesh(shape, axes, devices=devices, axis_types=types)
+  except NotImplementedError:
+    # TPU slices whose physical axes do not each fit inside one mesh axis
+    # (e.g. (-1, 8, 4) on v5p:4x4x4 or v6e:16x16) need a physical axis split
+    # over two mesh axes.
+    grid = mesh_utils.create_device_mesh(shape, devices,
+                                         allow_split_physical_axes=True)
+    logging.info("mesh %s: physical axes split over mesh axes", shape)
+    return Mesh(grid, axes, axis_types=types)
 
 
 def _known_logical_axes() -> set[str]:

@@ -30,7 +30,8 @@ from grpo_jax import sharding as sharding_lib
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
-                             score_logprobs, update_step)
+                             micro_batch_rows, score_logprobs,
+                             update_step)
 
 
 def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
@@ -74,16 +75,20 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   group = update_group_size(rl, mini)
   whole = update_group_size(rl, n)
   old = put(packed.old_logp_nt)
+  seq_len = packed.tokens_ns.shape[1]
+  micro = micro_batch_rows(mini, seq_len, rl.micro_batch_size,
+                           rl.micro_batch_tokens)
+  score = lambda params: score_logprobs(params, *cols, model_config, T,
+                                        settings, whole, n // micro)
   if rl.old_logp == "recompute":
-    old = score_logprobs(state.params, *cols, model_config, T, settings,
-                         whole)
+    old = score(state.params)
   ref = jnp.zeros_like(old)
   if settings.use_kl:
-    ref = score_logprobs(ref_params, *cols, model_config, T, settings, whole)
+    ref = score(ref_params)
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
   full = UpdateBatch(*cols, put(packed.mask_nt), old, ref, put(adv_n))
-  num_micro = mini // (rl.micro_batch_size or mini)
+  num_micro = mini // micro
   t0 = time.perf_counter()
   step_metrics = []
   for _ in range(rl.num_updates):
@@ -181,6 +186,7 @@ def run(config, workdir: str) -> dict:
     groups, metrics = rollout.collect(generate, rl.prompts_per_step,
                                       rl.dynamic_sampling, rl.max_gen_batches,
                                       rl.on_cap)
+    del compute   # the compute-dtype copy is not kept through the update
     packed = rollout.pack(groups, tokenizer.pad_id or 0, rl.overlong_filter)
     # ADVANTAGE
     adv_n = advantages(config, packed.reward_bg)

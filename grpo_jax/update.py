@@ -299,11 +299,38 @@ def update_step(state: TrainState, batch: UpdateBatch,
                          layout), metrics
 
 
+def micro_batch_rows(mini: int, seq_len: int, micro_batch_size: int = 0,
+                     token_budget: int = 0) -> int:
+  """Rows per micro-batch: micro_batch_size if set; else the largest divisor
+  of the mini-batch whose rows hold at most `token_budget` tokens (at least
+  one row); else the whole mini-batch."""
+  if micro_batch_size:
+    return micro_batch_size
+  if not token_budget:
+    return mini
+  most = max(1, token_budget // seq_len)
+  return max(d for d in range(1, min(mini, most) + 1) if mini % d == 0)
+
+
+def _join_micro_batches(x):
+  """[M, n/M, ...] -> [n, ...]: the inverse of `micro_batches`."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "num_completion",
-                                             "s", "group_size"))
+                                             "s", "group_size", "num_micro"))
 def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
                    model_config: ModelConfig, num_completion: int,
-                   s: LossSettings, group_size: int = 1) -> jax.Array:
-  """Token log-probs of given completions (π_ref, or π_old recomputed)."""
-  return completion_logprobs(model_config, params, tokens_ns, positions_ns,
-                             valid_ns, num_completion, s, group_size)[0]
+                   s: LossSettings, group_size: int = 1,
+                   num_micro: int = 1) -> jax.Array:
+  """Token log-probs of given completions (π_ref, or π_old recomputed),
+  `num_micro` strided micro-batches at a time (as the update splits rows)."""
+  params = cast(params, s.compute_dtype)     # once, not per micro-batch
+  if num_micro == 1:
+    return completion_logprobs(model_config, params, tokens_ns, positions_ns,
+                               valid_ns, num_completion, s, group_size)[0]
+  group = micro_group_size(group_size, num_micro)
+  cols = micro_batches((tokens_ns, positions_ns, valid_ns), num_micro)
+  logp = jax.lax.map(lambda xs: completion_logprobs(
+      model_config, params, *xs, num_completion, s, group)[0], cols)
+  return _join_micro_batches(logp)

@@ -1,0 +1,55 @@
+"""Does a config fit a TPU topology? Compiles its programs ahead of time.
+
+    python experiments/aot.py --config=configs/dapo_aime.py \\
+        --topology=v5p:8x8x4 --config.model.source=qwen2.5-32b
+
+Needs libtpu (pip install -r requirements-tpu.txt), no TPU, no weights, no
+tokenizer and no data: model.source is a preset name or a directory with
+only config.json. Compiles the training sampler call, an update
+mini-batch in its micro-batches, reference / old-log-prob scoring when the
+config uses them, and the evaluation sampler for the topology's chips, and
+prints per-chip memory against the chip's HBM, then the step's analytic
+FLOPs and roofline time (grpo_jax/aot.py). Exit status 0 only when every
+program fits with 5% to spare; otherwise it names what does not and the
+largest micro-batch / sampler chunk that would.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Compiling for a topology needs libtpu, never a TPU: stay on the CPU backend
+# (so a TPU VM's chips are left alone) and let libtpu load beside another
+# process that holds it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
+_TOPOLOGY = flags.DEFINE_string("topology", None,
+                                "TPU topology, e.g. v5e:2x2, v5p:8x8x4.")
+_PROMPT_LEN = flags.DEFINE_integer(
+    "prompt_len", 512, "Prompt tokens per row (the sampler's power-of-two "
+    "bucket of the longest prompt).")
+
+
+def main(argv):
+  del argv
+  if _CONFIG.value is None or _TOPOLOGY.value is None:
+    raise app.UsageError("--config and --topology are required")
+  from grpo_jax import aot  # pylint: disable=import-outside-toplevel
+  report = aot.check(_CONFIG.value, _TOPOLOGY.value, _PROMPT_LEN.value)
+  print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
+        "and HBM bandwidth):")
+  for line in aot.format_step(report):
+    print("  " + line)
+  if not report.fits:
+    print("DOES NOT FIT: " + "; ".join(report.advice))
+    sys.exit(1)
+  print(f"fits: every program leaves >= {100 * aot.SPARE:.0f}% of "
+        f"{report.hbm / aot.GiB:.2f} GiB free on each of {report.chips} chips")
+
+
+if __name__ == "__main__":
+  app.run(main)

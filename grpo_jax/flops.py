@@ -1,0 +1,116 @@
+"""Analytic FLOPs and roofline times of a training step.
+
+XLA's `cost_analysis()` counts a while loop's body once (the sampler's
+decode loop, the update's micro-batch scan), so the step is counted here
+from the model's shapes: a matmul of an (m, k) by (k, n) operand is 2mkn
+FLOPs; attention costs 4 * heads * head_dim FLOPs per (query, key) pair
+that it computes (q.k and p.v). Attention is counted over the causal
+triangle (what blockwise attention computes; dense attention does twice
+that, masked).
+
+Shapes: b prompts, g generations, n = b * g rows, p prompt tokens, t
+completion tokens, l layers.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from grpo_jax.models.config import ModelConfig
+
+
+def body_weights(c: ModelConfig) -> int:
+  """Matmul weights per token of the decoder body (no embedding lookup,
+  no LM head)."""
+  attn = c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+  attn += c.num_heads * c.head_dim * c.dim
+  return c.num_layers * (attn + 3 * c.dim * c.mlp_dim)
+
+
+def head_weights(c: ModelConfig) -> int:
+  return c.dim * c.vocab_size
+
+
+def attention_flops(c: ModelConfig, pairs: float) -> float:
+  """FLOPs of attention over `pairs` (query, key) pairs, all layers."""
+  return 4.0 * c.num_layers * c.num_heads * c.head_dim * pairs
+
+
+def causal_pairs(queries: int, context: int) -> float:
+  """(query, key) pairs of `queries` new tokens after `context` earlier
+  ones, each attending to all before it and itself."""
+  return queries * context + queries * (queries + 1) / 2
+
+
+def forward_flops(c: ModelConfig, body_tokens: float, head_tokens: float,
+                  pairs: float) -> float:
+  return (2.0 * body_weights(c) * body_tokens
+          + 2.0 * head_weights(c) * head_tokens + attention_flops(c, pairs))
+
+
+def sampler_flops(c: ModelConfig, b: int, g: int, p: int, t: int) -> float:
+  """One sampler call at full length: prefill b prompts once, decode n rows."""
+  prefill = forward_flops(c, b * p, b, b * causal_pairs(p, 0))
+  decode = forward_flops(c, b * g * t, b * g * t, b * g * causal_pairs(t, p))
+  return prefill + decode
+
+
+# Forward passes that one forward+backward costs: backward ~2x forward, and
+# remat recomputes the forward (full) or the unsaved non-batch dots (dots:
+# attention's batched dots are recomputed).
+_PASSES = {"none": (3, 3), "dots": (3, 4), "full": (4, 4)}   # (body, attn)
+
+
+def update_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
+                 remat: str, shared_prompt: bool) -> float:
+  """Forward + backward over n rows of [prompt | completion]; with a shared
+  prompt each group's prompt runs once. The chunked head recomputes its
+  logits in the backward (jax.checkpoint): 4 passes."""
+  body, attn = _PASSES[remat]
+  n = b * g
+  if shared_prompt:
+    tokens = b * p + n * t
+    pairs = b * causal_pairs(p, 0) + n * causal_pairs(t, p)
+  else:
+    tokens = n * (p + t)
+    pairs = n * causal_pairs(p + t, 0)
+  return (body * 2.0 * body_weights(c) * tokens
+          + 4 * 2.0 * head_weights(c) * n * t
+          + attn * attention_flops(c, pairs))
+
+
+def score_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
+                shared_prompt: bool) -> float:
+  n = b * g
+  if shared_prompt:
+    return forward_flops(c, b * p + n * t, n * t,
+                         b * causal_pairs(p, 0) + n * causal_pairs(t, p))
+  return forward_flops(c, n * (p + t), n * t, n * causal_pairs(p + t, 0))
+
+
+class Roofline(NamedTuple):
+  flops: float
+  seconds: float          # max(compute, memory) lower bound
+  bound: str              # "compute" or "memory"
+
+
+def roofline(flops: float, chips: int, peak_flops: float,
+             bytes_per_chip: float = 0.0, bandwidth: float = 1.0
+             ) -> Roofline:
+  """Lower bound on time: all chips at peak FLOP/s, or each chip streaming
+  `bytes_per_chip` from HBM at `bandwidth`, whichever is slower."""
+  compute = flops / (chips * peak_flops)
+  memory = bytes_per_chip / bandwidth
+  if memory > compute:
+    return Roofline(flops, memory, "memory")
+  return Roofline(flops, compute, "compute")
+
+
+def decode_bytes_per_chip(c: ModelConfig, rows_per_chip: float,
+                          kv_heads_per_chip: float, p: int, t: int,
+                          weight_bytes_per_chip: float,
+                          kv_itemsize: int) -> float:
+  """HBM bytes a chip reads over t decode steps: its weight shard every step
+  and its rows' KV cache, which grows from p to p + t positions."""
+  kv_per_position = 2 * c.num_layers * kv_heads_per_chip * c.head_dim
+  kv = rows_per_chip * kv_per_position * kv_itemsize * (t * p + t * t / 2)
+  return t * weight_bytes_per_chip + kv

@@ -1,0 +1,107 @@
+"""experiments/aot.py compiles a config's programs for a TPU topology on this
+CPU (libtpu from requirements-tpu.txt; no TPU): it exits 0 when every
+program fits the chips' memory and 1, naming the program and what would
+fit, when one does not."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from grpo_jax import aot, flops, sampling
+from grpo_jax.models import get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 1500
+
+
+def _aot(*args):
+  try:
+    import libtpu  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    pytest.fail("libtpu is missing: pip install -r requirements-tpu.txt "
+                "(requirements-test.txt includes it)")
+  proc = subprocess.run(
+      [sys.executable, "-u", os.path.join(ROOT, "experiments", "aot.py"),
+       "--topology=v5e:2x2", *args], capture_output=True, text=True,
+      timeout=TIMEOUT_S, cwd=ROOT,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return proc.returncode, proc.stdout + proc.stderr
+
+
+def _row(out: str, name: str) -> str:
+  return next(line for line in out.splitlines() if line.startswith(name))
+
+
+def test_tiny_fits():
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16")
+  assert rc == 0, out
+  assert "4 chips (TPU v5 lite), 15.75 GiB each" in out
+  for name in ("sampler", "update", "eval greedy"):
+    assert _row(out, name).endswith("yes"), out
+  assert "fits: every program leaves >= 5%" in out
+
+
+def test_qwen_half_b_fits_with_scoring():
+  """Qwen2.5-0.5B, bf16 compute, KL to a reference (scoring compiled)."""
+  rc, out = _aot("--config=configs/grpo_gsm8k.py", "--prompt_len=64",
+                 "--config.model.source=qwen2.5-0.5b",
+                 "--config.sampling.max_new_tokens=64",
+                 "--config.rl.prompts_per_step=4",
+                 "--config.rl.num_generations=4",
+                 "--config.rl.mini_batch_size=16",
+                 "--config.rl.micro_batch_size=8",
+                 "--config.train.eval_examples=4")
+  assert rc == 0, out
+  assert "0.49B params" in out
+  for name in ("sampler", "update", "score", "eval greedy"):
+    assert _row(out, name).endswith("yes"), out
+
+
+def test_oversized_micro_batch_is_reported():
+  """Dense attention at 12k tokens: 16 rows per micro-batch need far more
+  than a v5e chip; the tool says so and names a micro-batch that fits."""
+  long = ["--config=configs/tiny.py", "--prompt_len=16",
+          "--config.sampling.max_new_tokens=12272",
+          "--config.rl.prompts_per_step=4", "--config.rl.num_generations=4",
+          "--config.rl.micro_batch_size=16", "--config.train.eval_examples=1",
+          "--config.sampling.chunk_rows=4"]
+  rc, out = _aot(*long, "--config.model.attention=dense")
+  assert rc == 1, out
+  found = re.search(r"DOES NOT FIT: update does not fit with 16 rows; "
+                    r"micro-batch \(rows\) (\d+) fits", out)
+  assert found and int(found.group(1)) < 16, out
+  rc, out = _aot(*long, "--config.model.attention=blockwise")
+  assert rc == 0, out          # blockwise attention: the same batch fits
+  assert _row(out, "update").endswith("yes"), out
+
+
+def test_sampler_chunk_from_memory_budget():
+  """The automatic chunk: the largest halving of the prompts whose KV cache
+  takes at most KV_FRACTION of the budget."""
+  c = get_preset("qwen2.5-0.5b")
+  row = sampling.kv_cache_bytes(c, 1, 1000, 2)
+  assert row == 2 * 24 * 2 * 64 * 1000 * 2
+  budget = row * 64 * 16 / sampling.KV_FRACTION    # 64 prompts x G=16 fit
+  assert sampling.prompts_per_call(c, 512, 16, 1000, 0, budget, None, 2) == 64
+  assert sampling.prompts_per_call(c, 512, 16, 1000, 0, None, None, 2) == 512
+  assert sampling.prompts_per_call(c, 512, 16, 1000, 160, budget, None, 2,
+                                   multiple=4) == 12
+
+
+def test_flops_by_hand():
+  """A 1-layer model with round sizes, counted by hand."""
+  c = get_preset("tiny")
+  D, H, K, hd, F, V = (c.dim, c.num_heads, c.num_kv_heads, c.head_dim,
+                       c.mlp_dim, c.vocab_size)
+  body = c.num_layers * (D * (H + 2 * K) * hd + H * hd * D + 3 * D * F)
+  assert flops.body_weights(c) == body
+  # one prompt of 3 tokens, one row, 2 new tokens: prefill 3 tokens with
+  # 6 causal pairs, head on 1; decode 2 tokens with 3*2 + 3 pairs, head on 2
+  want = (2 * body * 3 + 2 * D * V * 1 + 4 * c.num_layers * H * hd * 6
+          + 2 * body * 2 + 2 * D * V * 2 + 4 * c.num_layers * H * hd * 9)
+  assert flops.sampler_flops(c, 1, 1, 3, 2) == want
+  r = flops.roofline(2e12, 4, 1e12, bytes_per_chip=1e9, bandwidth=1e10)
+  assert (r.seconds, r.bound) == (0.5, "compute")
+  assert aot.halvings(48) == [48, 24, 12, 6, 3]
