@@ -29,6 +29,9 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _TOPOLOGY = flags.DEFINE_string("topology", None,
                                 "TPU topology, e.g. v5e:2x2, v5p:8x8x4.")
+_SEARCH = flags.DEFINE_bool(
+    "search", True, "When a program does not fit, compile smaller "
+    "micro-batches / chunks to name the largest that fits.")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 512, "Prompt tokens per row (the sampler's power-of-two "
     "bucket of the longest prompt).")
@@ -39,7 +42,8 @@ def main(argv):
   if _CONFIG.value is None or _TOPOLOGY.value is None:
     raise app.UsageError("--config and --topology are required")
   from grpo_jax import aot  # pylint: disable=import-outside-toplevel
-  report = aot.check(_CONFIG.value, _TOPOLOGY.value, _PROMPT_LEN.value)
+  report = aot.check(_CONFIG.value, _TOPOLOGY.value, _PROMPT_LEN.value,
+                     search=_SEARCH.value)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
         "and HBM bandwidth):")
   for line in aot.format_step(report):

@@ -402,8 +402,10 @@ def validate(config) -> None:
 
 
 def check(config, topology: str, prompt_len: int,
-          log: Callable[[str], None] = print) -> Report:
-  """Compiles every program of `config` for `topology`; see module doc."""
+          log: Callable[[str], None] = print, search: bool = True) -> Report:
+  """Compiles every program of `config` for `topology`; see module doc.
+  search: when a program does not fit, compile smaller sizes to name the
+  largest that does (each one more compile)."""
   validate(config)
   devices = topology_devices(topology)
   spec = chip_spec(devices)
@@ -428,6 +430,10 @@ def check(config, topology: str, prompt_len: int,
     programs.append(program)
     log(format_program(program, hbm))
     if not program.fits(hbm):
+      if not search:
+        advice.append(f"{program.name} does not fit with {program.rows} rows")
+        log("  -> " + advice[-1])
+        return
       better = retry()
       advice.append(f"{program.name} does not fit with {program.rows} rows; "
                     + (f"{what} {better.rows} fits "
