@@ -253,10 +253,10 @@ class Plan:
     lens = _rows(self.layout, (b,), jnp.int32)
     key = _replicated(self.layout, jax.eval_shape(lambda: jax.random.key(0)))
     params = self.compute_params()
-    # Beside it: the train state; with equal dtypes the sampler reads the
-    # state's own params (its argument), so only the rest is extra.
-    resident = self.state_bytes - (0 if self.compute_copy_bytes() else
-                                   per_chip_bytes(self.state.params))
+    # Beside it: the train state (and the reference when β > 0); with equal
+    # dtypes the sampler reads the state's own params (its argument).
+    resident = self.state_bytes + self.reference_bytes() - (
+        0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
     lower = lambda: sampling.sample_padded.lower(
         self.model_config, params, prompt, lens, key, cfg, generations,
         self.layout)
@@ -361,7 +361,8 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   """Prompts per training sampler call: sampling.chunk_rows, or the
   automatic chunk `sampling.auto_chunk_prompts` picks for this chip."""
   rl = config.rl
-  budget = hbm - plan.state_bytes - plan.compute_copy_bytes()
+  budget = (hbm - plan.state_bytes - plan.reference_bytes()
+            - plan.compute_copy_bytes())
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
