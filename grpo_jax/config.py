@@ -45,7 +45,8 @@ def base_config() -> ConfigDict:
   ))
 
   c.sampling = ConfigDict(dict(
-      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0))
+      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
+      compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = ConfigDict(dict(
       prompts_per_step=8,              # B groups per optimizer step (kept)
@@ -56,6 +57,10 @@ def base_config() -> ConfigDict:
       max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)
       eps_low=0.2, eps_high=0.28,
       dual_clip=0.0,                   # 0: off; verl uses 3, DAPO scripts 10
+      policy_loss="ppo",               # a "policy_loss" registry name
+      cispo_cap=5.0,                   # cispo_cap: TRL's absolute cap on ρ
+      gmpo_eps=0.4,                    # gmpo: log-space clip
+      sapo_tau_pos=1.0, sapo_tau_neg=1.05,   # sapo: gate temperatures
       kl_beta=0.0, kl_estimator="k3",
       kl_start_step=0, kl_ramp_steps=0,
       num_updates=1,                   # μ: passes over each rollout
@@ -67,6 +72,17 @@ def base_config() -> ConfigDict:
       max_gen_batches=3,               # cap on generation batches per step
       on_cap="fill",                   # fill | fewer | raise
       overlong_filter=False,           # truncated completions get no gradient
+      # Sampler vs trainer mismatch (algorithms/rollout_correction.py).
+      rollout_correction=ConfigDict(dict(
+          is_level="none",             # none | token | sequence
+          is_mode="truncate",          # truncate: min(ρ, C) | mask: ρ·[ρ<=C]
+          is_threshold=2.0,            # C (verl 2.0; TRL masks at 3.0)
+          band=(0.0, 0.0),             # IcePop token band, e.g. (0.5, 5.0)
+          reject="none",               # none | k1_sum | k1_mean | k3_mean
+          reject_min=-1e30, reject_max=1e30,
+          denominator="verl",          # verl: dropped rows leave the
+                                       # normalisers | trl: weight 0 only
+      )),
   ))
 
   # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
@@ -139,6 +155,7 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "dots", "full"),
+    "sampling.compute_dtype": ("", "float32", "bfloat16"),
     "rl.old_logp": ("sampler", "recompute"),
     "rl.on_cap": ("fill", "fewer", "raise"),
     "optim.schedule": ("constant", "cosine"),
@@ -149,6 +166,7 @@ _REGISTRY_FIELDS = {
     "data.template": "template",
     "rl.advantage": "advantage",
     "rl.loss_agg": "loss_agg",
+    "rl.policy_loss": "policy_loss",
     "rl.kl_estimator": "kl_estimator",
 }
 
@@ -275,13 +293,16 @@ def _check_ranges(config: ConfigDict) -> None:
   for path, value in positive.items():
     if value < 1:
       raise ConfigError(f"config field {path!r} = {value} must be >= 1")
-  if rl.num_generations < 2 and rl.advantage != "dr_grpo":
+  if rl.num_generations < 2 and rl.advantage not in ("dr_grpo",
+                                                      "reinforce_pp"):
     raise ConfigError("config field 'rl.num_generations' must be >= 2 for "
                       "group-relative advantages")
-  if not 0 <= rl.eps_low < 1 or rl.eps_high < 0:
+  if not 0 <= rl.eps_low < 1 and rl.policy_loss != "cispo" or (
+      rl.eps_low < 0 or rl.eps_high < 0):
     raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high' = "
-                      f"{rl.eps_low}/{rl.eps_high}: need 0 <= eps_low < 1, "
-                      f"eps_high >= 0")
+                      f"{rl.eps_low}/{rl.eps_high}: need 0 <= eps_low < 1 "
+                      f"(any eps_low >= 0 for cispo), eps_high >= 0")
+  _check_policy_loss(rl)
   rows = rl.prompts_per_step * rl.num_generations
   for path in ("rl.mini_batch_size", "rl.micro_batch_size"):
     size = _get(config, path)
@@ -293,6 +314,33 @@ def _check_ranges(config: ConfigDict) -> None:
     raise ConfigError(f"config field 'rl.micro_batch_size' = "
                       f"{rl.micro_batch_size} must divide rl.mini_batch_size "
                       f"= {mini}")
+
+
+def _check_policy_loss(rl: ConfigDict) -> None:
+  """A loss with its own aggregation (GSPO, GMPO, SAPO) must be given it;
+  the rollout correction's fields (rollout_correction.validate)."""
+  # pylint: disable=import-outside-toplevel
+  from grpo_jax.algorithms import policy_losses, rollout_correction
+  fixed = registry.lookup("policy_loss", rl.policy_loss).fixed_agg
+  if fixed is not None and rl.loss_agg != fixed:
+    raise ConfigError(f"config field 'rl.loss_agg' = {rl.loss_agg!r}: "
+                      f"rl.policy_loss = {rl.policy_loss!r} aggregates "
+                      f"{fixed!r} only (as verl); set --config.rl.loss_agg="
+                      f"{fixed}")
+  if rl.dual_clip and rl.policy_loss != "ppo":
+    raise ConfigError(f"config field 'rl.dual_clip' = {rl.dual_clip}: only "
+                      f"rl.policy_loss = 'ppo' has a dual clip")
+  try:
+    policy_losses.validate_params(rl.policy_loss, policy_losses.LossParams(
+        eps_low=rl.eps_low, eps_high=rl.eps_high,
+        dual_clip=rl.dual_clip or None, cispo_cap=rl.cispo_cap,
+        gmpo_eps=rl.gmpo_eps, sapo_tau_pos=rl.sapo_tau_pos,
+        sapo_tau_neg=rl.sapo_tau_neg))
+    rollout_correction.validate(rollout_correction.CorrectionSettings
+                                .from_config(rl.rollout_correction),
+                                rl.old_logp)
+  except ValueError as e:
+    raise ConfigError(f"config group 'rl': {e}") from e
 
 
 def _check_eval(e: ConfigDict) -> None:

@@ -225,13 +225,14 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, adv: jax.Array,
   adv_bt = _token_advantages(adv, logp_bt.shape)
   pg_bt, flags = spec.fn(logp_bt, old_logp_bt, adv_bt, mask_bt, params)
   metrics = {}
-  if bypass_correction is not None and bypass_correction.active:
+  if bypass_correction is not None:   # metrics always, weights when active
     weight_bt, _, corr = rollout_correction.correct(
         jax.lax.stop_gradient(logp_bt), old_logp_bt, mask_bt,
         bypass_correction, norm.num_tokens, norm.num_seqs)
     metrics.update(corr)
-    is_weight_bt = weight_bt if is_weight_bt is None else (
-        is_weight_bt * weight_bt)
+    if bypass_correction.active:
+      is_weight_bt = weight_bt if is_weight_bt is None else (
+          is_weight_bt * weight_bt)
   if is_weight_bt is not None:
     pg_bt = pg_bt * jax.lax.stop_gradient(is_weight_bt)
   pg_loss = aggregate(pg_bt, mask_bt, norm)
