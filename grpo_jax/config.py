@@ -52,6 +52,8 @@ def base_config() -> ConfigDict:
       prompts_per_step=8,              # B groups per optimizer step (kept)
       num_generations=8,               # G
       advantage="grpo",                # an "advantage" registry name
+      process_reward="equations",      # a "process_reward" name, read by
+                                       # advantage = grpo_process
       adv_ddof=1, adv_eps=1e-6,
       loss_agg="token-mean",           # a "loss_agg" registry name
       max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)
@@ -167,6 +169,7 @@ _REGISTRY_FIELDS = {
     "rl.advantage": "advantage",
     "rl.loss_agg": "loss_agg",
     "rl.policy_loss": "policy_loss",
+    "rl.process_reward": "process_reward",
     "rl.kl_estimator": "kl_estimator",
 }
 

@@ -46,6 +46,25 @@ def advantages(config, reward_bg: np.ndarray,
   return np.asarray(adv_bg, np.float32).reshape(-1)
 
 
+def process_advantages(config, tokenizer, groups) -> tuple[np.ndarray, dict]:
+  """ADVANTAGE with process supervision (DeepSeekMath §4.1.3): step rewards
+  from the configured process reward at step-end tokens, z-scored over all
+  steps of each group and summed over the steps at or after each token:
+  per-token advantages [B*G, T]."""
+  from grpo_jax.algorithms import advantages as adv_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax.rewards import process  # pylint: disable=import-outside-toplevel
+  B, G, T = groups["tokens"].shape
+  # the text the rewards read: without the stop token (rollout.generate_groups)
+  text_len_bg = groups["length"] - (~groups["truncated"])
+  step_r, step_end, metrics = process.step_rewards(
+      config.rl.process_reward, tokenizer, groups["tokens"], text_len_bg,
+      groups["correct"], T)
+  adv_bgt = adv_lib.grpo_process_advantages(
+      jnp.asarray(step_r), jnp.asarray(step_end), ddof=config.rl.adv_ddof,
+      eps=config.rl.adv_eps)
+  return np.asarray(adv_bgt, np.float32).reshape(B * G, T), metrics
+
+
 def _minibatches(n: int, size: int, rng: np.random.Generator,
                  group_size: int = 1):
   """Shuffled mini-batches of row indices. group_size > 1: whole groups are
@@ -205,7 +224,11 @@ def run(config, workdir: str) -> dict:
                                       rl.on_cap)
     packed = rollout.pack(groups, tokenizer.pad_id or 0, rl.overlong_filter)
     # ADVANTAGE
-    adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
+    if rl.advantage == "grpo_process":    # per token [N, T]
+      adv_n, process_metrics = process_advantages(config, tokenizer, groups)
+      metrics.update(process_metrics)
+    else:
+      adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
     metrics.update({"advantage/mean": float(adv_n.mean()),
                     "advantage/std": float(adv_n.std()),
                     "advantage/abs_max": float(np.abs(adv_n).max())})
