@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import dapo_aime
-from grpo_jax import rollout, train, update
+from grpo_jax import experiment, rollout, update
 from grpo_jax.algorithms import rollout_correction
 
 PAIRS = (("float32", "float32"), ("bfloat16", "float32"),
@@ -73,10 +73,10 @@ def main() -> None:
 
   config = dapo_aime.get_config("local")
   config.sampling.max_new_tokens = args.max_new_tokens
-  model_config, params, tokenizer = train.load_model_and_tokenizer(config)
-  examples = train.load_examples(config)[0][:args.prompts]
+  model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
+  examples = experiment.load_examples(config)[0][:args.prompts]
   spec = rollout.RewardSpec.from_config(config)
-  cfg = train.sampling_config(config, tokenizer)
+  cfg = experiment.sampling_config(config, tokenizer)
   samples = {}
   for dtype in sorted({s for s, _ in PAIRS}):
     t0 = time.perf_counter()

@@ -583,3 +583,37 @@ def test_fixed_aggregation_is_enforced():
   with pytest.raises(KeyError, match="cispo_cap"):
     losses.policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), grpo_adv(),
                        jnp.asarray(MASK), loss="cispo-trl")
+
+
+def test_config_validation_of_losses_and_correction():
+  from configs import dapo_aime, tiny  # pylint: disable=import-outside-toplevel
+  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  c = tiny.get_config()
+  c.rl.policy_loss = "gspo"                   # loss_agg is token-mean
+  with pytest.raises(config_lib.ConfigError, match="seq-mean-token-mean"):
+    config_lib.validate(c)
+  c.rl.loss_agg = "seq-mean-token-mean"
+  config_lib.validate(c)
+  c.rl.dual_clip = 3.0
+  with pytest.raises(config_lib.ConfigError, match="dual_clip"):
+    config_lib.validate(c)
+  c = tiny.get_config()
+  c.rl.policy_loss = "cispo_trl"
+  with pytest.raises(config_lib.ConfigError, match="cispo_cap"):
+    config_lib.validate(c)
+  c = tiny.get_config()
+  c.rl.rollout_correction.reject = "k3_mean"  # bypass (old_logp = sampler)
+  with pytest.raises(config_lib.ConfigError, match="denominator"):
+    config_lib.validate(c)
+  c.rl.old_logp = "recompute"
+  config_lib.validate(c)
+  c.rl.rollout_correction.is_mode = "clip"
+  with pytest.raises(config_lib.ConfigError, match="is_mode"):
+    config_lib.validate(c)
+  c = tiny.get_config()
+  c.sampling.compute_dtype = "float16"
+  with pytest.raises(config_lib.ConfigError, match="sampling.compute_dtype"):
+    config_lib.validate(c)
+  for variant in ("local_gspo", "local_cispo", "local_cispo_cap",
+                  "local_gmpo", "local_sapo", "local_bf16", "local_bf16_tis"):
+    config_lib.validate(dapo_aime.get_config(variant))
