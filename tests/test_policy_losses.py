@@ -617,3 +617,31 @@ def test_config_validation_of_losses_and_correction():
   for variant in ("local_gspo", "local_cispo", "local_cispo_cap",
                   "local_gmpo", "local_sapo", "local_bf16", "local_bf16_tis"):
     config_lib.validate(dapo_aime.get_config(variant))
+
+
+@pytest.mark.parametrize("old_logp", ["recompute", "sampler"])
+def test_bf16_sampler_run_logs_the_mismatch(tmp_path, old_logp):
+  import json  # pylint: disable=import-outside-toplevel
+  from configs import tiny  # pylint: disable=import-outside-toplevel
+  from grpo_jax import train  # pylint: disable=import-outside-toplevel
+  c = tiny.get_config()
+  c.train.steps = 1
+  c.train.eval_at_start = c.train.eval_at_end = False
+  c.sampling.compute_dtype = "bfloat16"        # the trainer stays float32
+  c.rl.old_logp = old_logp
+  c.rl.policy_loss, c.rl.loss_agg = "gspo", "seq-mean-token-mean"
+  c.rl.rollout_correction.is_level = "token"
+  c.rl.rollout_correction.reject = "k3_mean"
+  c.rl.rollout_correction.reject_max = 1.0
+  c.rl.rollout_correction.denominator = "trl"
+  train.run(c, str(tmp_path))
+  row = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
+  for key in ("rollout_is/ratio/mean", "rollout_is/ratio/max",
+              "rollout_is/ratio/min", "rollout_is/truncated_frac",
+              "rollout_is/rejected_seq_frac", "rollout_kl/k1",
+              "rollout_kl/k3", "rollout_logp_diff/max"):
+    assert key in row, key
+  # bf16 sampling against a float32 trainer: the log-probs differ
+  assert row["rollout_logp_diff/max"] > 0
+  assert row["rollout_is/ratio/max"] > 1 > row["rollout_is/ratio/min"]
+  assert np.isfinite(row["loss"])
