@@ -1,5 +1,7 @@
-"""The policy loss as small pure functions: ratio, clipped surrogate,
-aggregation, KL to the reference, and the metrics of one update.
+"""The policy loss composed: a registered per-token loss (policy_losses.py:
+ppo, gspo, cispo, cispo_cap, gmpo, sapo) times the rollout-correction weights
+(rollout_correction.py), aggregation, KL to the reference, and the metrics of
+one update.
 
 Shapes: N sequences (B*G completions, or one micro-batch of them), T tokens.
 Every per-token array is [N, T]; `mask_bt` is 1 on completion tokens that get
