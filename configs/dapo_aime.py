@@ -38,6 +38,7 @@ def dapo_common(c):
 
 
 def paper(c):
+  """The paper's run: Qwen2.5-32B base, 512 prompts x G=16, L_max 20480."""
   c.name = "dapo_aime"
   c.model.source = _UNSET                      # a Qwen2.5-32B (base) HF dir
   c.model.tokenizer = _UNSET
@@ -112,6 +113,7 @@ def local_bf16(c):
 
 
 def local_bf16_tis(c):
+  """local_bf16 with token-level truncated IS, C = 2 (verl's default)."""
   c = local_bf16(c)
   c.name = "dapo_local_bf16_tis"
   c.rl.rollout_correction.is_level = "token"

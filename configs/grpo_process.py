@@ -18,6 +18,7 @@ from grpo_jax.config import base_config
 
 
 def local(c):
+  """Process supervision: each equation that holds, then the answer."""
   c.name = "grpo_process_local"
   c.model.source = "smollm2-135m-instruct"
   c.model.remat = "dots"
@@ -43,6 +44,7 @@ def local(c):
 
 
 def local_outcome(c):
+  """The same run with outcome supervision (one reward per completion)."""
   c = local(c)
   c.name = "grpo_outcome_local"
   c.rl.advantage = "grpo"

@@ -305,11 +305,35 @@ def experiment_description(path: os.PathLike) -> str:
   return str(getattr(config, "description", "") or "")
 
 
+def config_variants(path: os.PathLike) -> list[tuple[str, str]]:
+  """[(variant, description)] from a config file's module-level `_VARIANTS`
+  dict literal, read without importing: a variant function's docstring
+  (first line), else the call that makes it (e.g. `_loss('gspo', ...)`)."""
+  tree = ast.parse(Path(path).read_text(), filename=str(path))
+  docs = {n.name: (ast.get_docstring(n) or "").strip()
+          for n in tree.body if isinstance(n, ast.FunctionDef)}
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+        and any(getattr(t, "id", "") == "_VARIANTS" for t in node.targets)):
+      out = []
+      for key, value in zip(node.value.keys, node.value.values):
+        doc = docs.get(getattr(value, "id", ""), "")
+        out.append((key.value, doc.splitlines()[0] if doc
+                    else ast.unparse(value)))
+      return out
+  return []
+
+
 def list_experiments(configs_dir: os.PathLike = "configs") -> list[tuple[str, str]]:
-  """[(name, one-line description)] of every `configs/*.py` (not `_*.py`),
-  sorted by name; `python experiments/run.py --list` prints these."""
-  paths = sorted(Path(configs_dir).glob("*.py"))
-  return [(p.stem, experiment_description(p)) for p in paths if not p.name.startswith("_")]
+  """[(name, one-line description)] of every `configs/*.py` (not `_*.py`)
+  and of each variant its `_VARIANTS` names (`name:variant`), sorted by
+  name; `python experiments/run.py --list` prints these."""
+  out = []
+  for p in sorted(Path(configs_dir).glob("*.py")):
+    if not p.name.startswith("_"):
+      out.append((p.stem, experiment_description(p)))
+      out.extend((f"{p.stem}:{v}", d) for v, d in config_variants(p))
+  return out
 
 
 def format_experiments(experiments: Sequence[tuple[str, str]]) -> str:

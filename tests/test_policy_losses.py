@@ -645,3 +645,13 @@ def test_bf16_sampler_run_logs_the_mismatch(tmp_path, old_logp):
   assert row["rollout_logp_diff/max"] > 0
   assert row["rollout_is/ratio/max"] > 1 > row["rollout_is/ratio/min"]
   assert np.isfinite(row["loss"])
+
+
+def test_run_list_names_each_loss_variant():
+  from grpo_jax import runs  # pylint: disable=import-outside-toplevel
+  listed = dict(runs.list_experiments("configs"))
+  for variant in ("local_gspo", "local_cispo", "local_cispo_cap",
+                  "local_gmpo", "local_sapo", "local_bf16", "local_bf16_tis"):
+    assert f"dapo_aime:{variant}" in listed, variant
+  assert "gspo" in listed["dapo_aime:local_gspo"]
+  assert listed["grpo_process:local"].startswith("Process supervision")
