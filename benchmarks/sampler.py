@@ -330,7 +330,7 @@ def main(argv=None) -> int:
 
   def check(name, t):
     return lambda out: check_tokens(
-        name, out.tokens_bt if hasattr(out, "tokens_bt") else out, B * G, t,
+        name, out.tokens_nt if hasattr(out, "tokens_nt") else out, B * G, t,
         stop_ids)
 
   clock = _common.CompileClock()

@@ -7,6 +7,16 @@ a quarter right in another form, a quarter wrong). The "= label" column
 counts verdicts that agree with how each solution was built.
 
   python benchmarks/verifier.py [--n 1000] [--workers 0] [--timeout 5]
+  python benchmarks/verifier.py --heldout [--root DIR]
+  python benchmarks/verifier.py --before DIR [--rounds 3]
+
+`--heldout` scores `benchmarks/verifier_heldout.jsonl` (labelled pairs written
+before the issue-17 fixes and never used to tune them): agreement with the
+labels, wrong answers accepted, right answers rejected, per class, next to
+plain math-verify. `--before DIR` measures throughput of this checkout and of
+the code in DIR (e.g. a `git worktree` of an older commit) interleaved, each
+round in a fresh subprocess with the same load, and prints the ratio of
+median rates. `--root DIR` imports grpo_jax from DIR instead of this checkout.
 
 math-verify runs as TRL and open-r1 call it: `verify(parse(gold),
 parse(solution))` in the calling process, one pair after another, with its
@@ -18,13 +28,19 @@ the two verifiers agree.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import statistics
+import subprocess
 import os
 import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = (sys.argv[sys.argv.index("--root") + 1] if "--root" in sys.argv[:-1]
+         else _HERE)
+sys.path.insert(0, os.path.abspath(_ROOT))
 
 from grpo_jax.rewards import math as rmath  # pylint: disable=g-import-not-at-top
 from grpo_jax.rewards import pool as pool_lib  # pylint: disable=g-import-not-at-top
@@ -121,13 +137,79 @@ def run_ours(golds, solutions, workers: int, timeout: float
   return results, seconds
 
 
+HELDOUT = os.path.join(_HERE, "benchmarks", "verifier_heldout.jsonl")
+
+
+def heldout(timeout: float) -> None:
+  """Agreement and false accepts on the held-out set, ours and math-verify's."""
+  with open(HELDOUT, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  golds = [r["gold"] for r in rows]
+  predictions = [r["prediction"] for r in rows]
+  labels = [bool(r["label"]) for r in rows]
+  ours, _ = run_ours(golds, predictions, 0, timeout)
+  theirs, _ = run_math_verify(golds, predictions, int(timeout))
+  print(f"held-out set: {len(rows)} pairs ({sum(labels)} right), "
+        f"grpo_jax from {os.path.abspath(_ROOT)}")
+  print(f"{'verifier':12s} {'agree':>12s} {'false accepts':>14s} {'false rejects':>14s}")
+  for name, verdicts in (("grpo_jax", ours), ("math-verify", theirs)):
+    agree = sum(v == l for v, l in zip(verdicts, labels))
+    accepts = sum(v and not l for v, l in zip(verdicts, labels))
+    rejects = sum(l and not v for v, l in zip(verdicts, labels))
+    print(f"{name:12s} {agree:4d} ({100 * agree / len(rows):5.1f}%) "
+          f"{accepts:14d} {rejects:14d}")
+  wrong = [(r["class"], v) for r, v, l in zip(rows, ours, labels) if v != l]
+  by_class = sorted({c for c, _ in wrong})
+  print("grpo_jax disagreements by class:",
+        ", ".join(f"{c}: {sum(1 for k, _ in wrong if k == c)}" for c in by_class)
+        or "none")
+
+
+def _rate(root: str, n: int, workers: int, timeout: float) -> float:
+  """One throughput run of the code under `root`, in a fresh subprocess."""
+  out = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), "--rate-only", "--root", root,
+       "--n", str(n), "--workers", str(workers), "--timeout", str(timeout)],
+      capture_output=True, text=True, check=True)
+  return float(out.stdout.split()[-1])
+
+
+def before_after(before: str, rounds: int, n: int, workers: int,
+                 timeout: float) -> None:
+  """This checkout vs `before`, interleaved (after, before, after, ...)."""
+  rates = {"after": [], "before": []}
+  for i in range(rounds):
+    for name, root in (("after", _HERE), ("before", before))[::1 if i % 2 == 0 else -1]:
+      rates[name].append(_rate(root, n, workers, timeout))
+      print(f"round {i + 1} {name:6s} {rates[name][-1]:8.1f} verif/s", flush=True)
+  after, old = statistics.median(rates["after"]), statistics.median(rates["before"])
+  print(f"median verif/s: after {after:.1f}, before {old:.1f} ({before}); "
+        f"ratio after/before {after / old:.2f}x")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--n", type=int, default=1000)
   parser.add_argument("--workers", type=int, default=0, help="0: one per CPU")
   parser.add_argument("--timeout", type=float, default=5.0)
+  parser.add_argument("--root", default=_HERE, help="import grpo_jax from here")
+  parser.add_argument("--heldout", action="store_true")
+  parser.add_argument("--before", help="code to compare throughput with")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--rate-only", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   logging.disable(logging.WARNING)
+  if args.heldout:
+    heldout(args.timeout)
+    return
+  if args.before:
+    before_after(args.before, args.rounds, args.n, args.workers, args.timeout)
+    return
+  if args.rate_only:
+    golds, solutions, _ = make_dataset(args.n)
+    _, seconds = run_ours(golds, solutions, args.workers, args.timeout)
+    print(f"{args.n / seconds:.3f}")
+    return
   golds, solutions, labels = make_dataset(args.n)
   fast = sum(isinstance(rmath._prepare(g, s), bool)  # pylint: disable=protected-access
              for g, s in zip(golds, solutions))

@@ -87,10 +87,6 @@ def local(c):
   c.train.eval_examples = 200
   return c
 
-# The `:arg` values get_config accepts (no arg: paper);
-# tests/test_architecture.py validates each.
-VARIANTS = ("paper", "local")
-
 
 def _loss(name, agg, **fields):
   def variant(c):
@@ -121,7 +117,10 @@ def local_bf16_tis(c):
   return c
 
 
-_VARIANTS = {
+# The `:arg` values get_config accepts (no arg: paper), each a function
+# of the base config; tests/test_architecture.py validates each and
+# `run.py --list` names each.
+VARIANTS = {
     "paper": paper, "local": local,
     "local_gspo": _loss("gspo", "seq-mean-token-mean", eps_low=3e-4,
                         eps_high=4e-4),
@@ -137,8 +136,8 @@ _VARIANTS = {
 def get_config(arg=None):
   c = dapo_common(base_config())
   c.description = __doc__.splitlines()[0]
-  variant = _VARIANTS.get(arg or "paper")
+  variant = VARIANTS.get(arg or "paper")
   if variant is None:
     raise ValueError(f"configs/dapo_aime.py:{arg}: unknown variant; "
-                     f"allowed: {sorted(_VARIANTS)} (paper is the default)")
+                     f"allowed: {sorted(VARIANTS)} (paper is the default)")
   return variant(c)

@@ -8,7 +8,7 @@
 or from TFDS (prepared once with `tfds build gsm8k --file_format=array_record`):
     --config.data.source=tfds --config.data.kwargs='{"name": "gsm8k", "split": "train", "data_dir": "/data/tfds"}'
 """
-from grpo_jax.config import base_config
+from grpo_jax.config import base_config, no_variants
 
 # The `:arg` values get_config accepts ("": none);
 # tests/test_architecture.py validates each.
@@ -16,7 +16,7 @@ VARIANTS = ("",)
 
 
 def get_config(arg=None):
-  del arg
+  no_variants(arg, "configs/grpo_gsm8k.py")
   c = base_config()
   c.name = "grpo_gsm8k"
   c.description = __doc__.splitlines()[0]

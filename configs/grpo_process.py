@@ -51,14 +51,17 @@ def local_outcome(c):
   return c
 
 
-_VARIANTS = {"local": local, "local_outcome": local_outcome}
+# The `:arg` values get_config accepts (no arg: local), each a function
+# of the base config; tests/test_architecture.py validates each and
+# `run.py --list` names each.
+VARIANTS = {"local": local, "local_outcome": local_outcome}
 
 
 def get_config(arg=None):
   c = base_config()
   c.description = __doc__.splitlines()[0]
-  variant = _VARIANTS.get(arg or "local")
+  variant = VARIANTS.get(arg or "local")
   if variant is None:
     raise ValueError(f"configs/grpo_process.py:{arg}: unknown variant; "
-                     f"allowed: {sorted(_VARIANTS)} (local is the default)")
+                     f"allowed: {sorted(VARIANTS)} (local is the default)")
   return variant(c)

@@ -1,5 +1,5 @@
 """STaR on the tiny random model: 2 outer iterations in seconds (tests, CI)."""
-from grpo_jax.config import base_config
+from grpo_jax.config import base_config, no_variants
 
 # The `:arg` values get_config accepts ("": none);
 # tests/test_architecture.py validates each.
@@ -7,7 +7,7 @@ VARIANTS = ("",)
 
 
 def get_config(arg=None):
-  del arg
+  no_variants(arg, "configs/star_tiny.py")
   c = base_config()
   c.name = "star_tiny"
   c.description = __doc__.splitlines()[0]

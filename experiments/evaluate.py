@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
+from grpo_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Run workdir, checkpoints "
                                   "dir or step dir; empty: config.model.")
@@ -46,12 +48,25 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None:
     raise app.UsageError("--config is required")
-  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from grpo_jax import evaluation, experiment  # pylint: disable=import-outside-toplevel
-  config = config_lib.validate(_CONFIG.value)
+  with cli.user_errors():
+    _evaluate(_CONFIG.value)
+
+
+def _evaluate(config):
+  # pylint: disable=import-outside-toplevel
+  from grpo_jax import checkpoint as ckpt_lib
+  from grpo_jax import config as config_lib
+  from grpo_jax import evaluation, experiment, preflight
+  config = config_lib.validate(config)
+  if _CHECKPOINT.value:   # the run's own config must fit this one
+    preflight.check_eval_config(
+        config, ckpt_lib.load_config(_CHECKPOINT.value, _STEP.value),
+        _CHECKPOINT.value)
+  examples = experiment.load_examples(config)[1][:config.train.eval_examples]
   model_config, params, tokenizer, step = experiment.load_policy(
       config, _CHECKPOINT.value, _STEP.value)
-  examples = experiment.load_examples(config)[1][:config.train.eval_examples]
+  preflight.check_model(config, model_config, tokenizer,
+                        where=_CHECKPOINT.value or "config.model")
   result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
                                       examples)
   workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)
@@ -70,4 +85,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

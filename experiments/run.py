@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
+from grpo_jax import cli, interrupts
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: "
                                "workdirs/<config name>).")
@@ -21,7 +23,9 @@ _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: every argument is a "
+                         "--flag=value (a forgotten '--' or '='?)")
   if _LIST.value:
     from grpo_jax import runs  # pylint: disable=import-outside-toplevel
     configs_dir = os.path.join(os.path.dirname(os.path.dirname(
@@ -31,11 +35,28 @@ def main(argv):
     return
   if _CONFIG.value is None:
     raise app.UsageError("--config is required (or --list)")
-  from grpo_jax import registry  # pylint: disable=import-outside-toplevel
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join("workdirs", config.name)
+  # SIGTERM / Ctrl-C: see grpo_jax/interrupts.py (installed before the slow
+  # imports, so a signal during start-up is recorded too).
+  with cli.user_errors(workdir), interrupts.handle_signals(
+      install=not _distributed(config)):
+    summary = _run(config, workdir)
+  for key in ("eval_before", "eval_after", "reward/mean", "plot"):
+    if key in summary:
+      print(f"{key}: {summary[key]}")
+
+
+def _distributed(config) -> bool:
+  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
+  return sharding.distributed_args(config.mesh) is not None
+
+
+def _run(config, workdir: str) -> dict:
+  # pylint: disable=import-outside-toplevel
+  from grpo_jax import checkpoint, config as config_lib, registry, runs
+  config_lib.validate(config)   # before a run is recorded
   logging.info("config:\n%s", config)
-  from grpo_jax import checkpoint, runs  # pylint: disable=import-outside-toplevel
   run = registry.lookup("method", config.method)  # rl: train.run, star: star_loop.run
   # Every run is recorded (name, config, commit, times, status, metrics,
   # workdir, checkpoint) in the run store: experiments/runs.py list|show|compare.
@@ -43,20 +64,25 @@ def main(argv):
     summary = run(config, workdir)
     record.metrics = runs.scalar_metrics(summary)
     record.checkpoint = checkpoint.latest_checkpoint(workdir)
-  for key in ("eval_before", "eval_after", "reward/mean", "plot"):
-    if key in summary:
-      print(f"{key}: {summary[key]}")
+  return summary
 
 
 def _record(config, workdir: str):
   """The run store's record on process 0 (one row per run, not per host); a
-  record that goes nowhere on the other processes of a multi-host run."""
+  record that goes nowhere on the other processes of a multi-host run, or
+  when the store is unreadable (a warning says how to fix it: training goes
+  on)."""
   from grpo_jax import metrics, runs, sharding  # pylint: disable=import-outside-toplevel
   sharding.initialize_distributed(config)  # before jax.process_index()
+  nowhere = contextlib.nullcontext(runs.RunRecord(id=-1))
   if not metrics.is_primary():
-    return contextlib.nullcontext(runs.RunRecord(id=-1))
-  return runs.RunStore().record(config.name, config, workdir)
+    return nowhere
+  try:
+    return runs.RunStore().record(config.name, config, workdir)
+  except runs.RunStoreError as e:
+    logging.warning("%s", e)
+    return nowhere
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

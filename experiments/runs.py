@@ -35,7 +35,10 @@ def _ids(args: list[str]) -> list[int]:
 
 def main(argv):
   command, args = (argv[1], argv[2:]) if len(argv) > 1 else ("list", [])
-  store = runs.RunStore(_ROOT.value)
+  try:
+    store = runs.RunStore(_ROOT.value, create=False)   # reading: never make one
+  except runs.RunStoreError as e:
+    sys.exit(f"error: {e}")
   selected = lambda: store.list(name=_NAME.value, sweep=_SWEEP.value, status=_STATUS.value)
   if command == "list" and not args:
     print(runs.format_runs(selected()))

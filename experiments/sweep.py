@@ -20,6 +20,9 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
+from grpo_jax import cli
+from grpo_jax import config as config_lib
+from grpo_jax import interrupts
 from grpo_jax import runs
 from grpo_jax import sweeps
 
@@ -47,18 +50,25 @@ def main(argv):
   root = Path(_RUNS_ROOT.value) if _RUNS_ROOT.value else runs.default_root()
   base = Path(_WORKDIR.value) if _WORKDIR.value else root / "sweeps" / sweep_id
   sweep = sweeps.load_sweep(_SWEEP.value)
-  for overrides in sweep:   # an unknown field fails here, before anything runs
-    sweeps.apply_overrides(_CONFIG.value, overrides)
+  # Every point validated (unknown fields, values) before anything runs.
+  with cli.user_errors():
+    sweeps.check_points(_CONFIG.value, sweep, config_lib.validate)
   if _DRY_RUN.value:
-    cli = config_flags.get_override_values(flags.FLAGS["config"])
+    overrides_cli = config_flags.get_override_values(flags.FLAGS["config"])
     for index, overrides in enumerate(sweep):
       print(sweeps.run_command(spec, overrides, sweeps.sweep_workdir(base, index, overrides),
-                               cli))
+                               overrides_cli))
     return
   from grpo_jax import train   # the trainer (and JAX) only for a real sweep
   store = runs.RunStore(root)
-  ids = sweeps.run_sweep(_CONFIG.value, sweep, train.run, store, name=name,
-                         sweep_name=Path(_SWEEP.value).stem, base_workdir=base)
+  try:
+    ids = sweeps.run_sweep(_CONFIG.value, sweep, train.run, store, name=name,
+                           sweep_name=Path(_SWEEP.value).stem, base_workdir=base,
+                           validate=config_lib.validate)
+  except interrupts.Preempted as e:
+    print(f"sweep stopped: {e}; run the same sweep command again to resume "
+          "(each point from its own checkpoint)", file=sys.stderr)
+    sys.exit(e.exit_code)
   recorded = [store.get(i) for i in ids]
   print(runs.compare_runs(recorded))
   if any(r.status != "finished" for r in recorded):
@@ -67,4 +77,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -7,11 +7,18 @@ naming the field and the allowed values.
 """
 from __future__ import annotations
 
-from typing import Any
+import difflib
+from typing import Any, Mapping
 
+import inspect
+
+from flax import traverse_util
 import ml_collections
 
-from grpo_jax import registry
+from grpo_jax import registry, update
+from grpo_jax.algorithms import (dynamic_sampling, losses, policy_losses,
+                                 rollout_correction)
+from grpo_jax.models import transformer
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -149,19 +156,35 @@ def base_config() -> ConfigDict:
       # Multi-host: config field, else env JAX_COORDINATOR_ADDRESS /
       # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
       distributed=False, coordinator_address="", num_processes=0,
-      process_id=-1))
+      process_id=-1,
+      init_timeout_s=300))   # how long start-up waits for every process
   return c
 
 
+def no_variants(arg: Any, config_file: str) -> None:
+  """For `get_config(arg)` of a config without variants: `file.py:x` is a
+  mistake, not something to ignore."""
+  if arg:
+    raise ConfigError(f"{config_file} has no variants, got ':{arg}': drop it "
+                      f"(--config={config_file})")
+
+
+# Each list lives with the code that reads the field.
 _CHOICES = {
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.compute_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "dots", "full"),
-    "sampling.compute_dtype": ("", "float32", "bfloat16"),
-    "rl.old_logp": ("sampler", "recompute"),
-    "rl.on_cap": ("fill", "fewer", "raise"),
-    "optim.schedule": ("constant", "cosine"),
+    "model.param_dtype": update.DTYPES,
+    "model.compute_dtype": update.DTYPES,
+    "model.remat": tuple(transformer.REMAT_POLICIES),
+    "sampling.compute_dtype": update.SAMPLING_DTYPES,
+    "rl.old_logp": update.OLD_LOGP,
+    "rl.on_cap": dynamic_sampling.ON_CAP,
+    "optim.schedule": update.SCHEDULES,
 }
+# rl.num_generations may be 1: no group baseline (a batch baseline or none).
+_NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
+# Advantages the loop feeds per-step rewards (train.process_advantages).
+_PROCESS_ADVANTAGES = ("grpo_process",)
+# Policy losses whose ratio is PPO-clipped to [1 - eps_low, 1 + eps_high].
+_PPO_CLIP_LOSSES = ("ppo", "gspo")
 _REGISTRY_FIELDS = {
     "method": "method",
     "data.source": "dataset",
@@ -178,13 +201,20 @@ class ConfigError(ValueError):
   pass
 
 
+def flat_fields(tree: Mapping[str, Any]) -> dict[str, Any]:
+  """{"a": {"b": 1}, "c": {}} -> {"a.b": 1, "c": {}}: a config (as a dict)
+  by dotted field path; an empty group stays a value."""
+  flat = traverse_util.flatten_dict(dict(tree), sep=".", keep_empty_nodes=True)
+  return {k: {} if v is traverse_util.empty_node else v
+          for k, v in flat.items()}
+
+
 def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
                   open_fields: tuple[str, ...]) -> None:
   for key, value in config.items():
     path = f"{prefix}{key}"
     if key not in base:
-      raise ConfigError(f"unknown config field {path!r}; allowed: "
-                        f"{sorted(base.keys())}")
+      raise ConfigError(unknown_field(path, sorted(base.keys())))
     ref = base[key]
     if isinstance(ref, ConfigDict):
       if path in open_fields:
@@ -195,6 +225,18 @@ def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
     elif ref is not None and value is not None and not _same_kind(ref, value):
       raise ConfigError(f"config field {path!r} = {value!r} should be a "
                         f"{type(ref).__name__}")
+
+
+def unknown_field(path: str, names: list[str]) -> str:
+  """"unknown config field 'rl.eps_hihg': did you mean 'rl.eps_high'?" (the
+  nearest names in spelling, else every name there)."""
+  prefix, _, key = path.rpartition(".")
+  close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+  if close:
+    return (f"unknown config field {path!r}: did you mean "
+            f"{' or '.join(repr(f'{prefix}.{c}' if prefix else c) for c in close)}?")
+  return (f"unknown config field {path!r}; fields "
+          f"{'of ' + repr(prefix) if prefix else 'at the top level'}: {names}")
 
 
 def _same_kind(ref: Any, value: Any) -> bool:
@@ -234,8 +276,10 @@ def validate(config: ConfigDict) -> ConfigDict:
                       f"{config.accuracy_reward!r} must be one of the rewards "
                       f"{list(config.rewards.keys())}")
   _check_ranges(config)
+  _check_final_answer(config)
   _check_eval(config.eval)
   _check_data_paths(config.data)
+  _check_layouts(config.data)
   if not config.model.source:
     raise ConfigError("config field 'model.source' is unset: give a preset "
                       "name (e.g. smollm2-135m-instruct), a Hugging Face model "
@@ -259,9 +303,21 @@ def _check_data_paths(data: ConfigDict) -> None:
     listed = tuple(k for k in ("path", "data_dir") if k in kwargs)
     for key in _DATA_LOCATION.get(source, ()) + listed:
       if not kwargs.get(key):
+        # A key the dict lacks cannot be set as --config.<group>.<key>.
+        fix = (f"--config.{group}.{key}=..." if key in kwargs else
+               f"--config.{group}='{{\"{key}\": \"...\"}}' (the whole dict)")
         raise ConfigError(f"config field '{group}.{key}' is unset but "
-                          f"{field} = {source!r} needs it: pass "
-                          f"--config.{group}.{key}=...")
+                          f"{field} = {source!r} needs it: pass {fix}")
+
+
+def _check_layouts(data: ConfigDict) -> None:
+  """A file or TFDS data set's `layout` keyword names a registered layout
+  (or "auto"), checked here rather than when the data loads."""
+  for group in ("kwargs", "eval_kwargs"):
+    layout = data[group].get("layout")
+    if layout not in (None, "auto") and layout not in registry.names("layout"):
+      raise ConfigError(f"config field 'data.{group}.layout' = {layout!r}; "
+                        f"allowed: 'auto' or {registry.names('layout')}")
 
 
 def _check_star(star: ConfigDict) -> None:
@@ -292,20 +348,39 @@ def _check_ranges(config: ConfigDict) -> None:
               "rl.num_updates": rl.num_updates,
               "rl.max_gen_batches": rl.max_gen_batches,
               "train.steps": config.train.steps,
-              "sampling.max_new_tokens": config.sampling.max_new_tokens}
+              "sampling.max_new_tokens": config.sampling.max_new_tokens,
+              "mesh.init_timeout_s": config.mesh.init_timeout_s}
   for path, value in positive.items():
     if value < 1:
       raise ConfigError(f"config field {path!r} = {value} must be >= 1")
-  if rl.num_generations < 2 and rl.advantage not in ("dr_grpo",
-                                                      "reinforce_pp"):
-    raise ConfigError("config field 'rl.num_generations' must be >= 2 for "
-                      "group-relative advantages")
-  if not 0 <= rl.eps_low < 1 and rl.policy_loss != "cispo" or (
-      rl.eps_low < 0 or rl.eps_high < 0):
-    raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high' = "
-                      f"{rl.eps_low}/{rl.eps_high}: need 0 <= eps_low < 1 "
-                      f"(any eps_low >= 0 for cispo), eps_high >= 0")
+  if config.train.keep_checkpoints < 1:
+    raise ConfigError(f"config field 'train.keep_checkpoints' = "
+                      f"{config.train.keep_checkpoints} must be >= 1 (the run "
+                      "resumes from the newest checkpoint it keeps)")
+  non_negative = {"optim.learning_rate": config.optim.learning_rate,
+                  "optim.weight_decay": config.optim.weight_decay,
+                  "optim.warmup_steps": config.optim.warmup_steps,
+                  "rl.kl_beta": rl.kl_beta,
+                  "train.checkpoint_every": config.train.checkpoint_every,
+                  "train.eval_every": config.train.eval_every,
+                  "train.eval_examples": config.train.eval_examples,
+                  "sampling.temperature": config.sampling.temperature}
+  for path, value in non_negative.items():
+    if value < 0:
+      raise ConfigError(f"config field {path!r} = {value} must be >= 0")
+  if config.method == "rl" and config.sampling.temperature == 0:
+    raise ConfigError(
+        "config field 'sampling.temperature' = 0: RL compares the "
+        f"{rl.num_generations} completions of a group, which at temperature 0 "
+        "are identical, so every advantage is 0 and nothing is learnt; use a "
+        "temperature > 0 (e.g. 1.0)")
+  if rl.num_generations < 2 and rl.advantage not in _NO_GROUP_ADVANTAGES:
+    raise ConfigError(f"config field 'rl.num_generations' must be >= 2 for "
+                      f"group-relative advantages (rl.advantage = "
+                      f"{rl.advantage!r}; G = 1 works with "
+                      f"{list(_NO_GROUP_ADVANTAGES)})")
   _check_policy_loss(rl)
+  _check_advantage(rl)
   rows = rl.prompts_per_step * rl.num_generations
   for path in ("rl.mini_batch_size", "rl.micro_batch_size"):
     size = _get(config, path)
@@ -322,8 +397,6 @@ def _check_ranges(config: ConfigDict) -> None:
 def _check_policy_loss(rl: ConfigDict) -> None:
   """A loss with its own aggregation (GSPO, GMPO, SAPO) must be given it;
   the rollout correction's fields (rollout_correction.validate)."""
-  # pylint: disable=import-outside-toplevel
-  from grpo_jax.algorithms import policy_losses, rollout_correction
   fixed = registry.lookup("policy_loss", rl.policy_loss).fixed_agg
   if fixed is not None and rl.loss_agg != fixed:
     raise ConfigError(f"config field 'rl.loss_agg' = {rl.loss_agg!r}: "
@@ -333,6 +406,12 @@ def _check_policy_loss(rl: ConfigDict) -> None:
   if rl.dual_clip and rl.policy_loss != "ppo":
     raise ConfigError(f"config field 'rl.dual_clip' = {rl.dual_clip}: only "
                       f"rl.policy_loss = 'ppo' has a dual clip")
+  if rl.policy_loss in _PPO_CLIP_LOSSES:   # ρ clipped to [1-ε_low, 1+ε_high]
+    try:
+      losses.validate_clip(rl.eps_low, rl.eps_high, rl.dual_clip or None)
+    except ValueError as e:
+      raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high'/"
+                        f"'rl.dual_clip': {e}") from e
   try:
     policy_losses.validate_params(rl.policy_loss, policy_losses.LossParams(
         eps_low=rl.eps_low, eps_high=rl.eps_high,
@@ -344,6 +423,55 @@ def _check_policy_loss(rl: ConfigDict) -> None:
                                 rl.old_logp)
   except ValueError as e:
     raise ConfigError(f"config group 'rl': {e}") from e
+
+
+def _takes_outcome_rewards(name: str) -> bool:
+  """Whether the advantage runs as the RL loop calls it on outcome rewards
+  (train.advantages): fn(reward_bg, ddof=, eps=, length_bg=) with reward_bg
+  [b, g] and length_bg [b, g] the valid tokens of each completion."""
+  try:
+    inspect.signature(registry.lookup("advantage", name)).bind(
+        None, ddof=1, eps=1e-6, length_bg=None)
+  except TypeError:
+    return False
+  return True
+
+
+def _check_advantage(rl: ConfigDict) -> None:
+  """The advantage must run as the loop calls it: outcome rewards
+  (train.advantages), or step rewards from rl.process_reward for
+  grpo_process (train.process_advantages)."""
+  name = rl.advantage
+  if name in _PROCESS_ADVANTAGES:
+    if rl.process_reward not in registry.names("process_reward"):
+      raise ConfigError(
+          f"config field 'rl.advantage' = {name!r} needs per-step rewards "
+          f"from a process reward, but 'rl.process_reward' = "
+          f"{rl.process_reward!r} is not one; known: "
+          f"{registry.names('process_reward')}")
+    return
+  if not _takes_outcome_rewards(name):
+    params = list(inspect.signature(
+        registry.lookup("advantage", name)).parameters)
+    raise ConfigError(
+        f"config field 'rl.advantage' = {name!r} takes {params}, but the RL "
+        f"loop gives it only outcome rewards reward_bg [b, g] and token "
+        f"counts length_bg; allowed: "
+        f"{[n for n in registry.names('advantage') if _takes_outcome_rewards(n)] + list(_PROCESS_ADVANTAGES)}")
+
+
+def _check_final_answer(config: ConfigDict) -> None:
+  """Evaluation reads answers (maj@k) with the accuracy reward's registered
+  FinalAnswer; a run that evaluates needs one."""
+  t = config.train
+  evaluates = (config.method == "star" or t.eval_at_start or t.eval_at_end
+               or t.eval_every)
+  if evaluates and config.accuracy_reward not in registry.names("final_answer"):
+    raise ConfigError(
+        f"config field 'accuracy_reward' = {config.accuracy_reward!r} has no "
+        f"registered final_answer (how evaluation reads an answer); known: "
+        f"{registry.names('final_answer')}; or set train.eval_at_start, "
+        f"train.eval_at_end and train.eval_every off")
 
 
 def _check_eval(e: ConfigDict) -> None:

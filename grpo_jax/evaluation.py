@@ -193,10 +193,9 @@ registry.register("final_answer", "multiple_choice")(
 
 
 def final_answer(accuracy_reward: str) -> FinalAnswer:
-  """The registered FinalAnswer of a reward; the math verifier's otherwise."""
-  if accuracy_reward in registry.names("final_answer"):
-    return registry.lookup("final_answer", accuracy_reward)
-  return registry.lookup("final_answer", "math")
+  """The registered FinalAnswer of a reward; an unknown name raises, listing
+  the known ones (config validation checks it before any work)."""
+  return registry.lookup("final_answer", accuracy_reward)
 
 
 # ----------------------------------------------------------------------------
@@ -246,14 +245,14 @@ def eval_sampling_config(config, tokenizer, *, greedy: bool,
       pad_id=tokenizer.pad_id or 0)
 
 
-def completion_texts(tokenizer, batch: rollout.GroupBatch
-                     ) -> list[list[str]]:
-  """The completion texts of a group batch, [B][G], as the rewards read them
-  (the stop token is not part of the text)."""
-  ends_bg = batch["length"] - (~batch["truncated"])
-  return [[tokenizer.decode(row[:end], skip_special_tokens=True)
-           for row, end in zip(rows, ends)]
-          for rows, ends in zip(batch["tokens"], ends_bg)]
+def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
+  """The completion texts of a group batch, [b][g], as the rewards read them
+  (`rollout.completion_texts`)."""
+  B, G, T = groups.tokens_bgt.shape
+  texts_n = rollout.completion_texts(
+      tokenizer, groups.tokens_bgt.reshape(B * G, T),
+      groups.length_bg.reshape(-1), groups.truncated_bg.reshape(-1))
+  return [texts_n[b * G:(b + 1) * G] for b in range(B)]
 
 
 def sample_completions(config, model_config, params, tokenizer, examples,
@@ -274,8 +273,8 @@ def sample_completions(config, model_config, params, tokenizer, examples,
         jax.random.fold_in(key, start), cfg, n, spec, config.data.template,
         config.data.system_prompt, batch_multiple=size, layout=layout)
     texts += completion_texts(tokenizer, batch)
-    correct.append(batch["correct"])
-    lengths.append(batch["length"])
+    correct.append(batch.correct_bg)
+    lengths.append(batch.length_bg)
   answers = [[answer(t) for t in row] for row in texts]
   return Completions(texts, answers, np.concatenate(correct),
                      np.concatenate(lengths))

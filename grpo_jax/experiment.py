@@ -10,20 +10,24 @@ entry point (`experiments/evaluate.py`) all start here:
 - `make_checkpointer` and `restore_or_init`: the resume order, written down
   once (`checkpoint.resolve_init`): this run's latest checkpoint, else
   `config.init_from`'s parameters, else the pretrained weights;
-- `metric_writer`: metrics.jsonl continued after a resume as if the run had
-  never stopped.
+- `metric_writer`: metrics.jsonl and TensorBoard continued after a resume
+  as if the run had never stopped;
+- `guarded`: a loop's `run` holding the workdir lock (workdir_lock.py), with
+  SIGTERM / Ctrl-C saving at the next step boundary (interrupts.py).
 """
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 
-from grpo_jax import checkpoint, models, registry, sampling
+from grpo_jax import checkpoint, interrupts, models, registry, sampling
+from grpo_jax import config as config_lib
 from grpo_jax import metrics as metrics_lib
+from grpo_jax import sharding, workdir_lock
 from grpo_jax import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.tiny_tokenizer import byte_tokenizer
@@ -70,7 +74,15 @@ def load_examples(config) -> tuple[list, list]:
   held_out = list(registry.lookup("dataset", eval_source)(
       **dict(config.data.eval_kwargs)))
   if not train:
-    raise ValueError(f"data.source={config.data.source!r} gave no examples")
+    raise config_lib.ConfigError(
+        f"data.source={config.data.source!r} with data.kwargs="
+        f"{dict(config.data.kwargs)} gave no examples")
+  if not held_out and config.train.eval_examples:
+    raise config_lib.ConfigError(
+        f"data.eval_source={eval_source!r} with data.eval_kwargs="
+        f"{dict(config.data.eval_kwargs)} gave no examples, so nothing would be "
+        "evaluated: fix the eval data, or set --config.train.eval_examples=0 to "
+        "train without held-out evaluation")
   return train, held_out
 
 
@@ -104,7 +116,8 @@ def make_checkpointer(config, workdir: str, model_config: ModelConfig
       checkpoint.checkpoint_dir(workdir),
       save_every=config.train.checkpoint_every,
       keep=config.train.keep_checkpoints, config=config,
-      model_config=model_config)
+      model_config=model_config,
+      handle_sigterm=False)   # the loops' interrupts.guarded handles signals
 
 
 class Start(NamedTuple):
@@ -146,17 +159,37 @@ def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
   return Start(state, {}, None)
 
 
-def metric_writer(workdir: str, last_step: int | None
+def metric_writer(workdir: str, last_step: int | None, final: bool = False
                   ) -> metrics_lib.MetricWriter:
   """The run's MetricWriter (only process 0 writes). On resume from
-  `last_step`, metrics.jsonl first loses the rows written after it (they are
-  recomputed), so the log reads like one uninterrupted run; a fresh start
-  (`last_step` None) starts an empty log."""
+  `last_step`, metrics.jsonl and TensorBoard first lose the rows written
+  after it (they are recomputed), so the logs read like one uninterrupted
+  run; `final`: `last_step` is the run's last, whose closing evaluation
+  (written after that checkpoint) is recomputed too. A fresh start
+  (`last_step` None) starts empty logs."""
   primary = metrics_lib.is_primary()
-  path = os.path.join(workdir, "metrics.jsonl")
   if primary:
-    rows = [] if last_step is None or not os.path.exists(path) else [
-        r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
-    with open(path, "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
+    if last_step is None:
+      metrics_lib.truncate(workdir, -1)
+    else:
+      metrics_lib.truncate(workdir, last_step, drop_eval_at_last=final)
   return metrics_lib.MetricWriter(workdir, enabled=primary)
+
+
+# ----------------------------------------------------------------------------
+# One writer per workdir; signals.
+# ----------------------------------------------------------------------------
+
+def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a loop's `run(config, workdir)`: validates the config, joins the
+  processes of a multi-host run, locks the workdir on process 0 and handles
+  SIGTERM / Ctrl-C as interrupts.py says (on one process; several hosts
+  agree on the step through the checkpointer's pre-emption notice)."""
+  @functools.wraps(run)
+  def wrapper(config, workdir: str, *args, **kwargs):
+    config_lib.validate(config)   # a bad field fails before the processes join
+    sharding.initialize_distributed(config)   # before jax.process_index()
+    with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
+        interrupts.handle_signals(install=jax.process_count() == 1):
+      return run(config, workdir, *args, **kwargs)
+  return wrapper

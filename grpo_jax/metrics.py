@@ -5,10 +5,14 @@ In a multi-process run every host runs the same loop; only process 0 writes
 """
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import math
 import os
-from typing import Any, Mapping
+import struct
+import time
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -46,7 +50,10 @@ class MetricWriter:
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # tensorboardX names the file by the second and host only: a suffix
+      # keeps a writer opened within the same second from truncating it.
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               filename_suffix=f".{os.getpid()}.{time.time_ns()}")
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
     clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
@@ -67,8 +74,94 @@ class MetricWriter:
 
 
 def read_jsonl(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl. A torn last line (the process died inside
+  a write) is dropped with a warning; a damaged line elsewhere raises
+  ValueError naming the file and line."""
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = f.read().split("\n")
+  rows = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rows.append(json.loads(line))
+    except ValueError as e:
+      if not any(l.strip() for l in lines[number:]):   # the last line
+        logging.warning("%s: dropped its torn last line %d (%r...): a run "
+                        "stopped while writing it", path, number, line[:60])
+        break
+      raise ValueError(f"{path} line {number} is not JSON ({e}); move the file "
+                       "aside (or delete that line) to resume") from None
+  return rows
+
+
+def is_eval_row(row: Mapping[str, Any]) -> bool:
+  """A held-out evaluation row: every metric is an eval/ one."""
+  return all(k == "step" or k.startswith("eval/") for k in row)
+
+
+def truncate(workdir: str, last_step: int, drop_eval_at_last: bool = False
+             ) -> None:
+  """On resume from checkpoint `last_step`: drops the metric rows (JSONL and
+  TensorBoard) written after it, as they are recomputed, so the logs read
+  like one uninterrupted run. `drop_eval_at_last`: the evaluation rows at
+  `last_step` are recomputed too (the evaluation before training, or after
+  the last step, happens after that checkpoint)."""
+  def keep(step: int, is_eval: bool) -> bool:
+    return step < last_step or (step == last_step and not (
+        drop_eval_at_last and is_eval))
+  path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    rows = [r for r in read_jsonl(path) if keep(r["step"], is_eval_row(r))]
+    with open(path, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  truncate_tensorboard(os.path.join(workdir, "tensorboard"),
+                       lambda step, tag: keep(step, tag.startswith("eval/")))
+
+
+# TensorBoard event files are TFRecords: length (uint64), its masked CRC
+# (uint32), the Event proto, its masked CRC. Records are copied verbatim.
+def _records(path: str) -> Iterator[bytes]:
+  with open(path, "rb") as f:
+    data = f.read()
+  i = 0
+  while i + 12 <= len(data):
+    (length,) = struct.unpack("<Q", data[i:i + 8])
+    end = i + 12 + length + 4
+    if end > len(data):   # a torn last record
+      return
+    yield data[i:end]
+    i = end
+
+
+def read_tensorboard(logdir: str) -> list[tuple[int, str, float]]:
+  """(step, tag, value) of every scalar in the event files under `logdir`."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  out = []
+  for path in sorted(glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"),
+                               recursive=True)):
+    for record in _records(path):
+      event = event_pb2.Event.FromString(record[12:-4])
+      out += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+  return out
+
+
+def truncate_tensorboard(logdir: str, keep: Callable[[int, str], bool]) -> None:
+  """Rewrites the event files under `logdir` without the scalars that
+  `keep(step, tag)` rejects, so a resumed run shows each step once (the
+  discarded steps of a killed run do not sit beside the recomputed ones)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  for path in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"),
+                        recursive=True):
+    kept = []
+    for record in _records(path):
+      event = event_pb2.Event.FromString(record[12:-4])
+      tags = [v.tag for v in event.summary.value]
+      if not tags or all(keep(event.step, t) for t in tags):
+        kept.append(record)
+    with open(path + ".tmp", "wb") as f:
+      f.write(b"".join(kept))
+    os.replace(path + ".tmp", path)
 
 
 DEFAULT_CURVES = ("reward/mean", "accuracy", "eval/greedy_accuracy",

@@ -4,6 +4,14 @@ The host side of a step, between the two jitted programs: render prompts,
 call the sampler, detokenise, run the reward functions (strings: the one
 deliberate host boundary), apply DAPO's dynamic sampling, and pack the kept
 groups into the fixed-shape arrays that the jitted update consumes.
+
+The rollout has three typed forms, one per consumer:
+
+    sampling.Samples   n = b*g rows, as the sampler returns them   [n, t]
+    Groups             group axis first, for rewards and dynamic
+                       sampling (whole groups are kept or dropped) [b, g, t]
+    PackedBatch        rows again, prompt + completion side by side,
+                       for the update                              [n, s]
 """
 from __future__ import annotations
 
@@ -11,14 +19,24 @@ import dataclasses
 import time
 from typing import Callable, NamedTuple, Sequence
 
-import jax
 import numpy as np
 
 from grpo_jax import registry, rewards, sampling, sharding
 from grpo_jax.algorithms import dynamic_sampling
 
-# One group per row of axis 0 (B groups of G completions).
-GroupBatch = dict[str, np.ndarray]
+
+
+class Groups(NamedTuple):
+  """b groups of g completions of one prompt each (host numpy, the group
+  axis first): one generation batch after SAMPLE + SCORE."""
+  prompt_ids_b: np.ndarray    # object [b]: each prompt's token ids (tuple)
+  tokens_bgt: np.ndarray      # int32 completion ids, pad after the stop
+  logp_bgt: np.ndarray        # float32 sampler log-probs (0 on padding)
+  mask_bgt: np.ndarray        # bool: generated tokens, stop included
+  length_bg: np.ndarray       # int32 generated tokens
+  truncated_bg: np.ndarray    # bool: no stop within max_new_tokens
+  reward_bg: np.ndarray       # float32 weighted reward
+  correct_bg: np.ndarray      # bool: the accuracy reward > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +77,21 @@ def render_prompts(tokenizer, template: str, questions: Sequence[str],
   return texts
 
 
+def completion_texts(tokenizer, tokens_nt: np.ndarray, length_n: np.ndarray,
+                     truncated_n: np.ndarray) -> list[str]:
+  """The text of each sampled row [n] (`sampling.Samples` fields, host
+  arrays), as the rewards read it: the stop token is not part of it."""
+  ends_n = length_n - (~truncated_n)
+  return [tokenizer.decode(row[:end], skip_special_tokens=True)
+          for row, end in zip(tokens_nt, ends_n)]
+
+
 def generate_groups(model_config, params, tokenizer, examples, key,
                     cfg: sampling.SamplingConfig, num_generations: int,
                     spec: RewardSpec, template: str, system_prompt: str = "",
                     batch_multiple: int = 1,
                     layout: sharding.Layout | None = None
-                    ) -> tuple[GroupBatch, dict[str, float]]:
+                    ) -> tuple[Groups, dict[str, float]]:
   """Samples G completions for each example and scores them, group-major.
   With a layout the sampler's rows are split over the mesh; every host gets
   all of them back (the rewards read every row)."""
@@ -77,40 +104,30 @@ def generate_groups(model_config, params, tokenizer, examples, key,
       model_config, params, prompt_ids, key, cfg, num_generations=G,
       batch_multiple=batch_multiple, layout=layout))
   t1 = time.perf_counter()
-  # The stop token itself is not part of the text the rewards read.
-  ends = out.length_b - (~out.truncated_b)
-  completions = [tokenizer.decode(row[:n], skip_special_tokens=True)
-                 for row, n in zip(out.tokens_bt, ends)]
-  reward, correct, metrics = score(
-      spec, np.repeat(texts, G).tolist(), completions,
-      [e.answer for e in examples for _ in range(G)], out.length_b)
+  reward_n, correct_n, metrics = score(
+      spec, np.repeat(texts, G).tolist(), completion_texts(tokenizer, out.tokens_nt, out.length_n,
+                                     out.truncated_n),
+      [e.answer for e in examples for _ in range(G)], out.length_n)
   t2 = time.perf_counter()
   T = cfg.max_new_tokens
-  prompts = np.empty((B,), object)
-  prompts[:] = [tuple(p) for p in prompt_ids]
-  batch = {
-      "prompt_ids": prompts,
-      "tokens": out.tokens_bt.reshape(B, G, T),
-      "logp": out.logp_bt.reshape(B, G, T),
-      "mask": out.mask_bt.reshape(B, G, T),
-      "length": out.length_b.reshape(B, G),
-      "truncated": out.truncated_b.reshape(B, G),
-      "reward_bg": reward.reshape(B, G),
-      "correct": correct.reshape(B, G),
-      "level": np.asarray([e.meta.get("level", 0) for e in examples]),
-  }
+  prompts_b = np.empty((B,), object)
+  prompts_b[:] = [tuple(p) for p in prompt_ids]
+  groups = Groups(prompts_b, out.tokens_nt.reshape(B, G, T),
+                  out.logp_nt.reshape(B, G, T), out.mask_nt.reshape(B, G, T),
+                  out.length_n.reshape(B, G), out.truncated_n.reshape(B, G),
+                  reward_n.reshape(B, G), correct_n.reshape(B, G))
   metrics.update({"time/sample": t1 - t0, "time/score": t2 - t1,
                   "sample/decode_steps": int(out.steps),
-                  "sample/tokens": int(out.length_b.sum())})
-  return batch, metrics
+                  "sample/tokens": int(out.length_n.sum())})
+  return groups, metrics
 
 
-def collect(generate: Callable[[int], tuple[GroupBatch, dict]],
+def collect(generate: Callable[[int], tuple[Groups, dict]],
             num_groups: int, dynamic: bool, max_gen_batches: int,
-            on_cap: str) -> tuple[GroupBatch, dict[str, float]]:
+            on_cap: str) -> tuple[Groups, dict[str, float]]:
   """One step's groups: with dynamic sampling, keeps generating batches until
   `num_groups` groups with 0 < correct < G (reward variance > 0) are kept."""
-  seen: list[dict] = []
+  seen: list[tuple[Groups, dict]] = []
 
   def gen(i):
     batch, metrics = generate(i)
@@ -122,18 +139,19 @@ def collect(generate: Callable[[int], tuple[GroupBatch, dict]],
         gen, num_groups, max_gen_batches=max_gen_batches, on_cap=on_cap)
     # Filler groups (cap hit, on_cap="fill") keep the shape but get no
     # gradient and do not count in the token-mean normaliser.
-    batch = {**batch, "mask": batch["mask"] & ~info["filler_b"][:, None, None]}
+    batch = batch._replace(
+        mask_bgt=batch.mask_bgt & ~info["filler_b"][:, None, None])
   else:
     batch, info = gen(0), {}
   metrics = _merge_generation_metrics(seen)
   metrics.update({k: float(v) for k, v in info.items() if np.ndim(v) == 0})
   # Rollout statistics over everything generated (what the policy does now).
   everything = [b for b, _ in seen]
-  rewards = np.concatenate([b["reward_bg"].ravel() for b in everything])
-  correct = np.concatenate([b["correct"].ravel() for b in everything])
-  lengths = np.concatenate([b["length"].ravel() for b in everything])
-  truncated = np.concatenate([b["truncated"].ravel() for b in everything])
-  mixed = np.concatenate([_mixed(b["correct"]) for b in everything])
+  rewards = np.concatenate([b.reward_bg.ravel() for b in everything])
+  correct = np.concatenate([b.correct_bg.ravel() for b in everything])
+  lengths = np.concatenate([b.length_bg.ravel() for b in everything])
+  truncated = np.concatenate([b.truncated_bg.ravel() for b in everything])
+  mixed = np.concatenate([_mixed(b.correct_bg) for b in everything])
   metrics.update({
       "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
       "accuracy": float(correct.mean()),
@@ -163,24 +181,23 @@ def _merge_generation_metrics(seen) -> dict[str, float]:
 
 
 class PackedBatch(NamedTuple):
-  """Fixed-shape update inputs, N = B*G rows, S = P + T columns."""
+  """Fixed-shape update inputs, n = b*g rows, s = p + t columns."""
   tokens_ns: np.ndarray       # int32, [left-padded prompt | completion]
   positions_ns: np.ndarray    # int32 rotary positions
   valid_ns: np.ndarray        # bool: real (attendable) tokens
   mask_nt: np.ndarray         # float32 loss mask over the completion
   old_logp_nt: np.ndarray     # float32 log-probs from the sampler
-  reward_bg: np.ndarray       # float32 [B, G]
-  level_b: np.ndarray
+  reward_bg: np.ndarray       # float32 [b, g]
 
 
-def pack(batch: GroupBatch, pad_id: int, overlong_filter: bool) -> PackedBatch:
+def pack(batch: Groups, pad_id: int, overlong_filter: bool) -> PackedBatch:
   """Group-major arrays -> row-major fixed-shape arrays for the update."""
-  B, G, T = batch["tokens"].shape
-  prompts = [p for p in batch["prompt_ids"] for _ in range(G)]
+  B, G, T = batch.tokens_bgt.shape
+  prompts = [p for p in batch.prompt_ids_b for _ in range(G)]
   P = sampling.bucket(max(len(p) for p in prompts))
   prompt_np, len_n = sampling.left_pad(prompts, P, len(prompts), pad_id)
-  comp_nt = batch["tokens"].reshape(B * G, T)
-  mask_nt = batch["mask"].reshape(B * G, T)
+  comp_nt = batch.tokens_bgt.reshape(B * G, T)
+  mask_nt = batch.mask_bgt.reshape(B * G, T)
   tokens = np.concatenate([prompt_np, comp_nt], axis=1)
   col = np.arange(P + T)[None, :]
   pad_n = P - len_n[:, None]
@@ -189,7 +206,7 @@ def pack(batch: GroupBatch, pad_id: int, overlong_filter: bool) -> PackedBatch:
   loss_mask = mask_nt.astype(np.float32)
   if overlong_filter:
     loss_mask = np.asarray(dynamic_sampling.overlong_filter(
-        loss_mask, batch["truncated"].reshape(-1)), np.float32)
+        loss_mask, batch.truncated_bg.reshape(-1)), np.float32)
   return PackedBatch(tokens.astype(np.int32), positions, valid, loss_mask,
-                     batch["logp"].reshape(B * G, T).astype(np.float32),
-                     batch["reward_bg"].astype(np.float32), batch["level"])
+                     batch.logp_bgt.reshape(B * G, T).astype(np.float32),
+                     batch.reward_bg.astype(np.float32))

@@ -9,8 +9,10 @@ time, status, final metrics (JSON), workdir and checkpoint path.
       run.metrics = train.run(config, workdir)
       run.checkpoint = checkpoint.latest_checkpoint(workdir)
 
-A run whose process was SIGKILLed stays "running": nothing was left to
-write its end. On several hosts only process 0 should record.
+A run stopped by SIGTERM or Ctrl-C (after saving a checkpoint: see
+interrupts.py) is recorded "preempted"; a second Ctrl-C, "killed". A run
+whose process was SIGKILLed stays "running": nothing was left to write its
+end. On several hosts only process 0 should record.
 """
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-STATUSES = ("running", "finished", "failed", "killed")
+from grpo_jax import interrupts
+from grpo_jax.config import flat_fields
+
+STATUSES = ("running", "finished", "failed", "killed", "preempted")
 DB_NAME = "runs.sqlite"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -102,23 +107,36 @@ class Run:
 
 @dataclasses.dataclass
 class RunRecord:
-  """What `RunStore.record` hands the body: set metrics and checkpoint on it,
-  and status="killed" for a run that returned early after a pre-emption."""
+  """What `RunStore.record` hands the body: set metrics and checkpoint on it."""
   id: int
   metrics: dict = dataclasses.field(default_factory=dict)
   checkpoint: Optional[str] = None
   status: str = "finished"
 
 
-class RunStore:
-  """A SQLite table of runs under `root` (created if needed)."""
+class RunStoreError(RuntimeError):
+  """The store is missing (when reading) or is not a SQLite database."""
 
-  def __init__(self, root: Optional[os.PathLike] = None):
+
+class RunStore:
+  """A SQLite table of runs under `root`, created if needed unless `create`
+  is False (reading: a mistyped --root fails instead of making a store)."""
+
+  def __init__(self, root: Optional[os.PathLike] = None, *, create: bool = True):
     self.root = Path(root) if root is not None else default_root()
-    self.root.mkdir(parents=True, exist_ok=True)
     self.path = self.root / DB_NAME
-    with self._connect() as db:
-      db.execute(_SCHEMA)
+    if not create and not self.path.is_file():
+      raise RunStoreError(f"no run store at {self.path}: is the root right? "
+                          "(--root, else $GRPO_JAX_RUNS, else ./runs)")
+    self.root.mkdir(parents=True, exist_ok=True)
+    try:
+      with self._connect() as db:
+        db.execute(_SCHEMA)
+    except sqlite3.DatabaseError as e:
+      raise RunStoreError(
+          f"the run store {self.path} is unreadable ({e}): move it aside "
+          f"(mv {self.path} {self.path}.bad) and a new one is started; "
+          "training records nothing meanwhile") from None
 
   @contextlib.contextmanager
   def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -181,13 +199,17 @@ class RunStore:
   def record(self, name: str, config: Any, workdir: Optional[os.PathLike] = None,
              *, sweep: Optional[str] = None) -> Iterator[RunRecord]:
     """Starts a run and finishes it however the body ends: `record.status`
-    ("finished"), "failed" (an exception, re-raised) or "killed" (Ctrl-C,
+    ("finished"), "failed" (an exception, re-raised), "preempted" (SIGTERM
+    or a first Ctrl-C: interrupts.Preempted) or "killed" (a second Ctrl-C,
     SystemExit)."""
     record = RunRecord(self.start(name, config, workdir, sweep=sweep))
     status = "failed"
     try:
       yield record
       status = record.status
+    except interrupts.Preempted:
+      status = "preempted"
+      raise
     except (KeyboardInterrupt, SystemExit):
       status = "killed"
       raise
@@ -259,20 +281,10 @@ def format_run(run: Run) -> str:
                     "", "config:", json.dumps(run.config, indent=2, sort_keys=True)])
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict) and value:
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 def compare_runs(runs: Sequence[Run]) -> str:
   """`runs.py compare`: one column per run; the config fields that differ
   between them, then every final metric."""
-  configs = [_flatten(r.config) for r in runs]
+  configs = [flat_fields(r.config) for r in runs]
   keys = sorted(set().union(*configs))
   differing = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
   metrics = sorted(set().union(*(r.metrics for r in runs)))
@@ -306,27 +318,34 @@ def experiment_description(path: os.PathLike) -> str:
 
 
 def config_variants(path: os.PathLike) -> list[tuple[str, str]]:
-  """[(variant, description)] from a config file's module-level `_VARIANTS`
-  dict literal, read without importing: a variant function's docstring
-  (first line), else the call that makes it (e.g. `_loss('gspo', ...)`)."""
+  """[(variant, description)] from a config file's module-level `VARIANTS`
+  (config.VARIANTS), read without importing: a dict literal {variant:
+  function} gives each function's docstring (first line), else the
+  expression that makes it (e.g. `_loss('gspo', ...)`); a tuple of names
+  gives the names ("", the default alone, is not listed)."""
   tree = ast.parse(Path(path).read_text(), filename=str(path))
   docs = {n.name: (ast.get_docstring(n) or "").strip()
           for n in tree.body if isinstance(n, ast.FunctionDef)}
   for node in tree.body:
-    if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
-        and any(getattr(t, "id", "") == "_VARIANTS" for t in node.targets)):
+    if not (isinstance(node, ast.Assign)
+            and any(getattr(t, "id", "") == "VARIANTS" for t in node.targets)):
+      continue
+    if isinstance(node.value, ast.Dict):
       out = []
       for key, value in zip(node.value.keys, node.value.values):
         doc = docs.get(getattr(value, "id", ""), "")
         out.append((key.value, doc.splitlines()[0] if doc
                     else ast.unparse(value)))
       return out
+    if isinstance(node.value, (ast.Tuple, ast.List)):
+      return [(e.value, "") for e in node.value.elts
+              if isinstance(e, ast.Constant) and e.value]
   return []
 
 
 def list_experiments(configs_dir: os.PathLike = "configs") -> list[tuple[str, str]]:
   """[(name, one-line description)] of every `configs/*.py` (not `_*.py`)
-  and of each variant its `_VARIANTS` names (`name:variant`), sorted by
+  and of each variant its `VARIANTS` names (`name:variant`), sorted by
   name; `python experiments/run.py --list` prints these."""
   out = []
   for p in sorted(Path(configs_dir).glob("*.py")):
@@ -334,7 +353,3 @@ def list_experiments(configs_dir: os.PathLike = "configs") -> list[tuple[str, st
       out.append((p.stem, experiment_description(p)))
       out.extend((f"{p.stem}:{v}", d) for v, d in config_variants(p))
   return out
-
-
-def format_experiments(experiments: Sequence[tuple[str, str]]) -> str:
-  return format_table(("experiment", "description"), experiments)

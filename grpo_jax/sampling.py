@@ -15,7 +15,7 @@ no scatter); per-row rotary positions and a key-validity mask make padding
 invisible. Rows of a batch are thus independent: mixing prompt lengths gives
 the same completions as sampling each prompt alone.
 
-Log-probs: `logp_bt[i, t]` is log softmax(logits / temperature)[token] - the
+Log-probs: `logp_nt[i, t]` is log softmax(logits / temperature)[token] - the
 temperature-scaled distribution BEFORE top-k / top-p truncation (for greedy,
 temperature 1). The trainer matches it by dividing its logits by the same
 temperature and ignoring top-k/top-p (as verl and TRL do), so with unchanged
@@ -76,12 +76,13 @@ class SamplingConfig:
 
 
 class Samples(NamedTuple):
-  """Per completion row i (B*G rows, prompt b = i // G), T = max_new_tokens."""
-  tokens_bt: jax.Array      # int32, pad after the stop token
-  logp_bt: jax.Array        # float32, see module docstring; 0 on padding
-  mask_bt: jax.Array        # bool, the generated tokens incl. the stop token
-  length_b: jax.Array       # int32, number of generated tokens
-  truncated_b: jax.Array    # bool, no stop id within max_new_tokens
+  """One row i per completion: n = B*G rows (prompt b = i // G), each of
+  t = max_new_tokens columns."""
+  tokens_nt: jax.Array      # int32, pad after the stop token
+  logp_nt: jax.Array        # float32, see module docstring; 0 on padding
+  mask_nt: jax.Array        # bool, the generated tokens incl. the stop token
+  length_n: jax.Array       # int32, number of generated tokens
+  truncated_n: jax.Array    # bool, no stop id within max_new_tokens
   steps: jax.Array          # int32 scalar: decode iterations run (early exit)
 
 
@@ -145,8 +146,8 @@ def _is_stop(tokens_b: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
 
 class _Carry(NamedTuple):
   t: jax.Array                      # next column to fill
-  tokens_bt: jax.Array
-  logp_bt: jax.Array
+  tokens_nt: jax.Array
+  logp_nt: jax.Array
   done_b: jax.Array
   cache: transformer.KVCache
   key: jax.Array
@@ -167,7 +168,7 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   cache = transformer.KVCache(
       tuple(map(kv, c.cache.k)), tuple(map(kv, c.cache.v)),
       rows(c.cache.valid_bs), rows(c.cache.pos_bs))
-  return c._replace(tokens_bt=rows(c.tokens_bt), logp_bt=rows(c.logp_bt),
+  return c._replace(tokens_nt=rows(c.tokens_nt), logp_nt=rows(c.logp_nt),
                     done_b=rows(c.done_b), cache=cache)
 
 
@@ -199,9 +200,9 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
       pos_bs=jnp.pad(rep(pos_bp, 0), [(0, 0), (0, T)]))
   key, sub = jax.random.split(key)
   first, logp = choose_tokens(rep(logits_bv, 0), sub, cfg)
-  tokens_bt = jnp.full((B * G, T), cfg.pad_id, jnp.int32).at[:, 0].set(first)
-  logp_bt = jnp.zeros((B * G, T), jnp.float32).at[:, 0].set(logp)
-  return _Carry(jnp.int32(1), tokens_bt, logp_bt, _is_stop(first, cfg.stop_ids),
+  tokens_nt = jnp.full((B * G, T), cfg.pad_id, jnp.int32).at[:, 0].set(first)
+  logp_nt = jnp.zeros((B * G, T), jnp.float32).at[:, 0].set(logp)
+  return _Carry(jnp.int32(1), tokens_nt, logp_nt, _is_stop(first, cfg.stop_ids),
                 cache, key)
 
 
@@ -209,7 +210,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
              prompt_len_b: jax.Array, cfg: SamplingConfig,
              layout: Layout = None) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
-  BG, T = carry.tokens_bt.shape
+  BG, T = carry.tokens_nt.shape
   P = carry.cache.valid_bs.shape[1] - T
   G = BG // prompt_len_b.shape[0]
   len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
@@ -219,7 +220,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
     return (c.t < T) & ~jnp.all(c.done_b)
 
   def body(c: _Carry):
-    prev = jax.lax.dynamic_slice_in_dim(c.tokens_bt, c.t - 1, 1, axis=1)[:, 0]
+    prev = jax.lax.dynamic_slice_in_dim(c.tokens_nt, c.t - 1, 1, axis=1)[:, 0]
     logits, cache = transformer.decode_step(
         config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
         layers)
@@ -227,14 +228,14 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
     tok, logp = choose_tokens(logits, sub, cfg)
     tok = jnp.where(c.done_b, cfg.pad_id, tok)
     logp = jnp.where(c.done_b, 0.0, logp)
-    tokens_bt = jax.lax.dynamic_update_slice(c.tokens_bt, tok[:, None], (0, c.t))
-    logp_bt = jax.lax.dynamic_update_slice(c.logp_bt, logp[:, None], (0, c.t))
+    tokens_nt = jax.lax.dynamic_update_slice(c.tokens_nt, tok[:, None], (0, c.t))
+    logp_nt = jax.lax.dynamic_update_slice(c.logp_nt, logp[:, None], (0, c.t))
     done = c.done_b | _is_stop(tok, cfg.stop_ids)
     return _pin_carry(layout,
-                      _Carry(c.t + 1, tokens_bt, logp_bt, done, cache, key))
+                      _Carry(c.t + 1, tokens_nt, logp_nt, done, cache, key))
 
   final = jax.lax.while_loop(cond, body, carry)
-  return _finish(final.tokens_bt, final.logp_bt, final.t - carry.t, cfg)
+  return _finish(final.tokens_nt, final.logp_nt, final.t - carry.t, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
@@ -257,18 +258,18 @@ def sample_padded(config: ModelConfig, params: Params, prompt_bp: jax.Array,
   return Samples(*(_pin_rows(layout, x) for x in out[:-1]), steps=out.steps)
 
 
-def _finish(tokens_bt: jax.Array, logp_bt: jax.Array, steps: jax.Array,
+def _finish(tokens_nt: jax.Array, logp_nt: jax.Array, steps: jax.Array,
             cfg: SamplingConfig) -> Samples:
   """Mask, length and truncation from the raw token matrix."""
-  T = tokens_bt.shape[1]
-  stop_bt = _is_stop(tokens_bt, cfg.stop_ids)
-  has_stop = jnp.any(stop_bt, axis=1)
-  first_stop = jnp.argmax(stop_bt, axis=1)
-  length_b = jnp.where(has_stop, first_stop + 1, T).astype(jnp.int32)
-  mask_bt = jnp.arange(T)[None, :] < length_b[:, None]
-  tokens_bt = jnp.where(mask_bt, tokens_bt, cfg.pad_id)
-  return Samples(tokens_bt, jnp.where(mask_bt, logp_bt, 0.0), mask_bt,
-                 length_b, ~has_stop, steps)
+  T = tokens_nt.shape[1]
+  stop_nt = _is_stop(tokens_nt, cfg.stop_ids)
+  has_stop = jnp.any(stop_nt, axis=1)
+  first_stop = jnp.argmax(stop_nt, axis=1)
+  length_n = jnp.where(has_stop, first_stop + 1, T).astype(jnp.int32)
+  mask_nt = jnp.arange(T)[None, :] < length_n[:, None]
+  tokens_nt = jnp.where(mask_nt, tokens_nt, cfg.pad_id)
+  return Samples(tokens_nt, jnp.where(mask_nt, logp_nt, 0.0), mask_nt,
+                 length_n, ~has_stop, steps)
 
 
 # ----------------------------------------------------------------------------

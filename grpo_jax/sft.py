@@ -14,7 +14,9 @@ row computes exactly what its examples would alone.
 The loss is the token-mean of -log p over the completion tokens of the WHOLE
 batch: the token count is taken before the batch is split into micro-batches,
 so the gradient does not depend on the split (as the RL token-mean,
-REFERENCE.md "Aggregation"). Prompt tokens are context, never targets.
+`losses.py`). Prompt tokens are context, never targets. The micro-batch
+scan and the optimizer step are the RL update's (`update.micro_batch_sum`,
+`update.apply_gradients`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import optax
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
+from grpo_jax import update
 from grpo_jax.update import TrainState, cast
 
 Params = transformer.Params
@@ -162,14 +165,6 @@ def sft_loss(params: Params, model_config: ModelConfig, batch: SFTBatch,
   return completion_nll_sum(params, model_config, batch, s) / num_tokens
 
 
-def _micro_batches(batch: SFTBatch, num_micro: int) -> SFTBatch:
-  """(N, S) -> (M, N/M, S); micro-batch i holds rows i, i+M, ... (strided,
-  so rows sharded over the batch axis stay split in every micro-batch)."""
-  split = lambda x: jnp.swapaxes(
-      x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
-  return jax.tree.map(split, batch)
-
-
 def accumulate_gradients(params: Params, model_config: ModelConfig,
                          batch: SFTBatch, num_micro: int, s: SFTSettings):
   """(loss, grads) of the whole batch's token-mean loss, summed over
@@ -178,18 +173,10 @@ def accumulate_gradients(params: Params, model_config: ModelConfig,
     raise ValueError(f"num_micro={num_micro} must divide the "
                      f"{batch.tokens_ns.shape[0]} rows")
   num_tokens = num_target_tokens(batch)
-  grad_fn = jax.value_and_grad(sft_loss)
-  micro = _micro_batches(batch, num_micro)
-
-  def body(carry, mb):
-    loss, grads = carry
-    l, g = grad_fn(params, model_config, mb, num_tokens, s)
-    return (loss + l, jax.tree.map(jnp.add, grads, g)), None
-
-  first = jax.tree.map(lambda x: x[0], micro)
-  rest = jax.tree.map(lambda x: x[1:], micro)
-  carry = grad_fn(params, model_config, first, num_tokens, s)
-  (loss, grads), _ = jax.lax.scan(body, carry, rest)
+  grad_fn = jax.value_and_grad(
+      lambda p, mb: (sft_loss(p, model_config, mb, num_tokens, s), None),
+      has_aux=True)
+  loss, _, grads = update.micro_batch_sum(grad_fn, params, batch, num_micro)
   return loss, grads, num_tokens
 
 
@@ -197,19 +184,16 @@ def accumulate_gradients(params: Params, model_config: ModelConfig,
                                              "num_micro", "s", "layout"),
                    donate_argnames=("state",))
 def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
-             optimizer: optax.GradientTransformation, num_micro: int,
-             s: SFTSettings, layout=None) -> tuple[TrainState, dict]:
+             optimizer, num_micro: int, s: SFTSettings, layout=None
+             ) -> tuple[TrainState, dict]:
   """One optimizer update on the completion-token NLL. The state is donated:
   pass a copy of parameters that must survive (e.g. the original model).
-  With a `sharding.Layout` the new state keeps the placed state's shardings
-  (batches then come row-sharded, `layout.rows`)."""
+  `optimizer`: an `update.OptimizerSpec` (equal specs: one compile) or an
+  optax transformation. With a `sharding.Layout` the new state keeps the
+  placed state's shardings (batches then come row-sharded, `layout.rows`)."""
   loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
                                                  batch, num_micro, s)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
   metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
              "tokens": num_tokens}
-  new_state = TrainState(state.step + 1, params, opt_state, state.key)
-  if layout is not None:
-    new_state = layout.constrain_state(model_config, optimizer, new_state)
-  return new_state, metrics
+  return update.apply_gradients(state, grads, optimizer, model_config,
+                                layout), metrics

@@ -36,6 +36,8 @@ import functools
 import logging
 import math
 import os
+import sys
+import threading
 from typing import Any, Optional, Sequence
 
 import jax
@@ -93,11 +95,50 @@ def initialize_distributed(config) -> bool:
   if args is None:
     return False
   if not jax.distributed.is_initialized():
-    jax.distributed.initialize(**args)
+    _join(args, int(config.mesh.init_timeout_s))
   logging.info("process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
   return True
+
+
+_FIELDS = ("mesh.coordinator_address / JAX_COORDINATOR_ADDRESS (host:port of "
+           "process 0), mesh.num_processes / JAX_NUM_PROCESSES and "
+           "mesh.process_id / JAX_PROCESS_ID")
+
+
+def _join(args: dict, timeout_s: int) -> None:
+  """jax.distributed.initialize, saying what it waits for and giving up
+  after `timeout_s` (mesh.init_timeout_s) with a message naming the fields.
+  (JAX itself would abort the process with DEADLINE_EXCEEDED, so a
+  watchdog thread ends it first, cleanly.)"""
+  who = (f"process {args['process_id'] if args['process_id'] is not None else '?'} of "
+         f"{args['num_processes'] or '?'}")
+  where = args["coordinator_address"] or "the address JAX detects (TPU pod, Slurm, MPI)"
+  logging.warning("multi-host start-up: %s connecting to the coordinator at %s; "
+                  "waiting up to %d s (mesh.init_timeout_s) for every process",
+                  who, where, timeout_s)
+
+  def give_up():
+    print(f"error: gave up after {timeout_s} s (config field mesh.init_timeout_s) "
+          f"waiting, as {who}, for every process of the run to connect to the "
+          f"coordinator at {where}. Start all processes with the same {_FIELDS} "
+          "(each its own process id), or raise mesh.init_timeout_s.",
+          file=sys.stderr, flush=True)
+    os._exit(1)   # pylint: disable=protected-access
+  watchdog = threading.Timer(timeout_s, give_up)
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(**args, initialization_timeout=timeout_s + 60)
+  except ValueError as e:
+    if args["coordinator_address"] is not None:
+      raise
+    raise ConfigError(
+        f"config field 'mesh.distributed' is True but JAX found no coordinator "
+        f"({e}): outside a Cloud TPU pod, Slurm or Open MPI job set {_FIELDS}.") from None
+  finally:
+    watchdog.cancel()
 
 
 # ----------------------------------------------------------------------------

@@ -78,13 +78,12 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
     out = jax.device_get(sampling.sample(
         model_config, params, tokenizer.encode_batch(texts),
         jax.random.fold_in(key, start), cfg, G, batch_multiple=size))
-    ends = out.length_b - (~out.truncated_b)   # the text excludes the stop
-    completions = [tokenizer.decode(row[:n], skip_special_tokens=True)
-                   for row, n in zip(out.tokens_bt, ends)]
+    completions = rollout.completion_texts(tokenizer, out.tokens_nt,
+                                          out.length_n, out.truncated_n)
     _, correct, _ = rollout.score(spec, np.repeat(texts, G).tolist(),
                                   completions, np.repeat(golds, G).tolist(),
-                                  out.length_b)
-    usable = correct & ~out.truncated_b
+                                  out.length_n)
+    usable = correct & ~out.truncated_n
     if chunk_hints is not None:
       mention = np.array([mentions_hint(c, h) for c, h in
                           zip(completions, np.repeat(chunk_hints, G))])
@@ -94,7 +93,7 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
       _, derived, _ = rollout.score(
           spec, np.repeat(texts, G).tolist(),
           [reasoning(c) for c in completions],
-          np.repeat(golds, G).tolist(), out.length_b)
+          np.repeat(golds, G).tolist(), out.length_n)
       derived &= np.array([arithmetic_holds(c) for c in completions])
       counts["unreasoned"] += int((usable & ~derived).sum())
       usable &= derived
@@ -102,11 +101,11 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
       good = np.flatnonzero(usable[b * G:(b + 1) * G])
       row = b * G + good[0] if good.size else None
       found.append(None if row is None else
-                   tuple(int(t) for t in out.tokens_bt[row, :out.length_b[row]]))
+                   tuple(int(t) for t in out.tokens_nt[row, :out.length_n[row]]))
     counts["sampled"] += len(completions)
     counts["correct"] += int(correct.sum())
-    counts["truncated"] += int(out.truncated_b.sum())
-    counts["tokens"] += int(out.length_b.sum())
+    counts["truncated"] += int(out.truncated_n.sum())
+    counts["tokens"] += int(out.length_n.sum())
   return found, counts
 
 

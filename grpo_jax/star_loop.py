@@ -25,19 +25,19 @@ from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from grpo_jax import checkpoint
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, experiment, registry, sampling, sft
+from grpo_jax import evaluation, experiment, interrupts, preflight, registry
+from grpo_jax import sampling, sft
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
 from grpo_jax.star_collect import Kept, collect_examples
-from grpo_jax.update import cast, init_state, make_optimizer
+from grpo_jax.update import OptimizerSpec, cast, init_state
 
 Params = Any
 CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
@@ -48,17 +48,12 @@ CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
 # FINE-TUNE the original model.
 # ----------------------------------------------------------------------------
 
-def sft_optimizer(optim, steps: int):
-  """The optimizer of a `steps`-step fine-tune. The jitted step takes it as
-  a static argument, so outer iterations share one object (one compile)
-  unless the schedule depends on the step count (cosine)."""
-  total = steps if optim.schedule == "cosine" else 0
-  return _cached_optimizer(tuple(sorted(optim.items())), total)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_optimizer(optim_items: tuple, total: int):
-  return make_optimizer(ml_collections.ConfigDict(dict(optim_items)), total)
+def sft_optimizer(optim, steps: int) -> OptimizerSpec:
+  """The optimizer of a `steps`-step fine-tune, as a value: outer iterations
+  get equal specs, so the jitted step compiles once, unless the schedule
+  depends on the step count (cosine)."""
+  return OptimizerSpec.from_config(
+      optim, steps if optim.schedule == "cosine" else 0)
 
 
 def finetune(config, model_config, original: Params,
@@ -83,7 +78,7 @@ def finetune(config, model_config, original: Params,
     # `layout.place_state` (device_put) the second step's input state has
     # another aval type and the step compiles twice.
     state = jax.jit(functools.partial(layout.constrain_state, model_config,
-                                      optimizer))(state)
+                                      optimizer.build()))(state)
     put = layout.rows
   batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
                             np.random.default_rng(seed))
@@ -133,6 +128,7 @@ def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
 
 
 @registry.register("method", "star")
+@experiment.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
 def run(config, workdir: str) -> dict:
   """STaR as `config` says, writing metrics.jsonl, TensorBoard, curves.png,
   the kept examples (star/iteration_<n>.jsonl) and a checkpoint of M_n every
@@ -147,8 +143,9 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   st = config.star
   os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
+  problems, held_out = experiment.load_examples(config)   # cheap first
   model_config, original, tokenizer = experiment.load_model_and_tokenizer(config)
-  problems, held_out = experiment.load_examples(config)
+  preflight.check_model(config, model_config, tokenizer)
   held_out = held_out[:config.train.eval_examples]
   shots, problems = split_shots(problems, st.few_shot)
   spec = rollout.RewardSpec.from_config(config)
@@ -168,6 +165,7 @@ def run(config, workdir: str) -> dict:
 
   if not history:
     evaluate(0, original, {})
+  interrupts.defer_to_step_boundary()
   for n in range(len(history), st.iterations + 1):
     chosen = problems
     if st.problems_per_iteration and st.problems_per_iteration < len(problems):
@@ -194,10 +192,11 @@ def run(config, workdir: str) -> dict:
     else:
       metrics["sft/steps"] = 0
     evaluate(n, params, metrics)
+    stop = interrupts.stop_requested()
     ckpt.save(n, {"params": params}, {"history": history},
-              force=n == st.iterations)
-    if ckpt.preempted:
-      logging.warning("pre-empted: checkpoint saved after iteration %d", n)
+              force=n == st.iterations or stop)
+    if ckpt.preempted or stop:
+      interrupts.mark_preempted(n, str(ckpt.step_path(n)))
       break
   ckpt.close()
   writer.close()

@@ -6,8 +6,8 @@ dicts from dotted config fields to values:
     def get_sweep():
       return [{"rl.eps_high": 0.2}, {"rl.eps_high": 0.28}]
 
-`run_sweep` applies every dict (all are checked before the first run
-starts), runs them one after another, each in its own workdir and recorded
+`run_sweep` applies every dict and validates every resulting config before
+the first run starts, runs them one after another, each in its own workdir and recorded
 in the RunStore; `run_command` is the same point as an `experiments/run.py`
 command line, for a cluster. Workdirs are a function of the sweep point, so
 re-running an interrupted sweep resumes each run from its own checkpoint.
@@ -99,17 +99,37 @@ def run_command(config_spec: str, overrides: Overrides, workdir: os.PathLike,
 RunFn = Callable[[Any, str], Optional[Mapping[str, Any]]]
 
 
+def check_points(config, sweep: Sequence[Overrides],
+                 validate: Optional[Callable[[Any], Any]] = None) -> list:
+  """Every point's config, each validated (`validate(config)`, e.g.
+  config.validate); an invalid point raises naming its index and label, so
+  a sweep fails before its first run rather than after it."""
+  configs = []
+  for index, overrides in enumerate(sweep):
+    point = apply_overrides(config, overrides)
+    if validate is not None:
+      try:
+        validate(point)
+      except ValueError as e:
+        raise type(e)(f"sweep point {index} ({label(overrides)}): {e}") from None
+    configs.append(point)
+  return configs
+
+
 def run_sweep(config, sweep: Sequence[Overrides], run_fn: RunFn, store: runs.RunStore,
               *, name: str, sweep_name: str, base_workdir: os.PathLike,
-              log: Callable[[str], None] = print) -> list[int]:
+              log: Callable[[str], None] = print,
+              validate: Optional[Callable[[Any], Any]] = None) -> list[int]:
   """Runs every sweep point with `run_fn(config, workdir) -> final metrics`.
 
-  Each run is recorded in `store` (name "<name>[<label>]", sweep
-  `sweep_name`). A failing point is recorded as failed and the sweep goes
-  on; Ctrl-C stops it. Returns the run ids in sweep order.
+  Every point is checked first (`check_points`). Each run is recorded in
+  `store` (name "<name>[<label>]", sweep `sweep_name`). A failing point is
+  recorded as failed and the sweep goes on; a pre-empted point (SIGTERM,
+  Ctrl-C: interrupts.Preempted) is recorded "preempted" and stops the sweep,
+  as does a second Ctrl-C. Returns the run ids in sweep order.
   """
   from grpo_jax.checkpoint import latest_checkpoint   # imports JAX: only when running
-  configs = [apply_overrides(config, o) for o in sweep]   # every point checked first
+  configs = check_points(config, sweep, validate)
   ids = []
   for index, (overrides, run_config) in enumerate(zip(sweep, configs)):
     workdir = sweep_workdir(base_workdir, index, overrides)

@@ -24,14 +24,14 @@ import numpy as np
 
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation, experiment, registry, rollout, sampling
+from grpo_jax import interrupts, preflight
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import rollout_correction
 from grpo_jax.data.iterator import BatchIterator
-from grpo_jax.update import (LossSettings, UpdateBatch, cast,
+from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
-                             make_optimizer, score_logprobs,
-                             update_step)
+                             score_logprobs, update_step)
 
 
 def advantages(config, reward_bg: np.ndarray,
@@ -146,6 +146,7 @@ def decoupled_correction(rl, old_nt, roll_nt, mask_nt):
 
 
 @registry.register("method", "rl")
+@experiment.guarded   # workdir lock; SIGTERM / Ctrl-C save, then stop
 def run(config, workdir: str) -> dict:
   """Trains as `config` says, writing everything under `workdir`; returns
   the final metrics (including the held-out greedy accuracy before/after).
@@ -161,9 +162,10 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   layout = sharding_lib.Layout.from_config(config)
   os.makedirs(workdir, exist_ok=True)
+  train_examples, eval_examples = experiment.load_examples(config)  # cheap first
   model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
+  preflight.check_model(config, model_config, tokenizer)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
-  train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
   spec = rollout.RewardSpec.from_config(config)
   settings = LossSettings.from_config(config)
@@ -172,23 +174,25 @@ def run(config, workdir: str) -> dict:
   rows = rl.prompts_per_step * rl.num_generations
   updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
   total_updates = config.train.steps * updates_per_step
-  optimizer = make_optimizer(config.optim, total_updates)
+  optimizer = OptimizerSpec.from_config(config.optim, total_updates)
   lr_schedule = learning_rate_schedule(config.optim, total_updates)
   # Policy and reference on one mesh; the reference is its own copy, as the
   # update donates the policy's buffers.
   params = layout.shard_params(model_config, params)
   ref_params = sharding_lib.copy_tree(params) if settings.use_kl else None
-  state = layout.place_state(model_config, optimizer,
+  state = layout.place_state(model_config, optimizer.build(),
                              init_state(params, optimizer, config.seed))
   del params
   state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
                                                     state)
   start = int(state.step) // updates_per_step
+  preflight.check_resume_step(start, config, workdir)
   data = (BatchIterator.from_state(train_examples, host["data"])
           if "data" in host else
           BatchIterator(train_examples, rl.prompts_per_step, seed=config.seed))
   summary: dict[str, Any] = dict(host.get("summary", {}))
-  writer = experiment.metric_writer(workdir, None if resumed is None else start)
+  writer = experiment.metric_writer(workdir, None if resumed is None else start,
+                                    final=start == config.train.steps)
   primary = writer.enabled   # the one host that writes files
 
   def evaluate(step):
@@ -203,6 +207,7 @@ def run(config, workdir: str) -> dict:
     summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
   progress = _progress(config.train.steps, config.train.progress and primary,
                        start)
+  interrupts.defer_to_step_boundary()
   for step in range(start, config.train.steps):
     t_step = time.perf_counter()
     key = jax.random.wrap_key_data(state.key)
@@ -252,10 +257,11 @@ def run(config, workdir: str) -> dict:
       evaluate(step + 1)
     summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
                                             "loss") if k in metrics})
+    stop = interrupts.stop_requested()
     ckpt.save(step + 1, state, {"data": data.state_dict(), "summary": summary},
-              force=step + 1 == config.train.steps)
-    if ckpt.preempted:
-      logging.warning("pre-empted: checkpoint saved at step %d", step + 1)
+              force=step + 1 == config.train.steps or stop)
+    if ckpt.preempted or stop:
+      interrupts.mark_preempted(step + 1, str(ckpt.step_path(step + 1)))
       break
   progress.close()
   ckpt.close()

@@ -4,6 +4,13 @@
 micro-batches, accumulates the gradient of the loss normalised by the WHOLE
 mini-batch's token/sequence counts (so token-mean is exact whatever the
 split), and applies the optax update.
+
+The core is shared with supervised fine-tuning (`sft.sft_step`, STaR):
+`micro_batch_sum` (strided micro-batches, gradients summed in a scan) and
+`apply_gradients` (optax, the next TrainState, the layout's constraint).
+Both jitted steps take the optimizer as an `OptimizerSpec`, a value: equal
+specs share one compiled program, however many times the optimizer is made
+(STaR makes a fresh one every outer iteration).
 """
 from __future__ import annotations
 
@@ -13,7 +20,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
@@ -21,6 +27,10 @@ from grpo_jax.algorithms import losses, policy_losses, rollout_correction
 from grpo_jax.models.config import ModelConfig
 
 Params = Any
+DTYPES = ("float32", "bfloat16")       # model.param_dtype, compute_dtype
+SAMPLING_DTYPES = ("",) + DTYPES  # sampling.compute_dtype ("": the model's)
+SCHEDULES = ("constant", "cosine")     # optim.schedule
+OLD_LOGP = ("sampler", "recompute")    # rl.old_logp: where π_old comes from
 
 
 class TrainState(NamedTuple):
@@ -104,6 +114,35 @@ def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
        optax.constant_schedule(optim.learning_rate)], [warm])
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+  """`make_optimizer`'s arguments as a hashable value (config.optim and the
+  schedule's length); `build()` gives the optax transformation."""
+  learning_rate: float
+  warmup_steps: int
+  schedule: str
+  weight_decay: float
+  b1: float
+  b2: float
+  eps: float
+  grad_clip: float
+  total_steps: int
+
+  @classmethod
+  def from_config(cls, optim, total_steps: int) -> "OptimizerSpec":
+    fields = [f.name for f in dataclasses.fields(cls)][:-1]
+    return cls(**{name: optim[name] for name in fields},
+               total_steps=total_steps)
+
+  def build(self) -> optax.GradientTransformation:
+    return make_optimizer(self, self.total_steps)
+
+
+def as_optax(optimizer) -> optax.GradientTransformation:
+  """An OptimizerSpec built, or an optax transformation as it is."""
+  return optimizer.build() if isinstance(optimizer, OptimizerSpec) else optimizer
+
+
 def make_optimizer(optim, total_updates: int) -> optax.GradientTransformation:
   """AdamW with global-norm gradient clipping, its state in float32."""
   return float32_state(optax.chain(
@@ -127,9 +166,10 @@ def float32_state(inner: optax.GradientTransformation
   return optax.GradientTransformation(lambda p: inner.init(f32(p)), update)
 
 
-def init_state(params: Params, optimizer: optax.GradientTransformation,
-               seed: int) -> TrainState:
-  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+def init_state(params: Params, optimizer, seed: int) -> TrainState:
+  """Step 0, fresh optimizer state (`optimizer`: OptimizerSpec or optax)."""
+  return TrainState(jnp.zeros((), jnp.int32), params,
+                    as_optax(optimizer).init(params),
                     jax.random.key_data(jax.random.key(seed)))
 
 
@@ -165,8 +205,8 @@ def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
       batch.ref_logp_nt if s.use_kl else None, eps_low=s.eps_low,
       eps_high=s.eps_high, dual_clip=s.dual_clip, agg=s.agg,
       kl_beta=kl_beta, kl_estimator=s.kl_estimator, norm=norm,
-      entropy_bt=entropy, loss=s.policy_loss, params=s.loss_params,
-      is_weight_bt=batch.is_weight_nt,
+      entropy_nt=entropy, loss=s.policy_loss, params=s.loss_params,
+      is_weight_nt=batch.is_weight_nt,
       bypass_correction=s.bypass_correction)
 
 
@@ -186,6 +226,49 @@ def micro_group_size(group_size: int, num_micro: int) -> int:
   return 1
 
 
+def micro_batches(batch, num_micro: int):
+  """Every [n, ...] field -> [M, n/M, ...]: micro-batch i holds rows i, i+M,
+  i+2M, ... (M = num_micro), so rows split over the batch mesh axes stay
+  split inside every micro-batch (contiguous blocks would each live on a few
+  devices and be resharded every step)."""
+  split = lambda x: jnp.swapaxes(
+      x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def micro_batch_sum(grad_fn, params, batch, num_micro: int, combine=None):
+  """Runs `grad_fn(params, micro_batch) -> ((loss, aux), grads)` on each of
+  `num_micro` strided micro-batches in a scan and returns the summed
+  (loss, aux, grads); aux of two micro-batches merges with `combine` (None:
+  no aux). With each micro-batch's loss normalised by the WHOLE batch, the
+  sums are exactly the whole batch's loss and gradient."""
+  micro = micro_batches(batch, num_micro)
+
+  def body(carry, mb):
+    loss, aux, grads = carry
+    (l, a), g = grad_fn(params, mb)
+    return (loss + l, None if combine is None else combine(aux, a),
+            jax.tree.map(jnp.add, grads, g)), None
+
+  (l0, a0), g0 = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (loss, aux, grads), _ = jax.lax.scan(body, (l0, a0, g0), rest)
+  return loss, aux, grads
+
+
+def apply_gradients(state: TrainState, grads, optimizer, model_config,
+                    layout=None) -> TrainState:
+  """The optax update of `grads` applied: the next TrainState (step + 1).
+  With a `sharding.Layout` it keeps the placed state's shardings."""
+  tx = as_optax(optimizer)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = TrainState(state.step + 1, params, opt_state, state.key)
+  if layout is not None:
+    new_state = layout.constrain_state(model_config, tx, new_state)
+  return new_state
+
+
 def accumulate_gradients(params, model_config, batch: UpdateBatch,
                          num_micro: int, kl_beta, s: LossSettings,
                          group_size: int = 1):
@@ -195,26 +278,13 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
   with one prompt (1: no such structure); see `micro_group_size`."""
   norm = global_normalisers(batch.mask_nt, s)
   grad_fn = jax.value_and_grad(
-      functools.partial(loss_fn,
+      functools.partial(loss_fn, model_config=model_config, norm=norm,
+                        kl_beta=kl_beta, s=s,
                         group_size=micro_group_size(group_size, num_micro)),
       has_aux=True)
-  # Micro-batch i takes rows i, i+M, i+2M, ... (M = num_micro): the rows stay
-  # split over the batch mesh axes inside every micro-batch, where contiguous
-  # blocks would each live on a few devices and be resharded every step.
-  split = lambda x: jnp.swapaxes(
-      x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
-  micro = jax.tree.map(split, batch)
-
-  def body(carry, mb):
-    grads, loss, metrics = carry
-    (l, m), g = grad_fn(params, model_config, mb, norm, kl_beta, s)
-    return (jax.tree.map(jnp.add, grads, g), loss + l,
-            losses.accumulate_metrics(metrics, m)), None
-
-  first = jax.tree.map(lambda x: x[0], micro)
-  (l0, m0), g0 = grad_fn(params, model_config, first, norm, kl_beta, s)
-  rest = jax.tree.map(lambda x: x[1:], micro)
-  (grads, loss, metrics), _ = jax.lax.scan(body, (g0, l0, m0), rest)
+  loss, metrics, grads = micro_batch_sum(
+      lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
+      losses.accumulate_metrics)
   return grads, loss, metrics
 
 
@@ -223,12 +293,13 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
                                              "group_size"),
                    donate_argnames=("state",))
 def update_step(state: TrainState, batch: UpdateBatch,
-                model_config: ModelConfig,
-                optimizer: optax.GradientTransformation, num_micro: int,
+                model_config: ModelConfig, optimizer, num_micro: int,
                 s: LossSettings, layout=None, group_size: int = 1
                 ) -> tuple[TrainState, dict]:
   """One optimizer update on one mini-batch. The state is donated; with a
   `sharding.Layout` the new state keeps the placed state's shardings.
+  `optimizer`: an OptimizerSpec (or an optax transformation, which compiles
+  once per object).
   group_size > 1: the rows are whole groups of that many consecutive rows
   sharing a prompt (each prompt's forward/backward then runs once)."""
   kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
@@ -237,14 +308,10 @@ def update_step(state: TrainState, batch: UpdateBatch,
   grads, loss, metrics = accumulate_gradients(state.params, model_config,
                                               batch, num_micro, kl_beta, s,
                                               group_size)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
   metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
              "kl_beta": kl_beta}
-  new_state = TrainState(state.step + 1, params, opt_state, state.key)
-  if layout is not None:
-    new_state = layout.constrain_state(model_config, optimizer, new_state)
-  return new_state, metrics
+  return apply_gradients(state, grads, optimizer, model_config,
+                         layout), metrics
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "num_completion",

@@ -159,7 +159,7 @@ def check_sampler_sharding(shape, layout, params, samples, ref) -> None:
   """Rows of every output split data*fsdp ways; the compiled sampler holds
   only a slice of the KV cache per device; padded prompt counts work."""
   data, fsdp, _ = shape
-  for name in ("tokens_bt", "logp_bt", "mask_bt", "length_b"):
+  for name in ("tokens_nt", "logp_nt", "mask_nt", "length_n"):
     x = getattr(samples, name)
     ranges = row_shards(x)
     assert len(ranges) == data * fsdp, f"{name}: row shards {sorted(ranges)}"
@@ -182,8 +182,8 @@ def check_sampler_sharding(shape, layout, params, samples, ref) -> None:
   # 3 prompts x G=2: padded to a prompt count whose rows divide evenly.
   three = sampling.sample(MODEL, params, PROMPTS[:3], jax.random.key(3),
                           GREEDY, num_generations=2, layout=layout)
-  np.testing.assert_array_equal(jax.device_get(three.tokens_bt),
-                                ref["samples"].tokens_bt[:6])
+  np.testing.assert_array_equal(jax.device_get(three.tokens_nt),
+                                ref["samples"].tokens_nt[:6])
 
 
 def check_close(name, got, want, rtol=2e-5, atol=2e-6) -> None:
@@ -204,9 +204,9 @@ def check_mesh(shape, params, batch, optimizer, ref) -> None:
   assert placed_batch.tokens_ns.sharding.spec == EXPECTED_ROWS[shape], (
       placed_batch.tokens_ns.sharding.spec)
   out = run_all(sharded, placed_batch, optimizer, layout)
-  np.testing.assert_array_equal(out["samples"].tokens_bt,
-                                ref["samples"].tokens_bt)
-  check_close("sample logp", out["samples"].logp_bt, ref["samples"].logp_bt)
+  np.testing.assert_array_equal(out["samples"].tokens_nt,
+                                ref["samples"].tokens_nt)
+  check_close("sample logp", out["samples"].logp_nt, ref["samples"].logp_nt)
   check_sampler_sharding(shape, layout, sharded, out["sharded_samples"], ref)
   np.testing.assert_allclose(out["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(out["metrics_loss"], ref["metrics_loss"],

@@ -92,20 +92,3 @@ def test_registered_with_uniform_keywords():
 def test_group_too_small_is_an_error():
   with pytest.raises(ValueError, match="ddof"):
     adv_lib.grpo_advantages(jnp.ones((3, 1)))
-
-
-def test_advantage_stats_with_mask():
-  adv = jnp.array([[1.0, 2.0, 100.0], [-3.0, 0.0, 0.0]])
-  mask = jnp.array([[1, 1, 0], [1, 0, 0]])
-  stats = adv_lib.advantage_stats(adv, mask)
-  assert float(stats["adv/mean"]) == pytest.approx(0.0)
-  assert float(stats["adv/std"]) == pytest.approx(np.sqrt(14 / 3), rel=1e-6)
-  assert float(stats["adv/max"]) == 2.0 and float(stats["adv/min"]) == -3.0
-
-
-def test_reward_stats_signal_fraction():
-  stats = adv_lib.reward_stats(jnp.array([[1.0, 0.0], [1.0, 1.0],
-                                          [0.0, 0.0], [0.0, 1.0]]))
-  assert float(stats["reward/signal_frac"]) == 0.5
-  assert float(stats["reward/mean"]) == 0.5
-  assert float(stats["reward/group_std_mean"]) == pytest.approx(0.25)

@@ -79,6 +79,34 @@ def test_algorithms_import_nothing_above_them():
   assert not above
 
 
+def _layout_rows() -> list[set[str]]:
+  """The grpo_jax modules/packages named in each row of the README Layout
+  table, top row first."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  layout = readme[readme.index("## Layout"):readme.index("## Dependencies")]
+  rows = []
+  for line in layout.splitlines():
+    if line.startswith("| `grpo_jax/"):
+      cell = line.split("|")[1]
+      rows.append({name.strip("`/ ").removesuffix(".py").split("/")[-1]
+                   for name in cell.split(",")})
+  return rows
+
+
+def test_readme_layout_names_every_module_in_import_order():
+  rows = _layout_rows()
+  row_of = {name: i for i, row in enumerate(rows) for name in row}
+  top = lambda m: m.split(".")[1]
+  assert set(row_of) == {top(m) for m in import_graph.modules(ROOT)
+                         if m != "grpo_jax"}
+  upward = sorted({(top(e.source), top(e.target))
+                   for e in import_graph.edges(ROOT)
+                   if e.source != "grpo_jax" and e.target != "grpo_jax"
+                   and row_of[top(e.target)] < row_of[top(e.source)]})
+  assert not upward, f"imports of a module listed above: {upward}"
+
+
 # ----------------------------------------------------------------------------
 # Every config in configs/ in a fresh interpreter that imports only grpo_jax.
 # ----------------------------------------------------------------------------

@@ -367,8 +367,8 @@ def test_unsafe_config_change_names_the_fields(tmp_path):
 
 
 def test_unsafe_fields_name_fields_of_the_real_config():
-  from grpo_jax.config import base_config
-  fields = ckpt_lib.flatten(base_config().to_dict())
+  from grpo_jax.config import base_config, flat_fields
+  fields = flat_fields(base_config().to_dict())
   for prefix in ckpt_lib.UNSAFE_FIELDS:
     assert any(k == prefix or k.startswith(prefix + ".") for k in fields), prefix
 

@@ -1,6 +1,5 @@
 """The data layer: readers on files written here, TFDS on locally prepared copies,
-generated tasks re-checked with Python arithmetic, templates, the iterator and
-the difficulty balancer."""
+generated tasks re-checked with Python arithmetic, templates and the iterator."""
 import collections
 import dataclasses
 import json
@@ -9,7 +8,6 @@ import re
 import types
 from unittest import mock
 
-import numpy as np
 import pytest
 
 from grpo_jax import data
@@ -481,65 +479,6 @@ def test_iterator_rejects_bad_settings():
   state = data.BatchIterator(_numbered(10), global_batch_size=2).state_dict()
   with pytest.raises(ValueError, match="not the same data set"):
     data.BatchIterator.from_state(_numbered(11), state)
-
-
-# ------------------------------------------------------------------ balancer
-
-
-def _simulate(state, accuracy_by_level, steps, group_size=8, groups=32, seed=0):
-  """Runs the balancer against a synthetic model; returns the state and the
-  share of mixed-outcome groups per step."""
-  rng = np.random.default_rng(seed)
-  shares = []
-  for step in range(steps):
-    levels = data.sample_levels(state, groups, seed=seed, step=step)
-    correct = [int(rng.binomial(group_size, accuracy_by_level[l])) for l in levels]
-    shares.append(np.mean([0 < c < group_size for c in correct]))
-    state = data.update_balancer(state, [(l, c, group_size) for l, c in zip(levels, correct)])
-  return state, shares
-
-
-def test_balancer_moves_toward_the_informative_level():
-  # Level 1 is almost always solved, level 3 almost never: only level 2 gives signal.
-  accuracy = {1: 0.98, 2: 0.5, 3: 0.01}
-  start = data.init_balancer([1, 2, 3])
-  assert data.level_mix(start) == pytest.approx({1: 1 / 3, 2: 1 / 3, 3: 1 / 3})
-  state, shares = _simulate(start, accuracy, steps=25)
-  mix = data.level_mix(state)
-  assert mix[2] > 0.8 and mix[2] == max(mix.values())
-  assert min(mix.values()) >= state["floor"] / 3  # no level abandoned
-  assert np.mean(shares[-5:]) > np.mean(shares[:1]) + 0.2
-  assert state["accuracy"][0] > 0.9 and state["accuracy"][2] < 0.1
-
-
-def test_balancer_is_pure_deterministic_and_checkpointable():
-  state = data.init_balancer([1, 2])
-  before = json.dumps(state)
-  after = data.update_balancer(state, [(1, 8, 8), (2, 3, 8)])
-  assert json.dumps(state) == before  # input untouched
-  restored = json.loads(json.dumps(after))
-  assert restored == after
-  assert data.sample_levels(restored, 10, seed=1, step=4) == data.sample_levels(after, 10, seed=1, step=4)
-  # decay 0.8: level 1 all-correct -> 0.8 * 0.5 + 0.2 * 0; level 2 mixed -> 0.8 * 0.5 + 0.2 * 1.
-  assert after["mixed_rate"] == pytest.approx([0.4, 0.6])
-  assert after["accuracy"] == pytest.approx([0.6, 0.8 * 0.5 + 0.2 * 3 / 8])
-  with pytest.raises(ValueError, match="unknown level 5"):
-    data.update_balancer(state, [(5, 1, 8)])
-
-
-def test_sample_levels_follow_the_mix_exactly():
-  state = {**data.init_balancer([1, 2, 3], floor=0.0, power=1.0), "mixed_rate": [0.1, 0.3, 0.6]}
-  levels = data.sample_levels(state, 20, seed=0, step=0)
-  assert collections.Counter(levels) == {1: 2, 2: 6, 3: 12}
-  assert levels != sorted(levels)  # shuffled
-
-
-def test_balanced_examples_use_the_sampled_levels():
-  state = {**data.init_balancer([1, 4], floor=0.0, power=1.0), "mixed_rate": [0.0, 1.0]}
-  batch = data.balanced_examples("arithmetic", state, 6, seed=0, step=3)
-  assert [e.meta["level"] for e in batch] == [4] * 6
-  assert batch == data.balanced_examples("arithmetic", state, 6, seed=0, step=3)
-  assert batch != data.balanced_examples("arithmetic", state, 6, seed=0, step=4)
 
 
 def test_registered_names():

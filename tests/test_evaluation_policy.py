@@ -129,8 +129,11 @@ def test_final_answer_of_last_number_agrees_with_its_reward():
   assert votes == [bool(r) for r in reward] == [True, True, True, False, False, True]
 
 
-def test_unregistered_rewards_vote_with_the_math_verifier():
-  assert evaluation.final_answer("countdown") is evaluation.final_answer("math")
+def test_a_reward_without_a_final_answer_fails_naming_the_known_ones():
+  # It once fell back to the math verifier silently; config validation now
+  # rejects such a run before any work (tests/test_train.py).
+  with pytest.raises(KeyError, match=r"final_answer 'countdown'.*'math'"):
+    evaluation.final_answer("countdown")
 
 
 # ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from grpo_jax.models import (ModelConfig, RopeScaling, forward, get_preset,
                              init_params, load_pretrained, save_pretrained)
-from grpo_jax.models import hf, loading
+from grpo_jax.models import hf, hf_write, loading
 from grpo_jax.models.gguf_loader import gguf_name_map, permute_qk
 from grpo_jax import weights
 from grpo_jax.tokenizer import load_tokenizer
@@ -294,13 +294,13 @@ def test_save_pretrained_over_an_older_sharded_save(tmp_path):
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
   config = _our_config("qwen2")
-  real_write = hf.write_weights
+  real_write = hf_write.write_weights
 
   def write_then_fail(directory, tensors, max_shard_bytes):
     real_write(directory, tensors, max_shard_bytes)
     raise OSError("disk full")
 
-  monkeypatch.setattr(hf, "write_weights", write_then_fail)
+  monkeypatch.setattr(hf_write, "write_weights", write_then_fail)
   with pytest.raises(OSError, match="disk full"):
     save_pretrained(config, _random_params(config), tmp_path / "out")
   assert list(tmp_path.iterdir()) == []

@@ -171,7 +171,7 @@ def test_bad_arguments_fail_with_names():
   adv_b = jnp.zeros(4)
   with pytest.raises(KeyError, match="seq-mean-token-mean"):
     losses.policy_loss(logp, old, adv_b, mask, agg="sequence-mean")
-  with pytest.raises(ValueError, match="ref_logp_bt"):
+  with pytest.raises(ValueError, match="ref_logp_nt"):
     losses.policy_loss(logp, old, adv_b, mask, kl_beta=0.1)
   with pytest.raises(ValueError, match="dual_clip"):
     losses.policy_loss(logp, old, adv_b, mask, dual_clip=0.5)

@@ -54,9 +54,9 @@ def test_golden2_gspo_sequence_ratios():
                              atol=1e-5)
   # and the token form's value is s_i on each valid token
   p = pl.LossParams(eps_low=10.0, eps_high=10.0)   # no clip: l = -A·s
-  l_bt, _ = pl.gspo_loss(jnp.asarray(LOGP), jnp.asarray(OLD),
+  l_nt, _ = pl.gspo_loss(jnp.asarray(LOGP), jnp.asarray(OLD),
                          jnp.ones((4, 4)), jnp.asarray(MASK), p)
-  np.testing.assert_allclose(-np.asarray(l_bt)[:, 0], np.exp(log_s),
+  np.testing.assert_allclose(-np.asarray(l_nt)[:, 0], np.exp(log_s),
                              rtol=1e-5)
 
 
@@ -98,7 +98,7 @@ def test_golden2_rollout_correction(settings, expected):
                                jnp.asarray(MASK), settings)
   loss, _ = losses.policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD),
                                grpo_adv(), mask, agg="token-mean",
-                               is_weight_bt=weight)
+                               is_weight_nt=weight)
   assert float(loss) == pytest.approx(expected, abs=1e-5)
 
 
@@ -210,12 +210,12 @@ LOSS_AGGS = [(name, agg) for name in BIND_PARAMS
 
 
 def _bind_case():
-  adv_bt = np.broadcast_to(BIND_ADV[:, None], BIND_MASK.shape)
-  return BIND_LP, BIND_OLD, adv_bt, BIND_MASK
+  adv_nt = np.broadcast_to(BIND_ADV[:, None], BIND_MASK.shape)
+  return BIND_LP, BIND_OLD, adv_nt, BIND_MASK
 
 
 def test_every_clip_binds_in_the_bind_case():
-  lp, old, adv_bt, mask = _bind_case()
+  lp, old, adv_nt, mask = _bind_case()
   for name in ("ppo", "gspo", "cispo", "gmpo"):
     _, m = losses.policy_loss(jnp.asarray(lp), jnp.asarray(old),
                               jnp.asarray(BIND_ADV), jnp.asarray(mask),
@@ -235,10 +235,10 @@ def test_every_clip_binds_in_the_bind_case():
 
 @pytest.mark.parametrize("name,agg", LOSS_AGGS)
 def test_binding_case_matches_per_token_loops(name, agg):
-  lp, old, adv_bt, mask = _bind_case()
+  lp, old, adv_nt, mask = _bind_case()
   p = BIND_PARAMS[name]
   expected = ref_aggregate(
-      ref_token_losses(name, lp.tolist(), old.tolist(), adv_bt.tolist(),
+      ref_token_losses(name, lp.tolist(), old.tolist(), adv_nt.tolist(),
                        mask.tolist(), p), mask.tolist(), agg)
   loss, _ = losses.policy_loss(jnp.asarray(lp), jnp.asarray(old),
                                jnp.asarray(BIND_ADV), jnp.asarray(mask),
@@ -250,44 +250,44 @@ def test_hand_computed_binding_tokens():
   # PPO ε 0.2/0.28, c = 3, row 1 (A = -0.7): token 0 ρ = e^1.5 = 4.4817:
   # -min(ρA, 1.28·A) = 0.7·4.4817 = 3.137, dual clip caps at 0.7·3 = 2.1.
   # Token 2 ρ = e^-1.2 = 0.3012 < 0.8: -min(ρA, 0.8A) = 0.7·0.8 = 0.56.
-  lp, old, adv_bt, mask = _bind_case()
-  l_bt, _ = pl.ppo_loss(jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv_bt),
+  lp, old, adv_nt, mask = _bind_case()
+  l_nt, _ = pl.ppo_loss(jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv_nt),
                         jnp.asarray(mask), BIND_PARAMS["ppo"])
-  assert float(l_bt[1, 0]) == pytest.approx(2.1, abs=1e-6)
-  assert float(l_bt[1, 2]) == pytest.approx(0.56, abs=1e-6)
+  assert float(l_nt[1, 0]) == pytest.approx(2.1, abs=1e-6)
+  assert float(l_nt[1, 2]) == pytest.approx(0.56, abs=1e-6)
   # GSPO row 2 (A = 0.9): s = exp(mean(0.5, 0.45, 0.6)) = e^0.51666 = 1.6764
   # > 1.28: l = -min(sA, 1.28A) = -1.152 on every token
-  l_bt, _ = pl.gspo_loss(jnp.asarray(lp), jnp.asarray(old),
-                         jnp.asarray(adv_bt), jnp.asarray(mask),
+  l_nt, _ = pl.gspo_loss(jnp.asarray(lp), jnp.asarray(old),
+                         jnp.asarray(adv_nt), jnp.asarray(mask),
                          BIND_PARAMS["gspo"])
-  np.testing.assert_allclose(l_bt[2, :3], [-1.152] * 3, rtol=1e-6)
+  np.testing.assert_allclose(l_nt[2, :3], [-1.152] * 3, rtol=1e-6)
   # CISPO cap 2, row 0 token 0: w = min(4.4817, 2) = 2: l = -2·1.3·lp
-  l_bt, _ = pl.cispo_cap_loss(jnp.asarray(lp), jnp.asarray(old),
-                              jnp.asarray(adv_bt), jnp.asarray(mask),
+  l_nt, _ = pl.cispo_cap_loss(jnp.asarray(lp), jnp.asarray(old),
+                              jnp.asarray(adv_nt), jnp.asarray(mask),
                               BIND_PARAMS["cispo_cap"])
-  assert float(l_bt[0, 0]) == pytest.approx(-2 * 1.3 * lp[0, 0], rel=1e-6)
+  assert float(l_nt[0, 0]) == pytest.approx(-2 * 1.3 * lp[0, 0], rel=1e-6)
   # GMPO row 3 (A = -1.1): log-ratios -0.5, -0.6 clipped up to -0.4 each:
   # l = 1.1·e^-0.4 = 0.73734
-  l_bt, _ = pl.gmpo_loss(jnp.asarray(lp), jnp.asarray(old),
-                         jnp.asarray(adv_bt), jnp.asarray(mask),
+  l_nt, _ = pl.gmpo_loss(jnp.asarray(lp), jnp.asarray(old),
+                         jnp.asarray(adv_nt), jnp.asarray(mask),
                          BIND_PARAMS["gmpo"])
-  assert float(l_bt[3, 0]) == pytest.approx(1.1 * math.exp(-0.4), rel=1e-6)
+  assert float(l_nt[3, 0]) == pytest.approx(1.1 * math.exp(-0.4), rel=1e-6)
   # SAPO at ρ = 1 (row 0 token 3 is padding; use row 4, A = 0): l = 0;
   # row 0 token 0 (A = 1.3, τ = 1): -1.3·4·σ(3.4817)
-  l_bt, _ = pl.sapo_loss(jnp.asarray(lp), jnp.asarray(old),
-                         jnp.asarray(adv_bt), jnp.asarray(mask),
+  l_nt, _ = pl.sapo_loss(jnp.asarray(lp), jnp.asarray(old),
+                         jnp.asarray(adv_nt), jnp.asarray(mask),
                          BIND_PARAMS["sapo"])
   sig = 1 / (1 + math.exp(-(math.exp(1.5) - 1)))
-  assert float(l_bt[0, 0]) == pytest.approx(-1.3 * 4 * sig, rel=1e-6)
-  assert float(l_bt[4, 0]) == 0.0
+  assert float(l_nt[0, 0]) == pytest.approx(-1.3 * 4 * sig, rel=1e-6)
+  assert float(l_nt[4, 0]) == 0.0
 
 
 def test_gspo_log_ratio_clamp_at_10():
   lp = jnp.array([[12.0, 14.0]])
-  l_bt, _ = pl.gspo_loss(lp, jnp.zeros((1, 2)), -jnp.ones((1, 2)),
+  l_nt, _ = pl.gspo_loss(lp, jnp.zeros((1, 2)), -jnp.ones((1, 2)),
                          jnp.ones((1, 2)), pl.LossParams(eps_low=10.0,
                                                          eps_high=1e9))
-  np.testing.assert_allclose(l_bt, [[math.exp(10.0)] * 2], rtol=1e-5)
+  np.testing.assert_allclose(l_nt, [[math.exp(10.0)] * 2], rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -375,7 +375,7 @@ def test_correction_rejection_denominators_differ():
     w, m, metrics = rc.correct(jnp.asarray(old), jnp.asarray(roll),
                                jnp.asarray(CORR_MASK), s)
     out[den] = float(losses.policy_loss(jnp.asarray(old), jnp.asarray(old),
-                                        adv, m, is_weight_bt=w)[0])
+                                        adv, m, is_weight_nt=w)[0])
     # rows 0 (Σk1 = -1.2) and 2 (-1.7) are rejected
     assert float(metrics["rollout_is/rejected_seq_frac"]) == 0.5
   # ρ = 1 so l = -A per token: kept rows 1 (3 tokens, A -0.5), 3 (4, A -1)
@@ -429,7 +429,7 @@ FD_WEIGHT_SEQ = np.array([[1.0], [1.5], [0.6], [2.0]]) * FD_MASK
 def test_gradient_matches_finite_differences(name, agg, weighted):
   old = -np.linspace(0.4, 2.0, 16).reshape(4, 4)
   lp0 = old + FD_LOG_RATIO
-  adv_bt = np.broadcast_to(FD_ADV[:, None], FD_MASK.shape)
+  adv_nt = np.broadcast_to(FD_ADV[:, None], FD_MASK.shape)
   p = BIND_PARAMS[name]
   weight = None
   if weighted:
@@ -444,10 +444,10 @@ def test_gradient_matches_finite_differences(name, agg, weighted):
 
   def ref_loss(lp):
     if frozen is not None:
-      l = (-frozen * adv_bt * lp).tolist()
+      l = (-frozen * adv_nt * lp).tolist()
     else:
       l = ref_token_losses(ref_name, lp.tolist(), old.tolist(),
-                           adv_bt.tolist(), FD_MASK.tolist(), p)
+                           adv_nt.tolist(), FD_MASK.tolist(), p)
     return ref_aggregate(l, FD_MASK.tolist(), agg,
                          None if weight is None else weight.tolist())
 
@@ -455,7 +455,7 @@ def test_gradient_matches_finite_differences(name, agg, weighted):
   grad = jax.grad(lambda lp: losses.policy_loss(
       lp, jnp.asarray(old, jnp.float32), jnp.asarray(FD_ADV, jnp.float32),
       jnp.asarray(FD_MASK, jnp.float32), loss=name, params=p, agg=agg,
-      is_weight_bt=None if weight is None else jnp.asarray(weight,
+      is_weight_nt=None if weight is None else jnp.asarray(weight,
                                                            jnp.float32))[0])(
           jnp.asarray(lp0, jnp.float32))
   np.testing.assert_allclose(grad, expected, rtol=1e-3, atol=2e-5)
@@ -474,27 +474,27 @@ def _problem():
   k = jax.random.split(jax.random.PRNGKey(1), 6)
   w_dv = 0.5 * jax.random.normal(k[0], (D, V))
   x_btd = jax.random.normal(k[1], (N, T, D))
-  tgt_bt = jax.random.randint(k[2], (N, T), 0, V)
+  tgt_nt = jax.random.randint(k[2], (N, T), 0, V)
   logits = jax.nn.log_softmax(x_btd @ w_dv)
-  lp_bt = jnp.take_along_axis(logits, tgt_bt[..., None], -1)[..., 0]
+  lp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
   # old within ±0.8 of the current log-probs: some clips bind
-  old_bt = lp_bt + 0.8 * jax.random.uniform(k[3], (N, T), minval=-1, maxval=1)
-  roll_bt = old_bt + 0.6 * jax.random.normal(k[4], (N, T))
+  old_nt = lp_nt + 0.8 * jax.random.uniform(k[3], (N, T), minval=-1, maxval=1)
+  roll_nt = old_nt + 0.6 * jax.random.normal(k[4], (N, T))
   lengths = np.array([1, 6, 2, 5, 3, 6, 1, 4])
-  mask_bt = jnp.array(np.arange(T)[None] < lengths[:, None], jnp.float32)
+  mask_nt = jnp.array(np.arange(T)[None] < lengths[:, None], jnp.float32)
   adv_n = jax.random.normal(k[5], (N,))
-  return w_dv, (x_btd, tgt_bt, old_bt, roll_bt, mask_bt, adv_n)
+  return w_dv, (x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n)
 
 
-def _mb_loss(w_dv, part, weight_bt, norm, name, agg, bypass):
-  x_btd, tgt_bt, old_bt, roll_bt, mask_bt, adv_n = part
+def _mb_loss(w_dv, part, weight_nt, norm, name, agg, bypass):
+  x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n = part
   logits = jax.nn.log_softmax(x_btd @ w_dv)
-  lp_bt = jnp.take_along_axis(logits, tgt_bt[..., None], -1)[..., 0]
+  lp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
   if bypass is not None:      # π_old := π_rollout, corrected in the loss
-    old_bt = roll_bt
-  return losses.policy_loss(lp_bt, old_bt, adv_n, mask_bt, agg=agg, loss=name,
+    old_nt = roll_nt
+  return losses.policy_loss(lp_nt, old_nt, adv_n, mask_nt, agg=agg, loss=name,
                             params=BIND_PARAMS[name], norm=norm,
-                            is_weight_bt=weight_bt, bypass_correction=bypass)
+                            is_weight_nt=weight_nt, bypass_correction=bypass)
 
 
 DECOUPLED = rc.CorrectionSettings(is_level="token", is_threshold=1.5,
@@ -514,15 +514,15 @@ MB_CASES = ([(name, agg, "plain") for name, agg in LOSS_AGGS]
 @pytest.mark.parametrize("name,agg,mode", MB_CASES)
 def test_loss_gradient_metrics_independent_of_microbatching(name, agg, mode):
   w_dv, batch = _problem()
-  x_btd, tgt_bt, old_bt, roll_bt, mask_bt, adv_n = batch
-  weight_bt, bypass = None, None
+  x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n = batch
+  weight_nt, bypass = None, None
   if mode == "decoupled":   # once on the whole batch, before splitting
-    weight_bt, mask_bt, _ = rc.correct(old_bt, roll_bt, mask_bt, DECOUPLED)
-    assert 0 < float(mask_bt.sum()) < float(batch[4].sum())  # rows rejected
-    batch = (x_btd, tgt_bt, old_bt, roll_bt, mask_bt, adv_n)
+    weight_nt, mask_nt, _ = rc.correct(old_nt, roll_nt, mask_nt, DECOUPLED)
+    assert 0 < float(mask_nt.sum()) < float(batch[4].sum())  # rows rejected
+    batch = (x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n)
   if mode == "bypass":
     bypass = BYPASS
-  norm = losses.normalisers(mask_bt)
+  norm = losses.normalisers(mask_nt)
   grad_fn = jax.jit(jax.grad(_mb_loss, has_aux=True),
                     static_argnames=("name", "agg", "bypass"))
   results = []
@@ -531,7 +531,7 @@ def test_loss_gradient_metrics_independent_of_microbatching(name, agg, mode):
     for i in range(k):
       rows = slice(i * N // k, (i + 1) * N // k)
       part = tuple(x[rows] for x in batch)
-      w = None if weight_bt is None else weight_bt[rows]
+      w = None if weight_nt is None else weight_nt[rows]
       g, m = grad_fn(w_dv, part, w, norm, name=name, agg=agg, bypass=bypass)
       grads = grads + g
       total = losses.accumulate_metrics(total, m)

@@ -68,6 +68,15 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
   for x, y in zip(_leaves(a), _leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)   # bitwise on CPU
   assert _metrics(straight) == _metrics(killed)
+  # TensorBoard too: the steps the kill discarded are not kept beside the
+  # recomputed ones (each (step, tag) once, as in the uninterrupted run).
+  assert _tensorboard(killed) == _tensorboard(straight)
+
+
+def _tensorboard(workdir):
+  from grpo_jax import metrics  # pylint: disable=import-outside-toplevel
+  return sorted((step, tag) for step, tag, _ in
+                metrics.read_tensorboard(os.path.join(workdir, "tensorboard")))
 
 
 def _leaves(tree):

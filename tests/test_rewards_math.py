@@ -322,11 +322,13 @@ def test_verify_single_call_matches_batch(verdicts):
     (r"\boxed{2} and then \boxed{3", "2", True),  # The unclosed one is skipped.
     ("**Answer:** 42", "42", True),
     ("Answer:\n42", "42", True),
+    ("## Final Answer\n\n42", "42", True),
+    ("**Final Answer**\n$\\frac{1}{2}$", "\\frac{1}{2}", True),
     ("The answer is: 7", "7", True),
     ("The answer is 3.5 meters.", "3.5 meters", True),
     ("answer is 4. Answer: 5", "5", True),  # The latest anchor wins.
     ("#### 1,234", "1,234", True),
-    ("#### Step 2\nwe get 5", "#### Step 2\nwe get 5", False),  # A heading.
+    ("#### Step 2\nwe get 5", "5", True),  # A heading, then the final statement.
     (r"\boxed{}", r"\boxed{}", False),
     ("just 42", "just 42", False),
 ])
@@ -456,7 +458,7 @@ def _elapsed(fn):
     r"\boxed{10^{10^{10}}}",  # Exact big-int power: only the kill or the memory cap stops it.
     r"\boxed{9^{9^{9^{9}}}}",
     "1+" * 500_000 + "1",  # A 1 MB string.
-    r"\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}",  # 5,000-deep nesting.
+    r"\boxed{" + "(" * 5000 + "2" + ")" * 5000 + "}",  # 5,000-deep nesting.
     r"\boxed{" + r"\frac{1}{" * 450 + "1" + "}" * 450 + "}",  # Deep, under the cap.
     "$" + "{" * 5000 + "x" + "}" * 5000 + "$",
 ])
@@ -465,6 +467,13 @@ def test_pathological_input_returns_false_in_time(prediction):
   verdict, seconds = _elapsed(lambda: rmath.verify("1", prediction, timeout=timeout))
   assert verdict is False
   assert seconds < timeout + 5.0  # Slack for a loaded machine; the point is "bounded".
+
+
+def test_deep_parentheses_around_the_right_number_verify_in_time():
+  prediction = r"\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}"
+  verdict, seconds = _elapsed(lambda: rmath.verify("1", prediction, timeout=2.0))
+  assert verdict is True
+  assert seconds < 2.0 + 5.0
 
 
 def test_hard_timeout_kills_a_worker_stuck_in_c_and_the_pool_recovers():

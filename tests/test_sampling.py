@@ -54,9 +54,9 @@ def test_greedy_equals_uncached_argmax(params):
   for b, prompt in enumerate(prompts):
     ref = _greedy_reference(params, prompt, 12)
     for g in range(2):
-      np.testing.assert_array_equal(out.tokens_bt[2 * b + g], ref)
-  assert bool(jnp.all(out.mask_bt)) and not bool(jnp.any(out.length_b != 12))
-  assert bool(jnp.all(out.truncated_b))
+      np.testing.assert_array_equal(out.tokens_nt[2 * b + g], ref)
+  assert bool(jnp.all(out.mask_nt)) and not bool(jnp.any(out.length_n != 12))
+  assert bool(jnp.all(out.truncated_n))
 
 
 def test_logprobs_equal_forward_log_softmax(params):
@@ -65,17 +65,17 @@ def test_logprobs_equal_forward_log_softmax(params):
   out = sampling.sample(CONFIG, params, prompts, jax.random.key(3), cfg,
                         num_generations=3)
   for i in range(6):
-    comp = np.asarray(out.tokens_bt[i])
+    comp = np.asarray(out.tokens_nt[i])
     ref = _forward_logprobs(params, prompts[i // 3], comp)
-    np.testing.assert_allclose(out.logp_bt[i], ref, atol=1e-4)
+    np.testing.assert_allclose(out.logp_nt[i], ref, atol=1e-4)
 
 
 def test_logprobs_are_temperature_scaled(params):
   prompts = _prompts([6])
   cfg = sampling.SamplingConfig(max_new_tokens=4, temperature=0.7, top_k=20)
   out = sampling.sample(CONFIG, params, prompts, jax.random.key(4), cfg)
-  ref = _forward_logprobs(params, prompts[0], out.tokens_bt[0], 0.7)
-  np.testing.assert_allclose(out.logp_bt[0], ref, atol=1e-4)
+  ref = _forward_logprobs(params, prompts[0], out.tokens_nt[0], 0.7)
+  np.testing.assert_allclose(out.logp_nt[0], ref, atol=1e-4)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -87,8 +87,8 @@ def test_shared_prefill_equals_per_row_prefill(params, greedy):
   repeated = [p for p in prompts for _ in range(3)]
   per_row = sampling.sample(CONFIG, params, repeated, key, cfg,
                             num_generations=1)
-  np.testing.assert_array_equal(shared.tokens_bt, per_row.tokens_bt)
-  np.testing.assert_allclose(shared.logp_bt, per_row.logp_bt, atol=1e-5)
+  np.testing.assert_array_equal(shared.tokens_nt, per_row.tokens_nt)
+  np.testing.assert_allclose(shared.logp_nt, per_row.logp_nt, atol=1e-5)
 
 
 def test_mixed_lengths_equal_each_prompt_alone(params):
@@ -97,7 +97,7 @@ def test_mixed_lengths_equal_each_prompt_alone(params):
   batch = sampling.sample(CONFIG, params, prompts, jax.random.key(0), cfg)
   for b, prompt in enumerate(prompts):
     alone = sampling.sample(CONFIG, params, [prompt], jax.random.key(0), cfg)
-    np.testing.assert_array_equal(batch.tokens_bt[b], alone.tokens_bt[0])
+    np.testing.assert_array_equal(batch.tokens_nt[b], alone.tokens_nt[0])
 
 
 def test_top_k_one_is_greedy(params):
@@ -108,7 +108,7 @@ def test_top_k_one_is_greedy(params):
   top1 = sampling.sample(CONFIG, params, prompts, jax.random.key(7),
                          sampling.SamplingConfig(max_new_tokens=6, top_k=1,
                                                  temperature=1.3))
-  np.testing.assert_array_equal(greedy.tokens_bt, top1.tokens_bt)
+  np.testing.assert_array_equal(greedy.tokens_nt, top1.tokens_nt)
 
 
 def test_same_key_same_output_other_key_differs(params):
@@ -117,8 +117,8 @@ def test_same_key_same_output_other_key_differs(params):
   a = sampling.sample(CONFIG, params, prompts, jax.random.key(11), cfg, 4)
   b = sampling.sample(CONFIG, params, prompts, jax.random.key(11), cfg, 4)
   c = sampling.sample(CONFIG, params, prompts, jax.random.key(12), cfg, 4)
-  np.testing.assert_array_equal(a.tokens_bt, b.tokens_bt)
-  assert not np.array_equal(a.tokens_bt, c.tokens_bt)
+  np.testing.assert_array_equal(a.tokens_nt, b.tokens_nt)
+  assert not np.array_equal(a.tokens_nt, c.tokens_nt)
 
 
 def test_token_frequencies_match_softmax(params):
@@ -132,7 +132,7 @@ def test_token_frequencies_match_softmax(params):
   cfg = sampling.SamplingConfig(max_new_tokens=1, temperature=1.0)
   out = sampling.sample(CONFIG, sharp, [prompt], jax.random.key(0), cfg,
                         num_generations=n)
-  counts = np.bincount(np.asarray(out.tokens_bt[:, 0]),
+  counts = np.bincount(np.asarray(out.tokens_nt[:, 0]),
                        minlength=CONFIG.vocab_size)
   expected = probs * n
   big = expected >= 5  # pool the rare tokens into one cell
@@ -146,7 +146,7 @@ def test_token_frequencies_match_softmax(params):
   hot = sampling.sample(CONFIG, sharp, [prompt], jax.random.key(0),
                         sampling.SamplingConfig(max_new_tokens=1,
                                                 temperature=1.5), n)
-  hot_counts = np.bincount(np.asarray(hot.tokens_bt[:, 0]),
+  hot_counts = np.bincount(np.asarray(hot.tokens_nt[:, 0]),
                            minlength=CONFIG.vocab_size)
   hot_obs = np.append(hot_counts[big], hot_counts[~big].sum())
   assert stats.chisquare(hot_obs, exp).pvalue < 1e-3
@@ -158,19 +158,19 @@ def test_stop_ids_end_rows_and_mask(params):
                          sampling.SamplingConfig(max_new_tokens=12,
                                                  greedy=True))
   # Make the 4th greedy token of row 0 a stop id: row 0 ends there.
-  stop = int(free.tokens_bt[0, 3])
+  stop = int(free.tokens_nt[0, 3])
   cfg = sampling.SamplingConfig(max_new_tokens=12, greedy=True,
                                 stop_ids=(stop,), pad_id=0)
   out = sampling.sample(CONFIG, params, prompts, jax.random.key(2), cfg)
-  row0 = list(np.asarray(free.tokens_bt[0]))
+  row0 = list(np.asarray(free.tokens_nt[0]))
   first = row0.index(stop)
-  assert int(out.length_b[0]) == first + 1
-  assert not bool(out.truncated_b[0])
-  np.testing.assert_array_equal(out.tokens_bt[0, :first + 1],
-                                free.tokens_bt[0, :first + 1])
-  assert np.all(np.asarray(out.tokens_bt[0, first + 1:]) == 0)
-  assert np.all(np.asarray(out.logp_bt[0, first + 1:]) == 0)
-  np.testing.assert_array_equal(out.mask_bt[0],
+  assert int(out.length_n[0]) == first + 1
+  assert not bool(out.truncated_n[0])
+  np.testing.assert_array_equal(out.tokens_nt[0, :first + 1],
+                                free.tokens_nt[0, :first + 1])
+  assert np.all(np.asarray(out.tokens_nt[0, first + 1:]) == 0)
+  assert np.all(np.asarray(out.logp_nt[0, first + 1:]) == 0)
+  np.testing.assert_array_equal(out.mask_nt[0],
                                 np.arange(12) < first + 1)
 
 
@@ -181,8 +181,8 @@ def test_loop_exits_when_all_rows_stop(params):
   out = sampling.sample(CONFIG, params, _prompts([4, 6]), jax.random.key(0),
                         cfg, num_generations=2)
   assert int(out.steps) == 0
-  np.testing.assert_array_equal(out.length_b, 1)
-  assert not bool(jnp.any(out.truncated_b))
+  np.testing.assert_array_equal(out.length_n, 1)
+  assert not bool(jnp.any(out.truncated_n))
 
 
 def test_buckets_bound_compilations(params):
@@ -220,4 +220,4 @@ def test_greedy_equals_uncached_argmax_on_bundled_smollm2():
       padded[0, :len(seq)] = seq
       logits = fwd(config, params, jnp.asarray(padded))[0, len(seq) - 1]
       seq.append(int(jnp.argmax(logits)))
-    np.testing.assert_array_equal(out.tokens_bt[b], seq[len(prompt):])
+    np.testing.assert_array_equal(out.tokens_nt[b], seq[len(prompt):])

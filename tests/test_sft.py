@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import sft
+from grpo_jax import config as config_lib
+from grpo_jax import sft, update
 from grpo_jax.models import forward, get_preset, hidden_states, init_params
 from grpo_jax.update import init_state
 
@@ -161,6 +162,28 @@ def test_sft_step_lowers_the_loss_and_donates_the_state(params):
   assert int(state.step) == 5
   assert old.params["embed"].is_deleted()          # donated
   assert not params["embed"].is_deleted()          # the caller's copy lives
+
+
+def test_equal_optimizer_specs_share_one_compile_and_match_optax(params):
+  """STaR makes a fresh optimizer every outer iteration: as OptimizerSpec
+  values they compile the step once, and step exactly as make_optimizer's
+  optax transformation does."""
+  optim = config_lib.base_config().optim
+  optim.learning_rate = 1e-3
+  batch = _batch(EXAMPLES)
+  before = sft.sft_step._cache_size()
+  states = []
+  for _ in range(2):
+    spec = update.OptimizerSpec.from_config(optim, 0)
+    state = init_state(jax.tree.map(jnp.copy, params), spec, 0)
+    states.append(sft.sft_step(state, batch, CONFIG, spec, 2, S)[0])
+  assert sft.sft_step._cache_size() == before + 1
+  tx = update.make_optimizer(optim, 0)
+  direct = sft.sft_step(init_state(jax.tree.map(jnp.copy, params), tx, 0),
+                        batch, CONFIG, tx, 2, S)[0]
+  assert sft.sft_step._cache_size() == before + 2     # optax: by identity
+  for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(direct)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_sft_batches_cycle_epochs_with_full_batches():

@@ -335,3 +335,31 @@ def test_plot_comparison_draws_every_run(tmp_path):
                              str(tmp_path / "cmp.png"),
                              keys=("eval/greedy_accuracy", "sft/steps"))
   assert os.path.getsize(png) > 1000
+
+
+def test_evaluate_cli_runs_the_star_commonsenseqa_config(tmp_path):
+  """The commonsenseqa layout exists for experiments/evaluate.py, which never
+  imports the STaR loop (it once failed with "unknown layout")."""
+  rng = np.random.default_rng(0)
+  path = tmp_path / "cqa.jsonl"
+  golds = []
+  with open(path, "w", encoding="utf-8") as f:
+    for i in range(3):
+      golds.append("ABCDE"[rng.integers(5)])
+      f.write(json.dumps({"id": f"q{i}", "answerKey": golds[-1], "question": {
+          "stem": f"Where would you put thing {i}?", "choices": [
+              {"label": l, "text": f"place {l}{i}"} for l in "ABCDE"]}}) + "\n")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "evaluate.py"),
+       f"--config={os.path.join(ROOT, 'configs', 'star_commonsenseqa.py')}",
+       f"--config.data.kwargs.path={path}",
+       f"--config.data.eval_kwargs.path={path}",
+       "--config.model.source=tiny", "--config.sampling.max_new_tokens=4",
+       f"--workdir={tmp_path}"],
+      capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "eval/greedy_accuracy" in proc.stdout
+  record = json.loads((tmp_path / "eval" / "pretrained.json").read_text())
+  assert [p["gold"] for p in record["problems"]] == golds
+  assert "(E) place E0" in record["problems"][0]["question"]

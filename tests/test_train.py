@@ -142,18 +142,18 @@ def test_dynamic_sampling_returns_exactly_b_groups_with_signal():
   def generate(i):
     correct = rng.rand(B, G) < 0.5
     correct[0] = True              # one group without signal per batch
-    batch = {"prompt_ids": np.array([(1, 2)] * B + [()], object)[:B],
-             "tokens": np.zeros((B, G, T), np.int32),
-             "logp": np.zeros((B, G, T), np.float32),
-             "mask": np.ones((B, G, T), bool),
-             "length": np.full((B, G), T), "truncated": np.zeros((B, G), bool),
-             "reward_bg": correct.astype(np.float32), "correct": correct,
-             "level": np.ones(B, int)}
+    prompts_b = np.empty(B, object)
+    prompts_b[:] = [(1, 2)] * B
+    batch = rollout.Groups(
+        prompts_b, np.zeros((B, G, T), np.int32), np.zeros((B, G, T), np.float32),
+        np.ones((B, G, T), bool), np.full((B, G), T), np.zeros((B, G), bool),
+        correct.astype(np.float32), correct)
     return batch, {"time/sample": 1.0, "sample/tokens": B * G * T}
 
   batch, metrics = rollout.collect(generate, B, True, 10, "raise")
-  assert batch["reward_bg"].shape == (B, G)
-  assert np.all(batch["reward_bg"].max(1) > batch["reward_bg"].min(1))
+  assert isinstance(batch, rollout.Groups) and batch.reward_bg.shape == (B, G)
+  assert np.all(batch.reward_bg.max(1) > batch.reward_bg.min(1))
+  assert batch.prompt_ids_b.shape == (B,) and batch.tokens_bgt.shape == (B, G, T)
   assert 0 < metrics["dynamic/kept_fraction"] < 1
 
 
@@ -173,4 +173,38 @@ def test_config_errors_name_the_field():
   config = tiny.get_config()
   config.rl.micro_batch_size = 3
   with pytest.raises(config_lib.ConfigError, match="micro_batch_size"):
+    config_lib.validate(config)
+
+
+def test_configs_that_cannot_run_fail_validation_with_the_reason():
+  config = tiny.get_config()
+  config.rl.advantage = "grpo_process"      # needs per-step rewards
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"per-step rewards.*'grpo', 'rloo'|'grpo'.*'rloo'"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.eps_low = 1.5                   # the loss's own clip check
+  with pytest.raises(config_lib.ConfigError, match="rl.eps_low.*eps_low < 1"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.dual_clip = 0.5
+  with pytest.raises(config_lib.ConfigError, match="dual_clip.*> 1"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rewards = {"countdown": 1.0}       # no final_answer to evaluate with
+  config.accuracy_reward = "countdown"
+  with pytest.raises(config_lib.ConfigError, match="final_answer.*last_number"):
+    config_lib.validate(config)
+  config.train.eval_at_start = config.train.eval_at_end = False
+  config_lib.validate(config)               # a run that never evaluates
+  config = tiny.get_config()
+  config.data.source = "jsonl"
+  config.data.kwargs = {"path": "/data/x.jsonl", "layout": "cqa"}
+  config.data.eval_kwargs = {"path": "/data/x.jsonl"}
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"data.kwargs.layout.*'commonsenseqa'"):
+    config_lib.validate(config)
+  config = tiny.get_config()
+  config.rl.on_cap = "drop"
+  with pytest.raises(config_lib.ConfigError, match="'fill', 'fewer', 'raise'"):
     config_lib.validate(config)

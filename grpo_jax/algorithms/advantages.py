@@ -165,27 +165,3 @@ def grpo_process_advantages(step_reward_bgt: jax.Array,
   step_end_bgt = jnp.asarray(step_end_bgt, bool)
   fn = functools.partial(_process_group, ddof=ddof, eps=eps)
   return jax.vmap(fn)(step_reward_bgt, step_end_bgt)
-
-
-def advantage_stats(adv: jax.Array, mask: jax.Array | None = None
-                    ) -> dict[str, jax.Array]:
-  """Mean, std, min, max of advantages ([N] per completion, or [N, T] per
-  token with a token mask [N, T]), for the step's metrics."""
-  adv = jnp.asarray(adv, jnp.float32)
-  m = jnp.ones_like(adv) if mask is None else jnp.asarray(mask, jnp.float32)
-  n = jnp.maximum(m.sum(), 1.0)
-  mean = (adv * m).sum() / n
-  std = jnp.sqrt((((adv - mean) ** 2) * m).sum() / n)
-  return {"adv/mean": mean, "adv/std": std,
-          "adv/min": jnp.where(m > 0, adv, jnp.inf).min(),
-          "adv/max": jnp.where(m > 0, adv, -jnp.inf).max()}
-
-
-def reward_stats(reward_bg: jax.Array) -> dict[str, jax.Array]:
-  """Reward mean/std over all completions, the mean within-group std, and the
-  fraction of groups whose rewards differ (the groups that carry signal)."""
-  reward_bg = jnp.asarray(reward_bg, jnp.float32)
-  signal_b = reward_bg.max(axis=1) > reward_bg.min(axis=1)
-  return {"reward/mean": reward_bg.mean(), "reward/std": reward_bg.std(),
-          "reward/group_std_mean": reward_bg.std(axis=1).mean(),
-          "reward/signal_frac": signal_b.mean(dtype=jnp.float32)}

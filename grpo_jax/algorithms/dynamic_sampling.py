@@ -1,9 +1,9 @@
 """DAPO dynamic sampling and overlong filtering: host-side numpy helpers.
 
-A generation batch is a dict of numpy arrays that all have the group axis
-first: `reward_bg` [B', G] plus whatever the trainer carries along
-(completion ids [B', G, T], old log-probs, masks, ...; reshape the sampler's
-[B'*G, ...] to [B', G, ...]). Dynamic sampling keeps the groups whose
+A generation batch is a NamedTuple (`rollout.Groups`) or a dict of numpy
+arrays that all have the group axis first: `reward_bg` [b, g] plus whatever
+the trainer carries along (completion ids [b, g, t], old log-probs, masks,
+...; reshape the sampler's [b*g, ...] to [b, g, ...]). Dynamic sampling keeps the groups whose
 rewards differ (DAPO eq. 8: 0 < #correct < G), and draws further generation
 batches until `num_groups` groups are kept, at most `max_gen_batches` of them.
 
@@ -20,11 +20,11 @@ Either way a warning is logged and info["dynamic/cap_hit"] is 1.
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
-Batch = dict[str, np.ndarray]
+Batch = Any   # a NamedTuple or dict of arrays, each [b, ...]
 ON_CAP = ("fill", "fewer", "raise")
 
 
@@ -35,25 +35,36 @@ def group_has_signal(reward_bg: np.ndarray) -> np.ndarray:
   return reward_bg.max(axis=1) > reward_bg.min(axis=1)
 
 
+def _map(fn: Callable, *batches: Batch) -> Batch:
+  """fn over each field of same-typed batches (dicts or NamedTuples)."""
+  if isinstance(batches[0], Mapping):
+    return {key: fn(*(b[key] for b in batches)) for key in batches[0]}
+  return type(batches[0])(*(fn(*values) for values in zip(*batches)))
+
+
+def _field(batch: Batch, key: str) -> np.ndarray:
+  return batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
+
+
 def select_groups(batch: Batch, keep_b: np.ndarray) -> Batch:
-  """The groups where keep_b is True (a bool mask or indices), every key."""
-  return {key: value[keep_b] for key, value in batch.items()}
+  """The groups where keep_b is True (a bool mask or indices), every field."""
+  return _map(lambda value: value[keep_b], batch)
 
 
 def filter_groups(batch: Batch, reward_key: str = "reward_bg"
                   ) -> tuple[Batch, Batch]:
   """Splits a generation batch into (groups with signal, groups without)."""
-  keep_b = group_has_signal(batch[reward_key])
+  keep_b = group_has_signal(_field(batch, reward_key))
   return select_groups(batch, keep_b), select_groups(batch, ~keep_b)
 
 
 def _concat(batches: list[Batch]) -> Batch:
-  return {key: np.concatenate([b[key] for b in batches])
-          for key in batches[0]}
+  return _map(lambda *values: np.concatenate(values), *batches)
 
 
 def _num_groups(batch: Batch) -> int:
-  return len(next(iter(batch.values())))
+  return len(next(iter(batch.values())) if isinstance(batch, Mapping)
+             else batch[0])
 
 
 class GroupAccumulator(NamedTuple):

@@ -4,7 +4,7 @@ ppo, gspo, cispo, cispo_cap, gmpo, sapo) times the rollout-correction weights
 one update.
 
 Shapes: N sequences (B*G completions, or one micro-batch of them), T tokens.
-Every per-token array is [N, T]; `mask_bt` is 1 on completion tokens that get
+Every per-token array is [N, T]; `mask_nt` is 1 on completion tokens that get
 a gradient (0 on padding and on overlong-filtered completions).
 
 Exact gradient accumulation. Every aggregation mode is written as
@@ -16,7 +16,7 @@ Exact gradient accumulation. Every aggregation mode is written as
   seq-mean-token-sum-norm  Σ m·x / (num_seqs · max_len)              (Dr. GRPO)
 
 where `Normalisers(num_tokens, num_seqs, max_len)` is computed ONCE from the
-mask of the whole mini-batch (`normalisers(mask_bt)` over all micro-batches,
+mask of the whole mini-batch (`normalisers(mask_nt)` over all micro-batches,
 all devices, all hosts) and passed to every micro-batch. Then each
 micro-batch's loss is a partial sum of the global loss: summing the losses
 (and the gradients) of the micro-batches gives exactly the loss (and the
@@ -51,32 +51,43 @@ ratio = policy_losses.ratio
 clipped_surrogate = policy_losses.clipped_surrogate
 
 
+def validate_clip(eps_low: float, eps_high: float,
+                  dual_clip: Optional[float]) -> None:
+  """The allowed clip ranges (config validation uses this too)."""
+  if not 0.0 <= eps_low < 1.0:
+    raise ValueError(f"eps_low={eps_low}; allowed: 0 <= eps_low < 1")
+  if eps_high < 0.0:
+    raise ValueError(f"eps_high={eps_high}; allowed: eps_high >= 0")
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip={dual_clip}; allowed: None or > 1")
+
+
 # ----------------------------------------------------------------------------
 # KL to the reference policy (Schulman's estimators), d = lp - ref; the
 # reference log-probs are constants.
 # ----------------------------------------------------------------------------
 
-def _log_ratio_to_ref(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
-  return logp_bt.astype(jnp.float32) - jax.lax.stop_gradient(ref_logp_bt)
+def _log_ratio_to_ref(logp_nt: jax.Array, ref_logp_nt: jax.Array) -> jax.Array:
+  return logp_nt.astype(jnp.float32) - jax.lax.stop_gradient(ref_logp_nt)
 
 
 @register("kl_estimator", "k1")
-def kl_k1(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+def kl_k1(logp_nt: jax.Array, ref_logp_nt: jax.Array) -> jax.Array:
   """k1 = d: unbiased for KL(π‖π_ref), high variance, can be negative."""
-  return _log_ratio_to_ref(logp_bt, ref_logp_bt)
+  return _log_ratio_to_ref(logp_nt, ref_logp_nt)
 
 
 @register("kl_estimator", "k2")
-def kl_k2(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+def kl_k2(logp_nt: jax.Array, ref_logp_nt: jax.Array) -> jax.Array:
   """k2 = d²/2: biased, low variance, always >= 0."""
-  return 0.5 * jnp.square(_log_ratio_to_ref(logp_bt, ref_logp_bt))
+  return 0.5 * jnp.square(_log_ratio_to_ref(logp_nt, ref_logp_nt))
 
 
 @register("kl_estimator", "k3")
-def kl_k3(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+def kl_k3(logp_nt: jax.Array, ref_logp_nt: jax.Array) -> jax.Array:
   """k3 = exp(-d) + d - 1 (DeepSeekMath eq. 4, verl "low_var_kl"): unbiased
   and >= 0; d clamped to ±20 and the result to [-10, 10] as verl does."""
-  d = jnp.clip(_log_ratio_to_ref(logp_bt, ref_logp_bt),
+  d = jnp.clip(_log_ratio_to_ref(logp_nt, ref_logp_nt),
                -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
   return jnp.clip(jnp.exp(-d) + d - 1.0, -K3_CLAMP, K3_CLAMP)
 
@@ -101,11 +112,11 @@ class Normalisers(NamedTuple):
   max_len: float          # T_max, the constant of seq-mean-token-sum-norm
 
 
-def normalisers(mask_bt: jax.Array, max_len: Optional[int] = None
+def normalisers(mask_nt: jax.Array, max_len: Optional[int] = None
                 ) -> Normalisers:
   """Normalisers from the mask of the whole batch; max_len defaults to T.
   Counts are floored at 1 so an all-masked batch gives loss 0, not NaN."""
-  m = jnp.asarray(mask_bt, jnp.float32)
+  m = jnp.asarray(mask_nt, jnp.float32)
   num_tokens = jnp.maximum(m.sum(), 1.0)
   num_seqs = jnp.maximum((m.sum(axis=1) > 0).sum(dtype=jnp.float32), 1.0)
   return Normalisers(num_tokens, num_seqs,
@@ -113,44 +124,44 @@ def normalisers(mask_bt: jax.Array, max_len: Optional[int] = None
 
 
 @register("loss_agg", "token-mean")
-def token_mean(x_bt: jax.Array, mask_bt: jax.Array,
+def token_mean(x_nt: jax.Array, mask_nt: jax.Array,
                norm: Normalisers) -> jax.Array:
   # DAPO eq. 8: every token of the global batch weighs the same
-  return (x_bt * mask_bt).sum() / norm.num_tokens
+  return (x_nt * mask_nt).sum() / norm.num_tokens
 
 
 @register("loss_agg", "seq-mean-token-mean")
-def seq_mean_token_mean(x_bt: jax.Array, mask_bt: jax.Array,
+def seq_mean_token_mean(x_nt: jax.Array, mask_nt: jax.Array,
                         norm: Normalisers) -> jax.Array:
   # DeepSeekMath eq. 3: 1/G Σ_i 1/|o_i| Σ_t
-  seq_len_b = jnp.maximum(mask_bt.sum(axis=1), 1.0)
-  return ((x_bt * mask_bt).sum(axis=1) / seq_len_b).sum() / norm.num_seqs
+  seq_len_n = jnp.maximum(mask_nt.sum(axis=1), 1.0)
+  return ((x_nt * mask_nt).sum(axis=1) / seq_len_n).sum() / norm.num_seqs
 
 
 @register("loss_agg", "seq-mean-token-sum")
-def seq_mean_token_sum(x_bt: jax.Array, mask_bt: jax.Array,
+def seq_mean_token_sum(x_nt: jax.Array, mask_nt: jax.Array,
                        norm: Normalisers) -> jax.Array:
-  return (x_bt * mask_bt).sum() / norm.num_seqs
+  return (x_nt * mask_nt).sum() / norm.num_seqs
 
 
 @register("loss_agg", "seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(x_bt: jax.Array, mask_bt: jax.Array,
+def seq_mean_token_sum_norm(x_nt: jax.Array, mask_nt: jax.Array,
                             norm: Normalisers) -> jax.Array:
   # Dr. GRPO: a constant normaliser, no per-sequence length division
-  return (x_bt * mask_bt).sum() / (norm.num_seqs * norm.max_len)
+  return (x_nt * mask_nt).sum() / (norm.num_seqs * norm.max_len)
 
 
 # ----------------------------------------------------------------------------
 # Metrics (partial sums like the loss; combine with accumulate_metrics).
 # ----------------------------------------------------------------------------
 
-def ratio_metrics(ratio_bt: jax.Array, mask_bt: jax.Array,
+def ratio_metrics(ratio_nt: jax.Array, mask_nt: jax.Array,
                   norm: Normalisers) -> dict[str, jax.Array]:
   """Token-mean, max and min of ρ over valid tokens."""
-  valid_bt = mask_bt > 0
-  return {"ratio/mean": token_mean(ratio_bt, mask_bt, norm),
-          "ratio/max": jnp.where(valid_bt, ratio_bt, -jnp.inf).max(),
-          "ratio/min": jnp.where(valid_bt, ratio_bt, jnp.inf).min()}
+  valid_nt = mask_nt > 0
+  return {"ratio/mean": token_mean(ratio_nt, mask_nt, norm),
+          "ratio/max": jnp.where(valid_nt, ratio_nt, -jnp.inf).max(),
+          "ratio/min": jnp.where(valid_nt, ratio_nt, jnp.inf).min()}
 
 
 def accumulate_metrics(total: Optional[dict], new: dict) -> dict:
@@ -181,31 +192,31 @@ def _token_advantages(adv: jax.Array, shape: tuple[int, int]) -> jax.Array:
   return jnp.broadcast_to(adv, shape)
 
 
-def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, adv: jax.Array,
-                mask_bt: jax.Array, ref_logp_bt: Optional[jax.Array] = None,
+def policy_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, adv: jax.Array,
+                mask_nt: jax.Array, ref_logp_nt: Optional[jax.Array] = None,
                 *, eps_low: float = 0.2, eps_high: float = 0.2,
                 dual_clip: Optional[float] = None, agg: str = "token-mean",
                 kl_beta=0.0, kl_estimator: str = "k3",
                 norm: Optional[Normalisers] = None,
-                entropy_bt: Optional[jax.Array] = None,
+                entropy_nt: Optional[jax.Array] = None,
                 loss: str = "ppo",
                 params: Optional[policy_losses.LossParams] = None,
-                is_weight_bt: Optional[jax.Array] = None,
+                is_weight_nt: Optional[jax.Array] = None,
                 bypass_correction: Optional[
                     rollout_correction.CorrectionSettings] = None):
   """A registered policy loss (+ β·KL), and its metrics.
 
-  logp_bt, old_logp_bt, ref_logp_bt: [N, T] token log-probs under the current,
+  logp_nt, old_logp_nt, ref_logp_nt: [N, T] token log-probs under the current,
   sampling and reference policies (ref None: no KL term, β must be 0).
-  adv: [N] (outcome) or [N, T] (process) advantages. mask_bt: [N, T].
+  adv: [N] (outcome) or [N, T] (process) advantages. mask_nt: [N, T].
   loss: a "policy_loss" name (policy_losses.py); params: its
   hyper-parameters (None: eps_low / eps_high / dual_clip given here and the
   defaults of the others). agg: a "loss_agg" name, applied to the policy and
   the KL terms alike; a loss with a fixed aggregation must be given it.
   kl_beta: a float or a traced scalar (e.g. kl_beta_schedule(step, ...)).
   norm: normalisers of the whole batch for micro-batching (module docstring);
-  None computes them from this batch. entropy_bt: [N, T], a metric only.
-  is_weight_bt: [N, T] rollout-correction weights (constants) multiplying the
+  None computes them from this batch. entropy_nt: [N, T], a metric only.
+  is_weight_nt: [N, T] rollout-correction weights (constants) multiplying the
   per-token policy loss (rollout_correction.correct, decoupled mode).
   bypass_correction: rollout correction with π_old = π_rollout
   (rl.old_logp = sampler): ρ = exp(sg(lp) - old) computed here.
@@ -219,37 +230,37 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, adv: jax.Array,
   if spec.fixed_agg is not None and agg != spec.fixed_agg:
     raise ValueError(f"policy loss {loss!r} aggregates {spec.fixed_agg!r} "
                      f"only; got agg={agg!r}")
-  if ref_logp_bt is None and isinstance(kl_beta, (int, float)) and kl_beta:
-    raise ValueError(f"kl_beta={kl_beta} needs ref_logp_bt")
-  mask_bt = jnp.asarray(mask_bt, jnp.float32)
-  norm = normalisers(mask_bt) if norm is None else norm
+  if ref_logp_nt is None and isinstance(kl_beta, (int, float)) and kl_beta:
+    raise ValueError(f"kl_beta={kl_beta} needs ref_logp_nt")
+  mask_nt = jnp.asarray(mask_nt, jnp.float32)
+  norm = normalisers(mask_nt) if norm is None else norm
   aggregate = lookup("loss_agg", agg)
-  adv_bt = _token_advantages(adv, logp_bt.shape)
-  pg_bt, flags = spec.fn(logp_bt, old_logp_bt, adv_bt, mask_bt, params)
+  adv_nt = _token_advantages(adv, logp_nt.shape)
+  pg_nt, flags = spec.fn(logp_nt, old_logp_nt, adv_nt, mask_nt, params)
   metrics = {}
   if bypass_correction is not None:   # metrics always, weights when active
-    weight_bt, _, corr = rollout_correction.correct(
-        jax.lax.stop_gradient(logp_bt), old_logp_bt, mask_bt,
+    weight_nt, _, corr = rollout_correction.correct(
+        jax.lax.stop_gradient(logp_nt), old_logp_nt, mask_nt,
         bypass_correction, norm.num_tokens, norm.num_seqs)
     metrics.update(corr)
     if bypass_correction.active:
-      is_weight_bt = weight_bt if is_weight_bt is None else (
-          is_weight_bt * weight_bt)
-  if is_weight_bt is not None:
-    pg_bt = pg_bt * jax.lax.stop_gradient(is_weight_bt)
-  pg_loss = aggregate(pg_bt, mask_bt, norm)
+      is_weight_nt = weight_nt if is_weight_nt is None else (
+          is_weight_nt * weight_nt)
+  if is_weight_nt is not None:
+    pg_nt = pg_nt * jax.lax.stop_gradient(is_weight_nt)
+  pg_loss = aggregate(pg_nt, mask_nt, norm)
   frac = lambda b: token_mean(
-      jnp.broadcast_to(b, mask_bt.shape).astype(jnp.float32), mask_bt, norm)
+      jnp.broadcast_to(b, mask_nt.shape).astype(jnp.float32), mask_nt, norm)
   metrics.update({"loss/pg": pg_loss,
                   **{k: frac(v) for k, v in flags.items()},
-                  **ratio_metrics(ratio(logp_bt, old_logp_bt), mask_bt, norm)})
+                  **ratio_metrics(ratio(logp_nt, old_logp_nt), mask_nt, norm)})
   total = pg_loss
-  if ref_logp_bt is not None:
-    kl_bt = lookup("kl_estimator", kl_estimator)(logp_bt, ref_logp_bt)
-    kl_loss = aggregate(kl_bt, mask_bt, norm)
+  if ref_logp_nt is not None:
+    kl_nt = lookup("kl_estimator", kl_estimator)(logp_nt, ref_logp_nt)
+    kl_loss = aggregate(kl_nt, mask_nt, norm)
     total = total + kl_beta * kl_loss
-    metrics.update({"loss/kl": kl_loss, "kl": token_mean(kl_bt, mask_bt, norm)})
-  if entropy_bt is not None:
-    metrics["entropy"] = token_mean(entropy_bt, mask_bt, norm)
+    metrics.update({"loss/kl": kl_loss, "kl": token_mean(kl_nt, mask_nt, norm)})
+  if entropy_nt is not None:
+    metrics["entropy"] = token_mean(entropy_nt, mask_nt, norm)
   metrics["loss"] = total
   return total, jax.lax.stop_gradient(metrics)

@@ -48,122 +48,122 @@ class LossParams:
 
 
 class PolicyLoss(NamedTuple):
-  """A registered loss: fn(logp_bt, old_logp_bt, adv_bt, mask_bt, p) ->
-  (loss_bt [N, T], flags {name: bool [N, T] or [N, 1]} for clip metrics)."""
+  """A registered loss: fn(logp_nt, old_logp_nt, adv_nt, mask_nt, p) ->
+  (loss_nt [N, T], flags {name: bool [N, T] or [N, 1]} for clip metrics)."""
   fn: Callable
   fixed_agg: Optional[str]
 
 
-def log_ratio(logp_bt: jax.Array, old_logp_bt: jax.Array) -> jax.Array:
+def log_ratio(logp_nt: jax.Array, old_logp_nt: jax.Array) -> jax.Array:
   """lp - sg(old), clamped to ±20 (verl)."""
-  return jnp.clip(logp_bt.astype(jnp.float32)
-                  - jax.lax.stop_gradient(old_logp_bt),
+  return jnp.clip(logp_nt.astype(jnp.float32)
+                  - jax.lax.stop_gradient(old_logp_nt),
                   -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _seq_mean(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+def _seq_mean(x_nt: jax.Array, mask_nt: jax.Array) -> jax.Array:
   """Masked mean over each row, [N, 1]; 0 for an all-masked row."""
-  n_b = jnp.maximum(mask_bt.sum(axis=1, keepdims=True), 1.0)
-  return (x_bt * mask_bt).sum(axis=1, keepdims=True) / n_b
+  n_b = jnp.maximum(mask_nt.sum(axis=1, keepdims=True), 1.0)
+  return (x_nt * mask_nt).sum(axis=1, keepdims=True) / n_b
 
 
-def ratio(logp_bt: jax.Array, old_logp_bt: jax.Array) -> jax.Array:
+def ratio(logp_nt: jax.Array, old_logp_nt: jax.Array) -> jax.Array:
   """ρ = exp(lp - old), with lp - old clamped to ±20 (verl) so a stale or
   padded token cannot overflow. old is a constant (no gradient flows into
-  it), so on-policy updates may pass old_logp_bt = logp_bt: ρ = 1, ∇ρ = ∇lp."""
-  return jnp.exp(log_ratio(logp_bt, old_logp_bt))
+  it), so on-policy updates may pass old_logp_nt = logp_nt: ρ = 1, ∇ρ = ∇lp."""
+  return jnp.exp(log_ratio(logp_nt, old_logp_nt))
 
 
-def clipped_surrogate(ratio_bt: jax.Array, adv_bt: jax.Array, *,
+def clipped_surrogate(ratio_nt: jax.Array, adv_nt: jax.Array, *,
                       eps_low: float, eps_high: float,
                       dual_clip: Optional[float] = None) -> jax.Array:
   """Per-token PPO loss with clip-higher and an optional dual clip, [N, T]."""
   # DAPO eq. 8 (clip-higher): l = -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)·A)
-  clipped_bt = jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high)
-  loss_bt = -jnp.minimum(ratio_bt * adv_bt, clipped_bt * adv_bt)
+  clipped_nt = jnp.clip(ratio_nt, 1.0 - eps_low, 1.0 + eps_high)
+  loss_nt = -jnp.minimum(ratio_nt * adv_nt, clipped_nt * adv_nt)
   if dual_clip is not None:
     # Dual-clip PPO (Ye et al. 2020), as verl: for A < 0, l = min(l, -A·c)
-    loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, -adv_bt * dual_clip),
-                        loss_bt)
-  return loss_bt
+    loss_nt = jnp.where(adv_nt < 0, jnp.minimum(loss_nt, -adv_nt * dual_clip),
+                        loss_nt)
+  return loss_nt
 
 
-def ppo_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, p: LossParams):
-  del mask_bt
-  ratio_bt = ratio(logp_bt, old_logp_bt)
-  loss_bt = clipped_surrogate(ratio_bt, adv_bt, eps_low=p.eps_low,
+def ppo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
+  del mask_nt
+  ratio_nt = ratio(logp_nt, old_logp_nt)
+  loss_nt = clipped_surrogate(ratio_nt, adv_nt, eps_low=p.eps_low,
                               eps_high=p.eps_high, dual_clip=p.dual_clip)
   # token flags where a clip is active (its gradient is zero)
-  flags = {"clip/low_frac": (adv_bt < 0) & (ratio_bt < 1.0 - p.eps_low),
-           "clip/high_frac": (adv_bt > 0) & (ratio_bt > 1.0 + p.eps_high)}
+  flags = {"clip/low_frac": (adv_nt < 0) & (ratio_nt < 1.0 - p.eps_low),
+           "clip/high_frac": (adv_nt > 0) & (ratio_nt > 1.0 + p.eps_high)}
   if p.dual_clip is not None:
-    flags["clip/dual_frac"] = (adv_bt < 0) & (ratio_bt > p.dual_clip)
-  return loss_bt, flags
+    flags["clip/dual_frac"] = (adv_nt < 0) & (ratio_nt > p.dual_clip)
+  return loss_nt, flags
 
 
-def gspo_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, p: LossParams):
-  logp_bt = logp_bt.astype(jnp.float32)
+def gspo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
+  logp_nt = logp_nt.astype(jnp.float32)
   # GSPO eq. 7: log s_i = 1/|y_i| Σ_t (lp - old); the token form has value
   # s_i and the gradient s_i·∇lp_t (verl's "gspo" loss mode).
-  log_s_b1 = _seq_mean(logp_bt - jax.lax.stop_gradient(old_logp_bt), mask_bt)
-  log_s_bt = (logp_bt - jax.lax.stop_gradient(logp_bt)
+  log_s_b1 = _seq_mean(logp_nt - jax.lax.stop_gradient(old_logp_nt), mask_nt)
+  log_s_nt = (logp_nt - jax.lax.stop_gradient(logp_nt)
               + jax.lax.stop_gradient(log_s_b1))
-  s_bt = jnp.exp(jnp.minimum(log_s_bt, GSPO_LOG_CLAMP))
-  clipped_bt = jnp.clip(s_bt, 1.0 - p.eps_low, 1.0 + p.eps_high)
-  loss_bt = jnp.maximum(-adv_bt * s_bt, -adv_bt * clipped_bt)
-  s_b1 = jax.lax.stop_gradient(s_bt[:, :1])
-  flags = {"clip/low_frac": (adv_bt < 0) & (s_b1 < 1.0 - p.eps_low),
-           "clip/high_frac": (adv_bt > 0) & (s_b1 > 1.0 + p.eps_high)}
-  return loss_bt, flags
+  s_nt = jnp.exp(jnp.minimum(log_s_nt, GSPO_LOG_CLAMP))
+  clipped_nt = jnp.clip(s_nt, 1.0 - p.eps_low, 1.0 + p.eps_high)
+  loss_nt = jnp.maximum(-adv_nt * s_nt, -adv_nt * clipped_nt)
+  s_b1 = jax.lax.stop_gradient(s_nt[:, :1])
+  flags = {"clip/low_frac": (adv_nt < 0) & (s_b1 < 1.0 - p.eps_low),
+           "clip/high_frac": (adv_nt > 0) & (s_b1 > 1.0 + p.eps_high)}
+  return loss_nt, flags
 
 
-def _cispo(logp_bt, adv_bt, weight_bt):
+def _cispo(logp_nt, adv_nt, weight_nt):
   # CISPO (MiniMax-M1 eq. 4): REINFORCE with a clipped, stop-gradient IS weight
-  return -jax.lax.stop_gradient(weight_bt) * adv_bt * logp_bt.astype(
+  return -jax.lax.stop_gradient(weight_nt) * adv_nt * logp_nt.astype(
       jnp.float32)
 
 
-def cispo_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, p: LossParams):
-  del mask_bt
-  ratio_bt = ratio(logp_bt, old_logp_bt)
-  weight_bt = jnp.clip(ratio_bt, 1.0 - p.eps_low, 1.0 + p.eps_high)
-  flags = {"clip/low_frac": ratio_bt < 1.0 - p.eps_low,
-           "clip/high_frac": ratio_bt > 1.0 + p.eps_high}
-  return _cispo(logp_bt, adv_bt, weight_bt), flags
+def cispo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
+  del mask_nt
+  ratio_nt = ratio(logp_nt, old_logp_nt)
+  weight_nt = jnp.clip(ratio_nt, 1.0 - p.eps_low, 1.0 + p.eps_high)
+  flags = {"clip/low_frac": ratio_nt < 1.0 - p.eps_low,
+           "clip/high_frac": ratio_nt > 1.0 + p.eps_high}
+  return _cispo(logp_nt, adv_nt, weight_nt), flags
 
 
-def cispo_cap_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, p: LossParams):
-  del mask_bt
-  ratio_bt = ratio(logp_bt, old_logp_bt)
-  weight_bt = jnp.minimum(ratio_bt, p.cispo_cap)
-  return _cispo(logp_bt, adv_bt, weight_bt), {
-      "clip/high_frac": ratio_bt > p.cispo_cap}
+def cispo_cap_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
+  del mask_nt
+  ratio_nt = ratio(logp_nt, old_logp_nt)
+  weight_nt = jnp.minimum(ratio_nt, p.cispo_cap)
+  return _cispo(logp_nt, adv_nt, weight_nt), {
+      "clip/high_frac": ratio_nt > p.cispo_cap}
 
 
-def gmpo_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, p: LossParams):
-  x_bt = log_ratio(logp_bt, old_logp_bt)
-  sign_bt = jnp.sign(adv_bt)
+def gmpo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
+  x_nt = log_ratio(logp_nt, old_logp_nt)
+  sign_nt = jnp.sign(adv_nt)
   # GMPO eq. 5: clip each token's log-ratio to [-ε, ε] on the side that the
   # sign of A makes pessimistic (the min in PPO's objective, in log space)
-  x_clip_bt = sign_bt * jnp.minimum(sign_bt * x_bt,
-                                    sign_bt * jnp.clip(x_bt, -p.gmpo_eps,
+  x_clip_nt = sign_nt * jnp.minimum(sign_nt * x_nt,
+                                    sign_nt * jnp.clip(x_nt, -p.gmpo_eps,
                                                        p.gmpo_eps))
-  ratio_b1 = jnp.exp(_seq_mean(x_clip_bt, mask_bt))   # geometric mean ratio
-  adv_b1 = _seq_mean(adv_bt, mask_bt)
-  loss_bt = jnp.broadcast_to(-adv_b1 * ratio_b1, adv_bt.shape)
-  flags = {"clip/low_frac": (adv_bt < 0) & (x_bt < -p.gmpo_eps),
-           "clip/high_frac": (adv_bt > 0) & (x_bt > p.gmpo_eps)}
-  return loss_bt, flags
+  ratio_b1 = jnp.exp(_seq_mean(x_clip_nt, mask_nt))   # geometric mean ratio
+  adv_b1 = _seq_mean(adv_nt, mask_nt)
+  loss_nt = jnp.broadcast_to(-adv_b1 * ratio_b1, adv_nt.shape)
+  flags = {"clip/low_frac": (adv_nt < 0) & (x_nt < -p.gmpo_eps),
+           "clip/high_frac": (adv_nt > 0) & (x_nt > p.gmpo_eps)}
+  return loss_nt, flags
 
 
-def sapo_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, p: LossParams):
-  del mask_bt
-  ratio_bt = ratio(logp_bt, old_logp_bt)
-  tau_bt = jnp.where(adv_bt > 0, p.sapo_tau_pos, p.sapo_tau_neg)
+def sapo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
+  del mask_nt
+  ratio_nt = ratio(logp_nt, old_logp_nt)
+  tau_nt = jnp.where(adv_nt > 0, p.sapo_tau_pos, p.sapo_tau_neg)
   # SAPO: a soft gate σ(τ(ρ-1))·4/τ in place of the hard clip; its slope at
   # ρ = 1 is 1, so on-policy it has the plain policy gradient
-  gate_bt = jax.nn.sigmoid(tau_bt * (ratio_bt - 1.0)) * 4.0 / tau_bt
-  return -gate_bt * adv_bt, {}
+  gate_nt = jax.nn.sigmoid(tau_nt * (ratio_nt - 1.0)) * 4.0 / tau_nt
+  return -gate_nt * adv_nt, {}
 
 
 register("policy_loss", "ppo")(PolicyLoss(ppo_loss, None))

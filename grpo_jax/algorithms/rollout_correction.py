@@ -75,99 +75,99 @@ class CorrectionSettings:
                reject_max=float(rc.reject_max), denominator=rc.denominator)
 
 
-def _token_mean(x_bt, mask_bt, num_tokens):
-  return (x_bt * mask_bt).sum() / num_tokens
+def _token_mean(x_nt, mask_nt, num_tokens):
+  return (x_nt * mask_nt).sum() / num_tokens
 
 
-def _seq_mean(x_bt, mask_bt):
-  return (x_bt * mask_bt).sum(axis=1) / jnp.maximum(mask_bt.sum(axis=1), 1.0)
+def _seq_mean(x_nt, mask_nt):
+  return (x_nt * mask_nt).sum(axis=1) / jnp.maximum(mask_nt.sum(axis=1), 1.0)
 
 
-def sequence_statistic(name: str, log_rho_bt: jax.Array, mask_bt: jax.Array
+def sequence_statistic(name: str, log_rho_nt: jax.Array, mask_nt: jax.Array
                        ) -> jax.Array:
   """The per-row rejection statistic [N] (see the module docstring)."""
-  k1_bt = -log_rho_bt                           # log π_rollout - log π_old
+  k1_nt = -log_rho_nt                           # log π_rollout - log π_old
   if name == "k1_sum":
-    return (k1_bt * mask_bt).sum(axis=1)
+    return (k1_nt * mask_nt).sum(axis=1)
   if name == "k1_mean":
-    return _seq_mean(k1_bt, mask_bt)
+    return _seq_mean(k1_nt, mask_nt)
   if name == "k3_mean":
-    return _seq_mean(jnp.exp(log_rho_bt) - 1.0 - log_rho_bt, mask_bt)
+    return _seq_mean(jnp.exp(log_rho_nt) - 1.0 - log_rho_nt, mask_nt)
   raise ValueError(f"rollout_correction.reject={name!r}; allowed: "
                    f"{REJECT_STATS}")
 
 
-def is_weights(log_rho_bt: jax.Array, mask_bt: jax.Array,
+def is_weights(log_rho_nt: jax.Array, mask_nt: jax.Array,
                s: CorrectionSettings) -> tuple[jax.Array, jax.Array]:
   """(w [N, T], bound [N, T] bool: where the threshold changed ρ)."""
   if s.is_level == "token":
-    rho_bt = jnp.exp(log_rho_bt)
+    rho_nt = jnp.exp(log_rho_nt)
   else:   # sequence: ρ_seq = Π_t ρ_t, the same on every token of the row
-    log_seq_b1 = jnp.clip((log_rho_bt * mask_bt).sum(axis=1, keepdims=True),
+    log_seq_b1 = jnp.clip((log_rho_nt * mask_nt).sum(axis=1, keepdims=True),
                           -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho_bt = jnp.broadcast_to(jnp.exp(log_seq_b1), log_rho_bt.shape)
-  bound_bt = rho_bt > s.is_threshold
+    rho_nt = jnp.broadcast_to(jnp.exp(log_seq_b1), log_rho_nt.shape)
+  bound_nt = rho_nt > s.is_threshold
   if s.is_mode == "truncate":
-    return jnp.minimum(rho_bt, s.is_threshold), bound_bt
-  return jnp.where(bound_bt, 0.0, rho_bt), bound_bt
+    return jnp.minimum(rho_nt, s.is_threshold), bound_nt
+  return jnp.where(bound_nt, 0.0, rho_nt), bound_nt
 
 
-def correct(old_logp_bt: jax.Array, roll_logp_bt: jax.Array,
-            mask_bt: jax.Array, s: CorrectionSettings,
+def correct(old_logp_nt: jax.Array, roll_logp_nt: jax.Array,
+            mask_nt: jax.Array, s: CorrectionSettings,
             num_tokens: Optional[jax.Array] = None, num_seqs=None):
-  """(weight_bt, mask_bt, metrics): multiply the per-token loss by sg(weight)
+  """(weight_nt, mask_nt, metrics): multiply the per-token loss by sg(weight)
   and aggregate it with the returned mask (see `denominator`).
   num_tokens / num_seqs: normalisers of the metrics (default: this batch's
   valid tokens / rows), for partial sums over micro-batches."""
-  mask_bt = jnp.asarray(mask_bt, jnp.float32)
-  log_rho_bt = jax.lax.stop_gradient(jnp.clip(
-      old_logp_bt.astype(jnp.float32) - roll_logp_bt, -LOG_RATIO_CLAMP,
+  mask_nt = jnp.asarray(mask_nt, jnp.float32)
+  log_rho_nt = jax.lax.stop_gradient(jnp.clip(
+      old_logp_nt.astype(jnp.float32) - roll_logp_nt, -LOG_RATIO_CLAMP,
       LOG_RATIO_CLAMP))
-  valid_bt = mask_bt > 0
-  row_b = mask_bt.sum(axis=1) > 0
+  valid_nt = mask_nt > 0
+  row_b = mask_nt.sum(axis=1) > 0
   if num_tokens is None:
-    num_tokens = jnp.maximum(mask_bt.sum(), 1.0)
+    num_tokens = jnp.maximum(mask_nt.sum(), 1.0)
   if num_seqs is None:
     num_seqs = jnp.maximum(row_b.sum(dtype=jnp.float32), 1.0)
-  rho_bt = jnp.exp(log_rho_bt)
-  log_seq_b = (log_rho_bt * mask_bt).sum(axis=1)
-  frac = lambda b: _token_mean(b.astype(jnp.float32), mask_bt, num_tokens)
+  rho_nt = jnp.exp(log_rho_nt)
+  log_seq_b = (log_rho_nt * mask_nt).sum(axis=1)
+  frac = lambda b: _token_mean(b.astype(jnp.float32), mask_nt, num_tokens)
   metrics = {
-      "rollout_is/ratio/mean": _token_mean(rho_bt, mask_bt, num_tokens),
-      "rollout_is/ratio/max": jnp.where(valid_bt, rho_bt, -jnp.inf).max(),
-      "rollout_is/ratio/min": jnp.where(valid_bt, rho_bt, jnp.inf).min(),
+      "rollout_is/ratio/mean": _token_mean(rho_nt, mask_nt, num_tokens),
+      "rollout_is/ratio/max": jnp.where(valid_nt, rho_nt, -jnp.inf).max(),
+      "rollout_is/ratio/min": jnp.where(valid_nt, rho_nt, jnp.inf).min(),
       "rollout_is/seq_log_ratio/max": jnp.where(row_b, log_seq_b,
                                                 -jnp.inf).max(),
       "rollout_is/seq_log_ratio/min": jnp.where(row_b, log_seq_b,
                                                 jnp.inf).min(),
-      "rollout_kl/k1": _token_mean(-log_rho_bt, mask_bt, num_tokens),
-      "rollout_kl/k3": _token_mean(rho_bt - 1.0 - log_rho_bt, mask_bt,
+      "rollout_kl/k1": _token_mean(-log_rho_nt, mask_nt, num_tokens),
+      "rollout_kl/k3": _token_mean(rho_nt - 1.0 - log_rho_nt, mask_nt,
                                    num_tokens),
       "rollout_logp_diff/max": jnp.where(
-          valid_bt, jnp.abs(old_logp_bt - roll_logp_bt), 0.0).max(),
+          valid_nt, jnp.abs(old_logp_nt - roll_logp_nt), 0.0).max(),
   }
-  weight_bt = jnp.ones_like(mask_bt)
+  weight_nt = jnp.ones_like(mask_nt)
   if s.is_level != "none":
-    weight_bt, bound_bt = is_weights(log_rho_bt, mask_bt, s)
+    weight_nt, bound_nt = is_weights(log_rho_nt, mask_nt, s)
     metrics["rollout_is/truncated_frac" if s.is_mode == "truncate"
-            else "rollout_is/masked_frac"] = frac(bound_bt)
-  keep_bt = jnp.ones_like(valid_bt)
+            else "rollout_is/masked_frac"] = frac(bound_nt)
+  keep_nt = jnp.ones_like(valid_nt)
   if s.band[1] > 0:
     # IcePop: tokens whose ρ leaves the band get no gradient at all
-    keep_bt = (rho_bt >= s.band[0]) & (rho_bt <= s.band[1])
-    metrics["rollout_is/band_masked_frac"] = frac(~keep_bt)
+    keep_nt = (rho_nt >= s.band[0]) & (rho_nt <= s.band[1])
+    metrics["rollout_is/band_masked_frac"] = frac(~keep_nt)
   if s.reject != "none":
-    stat_b = sequence_statistic(s.reject, log_rho_bt, mask_bt)
+    stat_b = sequence_statistic(s.reject, log_rho_nt, mask_nt)
     ok_b = (stat_b >= s.reject_min) & (stat_b <= s.reject_max)
-    keep_bt = keep_bt & ok_b[:, None]
+    keep_nt = keep_nt & ok_b[:, None]
     metrics["rollout_is/rejected_seq_frac"] = (
         (row_b & ~ok_b).sum(dtype=jnp.float32) / num_seqs)
-  keep = keep_bt.astype(jnp.float32)
+  keep = keep_nt.astype(jnp.float32)
   if s.denominator == "verl":
-    mask_bt = mask_bt * keep
+    mask_nt = mask_nt * keep
   else:
-    weight_bt = weight_bt * keep
-  return weight_bt * (mask_bt > 0), mask_bt, metrics
+    weight_nt = weight_nt * keep
+  return weight_nt * (mask_nt > 0), mask_nt, metrics
 
 
 def validate(s: CorrectionSettings, old_logp: str) -> None:

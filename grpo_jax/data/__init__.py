@@ -7,7 +7,7 @@ Everything chosen by name in a config is registered (see grpo_jax.registry):
 - kind "layout": dapo_math, aime, gsm8k, math, question_answer, commonsenseqa
   (record -> Example).
 - kind "task": arithmetic, countdown, word_problems, commonsense_mc
-  (`(rng, level) -> Example`, used by the generated data sets and the balancer).
+  (`(rng, level) -> Example`, used by the generated data sets).
 - kind "template": r1_think, boxed, dapo_answer, last_number, as_is
   (`(question, hint=None) -> messages`).
 
@@ -16,13 +16,11 @@ Everything chosen by name in a config is registered (see grpo_jax.registry):
     prompt = render_prompt(messages, tokenizer)
 """
 from grpo_jax.data.arithmetic import arithmetic_spec, countdown_check, countdown_spec
-from grpo_jax.data.balancer import (
-    init_balancer, level_mix, sample_levels, update_balancer)
 from grpo_jax.data.commonsense import ATTRIBUTE_TABLES, format_choices
 from grpo_jax.data.commonsenseqa import commonsenseqa_example
 from grpo_jax.data.example import DataError, Example
 from grpo_jax.data.files import read_jsonl, read_parquet
-from grpo_jax.data.generated import balanced_examples, generated_examples
+from grpo_jax.data.generated import generated_examples
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.data.layouts import detect_layout, last_boxed, strip_answer_instructions
 from grpo_jax.data.templates import Messages, answer_hint, render_prompt

@@ -1,4 +1,4 @@
-"""Generated tasks as seeded data sets, and balanced batches for RL.
+"""Generated tasks as seeded data sets.
 
 Each example draws from its own `random.Random` seeded by (task, seed, index),
 so example i is the same whatever `num_examples` is, and two seeds give two
@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from grpo_jax.data.balancer import BalancerState, sample_levels
 from grpo_jax.data.example import Example
 from grpo_jax.registry import lookup, register
 
@@ -31,18 +30,6 @@ def generated_examples(task: str, num_examples: int, levels: int | Sequence[int]
   make = lookup("task", task)
   levels = [levels] if isinstance(levels, int) else list(levels)
   return [make(_rng(task, seed, i), levels[i % len(levels)]) for i in range(num_examples)]
-
-
-def balanced_examples(task: str, state: BalancerState, num_examples: int, seed: int,
-                      step: int) -> list[Example]:
-  """A fresh batch for RL step `step`, its levels mixed by the difficulty balancer.
-
-  Deterministic in (task, state, seed, step); never repeats the problems of
-  `generated_examples` for the same seed (a different key space).
-  """
-  make = lookup("task", task)
-  levels = sample_levels(state, num_examples, seed, step)
-  return [make(_rng(task, seed, "step", step, j), level) for j, level in enumerate(levels)]
 
 
 @register("dataset", "arithmetic")

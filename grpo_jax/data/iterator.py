@@ -82,8 +82,11 @@ class BatchIterator:
                  host_index: int = 0, host_count: int = 1) -> "BatchIterator":
     """An iterator that continues from `state` (from `state_dict`) over `examples`."""
     if state["num_examples"] != len(examples):
-      raise ValueError(f"the saved iterator ran over {state['num_examples']} examples, "
-                       f"these are {len(examples)}: not the same data set")
+      raise ValueError(f"the checkpoint's data iterator ran over {state['num_examples']} "
+                       f"examples, the training data now has {len(examples)}: not the "
+                       "same data set. data.source / data.kwargs (or the data file) changed since "
+                       "the checkpoint. Resume with the original data, or start a "
+                       "fresh --workdir.")
     return cls(examples, state["global_batch_size"], seed=state["seed"],
                shuffle=state["shuffle"], host_index=host_index, host_count=host_count,
                epoch=state["epoch"], position=state["position"])

@@ -5,5 +5,5 @@ from grpo_jax.models.transformer import (KVCache, count_params, decode_step,
                                          forward, hidden_states, init_cache,
                                          init_params, param_axes, param_shapes,
                                          unembed)
-from grpo_jax.models.hf import save_pretrained
+from grpo_jax.models.hf_write import save_pretrained
 from grpo_jax.models.loading import load_pretrained

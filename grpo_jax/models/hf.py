@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: config.json <-> ModelConfig, safetensors in/out.
+"""Hugging Face checkpoints: config.json <-> ModelConfig, reading safetensors
+(writing: `hf_write.py`).
 
 Parameters map to transformers tensor names through `tensor_specs(config)`:
 each leaf of the params tree is one HF tensor (or one per layer, stacked on
@@ -11,16 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.transformer import param_shapes
@@ -56,6 +52,10 @@ def read_config(path: Path) -> ModelConfig:
   return config_from_hf(hf, source=str(path))
 
 
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "intermediate_size")
+
+
 def config_from_hf(hf: dict[str, Any], source: str = "config.json"
                    ) -> ModelConfig:
   """A ModelConfig from a transformers config dict; unsupported ones raise."""
@@ -68,6 +68,10 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
     raise unsupported(f"hidden_act={hf['hidden_act']!r}")
   if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
     raise unsupported("attention_bias/mlp_bias=true")
+  missing = [k for k in _REQUIRED_KEYS if k not in hf]
+  if missing:
+    raise CheckpointError(f"{source} lacks {', '.join(missing)}, which a "
+                          f"{arch} config.json must give: is it complete?")
   heads = hf["num_attention_heads"]
   theta, scaling = _rope(hf, unsupported)
   return ModelConfig(
@@ -345,177 +349,3 @@ class SafetensorsCheckpoint:
 
   def close(self):
     self._stack.close()
-
-
-# ----------------------------------------------------------------------------
-# Writing: shards, index, config; staged in a temp dir, then moved in place.
-# ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class OutTensor:
-  """One HF tensor to write: `load()` gives it, so only a shard is in memory."""
-  name: str
-  nbytes: int
-  load: Callable[[], np.ndarray]
-
-
-def plan_shards(tensors: list[OutTensor], max_shard_bytes: int
-                ) -> list[list[OutTensor]]:
-  shards, size = [[]], 0
-  for t in tensors:
-    if shards[-1] and size + t.nbytes > max_shard_bytes:
-      shards.append([])
-      size = 0
-    shards[-1].append(t)
-    size += t.nbytes
-  return shards
-
-
-def write_weights(directory: Path, tensors: list[OutTensor],
-                  max_shard_bytes: int):
-  """model.safetensors, or model-0000k-of-0000n.safetensors plus the index."""
-  shards = plan_shards(tensors, max_shard_bytes)
-  n = len(shards)
-  weight_map = {}
-  for k, shard in enumerate(shards, 1):
-    fname = ("model.safetensors" if n == 1
-             else f"model-{k:05d}-of-{n:05d}.safetensors")
-    save_file({t.name: t.load() for t in shard}, str(directory / fname),
-              metadata={"format": "pt"})
-    weight_map.update({t.name: fname for t in shard})
-  if n > 1:
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-             "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps(index, indent=2))
-
-
-@contextlib.contextmanager
-def staged_directory(directory: Path):
-  """Yields an empty temp dir beside `directory`; when the block succeeds its
-  files are moved into `directory`, else they are deleted.
-
-  A new directory appears whole (one rename). Into an existing one each file
-  is replaced atomically, config.json last, and weight files of an older
-  save that the new one does not have are removed.
-  """
-  directory = Path(directory)
-  directory.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-",
-                              dir=directory.parent))
-  try:
-    yield tmp
-    _publish(tmp, directory)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish(tmp: Path, directory: Path):
-  _default_permissions(tmp)
-  try:
-    os.rename(tmp, directory)
-    return
-  except OSError:
-    if not directory.is_dir():
-      raise
-  new = {p.name for p in tmp.iterdir()}
-  for p in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
-    os.replace(p, directory / p.name)
-  for p in directory.glob("model*.safetensors*"):
-    if p.name not in new:
-      p.unlink()
-
-
-def _default_permissions(tmp: Path):
-  """mkdtemp (and safetensors) create owner-only entries; give the output
-  the modes that a plain mkdir/open gives under the process umask."""
-  probe = tmp / ".mode-probe"
-  probe.mkdir()
-  dir_mode = probe.stat().st_mode & 0o777
-  probe.rmdir()
-  probe.touch()
-  file_mode = probe.stat().st_mode & 0o777
-  probe.unlink()
-  for p in tmp.iterdir():
-    os.chmod(p, file_mode)
-  os.chmod(tmp, dir_mode)
-
-
-def dtype_name(dtype) -> str:
-  """transformers' name for a numpy/JAX dtype (bfloat16, float32, ...)."""
-  return np.dtype(dtype).name
-
-
-def save_pretrained(config: ModelConfig, params: dict[str, Any],
-                    directory: str | os.PathLike, tokenizer=None,
-                    max_shard_bytes: int = 4 << 30) -> Path:
-  """Writes `params` as a transformers model directory; returns its path.
-
-  Tensors keep the params' dtype. With a `grpo_jax.tokenizer.Tokenizer`, its
-  files and a generation_config.json (stop ids) are written too, so
-  `AutoModelForCausalLM` / `AutoTokenizer` / pipelines load the directory.
-  Leaves go to the host one at a time (sharded arrays are gathered per leaf).
-  """
-  specs = tensor_specs(config)
-  _check_params(config, params)
-  dtype = dtype_name(_leaf(params, specs[0].path).dtype)
-  return write_checkpoint(config, list(_out_tensors(config, params, specs)),
-                          directory, dtype, tokenizer, max_shard_bytes)
-
-
-def write_checkpoint(config: ModelConfig, tensors: list[OutTensor],
-                     directory: str | os.PathLike, dtype: str, tokenizer=None,
-                     max_shard_bytes: int = 4 << 30) -> Path:
-  """Weights, config.json and (with a tokenizer) its files, all or nothing."""
-  token_ids = {} if tokenizer is None else tokenizer.special_token_ids()
-  with staged_directory(Path(directory)) as tmp:
-    write_weights(tmp, tensors, max_shard_bytes)
-    if tokenizer is not None:
-      tokenizer.save_pretrained(tmp)
-      generation = {"bos_token_id": token_ids.get("bos_token_id"),
-                    "eos_token_id": tokenizer.stop_ids,
-                    "pad_token_id": token_ids.get("pad_token_id")}
-      (tmp / "generation_config.json").write_text(
-          json.dumps(generation, indent=2))
-    hf = config_to_hf(config, dtype, token_ids)
-    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-  return Path(directory)
-
-
-def _leaf(params: dict[str, Any], path: tuple[str, ...]):
-  for key in path:
-    params = params[key]
-  return params
-
-
-def _check_params(config: ModelConfig, params: dict[str, Any]):
-  for spec in tensor_specs(config):
-    try:
-      shape = tuple(_leaf(params, spec.path).shape)
-    except KeyError:
-      raise ValueError(f"params has no leaf {'/'.join(spec.path)}") from None
-    want = ((config.num_layers,) if spec.per_layer else ()) + spec.shape
-    if shape != want:
-      raise ValueError(f"params leaf {'/'.join(spec.path)} has shape {shape}, "
-                       f"expected {want} for this config")
-
-
-def _out_tensors(config: ModelConfig, params: dict[str, Any],
-                 specs: list[TensorSpec]) -> Iterable[OutTensor]:
-  """HF tensors of `params`; a one-leaf host cache serves a leaf's layers."""
-  cache: dict[tuple[str, ...], np.ndarray] = {}
-
-  def host_leaf(path):
-    if path not in cache:
-      cache.clear()
-      cache[path] = np.asarray(_leaf(params, path))
-    return cache[path]
-
-  for spec in specs:
-    itemsize = np.dtype(_leaf(params, spec.path).dtype).itemsize
-    nbytes = math.prod(spec.hf_shape) * itemsize
-    for i, name in enumerate(spec.names(config.num_layers)):
-      def load(spec=spec, i=i):
-        w = host_leaf(spec.path)
-        return spec.to_hf(w[i] if spec.per_layer else w)
-      yield OutTensor(name, nbytes, load)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import hf
+from grpo_jax.models import hf, hf_write
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.gguf_loader import GGUFCheckpoint
 from grpo_jax.registry import names
@@ -49,11 +49,11 @@ def _build_cache(gguf_path: Path, directory: Path):
   try:
     config = ckpt.config
     validate(ckpt, config)
-    tensors = [hf.OutTensor(name, 4 * math.prod(ckpt.shape(name)),
+    tensors = [hf_write.OutTensor(name, 4 * math.prod(ckpt.shape(name)),
                             lambda name=name: ckpt.read(name))
                for spec in hf.tensor_specs(config)
                for name in spec.names(config.num_layers)]
-    hf.write_checkpoint(config, tensors, directory, "float32",
+    hf_write.write_checkpoint(config, tensors, directory, "float32",
                         from_gguf(gguf_path, ckpt.reader))
   finally:
     ckpt.close()

@@ -5,12 +5,21 @@ is linear in the length of the text (no regex that can backtrack without
 bound, a fixed number of scans) and never evaluates anything.
 
 Rules, in order (`extract_answer`):
-  1. the content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces
-     balanced; `\\boxed 5` also counts);
+  1. the content of the last `\\boxed{...}` or `\\fbox{...}`, unless an
+     answer anchor (rule 2) follows it (nested braces
+     balanced; `\\boxed 5` also counts); boxes joined only by list words
+     (`$\\boxed{2}$ and $\\boxed{3}$`, `x=\\boxed{1}, y=\\boxed{2}`) are one
+     answer, the list `2, 3`; boxes with other words between them are a
+     correction, and the last one counts;
   2. otherwise the latest of: a final `Answer:` line, "the answer is ...",
-     GSM8K's `#### 42`;
-  3. otherwise the whole text (its last `TAIL_CHARS` characters), which the
+     GSM8K's `#### 42`, a "Final Answer" heading; a span that is prose is
+     read like a final statement (rule 3);
+  3. otherwise the final statement: the last sentence that holds a number or
+     formula, read after its last "is"/"="/"are" ("So there are 24 ways.");
+  4. otherwise the whole text (its last `TAIL_CHARS` characters), which the
      worker reads with math-verify's heuristics.
+An answer wrapped in display math loses the wrapper and a final period
+(`\\[\\frac{2}{5}.\\]`), and doubled parentheses collapse (`((7))` -> `(7)`).
 """
 from __future__ import annotations
 
@@ -19,8 +28,18 @@ from typing import NamedTuple
 
 TAIL_CHARS = 2000  # Unanchored text: only the end can hold the answer.
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_MAX_BOX_TRIES = 4  # Bounds the work on text full of unclosed \boxed{.
+_MAX_BOX_TRIES = 8  # Bounds the work on text full of unclosed \boxed{.
+_BARE_TOKEN = re.compile(r"\s*([^\s$]+)")
+# What may stand between boxes that together are one list answer: spacing,
+# math delimiters, commas, "and"/"or", and a variable being named (`y =`).
+_MAX_CONNECTOR_CHARS = 80
+_LIST_CONNECTOR = re.compile(
+    r"(?:\s|\$|\\[()]|[,;&]|\\q?quad\b|\\[,;:! ]"
+    r"|\\(?:text|mathrm|textrm)\{\s*(?:and|or)?\s*\}|\band\b|\bor\b"
+    r"|[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)*")
 _ANSWER_LINE = re.compile(r"answer\**\s*[:\uff1a]", re.IGNORECASE)
+# A "**Final Answer**" heading with the answer on the next line.
+_ANSWER_HEADING = re.compile(r"final answer[*#\s]*?(?=\n)", re.IGNORECASE)
 _ANSWER_IS = re.compile(r"answer\s+is\b\s*:?", re.IGNORECASE)
 # GSM8K's "#### 42"; not a markdown "#### Step 2" heading.
 _HASHES = re.compile(r"####(?=\s*[-+$]?\s*\d)")
@@ -34,8 +53,15 @@ class Answer(NamedTuple):
   anchored: bool
 
 
-def _balanced_group(text: str, open_at: int) -> str | None:
-  """The content of the {...} group opening at `open_at`; None if unclosed.
+class _Box(NamedTuple):
+  """One complete box command: where it starts and ends, and its content."""
+  start: int
+  end: int
+  content: str
+
+
+def _closing_brace(text: str, open_at: int) -> int | None:
+  """The index of the `}` closing the `{` at `open_at`; None if unclosed.
 
   `\\{` and `\\}` are LaTeX set braces, not grouping, and are skipped.
   """
@@ -50,25 +76,27 @@ def _balanced_group(text: str, open_at: int) -> str | None:
     elif char == "}":
       depth -= 1
       if depth == 0:
-        return text[open_at + 1:i]
+        return i
     i += 1
   return None
 
 
-def _box_content(text: str, start: int, command: str) -> str | None:
-  """The argument of the box command at `start`: `{...}` or one bare token."""
+def _box_at(text: str, start: int, command: str) -> _Box | None:
+  """The box command at `start` with its argument: `{...}` or one bare token."""
   i = start + len(command)
   rest = text[i:i + 1]
   if rest == "{":
-    return _balanced_group(text, i)
+    close = _closing_brace(text, i)
+    return None if close is None else _Box(start, close + 1, text[i + 1:close])
   if rest in (" ", "\t"):  # "\boxed 5": the next whitespace-delimited token.
-    match = re.compile(r"\s*([^\s$]+)").match(text, i)
-    return match.group(1) if match else None
+    match = _BARE_TOKEN.match(text, i)
+    return _Box(start, match.end(), match.group(1)) if match else None
   return None
 
 
-def last_boxed(text: str) -> str | None:
-  """The content of the last complete \\boxed{...} / \\fbox{...}, or None."""
+def _boxes(text: str) -> list[_Box]:
+  """The complete, non-empty boxes among the last `_MAX_BOX_TRIES` box
+  commands, in text order; a box inside another counts, not the outer one."""
   positions = []
   for command in _BOX_COMMANDS:
     at = len(text)
@@ -77,11 +105,37 @@ def last_boxed(text: str) -> str | None:
       if at < 0:
         break
       positions.append((at, command))
-  for at, command in sorted(positions, reverse=True)[:_MAX_BOX_TRIES]:
-    content = _box_content(text, at, command)
-    if content is not None and content.strip():
-      return content.strip()
-  return None
+  boxes: list[_Box] = []
+  for at, command in sorted(positions)[-_MAX_BOX_TRIES:]:
+    box = _box_at(text, at, command)
+    if box is None or not box.content.strip():
+      continue
+    if boxes and box.start < boxes[-1].end:  # Nested: keep the inner box.
+      boxes[-1] = box
+    else:
+      boxes.append(box)
+  return boxes
+
+
+def last_boxed(text: str) -> str | None:
+  """The content of the last complete \\boxed{...} / \\fbox{...}, or None."""
+  boxes = _boxes(text)
+  return boxes[-1].content.strip() if boxes else None
+
+
+def boxed_answer(text: str, boxes: list[_Box] | None = None) -> str | None:
+  """The last box, or the list of final boxes joined only by list words
+  (`$\\boxed{2}$ and $\\boxed{3}$` -> `2, 3`); None without a box."""
+  boxes = _boxes(text) if boxes is None else boxes
+  if not boxes:
+    return None
+  group = [boxes[-1]]
+  for box in reversed(boxes[:-1]):
+    between = text[box.end:group[0].start]
+    if len(between) > _MAX_CONNECTOR_CHARS or not _LIST_CONNECTOR.fullmatch(between):
+      break
+    group.insert(0, box)
+  return ", ".join(box.content.strip() for box in group)
 
 
 def last_tagged(text: str, tag: str) -> str | None:
@@ -94,12 +148,17 @@ def last_tagged(text: str, tag: str) -> str | None:
   return None if open_at < 0 else text[open_at + len(tag) + 2:close]
 
 
+_BLANK_LINES = 3
+
+
 def _rest_of_line(text: str, start: int) -> str:
   end = text.find("\n", start)
   line = text[start:] if end < 0 else text[start:end]
-  if not line.strip(" *\t") and end >= 0:  # "Answer:\n42": take the next line.
-    nxt = text.find("\n", end + 1)
-    line = text[end + 1:] if nxt < 0 else text[end + 1:nxt]
+  for _ in range(_BLANK_LINES):  # "Answer:\n\n42": the next non-blank line.
+    if line.strip(" *\t") or end < 0:
+      break
+    start, end = end + 1, text.find("\n", end + 1)
+    line = text[start:] if end < 0 else text[start:end]
   return line.strip().strip("*").strip()
 
 
@@ -116,28 +175,200 @@ def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
   return last
 
 
-def anchored_span(text: str) -> str | None:
-  """The latest `Answer:` line, "answer is ..." or `#### ...`; None if none."""
+def _last_anchor(text: str) -> re.Match[str] | None:
+  """The latest `Answer:`, "answer is", `####` or "Final Answer" heading."""
   found = []
-  for pattern in (_ANSWER_LINE, _ANSWER_IS, _HASHES):
+  for pattern in (_ANSWER_LINE, _ANSWER_IS, _HASHES, _ANSWER_HEADING):
     match = _last_match(pattern, text)
     if match:
       found.append(match)
-  if not found:
+  return max(found, key=lambda m: m.start()) if found else None
+
+
+def anchored_span(text: str, match: re.Match[str] | None = None) -> str | None:
+  """The latest `Answer:` line, "answer is ..." or `#### ...`; None if none."""
+  match = match or _last_anchor(text)
+  if match is None:
     return None
-  match = max(found, key=lambda m: m.start())
-  span = _first_sentence(_rest_of_line(text, match.end())).strip()
+  rest = _rest_of_line(text, match.end())
+  if rest in ("\\[", "$$"):  # "Answer:\n\\[\n x = 7.\n\\]": the display block.
+    close = text.find("\\]" if rest == "\\[" else "$$", text.find(rest, match.end()) + 2)
+    if close >= 0:
+      return text[text.find(rest, match.end()):close + 2]
+  span = _first_sentence(rest).strip()
   return span or None
+
+
+_DISPLAY = (("\\[", "\\]"), ("$$", "$$"), ("\\(", "\\)"), ("$", "$"))
+
+
+def strip_display(answer: str) -> str:
+  """`\\[\\frac{2}{5}.\\]` -> `\\frac{2}{5}`: one math wrapper around the whole
+  answer and a final period go; `$a$ and $b$` keeps its dollars."""
+  answer = answer.strip()
+  for open_, close in _DISPLAY:
+    inner = answer[len(open_):len(answer) - len(close)]
+    if (len(answer) >= len(open_) + len(close) and answer.startswith(open_)
+        and answer.endswith(close) and close not in inner):
+      answer = inner.strip()
+      break
+  answer = answer.rstrip()
+  if answer.endswith(".") and not answer.endswith(".."):  # Not "1, 2, ...".
+    answer = answer[:-1]
+  return answer.strip()
+
+
+def collapse_parens(answer: str) -> str:
+  """Drops parentheses (and TeX groups) that directly wrap another pair:
+  `((7))` -> `(7)`, `{{x}}` -> `{x}`.
+
+  Linear. Deep wrappers cost the parser time and recursion, and mean
+  nothing: `(1, 2)` keeps its pair; `\\{`, `\\(` are not grouping.
+  """
+  answer = answer.replace("\\left(", "(").replace("\\right)", ")")
+  if "((" not in answer and "{{" not in answer:
+    return answer
+  stacks: dict[str, list[int]] = {"(": [], "{": []}
+  closing: dict[int, int] = {}
+  for i, char in enumerate(answer):
+    escaped = i > 0 and answer[i - 1] == "\\"
+    if char in stacks and not escaped:
+      stacks[char].append(i)
+    elif char in ")}" and not escaped and stacks["(" if char == ")" else "{"]:
+      closing[stacks["(" if char == ")" else "{"].pop()] = i
+  drop = set()
+  for open_at, close_at in closing.items():
+    if closing.get(open_at + 1) == close_at - 1:
+      drop.update((open_at, close_at))
+  return "".join(c for i, c in enumerate(answer) if i not in drop)
+
+
+# ------------------------------------------------------------ final statement
+_FINAL_LINES = 3
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z_^])[A-Za-z]{2,}")
+_MATH_SPAN = re.compile(r"\$\$[^$]+\$\$|\$[^$]+\$|\\\[.+?\\\]|\\\(.+?\\\)")
+_VERB = re.compile(
+    r"(?:\b(?:is|are|was|were|equals|be|becomes|gives|get|gets|got|obtain)\b|=|:)")
+_NUMBER = re.compile(
+    r"(?<![A-Za-z\d])-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:\s*/\s*\d+)?(?![A-Za-z\d])")
+_MAX_STATEMENT_CHARS = 400
+_NEGATED = re.compile(r"(?:not|never|no)\b", re.IGNORECASE)
+_GLUED_UNIT = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s*(?:[A-Za-z]{1,3}[\u00b2\u00b3]|[\u20ac\u00a3\u00a5])")
+_COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
+# Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
+# "2/5, or 40%").
+_TAIL_END = re.compile(r"\.\s|(?<=\S)\s\((?!\s*\d)|,\s+or\b|,\s+which\b")
+
+
+def _sentences(line: str) -> list[str]:
+  out, start = [], 0
+  for match in _SENTENCE_END.finditer(line):
+    out.append(line[start:match.start()])
+    start = match.end()
+  out.append(line[start:])
+  return [s for s in out if s.strip()]
+
+
+def _is_statement(sentence: str) -> bool:
+  """Prose holding a number or formula: two words outside math, and a digit
+  or a math span (a bare formula is left to the parser)."""
+  bare = _COMMAND.sub(" ", _MATH_SPAN.sub(" ", sentence))
+  words = [w for w in _PROSE_WORD.findall(bare) if w.lower() not in ("and", "or")]
+  return (len(words) >= 2
+          and (any(c.isdigit() for c in sentence) or _MATH_SPAN.search(sentence) is not None))
+
+
+def _answer_in(sentence: str) -> str | None:
+  """The part of a final sentence that states the answer."""
+  spans = [m.span() for m in _MATH_SPAN.finditer(sentence)]
+  verbs = [m for m in _VERB.finditer(sentence)
+           if not any(a <= m.start() < b for a, b in spans)]
+  for verb in reversed(verbs):  # "... is 45, which is odd": the 45.
+    tail = _TAIL_END.split(sentence[verb.end():], maxsplit=1)[0]
+    tail = tail.strip().rstrip(".").strip()
+    if _NEGATED.match(tail):  # "... is not 4": no answer here.
+      return None
+    glued = _GLUED_UNIT.fullmatch(tail)
+    if glued:  # "1,000.99m²", "12€": a number and its unit.
+      return glued.group(1)
+    if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
+      return tail
+  if spans:
+    return sentence[slice(*spans[-1])]
+  numbers = _NUMBER.findall(sentence)
+  return numbers[-1] if numbers else None
+
+
+def _final_display(text: str) -> str | None:
+  """A display equation that ends the text (`...is\\n\\[\\frac{2}{5}.\\]`)."""
+  text = text.rstrip()
+  for open_, close in (("\\[", "\\]"), ("$$", "$$")):
+    if text.endswith(close) and len(text) > len(open_) + len(close):
+      at = text.rfind(open_, 0, len(text) - len(close))
+      if at >= 0 and len(text) - at <= _MAX_STATEMENT_CHARS:
+        return text[at:]
+  return None
+
+
+def final_statement(text: str) -> str | None:
+  """The answer stated by the last sentence with a number or formula among
+  the last lines of `text` ("So she has 36 apples left." -> "36"); None
+  when the end of the text is not prose."""
+  display = _final_display(text)
+  if display is not None:
+    return display
+  lines = [line for line in text[-TAIL_CHARS:].splitlines() if line.strip()]
+  for line in reversed(lines[-_FINAL_LINES:]):
+    for sentence in reversed(_sentences(line[-_MAX_STATEMENT_CHARS:])):
+      if _is_statement(sentence):
+        return _answer_in(sentence)
+  return None
+
+
+# ------------------------------------------------------------ program text
+# Text is never code: a call of a name that is no mathematical function
+# (`len(`, `math.factorial(`), `lambda`, dunder names, quoted literals,
+# empty call parentheses, indexing (`[1, 2][0]`) or a comprehension make an
+# answer program text.
+_MATH_FUNCTIONS = frozenset(
+    "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp "
+    "sqrt abs max min gcd lcm det mod deg arg sgn floor ceil tr rank dim binom "
+    "choose frac lim erf sign gamma zeta".split())
+_CALLED = re.compile(r"(?<![\\A-Za-z_.])([A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)*)\(")
+_PROGRAM = re.compile(
+    r"\blambda\b|__|\bimport\b|\bdef\b|\breturn\b|\(\s*\)|(?<!\\)\][ \t]*\["
+    r"|(?<![A-Za-z0-9)}\\])'[^'\n]*'|[(\[,=:]\s*\"[^\"\n]*\""
+    r"|\[[^\]]*\bfor\b[^\]]*\bin\b")
+
+
+def looks_like_program(answer: str) -> bool:
+  """True if `answer` is program text (never evaluated; it earns nothing)."""
+  if _PROGRAM.search(answer):
+    return True
+  for name in _CALLED.findall(answer):
+    base = name.split("_")[0]
+    if "." in name or (len(base) >= 3 and base.lower() not in _MATH_FUNCTIONS):
+      return True
+  return False
 
 
 def extract_answer(text: str) -> Answer:
   """The final answer of `text` by the rules in the module docstring."""
-  boxed = last_boxed(text)
-  if boxed is not None:
-    return Answer(boxed, True)
-  span = anchored_span(text)
-  if span is not None:
-    return Answer(span, True)
+  boxes = _boxes(text)
+  anchor = _last_anchor(text)
+  span = anchored_span(text, anchor) if anchor else None
+  if span is not None and _NEGATED.match(span):  # "the answer is not 4".
+    anchor = span = None
+  if boxes and (anchor is None or anchor.start() < boxes[-1].end):
+    return Answer(strip_display(boxed_answer(text, boxes)), True)
+  if span is not None and _is_statement(span):  # "Answer: she has 3 left".
+    span = _answer_in(span) or span
+  if span is None:
+    span = final_statement(text)
+  if span is not None and strip_display(span):
+    return Answer(strip_display(span), True)
+  if boxes:  # An empty answer line after the box.
+    return Answer(strip_display(boxed_answer(text, boxes)), True)
   return Answer(text[-TAIL_CHARS:].strip(), False)
 
 

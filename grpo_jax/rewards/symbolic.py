@@ -14,8 +14,15 @@ less notation (no sets or intervals, no `\\pm`) and compares nothing.
 What this module adds on top: it parses an answer that the parent already
 cut out of the model's text (`extract.py`), first as one whole LaTeX
 expression so that a hedge like "3 or 4" is a set and not "4", and it
-rewrites notation math-verify reads wrongly (thin-space thousands
-separators, `1.5e3`, `°`, unicode operators, trailing unit words).
+rewrites notation math-verify reads wrongly (thin-space and `,\\!`
+thousands separators, `1.5e3`, `°`, unicode operators, trailing unit words,
+`\\varnothing`, mixed numbers `3 1/4`, `\\sqrt(3)`, lists of named solutions
+`x_1 = 2, x_2 = -3`). A formula whose parse leaves digits out (`5\\sqrt(3)`
+read as `5`) has no value: a part of an answer is not the answer. Numbers
+are compared by `numeric.py` (exact for exact inputs, relative for floats),
+installed in place of math-verify's absolute-tolerance comparison, and
+parsed expressions pass through `numeric.tame` (huge powers made opaque,
+`i` the imaginary unit) before any comparison.
 math-verify's own `signal.alarm` timeouts are switched off: the worker's
 soft deadline and the parent's hard kill bound the time instead.
 """
@@ -24,15 +31,21 @@ from __future__ import annotations
 import functools
 import re
 
+import collections
+
 import math_verify
 from math_verify import ExprExtractionConfig, LatexExtractionConfig
+from math_verify import grader
+
+from grpo_jax.rewards import numeric
 
 _CONFIGS = (LatexExtractionConfig(), ExprExtractionConfig())
 _UNICODE = {
     "\u2212": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u22c5": "\\cdot ",
     "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ",
     "\u2260": "\\neq ", "\u221a": "\\sqrt", "\u00b0": "^\\circ", "\u2009": " ",
-    "\u202f": " ", "\u00a0": " ",
+    "\u202f": " ", "\u00a0": " ", "\u2205": "\\emptyset ", "\u00b2": "^2",
+    "\u00b3": "^3",
 }
 _SPACE = r"(?:(?<!\\)\\[,;: ]|~| )"  # Not ",": (100,200) is a pair.
 # 1\,000\,000 -> 1000000: exactly three digits after every separator.
@@ -51,6 +64,68 @@ _TRAILING_UNIT = re.compile(
 _PERCENT_SIGN = re.compile(r"\\?%")
 _MEMBERSHIP = re.compile(r"^[A-Za-z]\s*\\in\s*")
 _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")  # Not \$, a dollar sign.
+_SPACED_GROUP = re.compile(r",\s*\\!\s*(?=\d{3}(?!\d))")  # "11,\! 111" is 11111.
+_EMPTY_SET = re.compile(r"\\varnothing\b|\\\{\s*\\\}")
+_SQRT_PAREN = re.compile(r"\\sqrt\s*\(([^()]*)\)")  # \sqrt(3) -> \sqrt{3}
+# Mixed numbers: "3 1/4" and "3\frac{1}{4}" (a proper fraction of digits).
+_MIXED = re.compile(
+    r"(?<![\w^_.}\\])(\d+)(?:\s+(\d+)\s*/\s*(\d+)"
+    r"|\s*\\[dt]?frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d)))(?![\d.])")
+# "x_1 = 2, x_2 = -3" / "x = 2 or x = -3": one unknown's values, a list.
+_LIST_SPLIT = re.compile(
+    r"\s*(?:[,;]|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b)\s*"
+    r"|\s+(?=[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)")
+# "f(x) = x^2 + 1": the function's name is no part of the answer.
+_FUNCTION_LHS = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*\(\s*[A-Za-z]\s*\)\s*=(?=[^=]*$)")
+_NAMED = re.compile(r"([A-Za-z])(?:_\{?([A-Za-z0-9]+)\}?)?\s*=\s*([^=]+)")
+_MAX_DIGITS_MIXED = 12
+# A decimal longer than a float's repr is an exact statement: keep it exact
+# (`12345678901234567.5` must not round to `12345678901234568`).
+_LONG_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d.])")
+_FLOAT_DIGITS = 17  # A float's repr (`0.3333333333333333`) is an approximation.
+
+
+def _exact_long_decimal(match: re.Match[str]) -> str:
+  whole, frac = match.groups()
+  if len((whole + frac).lstrip("0")) <= _FLOAT_DIGITS:
+    return match.group(0)
+  return f"\\frac{{{(whole + frac).lstrip('0') or '0'}}}{{1{'0' * len(frac)}}}"
+
+
+def _mixed_number(match: re.Match[str]) -> str:
+  whole = match.group(1)
+  num, den = next((match.group(i), match.group(i + 1)) for i in (2, 4, 6)
+                  if match.group(i))
+  if max(len(whole), len(num), len(den)) > _MAX_DIGITS_MIXED or not 0 < int(num) < int(den):
+    return match.group(0)
+  return f"\\frac{{{int(whole) * int(den) + int(num)}}}{{{den}}}"
+
+
+def _named_values(answer: str) -> str:
+  """`x_1 = 2, x_2 = -3` -> `2, -3` when every item names the same unknown
+  (indexed or not); `x = 1, y = 2` keeps its names (they carry meaning)."""
+  items = [item for item in _LIST_SPLIT.split(_LATEX_SPACING.sub(" ", answer).strip())
+           if item.strip()]
+  if len(items) < 2:
+    return answer
+  matches = [_NAMED.fullmatch(item.strip()) for item in items]
+  if not all(matches) or len({m.group(1) for m in matches}) != 1:
+    return answer
+  indices = [m.group(2) for m in matches]
+  if any(indices) and len(set(indices)) != len(indices):
+    return answer
+  if not any(indices) and len(matches) < 2:
+    return answer
+  return ", ".join(m.group(3).strip() for m in matches)
+
+
+def safe_normalise(text: str) -> str:
+  """Edits that are right anywhere, even in a whole solution: digit groups
+  (`12,\\!345`), the empty set, unicode operators."""
+  for old, new in _UNICODE.items():
+    text = text.replace(old, new)
+  text = _join_thousands(_NEGATIVE_SPACE.sub("", _SPACED_GROUP.sub(",", text)))
+  return _EMPTY_SET.sub(r"\\emptyset ", text)
 
 
 def _join_thousands(text: str) -> str:
@@ -59,15 +134,16 @@ def _join_thousands(text: str) -> str:
 
 def normalise(answer: str) -> str:
   """Rewrites notation that the parser reads wrongly; pure string edits."""
-  for old, new in _UNICODE.items():
-    answer = answer.replace(old, new)
-  answer = answer.strip().rstrip(".").strip()
-  answer = _join_thousands(_NEGATIVE_SPACE.sub("", answer))
+  answer = safe_normalise(answer).strip().rstrip(".").strip()
   answer = _SCIENTIFIC.sub(r"\1\\times 10^{\2}", answer)
   answer = _DEGREES.sub("^\\\\circ", answer)
   answer = _PERCENT_WORD.sub("\\\\%", answer)
   answer = _TRAILING_UNIT.sub("", answer)
   answer = _MEMBERSHIP.sub("", answer)
+  answer = _SQRT_PAREN.sub(r"\\sqrt{\1}", answer)
+  answer = _MIXED.sub(_mixed_number, _LATEX_SPACING.sub(" ", answer))
+  answer = _LONG_DECIMAL.sub(_exact_long_decimal, answer)
+  answer = _named_values(_FUNCTION_LHS.sub("", answer))
   return _LATEX_SPACING.sub(" ", answer).strip()
 
 
@@ -82,26 +158,43 @@ def _has_value(parsed: list) -> bool:
   return any(not isinstance(p, str) for p in parsed)
 
 
+def _digits(text: str) -> collections.Counter:
+  return collections.Counter(c for c in text if c in "0123456789")
+
+
+def _covers(parsed: list, text: str) -> bool:
+  """False if the parse read only a part of a formula: digits of `text`
+  are missing from the matched string (`5\\sqrt(3)` read as `5`)."""
+  matched = "".join(p for p in parsed if isinstance(p, str))
+  return not _digits(text) - _digits(matched)
+
+
 @functools.lru_cache(maxsize=4096)
 def candidates(text: str, anchored: bool) -> tuple:
   """Parsed forms of one extracted answer, best reading first.
 
   `anchored` answers (from \\boxed, `Answer:`, `####`, "the answer is") are
   read as one expression first. Unanchored text (the model's whole output)
-  goes to math-verify's heuristics unless it is a short formula.
+  goes to math-verify's heuristics unless it is a short formula. A formula
+  that must be read whole and is read only in part gives no value.
   """
   delimited = bool(_DELIMITED.search(text))
+  formula = _looks_like_formula(text)
   if anchored and not delimited:
     order = (True, False)
-  elif not anchored and not delimited and _looks_like_formula(text):
+  elif not anchored and not delimited and formula:
     order = (True, False)
   else:
     order = (False, True) if anchored else (False,)
   fallback = ()
   for whole in order:
-    parsed = _parse(normalise(text) if whole else text, whole)
+    source = normalise(text) if whole else safe_normalise(text)
+    parsed = _parse(source, whole)
+    if (_has_value(parsed) and (anchored or whole)
+        and formula and not _covers(parsed, source)):
+      continue  # A part of the answer: not its value.
     if _has_value(parsed):
-      return tuple(parsed)
+      return tuple(numeric.tame(p) for p in parsed)
     fallback = fallback or tuple(parsed)
   return fallback  # Unparsable: math-verify then compares the strings.
 
@@ -112,6 +205,22 @@ def _looks_like_formula(text: str) -> bool:
     return False
   bare = re.sub(r"\\[A-Za-z]+(\{[^{}]*\})?", " ", text)
   return len(re.findall(r"[A-Za-z]{3,}", bare)) <= 1
+
+
+def _numeric_eq(a, b, float_rounding: int, numeric_precision: int) -> bool:
+  """math-verify's number comparison, exact/relative where both are plain
+  numbers (`numeric.numbers_equal`), its own otherwise (matrices recurse
+  into this, percentages keep their rules)."""
+  verdict = numeric.numbers_equal(a, b)
+  if verdict is None:
+    return _MATH_VERIFY_NUMERIC_EQ(a, b, float_rounding, numeric_precision)
+  return verdict
+
+
+# Installed once per worker process; math-verify is pinned (requirements.txt),
+# and tests/test_verifier_classes.py checks that the hook is still called.
+_MATH_VERIFY_NUMERIC_EQ = grader.sympy_numeric_eq
+grader.sympy_numeric_eq = _numeric_eq
 
 
 def _same(gold: str, gold_anchored: bool, prediction: str,

@@ -1,0 +1,163 @@
+"""What makes a checkpoint trustworthy: per-array checksums that any mesh
+reproduces, shape checks against the state being restored, the JSON that
+stores the config, and the config fields a resume must not change.
+
+The checksums exist because a flipped byte inside a tensorstore data chunk
+restores silently (only b-tree nodes carry a CRC): each element's bits are
+hashed with its position and summed in uint32, exact integer arithmetic that
+gives the same number on any mesh.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.checkpoint.paths import IncompatibleCheckpointError
+from grpo_jax.config import flat_fields
+from grpo_jax.models.config import ModelConfig, RopeScaling
+
+# Config fields whose change makes a resumed run a different experiment (a
+# dotted prefix covers every field under it). The optimizer and the param
+# dtype define the saved state; B and G shape the dynamic-sampling carry-over
+# and the data position; seed and the data (source, arguments, prompt
+# format) drive the data order and content after resume. The model's architecture is compared through its ModelConfig, so a
+# moved weights directory (model.source) still resumes.
+UNSAFE_FIELDS = ("optim", "model.param_dtype", "rl.num_generations",
+                 "rl.prompts_per_step", "seed", "data.source", "data.kwargs",
+                 "data.template", "data.system_prompt")
+# Moved data still resumes (a changed file shows as a changed example count).
+SAFE_FIELDS = ("data.kwargs.path", "data.kwargs.data_dir")
+
+
+def _leaf_name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _as_uint32(x: jax.Array) -> jax.Array:
+  """The bit pattern of every element as uint32 (64-bit ones folded)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = np.dtype(x.dtype).itemsize
+  if size == 8:
+    hi_lo = jax.lax.bitcast_convert_type(x, jnp.uint32)       # (..., 2)
+    return hi_lo[..., 0] ^ (hi_lo[..., 1] * np.uint32(0x9E3779B1))
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: a bijection of uint32 that spreads bits."""
+  h ^= h >> 16
+  h *= np.uint32(0x85EBCA6B)
+  h ^= h >> 13
+  h *= np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+@jax.jit
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """sum_i mix(bits_i ^ mix(i)) mod 2**32 over the row-major index i.
+
+  Integer addition is exact and associative, so every mesh gets the same
+  sum; `mix` is a bijection, so any single changed element changes it, and
+  mixing in the index catches moved chunks too.
+  """
+  index = jnp.zeros(x.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(x.ndim)):
+    index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * np.uint32(
+        stride % 2**32)
+    stride *= x.shape[axis]
+  return jnp.sum(_mix(_as_uint32(x) ^ _mix(index)), dtype=jnp.uint32)
+
+
+def tree_checksums(tree: Any) -> dict[str, int]:
+  """{leaf name: checksum} of a pytree of arrays, identical on any mesh.
+
+  One small jit per leaf shape (cached across trees), dispatched together.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  sums = jax.device_get([_leaf_checksum(jnp.asarray(leaf)) for _, leaf in flat])
+  return {_leaf_name(path): int(value) for (path, _), value in zip(flat, sums)}
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape"))
+  return {_leaf_name(path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def check_shapes(want: Any, saved: Any, where: str):
+  """Raises IncompatibleCheckpointError naming every parameter whose shape
+  (or presence) differs between the state to restore and the checkpoint."""
+  want, saved = _flat_shapes(want), _flat_shapes(saved)
+  lines = [f"  {k}: checkpoint {saved[k]}, current state {want[k]}"
+           for k in sorted(want.keys() & saved.keys()) if want[k] != saved[k]]
+  lines += [f"  {k}: missing from the checkpoint" for k in sorted(want.keys() - saved.keys())]
+  lines += [f"  {k}: only in the checkpoint" for k in sorted(saved.keys() - want.keys())]
+  if lines:
+    more = f"\n  ... and {len(lines) - 12} more" if len(lines) > 12 else ""
+    raise IncompatibleCheckpointError(
+        f"{where} does not match the state being restored (a different model "
+        "or optimizer?):\n" + "\n".join(lines[:12]) + more)
+
+
+def abstract_target(target: Any) -> Any:
+  """ShapeDtypeStructs with shardings from arrays or ShapeDtypeStructs."""
+  def one(path, x):
+    if isinstance(x, jax.Array):
+      x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if not isinstance(x, jax.ShapeDtypeStruct) or x.sharding is None:
+      raise ValueError(f"restore target {_leaf_name(path)} must be a jax.Array or a "
+                       "ShapeDtypeStruct with .sharding set (the current mesh)")
+    return x
+  return jax.tree_util.tree_map_with_path(one, target)
+
+
+def to_json(value: Any, what: str) -> Any:
+  """A JSON round trip: what restore will hand back (tuples become lists,
+  dict keys strings, numpy scalars Python numbers)."""
+  def default(x):
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+      return np.asarray(x).tolist()
+    raise TypeError(f"{what} holds a {type(x).__name__} ({x!r:.60}), which is "
+                    "not JSON-able")
+  return json.loads(json.dumps(value, default=default))
+
+
+def config_to_json(config: Any) -> Optional[dict]:
+  """A run config (ConfigDict or mapping) as plain JSON data."""
+  if config is None:
+    return None
+  if hasattr(config, "to_dict"):
+    config = config.to_dict()
+  return json.loads(json.dumps(config, default=repr, sort_keys=True))
+
+
+def unsafe_changes(saved: Optional[Mapping], current: Optional[Mapping],
+                   fields: Iterable[str] = UNSAFE_FIELDS
+                   ) -> list[tuple[str, Any, Any]]:
+  """(field, saved value, current value) for each listed field that differs."""
+  missing = "<unset>"
+  saved, current = flat_fields(saved or {}), flat_fields(current or {})
+  out = []
+  for key in sorted(saved.keys() | current.keys()):
+    if key in SAFE_FIELDS:
+      continue
+    if any(key == f or key.startswith(f + ".") for f in fields):
+      a, b = saved.get(key, missing), current.get(key, missing)
+      if a != b:
+        out.append((key, a, b))
+  return out
+
+
+def model_config_from_json(data: Mapping[str, Any]):
+  """The ModelConfig stored by `dataclasses.asdict` (RopeScaling nested)."""
+  data = dict(data)
+  if data.get("rope_scaling") is not None:
+    data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+  return ModelConfig(**data)

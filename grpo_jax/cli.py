@@ -1,0 +1,185 @@
+"""What the experiments/*.py commands share: flag errors that name the config
+field, and user errors printed as one message instead of a traceback.
+
+    app.run(main, flags_parser=cli.parse_flags)
+
+    def main(argv):
+      with cli.user_errors(workdir):
+        ...
+
+A user error is a bad config (config.ConfigError), a checkpoint that cannot
+be used (checkpoint.CheckpointError), a workdir another run holds
+(workdir_lock.WorkdirLockedError), an unreadable run store, an output
+directory that is not empty, a full disk, or
+a run stopped by a signal (interrupts.Preempted: its message says how to
+resume). Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any, Iterator, Optional, Sequence
+
+from absl import flags
+from absl import logging as absl_logging
+
+
+def _load_config(spec: str) -> Any:
+  """`get_config(arg)` of a `file.py[:arg]` config spec, as config_flags does."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_grpo_jax_cli_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def override_error(config: Any, path: str) -> Optional[str]:
+  """Why `--config.<path>=...` cannot be applied to `config` (None: it can):
+  the first unknown part and the nearest field names."""
+  from grpo_jax.config import unknown_field  # pylint: disable=import-outside-toplevel
+  node, parts = config, path.split(".")
+  for depth, part in enumerate(parts):
+    where = ".".join(parts[:depth])
+    if not hasattr(node, "keys"):
+      return f"config field {where!r} is a value, not a group: --config.{path} cannot be set"
+    if part not in node:
+      message = unknown_field(".".join(parts[:depth + 1]), sorted(node.keys()))
+      if where in _OPEN_GROUPS:
+        message += (f" {where} is a free-form dict: replace it whole, e.g. "
+                    f"--config.{where}='{{\"{part}\": ...}}' (with the other keys "
+                    "it needs)")
+      return message
+    node = node[part]
+  return None
+
+
+# Config groups whose keys are free (keyword arguments, reward names).
+_OPEN_GROUPS = ("data.kwargs", "data.eval_kwargs", "rewards", "reward_kwargs")
+
+
+def _config_spec(argv: Sequence[str]) -> Optional[str]:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _describe_flag_error(argv: Sequence[str], error: Exception) -> str:
+  """A one-line reason for a failed `--config...` parse."""
+  spec = _config_spec(argv)
+  if spec is not None:
+    try:
+      config = _load_config(spec)
+    except Exception as e:   # pylint: disable=broad-except
+      return f"--config={spec}: {e}"
+    for arg in argv:
+      if arg.startswith("--config.") and "=" in arg:
+        reason = override_error(config, arg[len("--config."):].split("=", 1)[0])
+        if reason:
+          return reason
+  return f"{type(error).__name__}: {error}"
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing (for `app.run(main, flags_parser=...)`), with a
+  config error reported as one line naming the field and the nearest names
+  instead of ml_collections' traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    text = str(e)
+    if "Traceback (most recent call last)" in text:   # config_flags embeds one
+      text = text.splitlines()[0].rstrip(":") + ": " + [
+          line for line in text.splitlines() if line.strip()][-1]
+    sys.exit(f"error: {text}\nPass --help to see the flags.")
+  except Exception as e:   # pylint: disable=broad-except
+    sys.exit(f"error: {_describe_flag_error(argv, e)}")
+
+
+# ----------------------------------------------------------------------------
+# User errors.
+# ----------------------------------------------------------------------------
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def disk_full(error: BaseException) -> bool:
+  """Whether "No space left on device" is behind `error` (orbax and
+  asyncio wrap the OSError, sometimes only in the message)."""
+  return any((isinstance(e, OSError) and e.errno == errno.ENOSPC)
+             or "No space left on device" in str(e) for e in _chain(error))
+
+
+def describe(error: BaseException, workdir: Optional[str] = None) -> Optional[str]:
+  """The message for a user error, None for anything else."""
+  # pylint: disable=import-outside-toplevel
+  from grpo_jax import config as config_lib, interrupts, outdir, runs, workdir_lock
+  if disk_full(error):
+    last = None
+    if workdir:
+      from grpo_jax import checkpoint
+      last = checkpoint.latest_checkpoint(workdir)
+    good = (f"the last good checkpoint is {last}" if last else
+            "there is no complete checkpoint yet")
+    where = f" under {workdir}" if workdir else ""
+    return (f"disk full (No space left on device) while writing{where}; {good}. "
+            "Free space (old checkpoints: --config.train.keep_checkpoints) and run "
+            "the same command again to resume.")
+  known = (config_lib.ConfigError, workdir_lock.WorkdirLockedError,
+           runs.RunStoreError, interrupts.Preempted, outdir.OutputExistsError)
+  if "grpo_jax.checkpoint" in sys.modules:
+    known += (sys.modules["grpo_jax.checkpoint"].CheckpointError,)
+  if isinstance(error, known):
+    return str(error)
+  return None
+
+
+class _NoLibraryTracebacks(logging.Filter):
+  """Keeps the one-line message of a library's error log and drops its
+  traceback (orbax logs a disk-full error with ~300 lines of them); the
+  user error that follows says what happened. --verbosity=1 keeps them."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and not record.pathname.startswith(_REPO):
+      if absl_logging.get_verbosity() < absl_logging.DEBUG:
+        record.exc_info, record.exc_text = None, None
+        record.msg = f"{record.msg} (traceback hidden: --verbosity=1 shows it)"
+    return True
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hide_library_tracebacks() -> None:
+  """Installs `_NoLibraryTracebacks` on the root logger's handlers."""
+  for handler in logging.getLogger().handlers:
+    if not any(isinstance(f, _NoLibraryTracebacks) for f in handler.filters):
+      handler.addFilter(_NoLibraryTracebacks())
+
+
+@contextlib.contextmanager
+def user_errors(workdir: Optional[str] = None) -> Iterator[None]:
+  """Exits with the message of a user error (status 1; a pre-empted run
+  128 + the signal) and no traceback; anything else propagates."""
+  hide_library_tracebacks()
+  try:
+    yield
+  except BaseException as e:   # pylint: disable=broad-except
+    message = describe(e, workdir)
+    if message is None:
+      raise
+    from grpo_jax import interrupts  # pylint: disable=import-outside-toplevel
+    preempted = isinstance(e, interrupts.Preempted)
+    print(message if preempted else f"error: {message}", file=sys.stderr)
+    sys.exit(e.exit_code if preempted else 1)

@@ -1,0 +1,100 @@
+"""Checks that need more than the config (config.validate has the rest),
+made before the work they protect, each naming the field and what to do.
+
+  check_model       the tokenizer's vocabulary fits the model's; prompts
+                    and completions fit the model's context
+  check_eval_config an evaluation's config against the one a checkpoint
+                    was trained with
+  check_resume_step train.steps against the step a run resumes from
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping, Optional
+
+from grpo_jax.config import ConfigError
+
+
+def tokenizer_source(config) -> str:
+  return config.model.tokenizer or config.model.source
+
+
+def check_model(config, model_config, tokenizer, where: str = "config.model"
+                ) -> None:
+  """Raises ConfigError if the tokenizer can produce ids the model has no
+  embedding for, or if sampling.max_new_tokens does not fit the context."""
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ConfigError(
+        f"the tokenizer {tokenizer_source(config)!r} (config field "
+        f"'model.tokenizer' / 'model.source') has {tokenizer.vocab_size} tokens "
+        f"but the model of {where} has a vocabulary of {model_config.vocab_size}: "
+        "its ids would index past the embedding. Use the model's own tokenizer "
+        "(--config.model.tokenizer= empty, or the config the model was trained "
+        "with).")
+  context = model_config.max_seq_len
+  if config.sampling.max_new_tokens >= context:
+    raise ConfigError(
+        f"config field 'sampling.max_new_tokens' = {config.sampling.max_new_tokens} "
+        f"leaves no room for a prompt in the model's context of {context} tokens "
+        f"(ModelConfig.max_seq_len of {where}): lower it below {context}.")
+
+
+# Fields of a run's config that an evaluation of its checkpoint must keep:
+# the tokenizer (a different one feeds the model ids it was not trained on)
+# and the prompt format.
+_EVAL_MUST_MATCH = ("model.tokenizer_source",)
+_EVAL_SHOULD_MATCH = ("data.template", "data.system_prompt")
+
+
+def _effective(config: Mapping[str, Any]) -> dict[str, Any]:
+  model = config.get("model", {})
+  data = config.get("data", {})
+  return {"model.tokenizer_source": model.get("tokenizer") or model.get("source"),
+          "data.template": data.get("template"),
+          "data.system_prompt": data.get("system_prompt")}
+
+
+def _resolvable(source: str) -> bool:
+  """A preset name (no path separator) or a path that exists: a tokenizer
+  source an evaluation could still load."""
+  return os.sep not in source or os.path.exists(source)
+
+
+def check_eval_config(config, stored: Optional[Mapping[str, Any]],
+                      checkpoint: str) -> None:
+  """Compares an evaluation's config with the config stored in the
+  checkpoint: a different tokenizer raises ConfigError listing both, a
+  different prompt format warns."""
+  if not stored:
+    return
+  now, then = _effective(config.to_dict()), _effective(stored)
+  wrong = [k for k in _EVAL_MUST_MATCH if now[k] != then[k]]
+  if wrong and not _resolvable(then["model.tokenizer_source"]):
+    logging.warning("the checkpoint %s was trained with the tokenizer %r, which "
+                    "is no longer there; evaluating with %r", checkpoint,
+                    then["model.tokenizer_source"], now["model.tokenizer_source"])
+  elif wrong:
+    raise ConfigError(
+        f"the checkpoint {checkpoint} was trained with the tokenizer "
+        f"{then['model.tokenizer_source']!r} (model.tokenizer / model.source of "
+        f"its config {stored.get('name')!r}); this config "
+        f"({config.name!r}) uses {now['model.tokenizer_source']!r}. Evaluate "
+        f"with the run's config (--config=configs/{stored.get('name', '?')}.py...) "
+        f"or --config.model.tokenizer={then['model.tokenizer_source']}.")
+  for k in _EVAL_SHOULD_MATCH:
+    if now[k] != then[k]:
+      logging.warning("config field %r is %r here but %r in the config %s was "
+                      "trained with: the prompts differ from training", k,
+                      now[k], then[k], checkpoint)
+
+
+def check_resume_step(resumed_step: int, config, where: str) -> None:
+  """Raises ConfigError if train.steps is below the step a run resumes from
+  (nothing would be trained, and the run would read as finished)."""
+  if resumed_step > config.train.steps:
+    raise ConfigError(
+        f"config field 'train.steps' = {config.train.steps} is below the step "
+        f"{resumed_step} that {where} resumes from: raise train.steps to continue "
+        "training, or use a fresh --workdir (with --config.init_from=<that "
+        "checkpoint> to start from its weights).")

@@ -1,0 +1,551 @@
+"""Bad input gets a clear error and loses nothing (issue 19).
+
+Each test reproduces one case a new user hit: nothing destructive without
+being asked (export, a second run on one workdir), mismatches refused before
+any work, signals that save and say so, and messages that name the field,
+file or process. The tiny config and files the tests write stand in for
+real models and data.
+"""
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from configs import tiny
+from grpo_jax import checkpoint, cli, interrupts, metrics, outdir, runs, sweeps
+from grpo_jax import config as config_lib
+from grpo_jax import train, workdir_lock
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.py")
+
+
+def command(script, *args, env=None, timeout=300):
+  return subprocess.run([sys.executable, f"experiments/{script}", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout,
+                        env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+                                 **(env or {})))
+
+
+def quiet_tiny(**train_fields):
+  config = tiny.get_config()
+  config.train.update(train_fields)
+  return config
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A finished 3-step tiny run (checkpoint at step 3); copy before changing."""
+  workdir = tmp_path_factory.mktemp("finished") / "run"
+  train.run(quiet_tiny(), str(workdir))
+  return workdir
+
+
+def copy_run(source, tmp_path):
+  target = tmp_path / "run"
+  shutil.copytree(source, target)
+  return target
+
+
+def metric_rows(workdir):
+  return [json.loads(l) for l in open(Path(workdir) / "metrics.jsonl")]
+
+
+def row_keys(rows):
+  """(step, 'eval' or 'train') of each row: a duplicate shows twice."""
+  return [(r["step"], "eval" if metrics.is_eval_row(r) else "train") for r in rows]
+
+
+# ----------------------------------------------------------------------------
+# Nothing destructive without being asked.
+# ----------------------------------------------------------------------------
+
+def test_export_refuses_a_non_empty_out_and_overwrite_replaces_it(finished_run, tmp_path):
+  out = tmp_path / "hf_model"
+  out.mkdir()
+  for name, text in (("config.json", '{"mine": 1}'), ("model-00001-of-00002.safetensors", "w1"),
+                     ("model.safetensors.index.json", "{}")):
+    (out / name).write_text(text)
+  before = {p.name: p.read_text() for p in out.iterdir()}
+  refused = command("export.py", f"--workdir={finished_run}", f"--out={out}")
+  assert refused.returncode != 0
+  assert "is not empty" in refused.stderr and "--overwrite" in refused.stderr
+  assert "Traceback" not in refused.stderr
+  assert {p.name: p.read_text() for p in out.iterdir()} == before   # untouched
+  done = command("export.py", f"--workdir={finished_run}", f"--out={out}", "--overwrite")
+  assert done.returncode == 0, done.stderr[-2000:]
+  names = sorted(p.name for p in out.iterdir())
+  assert "model-00001-of-00002.safetensors" not in names   # replaced whole
+  assert json.loads((out / "config.json").read_text())["vocab_size"] == 256
+  assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]   # no staging left
+  # A new directory needs no flag.
+  fresh = command("export.py", f"--workdir={finished_run}", f"--out={tmp_path / 'new'}")
+  assert fresh.returncode == 0 and (tmp_path / "new" / "config.json").is_file()
+
+
+def test_staged_output_leaves_the_old_directory_when_writing_fails(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "keep.txt").write_text("old")
+  with pytest.raises(RuntimeError):
+    with outdir.staged(out) as staging:
+      (staging / "half.bin").write_text("x")
+      raise RuntimeError("export failed")
+  assert [p.name for p in tmp_path.iterdir()] == ["out"]
+  assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; from grpo_jax import workdir_lock\n"
+       "with workdir_lock.hold(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)",
+       str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+      env=dict(os.environ, PYTHONPATH=str(REPO)))
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(workdir_lock.WorkdirLockedError) as error:
+      train.run(quiet_tiny(), str(tmp_path))
+    message = str(error.value)
+    assert f"pid {holder.pid}" in message and "host" in message and "--workdir" in message
+    assert not (tmp_path / "metrics.jsonl").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  # The holder died (SIGKILL): its lock died with it.
+  with workdir_lock.hold(str(tmp_path)):
+    pass
+
+
+# ----------------------------------------------------------------------------
+# Mismatches refused before any work.
+# ----------------------------------------------------------------------------
+
+def _tokenizer_with(tmp_path, extra_tokens: int) -> str:
+  """A byte tokenizer with `extra_tokens` more entries, saved as a directory."""
+  from grpo_jax.tiny_tokenizer import byte_tokenizer
+  tok = byte_tokenizer()
+  tok.backend.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
+  directory = tmp_path / f"tokenizer_{tok.vocab_size}"
+  tok.save_pretrained(directory)
+  return str(directory)
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
+  config = quiet_tiny()
+  config.model.tokenizer = _tokenizer_with(tmp_path, 44)   # 300 ids, model: 256
+  with pytest.raises(config_lib.ConfigError, match=r"300 tokens.*vocabulary of 256"):
+    train.run(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_evaluate_refuses_a_config_whose_tokenizer_differs_from_the_checkpoints(
+    finished_run, tmp_path):
+  other = _tokenizer_with(tmp_path, 44)
+  out = command("evaluate.py", f"--config={TINY}", f"--config.model.tokenizer={other}",
+                f"--checkpoint={finished_run}", f"--workdir={tmp_path / 'eval'}")
+  assert out.returncode != 0
+  assert "was trained with the tokenizer 'tiny'" in out.stderr and other in out.stderr
+  assert "Traceback" not in out.stderr and not (tmp_path / "eval").exists()
+
+
+def test_resume_with_changed_data_arguments_lists_the_fields(finished_run, tmp_path):
+  workdir = copy_run(finished_run, tmp_path)
+  config = quiet_tiny(steps=5)
+  config.data.kwargs = dict(num_examples=64, levels=3, seed=7)   # same count
+  with pytest.raises(checkpoint.UnsafeResumeError) as error:
+    train.run(config, str(workdir))
+  assert "data.kwargs.levels: 1 in the checkpoint, 3 now" in str(error.value)
+  assert "data.kwargs.seed: 0 in the checkpoint, 7 now" in str(error.value)
+
+
+def test_train_steps_below_the_checkpoint_step_is_refused(finished_run, tmp_path):
+  workdir = copy_run(finished_run, tmp_path)
+  with pytest.raises(config_lib.ConfigError, match=r"'train.steps' = 2 is below the step 3"):
+    train.run(quiet_tiny(steps=2), str(workdir))
+
+
+def test_rerunning_a_finished_run_writes_no_duplicate_rows(finished_run, tmp_path):
+  workdir = copy_run(finished_run, tmp_path)
+  before = metric_rows(workdir)
+  train.run(quiet_tiny(), str(workdir))
+  after = metric_rows(workdir)
+  assert row_keys(after) == row_keys(before) == [
+      (0, "eval"), (1, "train"), (2, "train"), (3, "train"), (3, "eval")]
+  timeless = lambda row: {k: v for k, v in row.items() if not k.endswith("seconds")}
+  assert timeless(after[-1]) == timeless(before[-1])   # recomputed: the same
+
+
+def test_max_new_tokens_beyond_the_models_context_is_refused(tmp_path):
+  config = quiet_tiny()
+  config.sampling.max_new_tokens = 600   # the tiny model's context: 512
+  with pytest.raises(config_lib.ConfigError, match=r"'sampling.max_new_tokens' = 600.*512"):
+    train.run(config, str(tmp_path))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("optim.learning_rate", -1e-3, "'optim.learning_rate' = -0.001 must be >= 0"),
+    ("rl.kl_beta", -0.1, "'rl.kl_beta' = -0.1 must be >= 0"),
+    ("optim.weight_decay", -0.01, "'optim.weight_decay' = -0.01 must be >= 0"),
+    ("train.keep_checkpoints", 0, "'train.keep_checkpoints' = 0 must be >= 1"),
+    ("sampling.temperature", 0.0, "every advantage is 0"),
+])
+def test_impossible_values_are_refused_naming_the_field(field, value, message):
+  config = sweeps.apply_overrides(tiny.get_config(), {field: value})
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(config)
+
+
+def test_stray_argument_and_variant_of_a_config_without_variants_are_refused(tmp_path):
+  stray = command("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'a'}",
+                  "config.train.steps=1")   # a forgotten --
+  assert stray.returncode != 0 and "unexpected arguments" in stray.stderr
+  assert not (tmp_path / "a").exists()
+  variant = command("run.py", f"--config={TINY}:paper", f"--workdir={tmp_path / 'b'}")
+  assert variant.returncode != 0
+  assert "configs/tiny.py has no variants, got ':paper'" in variant.stderr
+  assert "Traceback" not in variant.stderr and len(variant.stderr.splitlines()) <= 2 and not (tmp_path / "b").exists()
+
+
+def test_an_empty_eval_file_is_refused_before_the_model_loads(tmp_path):
+  empty = tmp_path / "eval.jsonl"
+  empty.write_text("")
+  config = quiet_tiny()
+  config.model.source = str(tmp_path / "no_such_model.gguf")   # never reached
+  config.data.eval_source = "jsonl"
+  config.data.eval_kwargs = dict(path=str(empty), layout="gsm8k")
+  with pytest.raises(config_lib.ConfigError, match=r"data.eval_kwargs.*gave no examples"):
+    train.run(config, str(tmp_path / "run"))
+
+
+def test_a_data_path_typo_is_reported_before_the_model_loads(tmp_path):
+  config = quiet_tiny()
+  config.model.source = str(tmp_path / "no_such_model.gguf")
+  config.data.source = "jsonl"
+  config.data.kwargs = dict(path=str(tmp_path / "trian.jsonl"), layout="gsm8k")
+  config.data.eval_source = "arithmetic"
+  with pytest.raises(ValueError, match="trian.jsonl"):
+    train.run(config, str(tmp_path / "run"))
+
+
+def test_a_sweep_validates_every_point_before_running_the_first(tmp_path):
+  calls = []
+  points = [{"rl.eps_high": 0.2}, {"optim.learning_rate": -1.0}]
+  with pytest.raises(config_lib.ConfigError, match=r"sweep point 1 \(optim.learning_rate=-1.0\)"):
+    sweeps.run_sweep(tiny.get_config(), points, lambda c, w: calls.append(w),
+                     runs.RunStore(tmp_path), name="tiny", sweep_name="s",
+                     base_workdir=tmp_path, validate=config_lib.validate)
+  assert calls == [] and runs.RunStore(tmp_path).list() == []
+  sweep_file = tmp_path / "bad_sweep.py"
+  sweep_file.write_text("def get_sweep():\n  return [{'rl.eps_high': 0.2}, "
+                        "{'optim.learning_rate': -1.0}]\n")
+  out = command("sweep.py", f"--config={TINY}", f"--sweep={sweep_file}", "--dry_run")
+  assert out.returncode != 0 and "'optim.learning_rate' = -1.0 must be >= 0" in out.stderr
+  assert out.stdout == ""   # not even the first point's command
+
+
+# ----------------------------------------------------------------------------
+# Signals.
+# ----------------------------------------------------------------------------
+
+def _signal_at_step(monkeypatch, step_to_signal: int, signals: int = 1,
+                    signum=signal.SIGINT):
+  """Sends `signals` x `signum` to this process inside step `step_to_signal`
+  (while its advantages are computed, mid-step)."""
+  calls = []
+  advantages = train.advantages
+
+  def signalling(config, reward_bg):
+    calls.append(1)
+    if len(calls) == step_to_signal:
+      for _ in range(signals):
+        os.kill(os.getpid(), signum)
+        time.sleep(0.05)   # Python runs the handler between bytecodes
+    return advantages(config, reward_bg)
+  monkeypatch.setattr(train, "advantages", signalling)
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_the_restart_resumes(tmp_path, monkeypatch):
+  workdir = str(tmp_path / "run")
+  _signal_at_step(monkeypatch, 2)   # checkpoint_every=0: only the signal saves
+  with pytest.raises(interrupts.Preempted) as stopped:
+    train.run(quiet_tiny(steps=4), workdir)
+  assert stopped.value.exit_code == 130 and stopped.value.step == 2
+  assert "stopped by SIGINT at step 2" in str(stopped.value)
+  assert checkpoint.finalized_steps(checkpoint.checkpoint_dir(workdir)) == [2]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # given back
+  monkeypatch.undo()
+  train.run(quiet_tiny(steps=4), workdir)
+  assert row_keys(metric_rows(workdir)) == [
+      (0, "eval"), (1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "eval")]
+
+
+def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch):
+  workdir = str(tmp_path / "run")
+  _signal_at_step(monkeypatch, 2, signals=2)
+  with pytest.raises(KeyboardInterrupt, match="aborted without saving"):
+    train.run(quiet_tiny(steps=4), workdir)
+  assert checkpoint.finalized_steps(checkpoint.checkpoint_dir(workdir)) == []
+
+
+def _running_tiny(workdir, store, *extra):
+  return subprocess.Popen(
+      [sys.executable, "experiments/run.py", f"--config={TINY}", f"--workdir={workdir}",
+       "--config.train.steps=200", "--config.train.eval_at_start=false", *extra],
+      cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+               GRPO_JAX_RUNS=str(store)))
+
+
+def _wait_for(predicate, proc, timeout=300):
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    if predicate():
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def _statuses(store):
+  path = Path(store) / "runs.sqlite"
+  if not path.exists():
+    return []
+  try:
+    with sqlite3.connect(path, timeout=5) as db:
+      return [row[0] for row in db.execute("SELECT status FROM runs ORDER BY id")]
+  except sqlite3.OperationalError:   # the table is being created
+    return []
+
+
+def test_sigterm_mid_run_saves_exits_non_zero_and_records_preempted(tmp_path):
+  workdir, store = tmp_path / "run", tmp_path / "store"
+  proc = _running_tiny(workdir, store)
+  try:
+    assert _wait_for(lambda: (workdir / "metrics.jsonl").exists()
+                     and (workdir / "metrics.jsonl").read_text().count("\n") >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+  assert "stopped by SIGTERM at step" in stderr and "Traceback" not in stderr
+  saved = checkpoint.finalized_steps(checkpoint.checkpoint_dir(workdir))
+  assert len(saved) == 1 and 2 <= saved[0] < 200
+  assert _statuses(store) == ["preempted"]
+
+
+def test_sigterm_during_start_up_leaves_no_row_running(tmp_path):
+  workdir, store = tmp_path / "run", tmp_path / "store"
+  # The evaluation before training widens start-up by its compile.
+  proc = _running_tiny(workdir, store, "--config.train.eval_at_start=true")
+  try:
+    assert _wait_for(lambda: _statuses(store) == ["running"], proc)
+    proc.send_signal(signal.SIGTERM)   # the model is loading or compiling
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+  assert "during start-up" in stderr
+  assert _statuses(store) == ["preempted"]
+
+
+def test_a_sweep_stops_at_a_preempted_point(tmp_path):
+  calls = []
+
+  def preempted_run(config, workdir):
+    calls.append(workdir)
+    raise interrupts.Preempted("SIGTERM", step=1, signum=signal.SIGTERM)
+  store = runs.RunStore(tmp_path / "store")
+  with pytest.raises(interrupts.Preempted):
+    sweeps.run_sweep(tiny.get_config(), [{"rl.eps_high": 0.2}, {"rl.eps_high": 0.28}],
+                     preempted_run, store, name="tiny", sweep_name="s",
+                     base_workdir=tmp_path / "sweep", log=lambda _: None)
+  assert len(calls) == 1
+  assert [(r.name, r.status) for r in store.list()] == [("tiny[rl.eps_high=0.2]", "preempted")]
+
+
+# ----------------------------------------------------------------------------
+# Messages that name the field, file or process.
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--config.rl.eps_hihg=0.3", "unknown config field 'rl.eps_hihg': did you mean 'rl.eps_high'"),
+    ("--config.sed=3", "unknown config field 'sed': did you mean 'seed'?"),
+    ("--config.data.eval_kwargs.path=/x.jsonl",
+     "--config.data.eval_kwargs='{\"path\": ...}'"),
+])
+def test_unknown_config_fields_get_one_line_with_the_nearest_names(tmp_path, flag, expected):
+  out = command("run.py", f"--config={TINY}", flag, f"--workdir={tmp_path}/wd")
+  assert out.returncode != 0
+  assert expected in out.stderr
+  assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_validate_names_the_nearest_field_for_a_misspelt_nested_one():
+  config = tiny.get_config()
+  config.optim.weight_decy = 0.1
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^unknown config field 'optim.weight_decy': did you mean "
+                           r"'optim.weight_decay'\?$"):
+    config_lib.validate(config)
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+  assert metrics.read_jsonl(str(path)) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
+  assert "torn last line 3" in caplog.text and str(path) in caplog.text
+  path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+  with pytest.raises(ValueError, match=f"{path} line 2 is not JSON"):
+    metrics.read_jsonl(str(path))
+
+
+def test_resume_after_a_torn_metrics_line(finished_run, tmp_path):
+  workdir = copy_run(finished_run, tmp_path)
+  with open(workdir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "loss"')   # killed while writing a row
+  train.run(quiet_tiny(), str(workdir))
+  assert row_keys(metric_rows(workdir))[-1] == (3, "eval")
+
+
+def test_tensorboard_keeps_each_step_once_after_a_resume(tmp_path):
+  writer = metrics.MetricWriter(str(tmp_path), enabled=True)
+  for step in range(6):   # a run killed after step 5, checkpoint at 3
+    writer.write(step, {"loss": float(step)})
+  writer.close()
+  metrics.truncate(str(tmp_path), 3)
+  writer = metrics.MetricWriter(str(tmp_path), enabled=True)
+  for step in range(4, 6):   # recomputed after the resume
+    writer.write(step, {"loss": 10.0 + step})
+  writer.close()
+  seen = [(step, value) for step, _, value in
+          metrics.read_tensorboard(str(tmp_path / "tensorboard"))]
+  assert sorted(seen) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0)]
+
+
+def test_a_corrupt_run_store_is_named_and_does_not_block_training(tmp_path):
+  store = tmp_path / "store"
+  store.mkdir()
+  (store / "runs.sqlite").write_text("this is not a database\n" * 100)
+  with pytest.raises(runs.RunStoreError, match=str(store / "runs.sqlite")):
+    runs.RunStore(store)
+  out = command("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
+                "--config.train.steps=1", env={"GRPO_JAX_RUNS": str(store)})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"the run store {store / 'runs.sqlite'} is unreadable" in out.stderr
+  assert checkpoint.finalized_steps(checkpoint.checkpoint_dir(tmp_path / "run")) == [1]
+
+
+def test_runs_list_with_a_missing_root_is_an_error_not_a_new_store(tmp_path):
+  out = command("runs.py", "list", f"--root={tmp_path / 'typo'}")
+  assert out.returncode != 0 and f"no run store at {tmp_path / 'typo'}" in out.stderr
+  assert not (tmp_path / "typo").exists()
+
+
+def test_a_data_file_that_changed_since_the_checkpoint_names_the_data_fields(tmp_path):
+  data = tmp_path / "train.jsonl"
+  lines = [json.dumps({"question": f"{i} + 1 = ?", "answer": f"#### {i + 1}"})
+           for i in range(8)]
+  data.write_text("\n".join(lines) + "\n")
+  config = quiet_tiny(steps=1, eval_at_start=False, eval_at_end=False)
+  config.data.source = "jsonl"
+  config.data.kwargs = dict(path=str(data), layout="gsm8k")
+  config.data.eval_source = "arithmetic"
+  train.run(config, str(tmp_path / "run"))
+  with open(data, "a") as f:   # the same config, a file with one more problem
+    f.write(json.dumps({"question": "8 + 1 = ?", "answer": "#### 9"}) + "\n")
+  config.train.steps = 2
+  with pytest.raises(ValueError, match=r"ran over 8 examples, the training data now has 9.*"
+                                       r"data.source / data.kwargs \(or the data file\)"):
+    train.run(config, str(tmp_path / "run"))
+
+
+def test_disk_full_names_the_last_good_checkpoint(tmp_path):
+  mount = tmp_path / "small_disk"
+  mount.mkdir()
+  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                        capture_output=True, text=True)
+  if made.returncode != 0:
+    pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+  try:
+    out = command("run.py", f"--config={TINY}", f"--workdir={mount / 'run'}",
+                  "--config.train.steps=20", "--config.train.checkpoint_every=1",
+                  "--config.train.keep_checkpoints=20", "--config.train.eval_at_start=false",
+                  env={"GRPO_JAX_RUNS": str(tmp_path / "store")})
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    saved = checkpoint.finalized_steps(checkpoint.checkpoint_dir(mount / "run"))
+    assert saved and last.startswith("error: disk full (No space left on device)"), (
+        saved, out.stderr[-3000:])
+    assert f"the last good checkpoint is {mount / 'run' / 'checkpoints' / str(saved[-1])}" in last
+    assert "site-packages/orbax" not in out.stderr   # its ~600 lines of tracebacks
+  finally:
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_config_json_missing_a_key_names_it(tmp_path):
+  from grpo_jax import models
+  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(Exception, match=r"config.json.*num_attention_heads"):
+    models.load_pretrained(str(tmp_path))
+
+
+def test_describe_finds_disk_full_inside_wrapped_errors(tmp_path):
+  try:
+    try:
+      raise OSError(28, "No space left on device")
+    except OSError as e:
+      raise RuntimeError("async save failed") from e
+  except RuntimeError as e:
+    message = cli.describe(e, str(tmp_path))
+  assert message.startswith("disk full") and "no complete checkpoint yet" in message
+  assert cli.describe(RuntimeError("a bug"), str(tmp_path)) is None
+
+
+_JOIN = """
+import sys
+from configs import tiny
+from grpo_jax import sharding
+config = tiny.get_config()
+config.mesh.update(eval(sys.argv[1]))
+sharding.initialize_distributed(config)
+print("joined")
+"""
+
+
+def _join(mesh_fields, timeout=120):
+  return subprocess.run([sys.executable, "-c", _JOIN, repr(mesh_fields)], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout,
+                        env={k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO),
+                                                    JAX_PLATFORMS="cpu").items()
+                             if not k.startswith("JAX_COORDINATOR")})
+
+
+def test_distributed_without_an_address_names_the_fields_and_variables():
+  out = _join({"distributed": True})
+  assert out.returncode != 0 and "joined" not in out.stdout
+  last = out.stderr.strip().splitlines()[-1]
+  assert "mesh.distributed" in last and "mesh.coordinator_address" in last
+  assert "JAX_COORDINATOR_ADDRESS" in last
+
+
+def test_distributed_start_up_says_what_it_waits_for_and_gives_up_in_time():
+  import socket
+  with socket.socket() as s:   # a free port
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  out = _join({"coordinator_address": f"localhost:{port}", "num_processes": 2,
+               "process_id": 0, "init_timeout_s": 3})   # process 1 never starts
+  assert out.returncode == 1 and "joined" not in out.stdout
+  assert (f"process 0 of 2 connecting to the coordinator at localhost:{port}; waiting up "
+          "to 3 s (mesh.init_timeout_s)") in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "error: gave up after 3 s (config field mesh.init_timeout_s)")
