@@ -59,8 +59,8 @@ def base_config() -> ConfigDict:
       prompts_per_step=8,              # B groups per optimizer step (kept)
       num_generations=8,               # G
       advantage="grpo",                # an "advantage" registry name
-      process_reward="equations",      # a "process_reward" name, read by
-                                       # advantage = grpo_process
+      process_reward="",               # a "process_reward" name ("": none),
+                                       # needed by advantage = grpo_process
       adv_ddof=1, adv_eps=1e-6,
       loss_agg="token-mean",           # a "loss_agg" registry name
       max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)
@@ -185,6 +185,8 @@ _NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
 _PROCESS_ADVANTAGES = ("grpo_process",)
 # Policy losses whose ratio is PPO-clipped to [1 - eps_low, 1 + eps_high].
 _PPO_CLIP_LOSSES = ("ppo", "gspo")
+# Registry fields that may be "" (none).
+_OPTIONAL_REGISTRY_FIELDS = ("rl.process_reward",)
 _REGISTRY_FIELDS = {
     "method": "method",
     "data.source": "dataset",
@@ -264,6 +266,8 @@ def validate(config: ConfigDict) -> ConfigDict:
       raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
                         f"allowed: {allowed}")
   for path, kind in _REGISTRY_FIELDS.items():
+    if path in _OPTIONAL_REGISTRY_FIELDS and not _get(config, path):
+      continue
     if _get(config, path) not in registry.names(kind):
       raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
                         f"allowed: {registry.names(kind)}")
@@ -442,13 +446,16 @@ def _check_advantage(rl: ConfigDict) -> None:
   (train.advantages), or step rewards from rl.process_reward for
   grpo_process (train.process_advantages)."""
   name = rl.advantage
+  outcome = [n for n in registry.names("advantage")
+             if _takes_outcome_rewards(n)]
   if name in _PROCESS_ADVANTAGES:
     if rl.process_reward not in registry.names("process_reward"):
       raise ConfigError(
-          f"config field 'rl.advantage' = {name!r} needs per-step rewards "
-          f"from a process reward, but 'rl.process_reward' = "
-          f"{rl.process_reward!r} is not one; known: "
-          f"{registry.names('process_reward')}")
+          f"config field 'rl.advantage' = {name!r} needs per-step rewards, "
+          f"but 'rl.process_reward' = {rl.process_reward!r} gives none: set "
+          f"one of {registry.names('process_reward')} (as "
+          f"configs/grpo_process.py does), or use an outcome advantage "
+          f"{outcome}")
     return
   if not _takes_outcome_rewards(name):
     params = list(inspect.signature(
@@ -456,8 +463,8 @@ def _check_advantage(rl: ConfigDict) -> None:
     raise ConfigError(
         f"config field 'rl.advantage' = {name!r} takes {params}, but the RL "
         f"loop gives it only outcome rewards reward_bg [b, g] and token "
-        f"counts length_bg; allowed: "
-        f"{[n for n in registry.names('advantage') if _takes_outcome_rewards(n)] + list(_PROCESS_ADVANTAGES)}")
+        f"counts length_bg (or, with rl.process_reward, per-step rewards to "
+        f"{list(_PROCESS_ADVANTAGES)}); allowed: {outcome}")
 
 
 def _check_final_answer(config: ConfigDict) -> None:

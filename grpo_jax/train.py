@@ -27,8 +27,10 @@ from grpo_jax import evaluation, experiment, registry, rollout, sampling
 from grpo_jax import interrupts, preflight
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.algorithms import rollout_correction
 from grpo_jax.data.iterator import BatchIterator
+from grpo_jax.rewards import process
 from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
                              score_logprobs, update_step)
@@ -51,14 +53,12 @@ def process_advantages(config, tokenizer, groups) -> tuple[np.ndarray, dict]:
   from the configured process reward at step-end tokens, z-scored over all
   steps of each group and summed over the steps at or after each token:
   per-token advantages [B*G, T]."""
-  from grpo_jax.algorithms import advantages as adv_lib  # pylint: disable=import-outside-toplevel
-  from grpo_jax.rewards import process  # pylint: disable=import-outside-toplevel
-  B, G, T = groups["tokens"].shape
+  B, G, T = groups.tokens_bgt.shape
   # the text the rewards read: without the stop token (rollout.generate_groups)
-  text_len_bg = groups["length"] - (~groups["truncated"])
+  text_len_bg = groups.length_bg - (~groups.truncated_bg)
   step_r, step_end, metrics = process.step_rewards(
-      config.rl.process_reward, tokenizer, groups["tokens"], text_len_bg,
-      groups["correct"], T)
+      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
+      groups.correct_bg, T)
   adv_bgt = adv_lib.grpo_process_advantages(
       jnp.asarray(step_r), jnp.asarray(step_end), ddof=config.rl.adv_ddof,
       eps=config.rl.adv_eps)

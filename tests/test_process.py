@@ -90,6 +90,7 @@ def test_registered_and_validated():
 def test_grpo_process_trains_end_to_end(tmp_path):
   c = tiny.get_config()
   c.rl.advantage = "grpo_process"
+  c.rl.process_reward = "equations"
   c.rl.loss_agg = "seq-mean-token-mean"
   c.train.steps = 2
   c.train.eval_at_start = c.train.eval_at_end = False
