@@ -261,13 +261,13 @@ def _signal_at_step(monkeypatch, step_to_signal: int, signals: int = 1,
   calls = []
   advantages = train.advantages
 
-  def signalling(config, reward_bg):
+  def signalling(config, reward_bg, *args, **kwargs):
     calls.append(1)
     if len(calls) == step_to_signal:
       for _ in range(signals):
         os.kill(os.getpid(), signum)
         time.sleep(0.05)   # Python runs the handler between bytecodes
-    return advantages(config, reward_bg)
+    return advantages(config, reward_bg, *args, **kwargs)
   monkeypatch.setattr(train, "advantages", signalling)
 
 
