@@ -21,7 +21,7 @@ the trainer, so ρ = π_old / π_rollout is what the sampler's dtype changes):
   :local_bf16       no correction
   :local_bf16_tis   token-level truncated IS, C = 2 (verl's default)
 """
-from grpo_jax.config import base_config
+from grpo_jax.config import base_config, pick_variant
 
 _UNSET = ""   # fields a user must set; validated with a clear message
 
@@ -136,8 +136,4 @@ VARIANTS = {
 def get_config(arg=None):
   c = dapo_common(base_config())
   c.description = __doc__.splitlines()[0]
-  variant = VARIANTS.get(arg or "paper")
-  if variant is None:
-    raise ValueError(f"configs/dapo_aime.py:{arg}: unknown variant; "
-                     f"allowed: {sorted(VARIANTS)} (paper is the default)")
-  return variant(c)
+  return pick_variant(VARIANTS, arg, "paper", "configs/dapo_aime.py")(c)

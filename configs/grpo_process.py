@@ -14,7 +14,7 @@ outcome advantage. Both without dynamic sampling (DeepSeekMath has none), so
 a group whose answers are all wrong still teaches through its equations
 under process supervision, and teaches nothing under outcome supervision.
 """
-from grpo_jax.config import base_config
+from grpo_jax.config import base_config, pick_variant
 
 
 def local(c):
@@ -60,8 +60,4 @@ VARIANTS = {"local": local, "local_outcome": local_outcome}
 def get_config(arg=None):
   c = base_config()
   c.description = __doc__.splitlines()[0]
-  variant = VARIANTS.get(arg or "local")
-  if variant is None:
-    raise ValueError(f"configs/grpo_process.py:{arg}: unknown variant; "
-                     f"allowed: {sorted(VARIANTS)} (local is the default)")
-  return variant(c)
+  return pick_variant(VARIANTS, arg, "local", "configs/grpo_process.py")(c)

@@ -169,6 +169,16 @@ def no_variants(arg: Any, config_file: str) -> None:
                       f"(--config={config_file})")
 
 
+def pick_variant(variants: dict, arg: Any, default: str, config_file: str):
+  """The variant function `file.py:arg` names (`default` when none is given);
+  an unknown name lists the known ones."""
+  variant = variants.get(arg or default)
+  if variant is None:
+    raise ValueError(f"{config_file}:{arg}: unknown variant; allowed: "
+                     f"{sorted(variants)} ({default} is the default)")
+  return variant
+
+
 # Each list lives with the code that reads the field.
 _CHOICES = {
     "model.param_dtype": update.DTYPES,
