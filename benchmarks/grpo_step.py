@@ -167,7 +167,7 @@ class OursStep:
     packed = rollout.pack(groups, self.tokenizer.pad_id or 0,
                           rl.overlong_filter)
     # ADVANTAGE
-    adv_n = train.advantages(c, packed.reward_bg)
+    adv_n = train.advantages(c, packed.reward_bg, packed.mask_nt)
     # REFERENCE + UPDATE
     self.state, um = train.train_step(c, self.model_config, self.state,
                                       self.optimizer, packed, adv_n, None,

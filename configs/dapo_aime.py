@@ -8,8 +8,20 @@
 Variant `:local` runs the same algorithm (clip-higher, dynamic sampling,
 token-mean, soft overlong punishment, no KL) on the bundled SmolLM2-135M with
 generated integer-answer arithmetic, on 2 CPU cores in minutes.
+
+The same local run with another policy loss (grpo_jax/algorithms/
+policy_losses.py), each at its paper's / verl's settings:
+  :local_gspo       GSPO, ε 3e-4 / 4e-4, seq-mean-token-mean (fixed)
+  :local_cispo      CISPO as verl: w = clip(ρ, 1-10, 1+0.2), token-mean
+  :local_cispo_cap  CISPO as TRL: w = min(ρ, 5), token-mean
+  :local_gmpo       GMPO, log-space clip 0.4, mean over sequences (fixed)
+  :local_sapo       SAPO, τ+ 1.0 / τ- 1.05, seq-mean-token-mean (fixed)
+Sampling in bfloat16 while the trainer runs in float32 (π_old recomputed by
+the trainer, so ρ = π_old / π_rollout is what the sampler's dtype changes):
+  :local_bf16       no correction
+  :local_bf16_tis   token-level truncated IS, C = 2 (verl's default)
 """
-from grpo_jax.config import base_config
+from grpo_jax.config import base_config, pick_variant
 
 _UNSET = ""   # fields a user must set; validated with a clear message
 
@@ -26,6 +38,7 @@ def dapo_common(c):
 
 
 def paper(c):
+  """The paper's run: Qwen2.5-32B base, 512 prompts x G=16, L_max 20480."""
   c.name = "dapo_aime"
   c.model.source = _UNSET                      # a Qwen2.5-32B (base) HF dir
   c.model.tokenizer = _UNSET
@@ -77,17 +90,53 @@ def local(c):
   c.train.eval_examples = 200
   return c
 
-# The `:arg` values get_config accepts (no arg: paper);
-# tests/test_architecture.py validates each.
-VARIANTS = ("paper", "local")
+
+def _loss(name, agg, **fields):
+  def variant(c):
+    c = local(c)
+    c.name = f"dapo_local_{name}"
+    c.rl.policy_loss, c.rl.loss_agg = name, agg
+    for key, value in fields.items():
+      c.rl[key] = value
+    return c
+  return variant
+
+
+def local_bf16(c):
+  """The local run with a bfloat16 sampler and a float32 trainer."""
+  c = local(c)
+  c.name = "dapo_local_bf16"
+  c.sampling.compute_dtype = "bfloat16"
+  c.rl.old_logp = "recompute"        # decoupled: π_old from the trainer
+  return c
+
+
+def local_bf16_tis(c):
+  """local_bf16 with token-level truncated IS, C = 2 (verl's default)."""
+  c = local_bf16(c)
+  c.name = "dapo_local_bf16_tis"
+  c.rl.rollout_correction.is_level = "token"
+  c.rl.rollout_correction.is_threshold = 2.0
+  return c
+
+
+# The `:arg` values get_config accepts (no arg: paper), each a function
+# of the base config; tests/test_architecture.py validates each and
+# `run.py --list` names each.
+VARIANTS = {
+    "paper": paper, "local": local,
+    "local_gspo": _loss("gspo", "seq-mean-token-mean", eps_low=3e-4,
+                        eps_high=4e-4),
+    "local_cispo": _loss("cispo", "token-mean", eps_low=10.0, eps_high=0.2),
+    "local_cispo_cap": _loss("cispo_cap", "token-mean", cispo_cap=5.0),
+    "local_gmpo": _loss("gmpo", "seq-mean-token-mean", gmpo_eps=0.4),
+    "local_sapo": _loss("sapo", "seq-mean-token-mean", sapo_tau_pos=1.0,
+                        sapo_tau_neg=1.05),
+    "local_bf16": local_bf16, "local_bf16_tis": local_bf16_tis,
+}
 
 
 def get_config(arg=None):
   c = dapo_common(base_config())
   c.description = __doc__.splitlines()[0]
-  if arg in (None, "", "paper"):
-    return paper(c)
-  if arg == "local":
-    return local(c)
-  raise ValueError(f"configs/dapo_aime.py:{arg}: unknown variant; "
-                   "allowed: paper (default), local")
+  return pick_variant(VARIANTS, arg, "paper", "configs/dapo_aime.py")(c)

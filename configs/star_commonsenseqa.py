@@ -70,22 +70,20 @@ def gsm8k(c, source="jsonl"):
   return c
 
 
-_VARIANTS = {
+# The `:arg` values get_config accepts (no arg: commonsenseqa), each a function
+# of the base config; tests/test_architecture.py validates each and
+# `run.py --list` names each.
+VARIANTS = {
     "commonsenseqa": commonsenseqa,
     "commonsenseqa_parquet": lambda c: commonsenseqa(c, "parquet"),
     "gsm8k": gsm8k,
     "gsm8k_tfds": lambda c: gsm8k(c, "tfds"),
 }
 
-# The `:arg` values get_config accepts (no arg: commonsenseqa);
-# tests/test_architecture.py validates each.
-VARIANTS = tuple(_VARIANTS)
-
-
 def get_config(arg=None):
   arg = arg or "commonsenseqa"
-  if arg not in _VARIANTS:
-    raise ValueError(f"unknown variant {arg!r}; known: {sorted(_VARIANTS)}")
+  if arg not in VARIANTS:
+    raise ValueError(f"unknown variant {arg!r}; known: {sorted(VARIANTS)}")
   c = _common(base_config())
   c.description = __doc__.splitlines()[0]
-  return _VARIANTS[arg](c)
+  return VARIANTS[arg](c)

@@ -67,17 +67,15 @@ def commonsense_mc(c):
   return c
 
 
-_TASKS = {"word_problems": word_problems, "commonsense_mc": commonsense_mc}
-
-# The `:arg` values get_config accepts (no arg: word_problems);
-# tests/test_architecture.py validates each.
-VARIANTS = tuple(_TASKS)
-
+# The `:arg` values get_config accepts (no arg: word_problems), each a function
+# of the base config; tests/test_architecture.py validates each and
+# `run.py --list` names each.
+VARIANTS = {"word_problems": word_problems, "commonsense_mc": commonsense_mc}
 
 def get_config(arg=None):
   arg = arg or "word_problems"
-  if arg not in _TASKS:
-    raise ValueError(f"unknown task {arg!r}; known: {sorted(_TASKS)}")
+  if arg not in VARIANTS:
+    raise ValueError(f"unknown task {arg!r}; known: {sorted(VARIANTS)}")
   c = base_config()
   c.name = f"star_{arg}"
   c.description = __doc__.splitlines()[0]
@@ -95,4 +93,4 @@ def get_config(arg=None):
   c.optim.learning_rate = 5e-5
   c.train.eval_examples = 64
   c.eval.batch_size = 64
-  return _TASKS[arg](c)
+  return VARIANTS[arg](c)

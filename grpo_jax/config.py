@@ -16,7 +16,8 @@ from flax import traverse_util
 import ml_collections
 
 from grpo_jax import registry, update
-from grpo_jax.algorithms import dynamic_sampling, losses
+from grpo_jax.algorithms import (dynamic_sampling, losses, policy_losses,
+                                 rollout_correction)
 from grpo_jax.models import transformer
 
 ConfigDict = ml_collections.ConfigDict
@@ -55,18 +56,25 @@ def base_config() -> ConfigDict:
 
   c.sampling = ConfigDict(dict(
       max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
-      chunk_rows=0))                   # rows per sampler call; 0: as many as
+      chunk_rows=0,                    # rows per sampler call; 0: as many as
                                        # the device memory holds (CPU: all)
+      compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = ConfigDict(dict(
       prompts_per_step=8,              # B groups per optimizer step (kept)
       num_generations=8,               # G
       advantage="grpo",                # an "advantage" registry name
+      process_reward="",               # a "process_reward" name ("": none),
+                                       # needed by advantage = grpo_process
       adv_ddof=1, adv_eps=1e-6,
       loss_agg="token-mean",           # a "loss_agg" registry name
       max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)
       eps_low=0.2, eps_high=0.28,
       dual_clip=0.0,                   # 0: off; verl uses 3, DAPO scripts 10
+      policy_loss="ppo",               # a "policy_loss" registry name
+      cispo_cap=5.0,                   # cispo_cap: TRL's absolute cap on ρ
+      gmpo_eps=0.4,                    # gmpo: log-space clip
+      sapo_tau_pos=1.0, sapo_tau_neg=1.05,   # sapo: gate temperatures
       kl_beta=0.0, kl_estimator="k3",
       kl_start_step=0, kl_ramp_steps=0,
       num_updates=1,                   # μ: passes over each rollout
@@ -80,6 +88,17 @@ def base_config() -> ConfigDict:
       max_gen_batches=3,               # cap on generation batches per step
       on_cap="fill",                   # fill | fewer | raise
       overlong_filter=False,           # truncated completions get no gradient
+      # Sampler vs trainer mismatch (algorithms/rollout_correction.py).
+      rollout_correction=ConfigDict(dict(
+          is_level="none",             # none | token | sequence
+          is_mode="truncate",          # truncate: min(ρ, C) | mask: ρ·[ρ<=C]
+          is_threshold=2.0,            # C (verl 2.0; TRL masks at 3.0)
+          band=(0.0, 0.0),             # IcePop token band, e.g. (0.5, 5.0)
+          reject="none",               # none | k1_sum | k1_mean | k3_mean
+          reject_min=-1e30, reject_max=1e30,
+          denominator="verl",          # verl: dropped rows leave the
+                                       # normalisers | trl: weight 0 only
+      )),
   ))
 
   # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
@@ -157,22 +176,43 @@ def no_variants(arg: Any, config_file: str) -> None:
                       f"(--config={config_file})")
 
 
+def pick_variant(variants: dict, arg: Any, default: str, config_file: str):
+  """The variant function `file.py:arg` names (`default` when none is given);
+  an unknown name lists the known ones."""
+  variant = variants.get(arg or default)
+  if variant is None:
+    raise ValueError(f"{config_file}:{arg}: unknown variant; allowed: "
+                     f"{sorted(variants)} ({default} is the default)")
+  return variant
+
+
 # Each list lives with the code that reads the field.
 _CHOICES = {
     "model.param_dtype": update.DTYPES,
     "model.compute_dtype": update.DTYPES,
     "model.remat": tuple(transformer.REMAT_POLICIES),
+    "sampling.compute_dtype": update.SAMPLING_DTYPES,
     "rl.old_logp": update.OLD_LOGP,
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "optim.schedule": update.SCHEDULES,
     "model.attention": transformer.ATTENTION,
 }
+# rl.num_generations may be 1: no group baseline (a batch baseline or none).
+_NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
+# Advantages the loop feeds per-step rewards (train.process_advantages).
+_PROCESS_ADVANTAGES = ("grpo_process",)
+# Policy losses whose ratio is PPO-clipped to [1 - eps_low, 1 + eps_high].
+_PPO_CLIP_LOSSES = ("ppo", "gspo")
+# Registry fields that may be "" (none).
+_OPTIONAL_REGISTRY_FIELDS = ("rl.process_reward",)
 _REGISTRY_FIELDS = {
     "method": "method",
     "data.source": "dataset",
     "data.template": "template",
     "rl.advantage": "advantage",
     "rl.loss_agg": "loss_agg",
+    "rl.policy_loss": "policy_loss",
+    "rl.process_reward": "process_reward",
     "rl.kl_estimator": "kl_estimator",
 }
 
@@ -244,6 +284,8 @@ def validate(config: ConfigDict) -> ConfigDict:
       raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
                         f"allowed: {allowed}")
   for path, kind in _REGISTRY_FIELDS.items():
+    if path in _OPTIONAL_REGISTRY_FIELDS and not _get(config, path):
+      continue
     if _get(config, path) not in registry.names(kind):
       raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
                         f"allowed: {registry.names(kind)}")
@@ -358,15 +400,13 @@ def _check_ranges(config: ConfigDict) -> None:
         f"{rl.num_generations} completions of a group, which at temperature 0 "
         "are identical, so every advantage is 0 and nothing is learnt; use a "
         "temperature > 0 (e.g. 1.0)")
-  if rl.num_generations < 2 and rl.advantage != "dr_grpo":
-    raise ConfigError("config field 'rl.num_generations' must be >= 2 for "
-                      "group-relative advantages")
-  try:
-    losses.validate_clip(rl.eps_low, rl.eps_high, rl.dual_clip or None)
-  except ValueError as e:
-    raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high'/"
-                      f"'rl.dual_clip': {e}") from e
-  _check_advantage(rl.advantage)
+  if rl.num_generations < 2 and rl.advantage not in _NO_GROUP_ADVANTAGES:
+    raise ConfigError(f"config field 'rl.num_generations' must be >= 2 for "
+                      f"group-relative advantages (rl.advantage = "
+                      f"{rl.advantage!r}; G = 1 works with "
+                      f"{list(_NO_GROUP_ADVANTAGES)})")
+  _check_policy_loss(rl)
+  _check_advantage(rl)
   if rl.micro_batch_tokens < 0:
     raise ConfigError(f"config field 'rl.micro_batch_tokens' = "
                       f"{rl.micro_batch_tokens} must be >= 0 (0: off)")
@@ -383,26 +423,73 @@ def _check_ranges(config: ConfigDict) -> None:
                       f"= {mini}")
 
 
+def _check_policy_loss(rl: ConfigDict) -> None:
+  """A loss with its own aggregation (GSPO, GMPO, SAPO) must be given it;
+  the rollout correction's fields (rollout_correction.validate)."""
+  fixed = registry.lookup("policy_loss", rl.policy_loss).fixed_agg
+  if fixed is not None and rl.loss_agg != fixed:
+    raise ConfigError(f"config field 'rl.loss_agg' = {rl.loss_agg!r}: "
+                      f"rl.policy_loss = {rl.policy_loss!r} aggregates "
+                      f"{fixed!r} only (as verl); set --config.rl.loss_agg="
+                      f"{fixed}")
+  if rl.dual_clip and rl.policy_loss != "ppo":
+    raise ConfigError(f"config field 'rl.dual_clip' = {rl.dual_clip}: only "
+                      f"rl.policy_loss = 'ppo' has a dual clip")
+  if rl.policy_loss in _PPO_CLIP_LOSSES:   # ρ clipped to [1-ε_low, 1+ε_high]
+    try:
+      losses.validate_clip(rl.eps_low, rl.eps_high, rl.dual_clip or None)
+    except ValueError as e:
+      raise ConfigError(f"config fields 'rl.eps_low'/'rl.eps_high'/"
+                        f"'rl.dual_clip': {e}") from e
+  try:
+    policy_losses.validate_params(rl.policy_loss, policy_losses.LossParams(
+        eps_low=rl.eps_low, eps_high=rl.eps_high,
+        dual_clip=rl.dual_clip or None, cispo_cap=rl.cispo_cap,
+        gmpo_eps=rl.gmpo_eps, sapo_tau_pos=rl.sapo_tau_pos,
+        sapo_tau_neg=rl.sapo_tau_neg))
+    rollout_correction.validate(rollout_correction.CorrectionSettings
+                                .from_config(rl.rollout_correction),
+                                rl.old_logp)
+  except ValueError as e:
+    raise ConfigError(f"config group 'rl': {e}") from e
+
+
 def _takes_outcome_rewards(name: str) -> bool:
-  """Whether the advantage runs as the RL loop calls it: fn(reward_bg,
-  ddof=, eps=) on outcome rewards [b, g]."""
+  """Whether the advantage runs as the RL loop calls it on outcome rewards
+  (train.advantages): fn(reward_bg, ddof=, eps=, length_bg=) with reward_bg
+  [b, g] and length_bg [b, g] the valid tokens of each completion."""
   try:
     inspect.signature(registry.lookup("advantage", name)).bind(
-        None, ddof=1, eps=1e-6)
+        None, ddof=1, eps=1e-6, length_bg=None)
   except TypeError:
     return False
   return True
 
 
-def _check_advantage(name: str) -> None:
+def _check_advantage(rl: ConfigDict) -> None:
+  """The advantage must run as the loop calls it: outcome rewards
+  (train.advantages), or step rewards from rl.process_reward for
+  grpo_process (train.process_advantages)."""
+  name = rl.advantage
+  outcome = [n for n in registry.names("advantage")
+             if _takes_outcome_rewards(n)]
+  if name in _PROCESS_ADVANTAGES:
+    if rl.process_reward not in registry.names("process_reward"):
+      raise ConfigError(
+          f"config field 'rl.advantage' = {name!r} needs per-step rewards, "
+          f"but 'rl.process_reward' = {rl.process_reward!r} gives none: set "
+          f"one of {registry.names('process_reward')} (as "
+          f"configs/grpo_process.py does), or use an outcome advantage "
+          f"{outcome}")
+    return
   if not _takes_outcome_rewards(name):
     params = list(inspect.signature(
         registry.lookup("advantage", name)).parameters)
     raise ConfigError(
         f"config field 'rl.advantage' = {name!r} takes {params}, but the RL "
-        f"loop has only outcome rewards reward_bg [b, g] (no registered "
-        f"reward gives per-step rewards); allowed: "
-        f"{[n for n in registry.names('advantage') if _takes_outcome_rewards(n)]}")
+        f"loop gives it only outcome rewards reward_bg [b, g] and token "
+        f"counts length_bg (or, with rl.process_reward, per-step rewards to "
+        f"{list(_PROCESS_ADVANTAGES)}); allowed: {outcome}")
 
 
 def _check_final_answer(config: ConfigDict) -> None:

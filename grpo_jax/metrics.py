@@ -64,6 +64,10 @@ class MetricWriter:
     if self._tb is not None:
       for k, v in clean.items():
         self._tb.add_scalar(k, v, int(step))
+      # On disk before the step's checkpoint, like the JSONL row: a run killed
+      # after that checkpoint must not lose the step's scalars, which the
+      # resumed run will not write again (tensorboardX buffers up to 120 s).
+      self._tb.flush()
     return clean
 
   def close(self) -> None:

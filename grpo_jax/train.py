@@ -27,19 +27,43 @@ from grpo_jax import evaluation, experiment, registry, rollout, sampling
 from grpo_jax import interrupts, preflight
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.algorithms import advantages as adv_lib
+from grpo_jax.algorithms import rollout_correction
 from grpo_jax.data.iterator import BatchIterator
+from grpo_jax.rewards import process
 from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
                              micro_batch_rows, score_logprobs,
                              update_step)
 
 
-def advantages(config, reward_bg: np.ndarray) -> np.ndarray:
-  """ADVANTAGE: the configured estimator vmapped over groups, flat [B*G]."""
+def advantages(config, reward_bg: np.ndarray,
+               mask_nt: np.ndarray | None = None) -> np.ndarray:
+  """ADVANTAGE: the configured estimator on the step's whole batch (before
+  any mini/micro-batching: REINFORCE++ whitens over all its tokens), [B*G]."""
   fn = registry.lookup("advantage", config.rl.advantage)
+  length_bg = None if mask_nt is None else jnp.asarray(
+      np.asarray(mask_nt, np.float32).sum(axis=1).reshape(reward_bg.shape))
   adv_bg = fn(jnp.asarray(reward_bg), ddof=config.rl.adv_ddof,
-              eps=config.rl.adv_eps)
+              eps=config.rl.adv_eps, length_bg=length_bg)
   return np.asarray(adv_bg, np.float32).reshape(-1)
+
+
+def process_advantages(config, tokenizer, groups) -> tuple[np.ndarray, dict]:
+  """ADVANTAGE with process supervision (DeepSeekMath §4.1.3): step rewards
+  from the configured process reward at step-end tokens, z-scored over all
+  steps of each group and summed over the steps at or after each token:
+  per-token advantages [B*G, T]."""
+  B, G, T = groups.tokens_bgt.shape
+  # the text the rewards read: without the stop token (rollout.generate_groups)
+  text_len_bg = groups.length_bg - (~groups.truncated_bg)
+  step_r, step_end, metrics = process.step_rewards(
+      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
+      groups.correct_bg, T)
+  adv_bgt = adv_lib.grpo_process_advantages(
+      jnp.asarray(step_r), jnp.asarray(step_end), ddof=config.rl.adv_ddof,
+      eps=config.rl.adv_eps)
+  return np.asarray(adv_bgt, np.float32).reshape(B * G, T), metrics
 
 
 def _minibatches(n: int, size: int, rng: np.random.Generator,
@@ -85,9 +109,14 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   ref = jnp.zeros_like(old)
   if settings.use_kl:
     ref = score(ref_params)
+  mask, weight = put(packed.mask_nt), None
+  if rl.old_logp == "recompute":   # decoupled: ρ = π_old / π_rollout
+    weight, mask, corr = decoupled_correction(rl, old,
+                                              put(packed.old_logp_nt), mask)
+    metrics.update({k: float(v) for k, v in corr.items()})
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
-  full = UpdateBatch(*cols, put(packed.mask_nt), old, ref, put(adv_n))
+  full = UpdateBatch(*cols, mask, old, ref, put(adv_n), weight)
   num_micro = mini // micro
   t0 = time.perf_counter()
   step_metrics = []
@@ -102,7 +131,23 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   for k in step_metrics[0]:
     metrics[k] = float(np.mean([m[k] for m in step_metrics]))
   metrics["ratio/first_update_mean"] = float(step_metrics[0]["ratio/mean"])
+  # bypass mode: the sampler/trainer mismatch is the first update's (θ = θ_old)
+  metrics.update({k: float(v) for k, v in step_metrics[0].items()
+                  if k.startswith("rollout_")})
   return state, metrics
+
+
+def decoupled_correction(rl, old_nt, roll_nt, mask_nt):
+  """Rollout correction with π_old recomputed (rl.old_logp = recompute), once
+  on the step's whole batch: (weights or None when off, loss mask, metrics).
+  The mismatch metrics are logged whether or not a correction is on."""
+  settings = rollout_correction.CorrectionSettings.from_config(
+      rl.rollout_correction)
+  weight, corrected, metrics = rollout_correction.correct(old_nt, roll_nt,
+                                                          mask_nt, settings)
+  if not settings.active:
+    return None, mask_nt, metrics
+  return weight, corrected, metrics
 
 
 @registry.register("method", "rl")
@@ -173,7 +218,8 @@ def run(config, workdir: str) -> dict:
     key = jax.random.wrap_key_data(state.key)
     key, step_key = jax.random.split(key)
     state = state._replace(key=jax.random.key_data(key))
-    compute = cast(state.params, config.model.compute_dtype)
+    compute = cast(state.params, config.sampling.compute_dtype
+                   or config.model.compute_dtype)   # the sampler's dtype
 
     # SAMPLE + SCORE
     def generate(i):
@@ -189,7 +235,11 @@ def run(config, workdir: str) -> dict:
     del compute   # the compute-dtype copy is not kept through the update
     packed = rollout.pack(groups, tokenizer.pad_id or 0, rl.overlong_filter)
     # ADVANTAGE
-    adv_n = advantages(config, packed.reward_bg)
+    if rl.advantage == "grpo_process":    # per token [N, T]
+      adv_n, process_metrics = process_advantages(config, tokenizer, groups)
+      metrics.update(process_metrics)
+    else:
+      adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
     metrics.update({"advantage/mean": float(adv_n.mean()),
                     "advantage/std": float(adv_n.std()),
                     "advantage/abs_max": float(np.abs(adv_n).max())})

@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import optax
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
-from grpo_jax.algorithms import losses
+from grpo_jax.algorithms import losses, policy_losses, rollout_correction
 from grpo_jax.models.config import ModelConfig
 
 Params = Any
 DTYPES = ("float32", "bfloat16")       # model.param_dtype, compute_dtype
+SAMPLING_DTYPES = ("",) + DTYPES  # sampling.compute_dtype ("": the model's)
 SCHEDULES = ("constant", "cosine")     # optim.schedule
 OLD_LOGP = ("sampler", "recompute")    # rl.old_logp: where π_old comes from
 
@@ -57,6 +58,10 @@ class LossSettings:
   remat: str = "none"
   compute_dtype: str = "float32"
   attention: str = "auto"
+  policy_loss: str = "ppo"
+  loss_params: policy_losses.LossParams = policy_losses.LossParams()
+  # rl.old_logp = sampler: the correction ρ = π_θ/π_rollout, inside the loss
+  bypass_correction: Optional[rollout_correction.CorrectionSettings] = None
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
@@ -69,7 +74,17 @@ class LossSettings:
                temperature=config.sampling.temperature or 1.0,
                chunk=config.model.logprob_chunk, remat=config.model.remat,
                compute_dtype=config.model.compute_dtype,
-               attention=config.model.attention)
+               attention=config.model.attention,
+               policy_loss=rl.policy_loss,
+               loss_params=policy_losses.LossParams(
+                   eps_low=rl.eps_low, eps_high=rl.eps_high,
+                   dual_clip=rl.dual_clip or None, cispo_cap=rl.cispo_cap,
+                   gmpo_eps=rl.gmpo_eps, sapo_tau_pos=rl.sapo_tau_pos,
+                   sapo_tau_neg=rl.sapo_tau_neg),
+               bypass_correction=(
+                   rollout_correction.CorrectionSettings.from_config(
+                       rl.rollout_correction)
+                   if rl.old_logp == "sampler" else None))
 
 
 class UpdateBatch(NamedTuple):
@@ -80,7 +95,8 @@ class UpdateBatch(NamedTuple):
   mask_nt: jax.Array
   old_logp_nt: jax.Array
   ref_logp_nt: jax.Array     # zeros when β = 0 (never read)
-  adv_n: jax.Array
+  adv_n: jax.Array           # [N] outcome or [N, T] process advantages
+  is_weight_nt: Optional[jax.Array] = None   # rollout-correction weights
 
 
 # ----------------------------------------------------------------------------
@@ -192,7 +208,9 @@ def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
       batch.ref_logp_nt if s.use_kl else None, eps_low=s.eps_low,
       eps_high=s.eps_high, dual_clip=s.dual_clip, agg=s.agg,
       kl_beta=kl_beta, kl_estimator=s.kl_estimator, norm=norm,
-      entropy_nt=entropy)
+      entropy_nt=entropy, loss=s.policy_loss, params=s.loss_params,
+      is_weight_nt=batch.is_weight_nt,
+      bypass_correction=s.bypass_correction)
 
 
 def global_normalisers(mask_nt: jax.Array, s: LossSettings

@@ -182,6 +182,9 @@ def test_configs_that_cannot_run_fail_validation_with_the_reason():
   with pytest.raises(config_lib.ConfigError,
                      match=r"per-step rewards.*'grpo', 'rloo'|'grpo'.*'rloo'"):
     config_lib.validate(config)
+  config.rl.process_reward = "equations"    # a process reward: it runs
+  config.rl.loss_agg = "seq-mean-token-mean"
+  config_lib.validate(config)
   config = tiny.get_config()
   config.rl.eps_low = 1.5                   # the loss's own clip check
   with pytest.raises(config_lib.ConfigError, match="rl.eps_low.*eps_low < 1"):

@@ -1,5 +1,7 @@
-"""The policy loss as small pure functions: ratio, clipped surrogate,
-aggregation, KL to the reference, and the metrics of one update.
+"""The policy loss composed: a registered per-token loss (policy_losses.py:
+ppo, gspo, cispo, cispo_cap, gmpo, sapo) times the rollout-correction weights
+(rollout_correction.py), aggregation, KL to the reference, and the metrics of
+one update.
 
 Shapes: N sequences (B*G completions, or one micro-batch of them), T tokens.
 Every per-token array is [N, T]; `mask_nt` is 1 on completion tokens that get
@@ -33,9 +35,10 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.algorithms import policy_losses, rollout_correction
 from grpo_jax.registry import lookup, register
 
-LOG_RATIO_CLAMP = 20.0   # verl: lp - old clamped to ±20 before exp
+LOG_RATIO_CLAMP = policy_losses.LOG_RATIO_CLAMP
 K3_CLAMP = 10.0          # verl: low_var_kl clamped to [-10, 10]
 
 
@@ -43,28 +46,9 @@ K3_CLAMP = 10.0          # verl: low_var_kl clamped to [-10, 10]
 # Per-token pieces.
 # ----------------------------------------------------------------------------
 
-def ratio(logp_nt: jax.Array, old_logp_nt: jax.Array) -> jax.Array:
-  """ρ = exp(lp - old), with lp - old clamped to ±20 (verl) so a stale or
-  padded token cannot overflow. old is a constant (no gradient flows into
-  it), so on-policy updates may pass old_logp_nt = logp_nt: ρ = 1, ∇ρ = ∇lp."""
-  old_logp_nt = jax.lax.stop_gradient(old_logp_nt)
-  log_ratio = jnp.clip(logp_nt.astype(jnp.float32) - old_logp_nt,
-                       -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-  return jnp.exp(log_ratio)
-
-
-def clipped_surrogate(ratio_nt: jax.Array, adv_nt: jax.Array, *,
-                      eps_low: float, eps_high: float,
-                      dual_clip: Optional[float] = None) -> jax.Array:
-  """Per-token PPO loss with clip-higher and an optional dual clip, [N, T]."""
-  # DAPO eq. 8 (clip-higher): l = -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)·A)
-  clipped_nt = jnp.clip(ratio_nt, 1.0 - eps_low, 1.0 + eps_high)
-  loss_nt = -jnp.minimum(ratio_nt * adv_nt, clipped_nt * adv_nt)
-  if dual_clip is not None:
-    # Dual-clip PPO (Ye et al. 2020), as verl: for A < 0, l = min(l, -A·c)
-    loss_nt = jnp.where(adv_nt < 0, jnp.minimum(loss_nt, -adv_nt * dual_clip),
-                        loss_nt)
-  return loss_nt
+# The PPO pieces live with the other registered losses; the names stay here.
+ratio = policy_losses.ratio
+clipped_surrogate = policy_losses.clipped_surrogate
 
 
 def validate_clip(eps_low: float, eps_high: float,
@@ -171,20 +155,6 @@ def seq_mean_token_sum_norm(x_nt: jax.Array, mask_nt: jax.Array,
 # Metrics (partial sums like the loss; combine with accumulate_metrics).
 # ----------------------------------------------------------------------------
 
-def clip_metrics(ratio_nt: jax.Array, adv_nt: jax.Array, mask_nt: jax.Array,
-                 norm: Normalisers, *, eps_low: float, eps_high: float,
-                 dual_clip: Optional[float] = None) -> dict[str, jax.Array]:
-  """Token fractions where a clip is active (its gradient is zero):
-  low: A < 0 and ρ < 1-ε_low; high: A > 0 and ρ > 1+ε_high;
-  dual: A < 0 and ρ > c (the loss is capped at -A·c)."""
-  frac = lambda b: token_mean(b.astype(jnp.float32), mask_nt, norm)
-  out = {"clip/low_frac": frac((adv_nt < 0) & (ratio_nt < 1.0 - eps_low)),
-         "clip/high_frac": frac((adv_nt > 0) & (ratio_nt > 1.0 + eps_high))}
-  if dual_clip is not None:
-    out["clip/dual_frac"] = frac((adv_nt < 0) & (ratio_nt > dual_clip))
-  return out
-
-
 def ratio_metrics(ratio_nt: jax.Array, mask_nt: jax.Array,
                   norm: Normalisers) -> dict[str, jax.Array]:
   """Token-mean, max and min of ρ over valid tokens."""
@@ -228,39 +198,69 @@ def policy_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, adv: jax.Array,
                 dual_clip: Optional[float] = None, agg: str = "token-mean",
                 kl_beta=0.0, kl_estimator: str = "k3",
                 norm: Optional[Normalisers] = None,
-                entropy_nt: Optional[jax.Array] = None):
-  """Clipped policy-gradient loss (+ β·KL), and its metrics.
+                entropy_nt: Optional[jax.Array] = None,
+                loss: str = "ppo",
+                params: Optional[policy_losses.LossParams] = None,
+                is_weight_nt: Optional[jax.Array] = None,
+                bypass_correction: Optional[
+                    rollout_correction.CorrectionSettings] = None):
+  """A registered policy loss (+ β·KL), and its metrics.
 
   logp_nt, old_logp_nt, ref_logp_nt: [N, T] token log-probs under the current,
   sampling and reference policies (ref None: no KL term, β must be 0).
   adv: [N] (outcome) or [N, T] (process) advantages. mask_nt: [N, T].
-  agg: a "loss_agg" name, applied to the policy and the KL terms alike.
+  loss: a "policy_loss" name (policy_losses.py); params: its
+  hyper-parameters (None: eps_low / eps_high / dual_clip given here and the
+  defaults of the others). agg: a "loss_agg" name, applied to the policy and
+  the KL terms alike; a loss with a fixed aggregation must be given it.
   kl_beta: a float or a traced scalar (e.g. kl_beta_schedule(step, ...)).
   norm: normalisers of the whole batch for micro-batching (module docstring);
   None computes them from this batch. entropy_nt: [N, T], a metric only.
+  is_weight_nt: [N, T] rollout-correction weights (constants) multiplying the
+  per-token policy loss (rollout_correction.correct, decoupled mode).
+  bypass_correction: rollout correction with π_old = π_rollout
+  (rl.old_logp = sampler): ρ = exp(sg(lp) - old) computed here.
   Returns (loss scalar, metrics dict of scalars).
   """
-  validate_clip(eps_low, eps_high, dual_clip)
+  if params is None:
+    params = policy_losses.LossParams(eps_low=eps_low, eps_high=eps_high,
+                                      dual_clip=dual_clip)
+  policy_losses.validate_params(loss, params)
+  spec = lookup("policy_loss", loss)
+  if spec.fixed_agg is not None and agg != spec.fixed_agg:
+    raise ValueError(f"policy loss {loss!r} aggregates {spec.fixed_agg!r} "
+                     f"only; got agg={agg!r}")
   if ref_logp_nt is None and isinstance(kl_beta, (int, float)) and kl_beta:
     raise ValueError(f"kl_beta={kl_beta} needs ref_logp_nt")
   mask_nt = jnp.asarray(mask_nt, jnp.float32)
   norm = normalisers(mask_nt) if norm is None else norm
   aggregate = lookup("loss_agg", agg)
   adv_nt = _token_advantages(adv, logp_nt.shape)
-  ratio_nt = ratio(logp_nt, old_logp_nt)
-  pg_nt = clipped_surrogate(ratio_nt, adv_nt, eps_low=eps_low,
-                            eps_high=eps_high, dual_clip=dual_clip)
-  loss = aggregate(pg_nt, mask_nt, norm)
-  metrics = {"loss/pg": loss,
-             **clip_metrics(ratio_nt, adv_nt, mask_nt, norm, eps_low=eps_low,
-                            eps_high=eps_high, dual_clip=dual_clip),
-             **ratio_metrics(ratio_nt, mask_nt, norm)}
+  pg_nt, flags = spec.fn(logp_nt, old_logp_nt, adv_nt, mask_nt, params)
+  metrics = {}
+  if bypass_correction is not None:   # metrics always, weights when active
+    weight_nt, _, corr = rollout_correction.correct(
+        jax.lax.stop_gradient(logp_nt), old_logp_nt, mask_nt,
+        bypass_correction, norm.num_tokens, norm.num_seqs)
+    metrics.update(corr)
+    if bypass_correction.active:
+      is_weight_nt = weight_nt if is_weight_nt is None else (
+          is_weight_nt * weight_nt)
+  if is_weight_nt is not None:
+    pg_nt = pg_nt * jax.lax.stop_gradient(is_weight_nt)
+  pg_loss = aggregate(pg_nt, mask_nt, norm)
+  frac = lambda b: token_mean(
+      jnp.broadcast_to(b, mask_nt.shape).astype(jnp.float32), mask_nt, norm)
+  metrics.update({"loss/pg": pg_loss,
+                  **{k: frac(v) for k, v in flags.items()},
+                  **ratio_metrics(ratio(logp_nt, old_logp_nt), mask_nt, norm)})
+  total = pg_loss
   if ref_logp_nt is not None:
     kl_nt = lookup("kl_estimator", kl_estimator)(logp_nt, ref_logp_nt)
     kl_loss = aggregate(kl_nt, mask_nt, norm)
-    loss = loss + kl_beta * kl_loss
+    total = total + kl_beta * kl_loss
     metrics.update({"loss/kl": kl_loss, "kl": token_mean(kl_nt, mask_nt, norm)})
   if entropy_nt is not None:
     metrics["entropy"] = token_mean(entropy_nt, mask_nt, norm)
-  metrics["loss"] = loss
-  return loss, jax.lax.stop_gradient(metrics)
+  metrics["loss"] = total
+  return total, jax.lax.stop_gradient(metrics)

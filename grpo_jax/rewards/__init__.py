@@ -30,6 +30,7 @@ from grpo_jax.rewards import countdown  # pylint: disable=unused-import
 from grpo_jax.rewards import format  # pylint: disable=unused-import,redefined-builtin
 from grpo_jax.rewards import last_number  # pylint: disable=unused-import
 from grpo_jax.rewards import math  # pylint: disable=unused-import
+from grpo_jax.rewards import process  # pylint: disable=unused-import  # "process_reward"
 from grpo_jax.rewards.math import verify, verify_batch, verify_dapo  # pylint: disable=g-importing-member
 
 def _unpack(spec: Sequence[Any]) -> tuple[str, float, Mapping[str, Any]]:

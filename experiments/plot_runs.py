@@ -1,0 +1,91 @@
+r"""Plots runs side by side from their metrics.jsonl and prints their numbers.
+
+  python experiments/plot_runs.py --out=docs/process_vs_outcome.png \
+      process=workdirs/grpo_process_local outcome=workdirs/grpo_outcome_local \
+      --keys=accuracy,eval/greedy_accuracy
+
+One panel per metric against the training step; the table gives each
+metric's first and last value and its mean over the steps that logged it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+  sys.path.insert(0, REPO_ROOT)
+
+from grpo_jax import metrics as metrics_lib  # pylint: disable=wrong-import-position
+
+_OUT = flags.DEFINE_string("out", "", "PNG to write (none: table only).")
+_KEYS = flags.DEFINE_list("keys", ["reward/mean", "eval/greedy_accuracy"],
+                          "Metrics to plot and tabulate.")
+_TITLE = flags.DEFINE_string("title", "", "Figure title.")
+
+
+def load(runs: dict[str, str]) -> dict[str, list[dict]]:
+  out = {}
+  for label, workdir in runs.items():
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+      raise app.UsageError(f"{label}={workdir}: no {path}")
+    out[label] = metrics_lib.read_jsonl(path)
+  return out
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+  return [(r["step"], float(r[key])) for r in rows if key in r]
+
+
+def table(histories: dict[str, list[dict]], keys) -> str:
+  lines = ["| run | metric | first | last | mean over steps |",
+           "| --- | --- | --- | --- | --- |"]
+  for label, rows in histories.items():
+    for key in keys:
+      pts = series(rows, key)
+      if pts:
+        values = [v for _, v in pts]
+        lines.append(f"| {label} | {key} | {values[0]:.4g} | {values[-1]:.4g}"
+                     f" | {sum(values) / len(values):.4g} |")
+  return "\n".join(lines)
+
+
+def plot(histories: dict[str, list[dict]], keys, png_path: str,
+         title: str = "") -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, len(keys), figsize=(3.8 * len(keys), 3.1),
+                           squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    for label, rows in histories.items():
+      pts = series(rows, key)
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_title(key)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend()
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  runs = dict(arg.split("=", 1) for arg in argv[1:])
+  if not runs or any(not v for v in runs.values()):
+    raise app.UsageError("give runs as label=workdir ...")
+  histories = load(runs)
+  print(table(histories, _KEYS.value))
+  if _OUT.value:
+    plot(histories, _KEYS.value, _OUT.value, _TITLE.value)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,101 @@
+"""Process supervision end to end: the "equations" process reward, step ends
+mapped to tokens, per-token process advantages into the loss and a run."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import grpo_process, tiny
+from grpo_jax import config as config_lib
+from grpo_jax import registry, train
+from grpo_jax.algorithms import advantages as adv_lib
+from grpo_jax.rewards import process
+from grpo_jax.tiny_tokenizer import byte_tokenizer
+
+
+def test_equation_steps_reward_true_equations_and_the_answer():
+  text = "3 + 4 = 7. Then 7 x 2 = 15, so 15 / 3 = 5.0. The answer is 5."
+  steps = process.equation_steps(text, correct=True)
+  ends = [text.index("= 7") + 3, text.index("= 15") + 4,
+          text.index("= 5.0") + 5, len(text)]
+  assert steps == [(ends[0], 1.0), (ends[1], 0.0), (ends[2], 1.0),
+                   (ends[3], 1.0)]
+  assert process.equation_steps("no equation", correct=False) == [(11, 0.0)]
+  assert process.equation_holds("10", "/", "4", "2.5")
+  assert process.equation_holds("10", "/", "3", "3.33")
+  assert not process.equation_holds("10", "/", "0", "0")
+  assert not process.equation_holds("12", "-", "5", "-7")
+  assert process.equation_holds("5", "-", "12", "-7")
+
+
+def test_char_ends_map_to_the_token_that_ends_the_step():
+  tok = byte_tokenizer()   # one token per byte: char i is token i
+  text = "2 + 2 = 4 ok"
+  ids = tok.encode(text)
+  assert process.char_ends_to_tokens(
+      lambda x: tok.decode(x), ids, [9, len(text)]) == [8, len(text) - 1]
+  # with multi-character tokens: decode of a prefix of k tokens
+  pieces = ["ab", "c", "de", "f"]
+  decode = lambda ids_: "".join(pieces[i] for i in ids_)
+  assert process.char_ends_to_tokens(decode, [0, 1, 2, 3],
+                                     [1, 2, 3, 4, 6]) == [0, 0, 1, 2, 3]
+
+
+def test_step_rewards_arrays_and_the_process_advantage():
+  tok = byte_tokenizer()
+  texts = [["1 + 1 = 2. 2", "1 + 1 = 3. 3"], ["7", "x"]]
+  T = 16
+  tokens = np.zeros((2, 2, T), np.int32)
+  lengths = np.zeros((2, 2), np.int32)
+  for b in range(2):
+    for g in range(2):
+      ids = tok.encode(texts[b][g])
+      tokens[b, g, :len(ids)] = ids
+      lengths[b, g] = len(ids)
+  correct = np.array([[True, False], [True, False]])
+  reward, end, metrics = process.step_rewards("equations", tok, tokens,
+                                              lengths, correct, T)
+  # completion (0,0): equation ends at char 9 (token 8, r 1), answer at 11 (1)
+  np.testing.assert_array_equal(np.flatnonzero(end[0, 0]), [8, 11])
+  np.testing.assert_array_equal(reward[0, 0, [8, 11]], [1.0, 1.0])
+  np.testing.assert_array_equal(reward[0, 1, [8, 11]], [0.0, 0.0])
+  np.testing.assert_array_equal(np.flatnonzero(end[1, 0]), [0])
+  assert metrics["process/equations_per_completion"] == 0.5
+  assert metrics["process/equation_holds_frac"] == 0.5
+  adv = np.asarray(adv_lib.grpo_process_advantages(jnp.asarray(reward),
+                                                   jnp.asarray(end)))
+  # group 0: steps [1, 1, 0, 0]: mean .5, std (ddof 1) = sqrt(1/3)
+  z = 0.5 / (np.sqrt(1 / 3) + 1e-6)
+  np.testing.assert_allclose(adv[0, 0, :9], 2 * z, rtol=1e-5)
+  np.testing.assert_allclose(adv[0, 0, 9:12], z, rtol=1e-5)
+  np.testing.assert_allclose(adv[0, 0, 12:], 0.0)
+  np.testing.assert_allclose(adv[0, 1, :9], -2 * z, rtol=1e-5)
+  # group 1: steps [1, 0]: z = ±0.5 / sqrt(0.5)
+  np.testing.assert_allclose(adv[1, :, 0], [0.5 / (np.sqrt(.5) + 1e-6),
+                                            -0.5 / (np.sqrt(.5) + 1e-6)],
+                             rtol=1e-5)
+
+
+def test_registered_and_validated():
+  assert "equations" in registry.names("process_reward")
+  c = grpo_process.get_config("local")
+  config_lib.validate(c)
+  c.rl.process_reward = "equation"
+  with pytest.raises(config_lib.ConfigError, match="equations"):
+    config_lib.validate(c)
+  config_lib.validate(grpo_process.get_config("local_outcome"))
+
+
+def test_grpo_process_trains_end_to_end(tmp_path):
+  c = tiny.get_config()
+  c.rl.advantage = "grpo_process"
+  c.rl.process_reward = "equations"
+  c.rl.loss_agg = "seq-mean-token-mean"
+  c.train.steps = 2
+  c.train.eval_at_start = c.train.eval_at_end = False
+  train.run(c, str(tmp_path))
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert np.isfinite(r["loss"]) and r["process/steps_per_completion"] >= 1
