@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import os
 import sys
+import traceback
 from typing import Any, Iterator, Optional, Sequence
 
 from absl import flags
@@ -161,11 +162,39 @@ class _NoLibraryTracebacks(logging.Filter):
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _closed_loop_callback(unraisable) -> bool:
+  """Whether an unraisable exception is asyncio's "Event loop is closed"
+  raised inside `call_soon_threadsafe`: a tensorstore write finishing after
+  orbax gave up on a failed save and closed the event loop that awaited it
+  (tensorstore reports it from its own thread with PyErr_WriteUnraisable).
+  The save's failure itself is raised and described."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    return False
+  frames = traceback.extract_tb(unraisable.exc_traceback)
+  return any(f.name == "call_soon_threadsafe" for f in frames)
+
+
+def _quiet_unraisablehook(previous):
+  def hook(unraisable):
+    if (_closed_loop_callback(unraisable)
+        and absl_logging.get_verbosity() < absl_logging.DEBUG):
+      return
+    previous(unraisable)
+  hook.grpo_jax_quiet = True
+  return hook
+
+
 def hide_library_tracebacks() -> None:
-  """Installs `_NoLibraryTracebacks` on the root logger's handlers."""
+  """Installs `_NoLibraryTracebacks` on the root logger's handlers, and an
+  unraisable-exception hook that drops the "Event loop is closed" tracebacks
+  a failed asynchronous checkpoint leaves behind (one per write still in
+  flight; a full disk printed up to 35)."""
   for handler in logging.getLogger().handlers:
     if not any(isinstance(f, _NoLibraryTracebacks) for f in handler.filters):
       handler.addFilter(_NoLibraryTracebacks())
+  if not getattr(sys.unraisablehook, "grpo_jax_quiet", False):
+    sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
 
 
 @contextlib.contextmanager

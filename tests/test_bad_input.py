@@ -488,8 +488,48 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path):
         saved, out.stderr[-3000:])
     assert f"the last good checkpoint is {mount / 'run' / 'checkpoints' / str(saved[-1])}" in last
     assert "site-packages/orbax" not in out.stderr   # its ~600 lines of tracebacks
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
   finally:
     subprocess.run(["umount", str(mount)], check=False)
+
+
+_CLOSED_LOOP = """
+import asyncio, threading, tensorstore
+from grpo_jax import cli
+cli.hide_library_tracebacks()
+# What a failed orbax save leaves: a tensorstore write awaited in an event
+# loop that orbax closed after a sibling write failed; the write completes
+# later, on another thread.
+promise, write = tensorstore.Promise.new()
+async def save():
+  async def one_write():
+    await write
+  asyncio.ensure_future(one_write())
+  await asyncio.sleep(0.01)
+  raise OSError(28, "No space left on device")
+loop = asyncio.new_event_loop()
+try:
+  loop.run_until_complete(save())
+except OSError:
+  pass
+loop.close()
+done = threading.Thread(target=lambda: promise.set_result(1))
+done.start()
+done.join()
+class Other:
+  def __del__(self):
+    raise ValueError("another unraisable error is still shown")
+Other()
+print("end")
+"""
+
+
+def test_a_failed_async_save_prints_no_closed_event_loop_traceback():
+  out = subprocess.run([sys.executable, "-c", _CLOSED_LOOP], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert out.returncode == 0 and out.stdout == "end\n", out.stderr
+  assert "Event loop is closed" not in out.stderr
+  assert "another unraisable error is still shown" in out.stderr
 
 
 def test_config_json_missing_a_key_names_it(tmp_path):
