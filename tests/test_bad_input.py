@@ -195,11 +195,37 @@ def test_max_new_tokens_beyond_the_models_context_is_refused(tmp_path):
     ("optim.weight_decay", -0.01, "'optim.weight_decay' = -0.01 must be >= 0"),
     ("train.keep_checkpoints", 0, "'train.keep_checkpoints' = 0 must be >= 1"),
     ("sampling.temperature", 0.0, "every advantage is 0"),
+    # Divisors of the loops: 0 was a ZeroDivisionError (log_every) or a
+    # crash mid-run; a negative size passed `rows % size`.
+    ("train.log_every", 0, "'train.log_every' = 0 must be >= 1"),
+    ("rl.mini_batch_size", -4, "'rl.mini_batch_size' = -4 must be >= 0"),
+    ("rl.micro_batch_size", -4, "'rl.micro_batch_size' = -4 must be >= 0"),
+    ("rl.adv_ddof", 4, "'rl.adv_ddof' = 4 must be below rl.num_generations = 4"),
+    ("model.logprob_chunk", 0, "'model.logprob_chunk' = 0 must be >= 1"),
+    ("train.eval_every", -1, "'train.eval_every' = -1 must be >= 0"),
+    ("train.checkpoint_every", -2, "'train.checkpoint_every' = -2 must be >= 0"),
+    ("sampling.top_p", 0.0, r"'sampling.top_p' = 0.0 must be in \(0, 1\]"),
+    ("sampling.top_k", -1, "'sampling.top_k' = -1 must be >= 0"),
 ])
 def test_impossible_values_are_refused_naming_the_field(field, value, message):
   config = sweeps.apply_overrides(tiny.get_config(), {field: value})
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize("field", ["train.eval_every", "train.checkpoint_every",
+                                   "rl.mini_batch_size", "rl.micro_batch_size"])
+def test_zero_means_off_or_all_for_the_other_divisors(field):
+  """The loops test these before dividing: 0 is 'never' or 'the whole batch'."""
+  config_lib.validate(sweeps.apply_overrides(tiny.get_config(), {field: 0}))
+
+
+def test_a_run_with_log_every_0_stops_before_the_model_loads(tmp_path):
+  config = quiet_tiny(log_every=0)
+  config.model.source = str(tmp_path / "no_such_model.gguf")   # never reached
+  with pytest.raises(config_lib.ConfigError, match="'train.log_every' = 0"):
+    train.run(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
 
 
 def test_stray_argument_and_variant_of_a_config_without_variants_are_refused(tmp_path):
