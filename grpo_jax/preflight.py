@@ -4,7 +4,8 @@ made before the work they protect, each naming the field and what to do.
   check_model       the tokenizer's vocabulary fits the model's; prompts
                     and completions fit the model's context
   check_eval_config an evaluation's config against the one a checkpoint
-                    was trained with
+                    was trained with (tokenizer, prompt template, system
+                    prompt)
   check_resume_step train.steps against the step a run resumes from
 """
 from __future__ import annotations
@@ -62,10 +63,12 @@ def _resolvable(source: str) -> bool:
 
 
 def check_eval_config(config, stored: Optional[Mapping[str, Any]],
-                      checkpoint: str) -> None:
+                      checkpoint: str, allow_prompt_change: bool = False
+                      ) -> None:
   """Compares an evaluation's config with the config stored in the
-  checkpoint: a different tokenizer raises ConfigError listing both, a
-  different prompt format warns."""
+  checkpoint: a different tokenizer raises ConfigError listing both; so
+  does a different prompt format (template, system prompt) unless
+  `allow_prompt_change` (evaluating under another prompt on purpose)."""
   if not stored:
     return
   now, then = _effective(config.to_dict()), _effective(stored)
@@ -82,11 +85,22 @@ def check_eval_config(config, stored: Optional[Mapping[str, Any]],
         f"({config.name!r}) uses {now['model.tokenizer_source']!r}. Evaluate "
         f"with the run's config (--config=configs/{stored.get('name', '?')}.py...) "
         f"or --config.model.tokenizer={then['model.tokenizer_source']}.")
-  for k in _EVAL_SHOULD_MATCH:
-    if now[k] != then[k]:
-      logging.warning("config field %r is %r here but %r in the config %s was "
-                      "trained with: the prompts differ from training", k,
-                      now[k], then[k], checkpoint)
+  changed = [k for k in _EVAL_SHOULD_MATCH if now[k] != then[k]]
+  if not changed:
+    return
+  fields = "; ".join(f"{k} is {now[k]!r} here but {then[k]!r} in training"
+                     for k in changed)
+  if allow_prompt_change:
+    logging.warning("%s (checkpoint %s): evaluating with other prompts than "
+                    "training, as --allow_prompt_change asks", fields,
+                    checkpoint)
+    return
+  flags = " ".join(f"--config.{k}={then[k]!r}" for k in changed)
+  raise ConfigError(
+      f"the checkpoint {checkpoint} (config {stored.get('name')!r}) was "
+      f"trained with other prompts: {fields}. Evaluate with its prompts "
+      f"({flags}), or pass --allow_prompt_change to evaluate under this "
+      "config's prompts on purpose.")
 
 
 def check_resume_step(resumed_step: int, config, where: str) -> None:

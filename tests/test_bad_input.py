@@ -155,6 +155,23 @@ def test_evaluate_refuses_a_config_whose_tokenizer_differs_from_the_checkpoints(
   assert "Traceback" not in out.stderr and not (tmp_path / "eval").exists()
 
 
+def test_evaluate_refuses_other_prompts_than_the_checkpoint_was_trained_with(
+    finished_run, tmp_path):
+  args = (f"--config={TINY}", f"--checkpoint={finished_run}", "--config.data.template=boxed",
+          "--config.data.system_prompt=Think.", f"--workdir={tmp_path / 'eval'}")
+  out = command("evaluate.py", *args)
+  assert out.returncode != 0 and not (tmp_path / "eval").exists()
+  message = out.stderr.strip().splitlines()[-1]
+  assert "data.template is 'boxed' here but 'last_number' in training" in message
+  assert "data.system_prompt is 'Think.' here but '' in training" in message
+  assert "--config.data.template='last_number'" in message
+  assert "--allow_prompt_change" in message and "Traceback" not in out.stderr
+  on_purpose = command("evaluate.py", *args, "--allow_prompt_change")
+  assert on_purpose.returncode == 0, on_purpose.stderr[-2000:]
+  assert "evaluating with other prompts than training" in on_purpose.stderr
+  assert (tmp_path / "eval" / "eval" / "step_3.json").is_file()
+
+
 def test_resume_with_changed_data_arguments_lists_the_fields(finished_run, tmp_path):
   workdir = copy_run(finished_run, tmp_path)
   config = quiet_tiny(steps=5)
