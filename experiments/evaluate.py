@@ -70,10 +70,14 @@ def _evaluate(config):
         config, ckpt_lib.load_config(_CHECKPOINT.value, _STEP.value),
         _CHECKPOINT.value, allow_prompt_change=_ALLOW_PROMPT_CHANGE.value)
   examples = experiment.load_examples(config)[1][:config.train.eval_examples]
+  tokenizer = experiment.load_tokenizer(config)
+  preflight.check_model(   # before the weights load
+      config, experiment.policy_model_config(config, _CHECKPOINT.value,
+                                             _STEP.value),
+      tokenizer, preflight.data_prompts(config, tokenizer, [], examples),
+      where=_CHECKPOINT.value or "config.model")
   model_config, params, tokenizer, step = experiment.load_policy(
       config, _CHECKPOINT.value, _STEP.value)
-  preflight.check_model(config, model_config, tokenizer,
-                        where=_CHECKPOINT.value or "config.model")
   result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
                                       examples)
   workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)

@@ -46,6 +46,16 @@ def render(tokenizer, template: str, question: str, system_prompt: str = "",
   return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
+def sampling_prompts(config, tokenizer, problems: Sequence[Example],
+                     shots: Sequence[Example]) -> list[str]:
+  """Each problem's longest sampling prompt (preflight.check_model): with
+  the few-shot exemplars and, under star.rationalize, its answer hint."""
+  d, hinted = config.data, config.star.rationalize
+  return [render(tokenizer, d.template, p.question, d.system_prompt,
+                 hint=answer_hint(p.answer) if hinted else None, shots=shots)
+          for p in problems]
+
+
 # ----------------------------------------------------------------------------
 # SAMPLE + FILTER, RATIONALISE.
 # ----------------------------------------------------------------------------

@@ -167,11 +167,16 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   layout = sharding_lib.Layout.from_config(config)
   os.makedirs(workdir, exist_ok=True)
-  train_examples, eval_examples = experiment.load_examples(config)  # cheap first
-  model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
-  preflight.check_model(config, model_config, tokenizer)
-  ckpt = experiment.make_checkpointer(config, workdir, model_config)
+  # Cheap checks first: the data, the tokenizer and the model's config
+  # against each other, then the weights.
+  train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
+  tokenizer = experiment.load_tokenizer(config)
+  preflight.check_model(
+      config, experiment.model_config_of(config), tokenizer,
+      preflight.data_prompts(config, tokenizer, train_examples, eval_examples))
+  model_config, params = experiment.load_model(config)
+  ckpt = experiment.make_checkpointer(config, workdir, model_config)
   spec = rollout.RewardSpec.from_config(config)
   settings = LossSettings.from_config(config)
   sample_cfg = experiment.sampling_config(config, tokenizer)

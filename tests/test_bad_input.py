@@ -206,6 +206,78 @@ def test_max_new_tokens_beyond_the_models_context_is_refused(tmp_path):
     train.run(config, str(tmp_path))
 
 
+def _no_weights(monkeypatch):
+  """Makes loading any model's weights fail: a check that passes must have
+  run before them."""
+  from grpo_jax import experiment
+
+  def load_model(config):
+    raise AssertionError("the weights were loaded before the check")
+  monkeypatch.setattr(experiment, "load_model", load_model)
+
+
+def _jsonl(path, questions):
+  path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"
+                          for q in questions))
+  return str(path)
+
+
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_a_prompt_plus_completion_beyond_the_context_is_refused_before_the_weights(
+    tmp_path, monkeypatch, which):
+  _no_weights(monkeypatch)
+  # The tiny model: byte tokenizer, context 512. max_new_tokens = 64 fits
+  # alone; one prompt of ~470 bytes (with the template's) plus 64 new tokens
+  # does not.
+  config = quiet_tiny()
+  config.sampling.max_new_tokens = 64
+  long = _jsonl(tmp_path / "long.jsonl", ["1 + 1 = ?", "x" * 360 + " 1 + 0 = ?"])
+  if which == "train":
+    config.data.source, config.data.kwargs = "jsonl", dict(path=long, layout="gsm8k")
+    config.data.eval_source = "arithmetic"
+    source = r"the training data \(data.source = 'jsonl', data.kwargs\)"
+  else:
+    config.data.eval_source, config.data.eval_kwargs = "jsonl", dict(path=long,
+                                                                     layout="gsm8k")
+    source = r"the held-out data \(data.eval_source = 'jsonl', data.eval_kwargs\)"
+  with pytest.raises(config_lib.ConfigError,
+                     match=rf"prompt 1 of {source} has 47\d tokens \(through data.template = "
+                           r"'last_number'\); with sampling.max_new_tokens = 64 it needs 5\d\d "
+                           r"positions, beyond the model's context of 512 tokens.*Lower "
+                           r"sampling.max_new_tokens to 3\d or less, or keep only prompts of "
+                           r"at most 448 tokens"):
+    train.run(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_star_checks_its_few_shot_prompts_against_the_context(tmp_path, monkeypatch):
+  from configs import star_tiny
+  _no_weights(monkeypatch)
+  config = star_tiny.get_config()
+  config.star.few_shot = 4   # four worked exemplars before each question
+  config.sampling.max_new_tokens = 250   # the held-out prompts (no exemplars) fit
+  with pytest.raises(config_lib.ConfigError, match=r"prompt \d+ of the training data .*"
+                                                   r"star.few_shot exemplars"):
+    train_star = __import__("grpo_jax.star_loop", fromlist=["run"]).run
+    train_star(config, str(tmp_path / "run"))
+  config.sampling.max_new_tokens, config.star.few_shot = 8, 0   # fits: loads the weights
+  with pytest.raises(AssertionError, match="weights were loaded"):
+    train_star(config, str(tmp_path / "run"))
+
+
+def test_evaluate_checks_the_held_out_prompts_against_the_checkpoints_context(
+    finished_run, tmp_path):
+  long = _jsonl(tmp_path / "long.jsonl", ["x" * 520])
+  out = command("evaluate.py", f"--config={TINY}", f"--checkpoint={finished_run}",
+                "--config.data.eval_source=jsonl",
+                f"--config.data.eval_kwargs={json.dumps(dict(path=long, layout='gsm8k'))}",
+                f"--workdir={tmp_path / 'eval'}")
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "prompt 0 of the held-out data (data.eval_source = 'jsonl'" in out.stderr
+  assert f"context of 512 tokens (ModelConfig.max_seq_len of {finished_run}). Keep only " \
+      "prompts of at most 504 tokens" in out.stderr
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("optim.learning_rate", -1e-3, "'optim.learning_rate' = -0.001 must be >= 0"),
     ("rl.kl_beta", -0.1, "'rl.kl_beta' = -0.1 must be >= 0"),
