@@ -155,6 +155,17 @@ def test_evaluate_refuses_a_config_whose_tokenizer_differs_from_the_checkpoints(
   assert "Traceback" not in out.stderr and not (tmp_path / "eval").exists()
 
 
+def test_evaluate_refuses_the_dapo_config_on_a_tiny_checkpoint(finished_run, tmp_path):
+  """The issue's case: a 49,152-token tokenizer on a 256-token model gave
+  accuracy 0.0 labelled dapo_local, exit 0."""
+  out = command("evaluate.py", f"--config={REPO / 'configs' / 'dapo_aime.py'}:local",
+                f"--checkpoint={finished_run}", f"--workdir={tmp_path / 'eval'}")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert ("was trained with the tokenizer 'tiny'" in out.stderr
+          and "uses 'smollm2-135m-instruct'" in out.stderr)
+  assert not (tmp_path / "eval").exists()
+
+
 def test_evaluate_refuses_other_prompts_than_the_checkpoint_was_trained_with(
     finished_run, tmp_path):
   args = (f"--config={TINY}", f"--checkpoint={finished_run}", "--config.data.template=boxed",
@@ -339,6 +350,16 @@ def test_an_empty_eval_file_is_refused_before_the_model_loads(tmp_path):
     train.run(config, str(tmp_path / "run"))
 
 
+def test_a_bad_data_file_is_one_line_naming_it(tmp_path):
+  bad = tmp_path / "eval.jsonl"
+  bad.write_text('{"question": "1 + 1 = ?", "answer": "#### 2"}\n{"question": \n')
+  out = command("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
+                "--config.data.eval_source=jsonl",
+                f"--config.data.eval_kwargs={json.dumps(dict(path=str(bad), layout='gsm8k'))}")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == f"error: {bad} line 2: not valid JSON (Expecting value)"
+
+
 def test_a_data_path_typo_is_reported_before_the_model_loads(tmp_path):
   config = quiet_tiny()
   config.model.source = str(tmp_path / "no_such_model.gguf")
@@ -415,7 +436,7 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch):
 def _running_tiny(workdir, store, *extra):
   return subprocess.Popen(
       [sys.executable, "experiments/run.py", f"--config={TINY}", f"--workdir={workdir}",
-       "--config.train.steps=200", "--config.train.eval_at_start=false", *extra],
+       "--config.train.steps=100000", "--config.train.eval_at_start=false", *extra],
       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                GRPO_JAX_RUNS=str(store)))
@@ -447,6 +468,14 @@ def test_sigterm_mid_run_saves_exits_non_zero_and_records_preempted(tmp_path):
   try:
     assert _wait_for(lambda: (workdir / "metrics.jsonl").exists()
                      and (workdir / "metrics.jsonl").read_text().count("\n") >= 2, proc)
+    # The same command again, while the first runs: refused, naming it.
+    second = command("run.py", f"--config={TINY}", f"--workdir={workdir}",
+                     "--config.train.steps=100000", "--config.train.eval_at_start=false",
+                     env={"GRPO_JAX_RUNS": str(store)})
+    assert proc.poll() is None, "the first run ended before the second started"
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1].startswith(
+        f"error: workdir {workdir} is in use by pid {proc.pid} on host ")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
   finally:
@@ -454,8 +483,8 @@ def test_sigterm_mid_run_saves_exits_non_zero_and_records_preempted(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
   assert "stopped by SIGTERM at step" in stderr and "Traceback" not in stderr
   saved = checkpoint.finalized_steps(checkpoint.checkpoint_dir(workdir))
-  assert len(saved) == 1 and 2 <= saved[0] < 200
-  assert _statuses(store) == ["preempted"]
+  assert len(saved) == 1 and 2 <= saved[0] < 100000
+  assert _statuses(store) == ["preempted", "failed"]   # the refused second run
 
 
 def test_sigterm_during_start_up_leaves_no_row_running(tmp_path):
@@ -471,6 +500,17 @@ def test_sigterm_during_start_up_leaves_no_row_running(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
   assert "during start-up" in stderr
   assert _statuses(store) == ["preempted"]
+
+
+def test_a_second_ctrl_c_exits_130_naming_the_last_checkpoint_without_a_traceback(
+    finished_run, capsys):
+  with pytest.raises(SystemExit) as exited:
+    with cli.user_errors(str(finished_run)):
+      raise interrupts.Aborted(signal.SIGINT)
+  assert exited.value.code == 130
+  assert capsys.readouterr().err == (
+      "stopped by SIGINT again: aborted without saving; the last good checkpoint is "
+      f"{finished_run / 'checkpoints' / '3'}: run the same command again to resume from it.\n")
 
 
 def test_a_sweep_stops_at_a_preempted_point(tmp_path):
