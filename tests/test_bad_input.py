@@ -545,6 +545,21 @@ def test_unknown_config_fields_get_one_line_with_the_nearest_names(tmp_path, fla
   assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_the_fix_a_missing_data_path_error_suggests_works(tmp_path):
+  """tiny's data.eval_kwargs has no `path`: the suggestion must be a flag
+  that parses (--config.data.eval_kwargs.path=... failed with AttributeError)."""
+  base = ("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
+          "--config.data.eval_source=jsonl")
+  out = command(*base)
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  suggestion = "--config.data.eval_kwargs='{\"path\": \"...\"}'"
+  assert suggestion in out.stderr.strip().splitlines()[-1]
+  missing = tmp_path / "eval.jsonl"
+  followed = command(*base, suggestion.replace("'", "").replace("...", str(missing)))
+  assert followed.returncode == 1 and "Traceback" not in followed.stderr
+  assert followed.stderr.strip().splitlines()[-1] == f"error: {missing}: no such file"
+
+
 def test_validate_names_the_nearest_field_for_a_misspelt_nested_one():
   config = tiny.get_config()
   config.optim.weight_decy = 0.1
