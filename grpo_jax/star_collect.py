@@ -21,8 +21,9 @@ import jax
 import numpy as np
 
 from grpo_jax import evaluation, experiment, registry, rollout, sampling, sft
-from grpo_jax.algorithms.star import arithmetic_holds, mentions_hint, reasoning
+from grpo_jax.algorithms.star import mentions_hint, reasoning
 from grpo_jax.data import Example, answer_hint
+from grpo_jax.rewards import equations
 
 
 # ----------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
           spec, np.repeat(texts, G).tolist(),
           [reasoning(c) for c in completions],
           np.repeat(golds, G).tolist(), out.length_n)
-      derived &= np.array([arithmetic_holds(c) for c in completions])
+      derived &= np.array([equations.arithmetic_holds(c) for c in completions])
       counts["unreasoned"] += int((usable & ~derived).sum())
       usable &= derived
     for b in range(len(texts)):

@@ -10,7 +10,7 @@ from configs import grpo_process, tiny
 from grpo_jax import config as config_lib
 from grpo_jax import registry, train
 from grpo_jax.algorithms import advantages as adv_lib
-from grpo_jax.rewards import process
+from grpo_jax.rewards import equations, process
 from grpo_jax.tiny_tokenizer import byte_tokenizer
 
 
@@ -22,11 +22,28 @@ def test_equation_steps_reward_true_equations_and_the_answer():
   assert steps == [(ends[0], 1.0), (ends[1], 0.0), (ends[2], 1.0),
                    (ends[3], 1.0)]
   assert process.equation_steps("no equation", correct=False) == [(11, 0.0)]
-  assert process.equation_holds("10", "/", "4", "2.5")
-  assert process.equation_holds("10", "/", "3", "3.33")
-  assert not process.equation_holds("10", "/", "0", "0")
-  assert not process.equation_holds("12", "-", "5", "-7")
-  assert process.equation_holds("5", "-", "12", "-7")
+  # a chain is no step (its last link "3 * 4 = 14" is false, the chain true)
+  chain = "2 + 3 * 4 = 14, then 14 - 20 = -6"
+  assert process.equation_steps(chain, correct=False) == [(len(chain), 1.0),
+                                                          (len(chain), 0.0)]
+  holds = equations.equation_holds
+  assert holds("10", "/", "4", "2.5") and holds("10", "/", "3", "3.33")
+  assert not holds("10", "/", "0", "0") and not holds("10", "/", "3", "3.4")
+  assert not holds("12", "-", "5", "-7") and holds("5", "-", "12", "-7")
+  assert holds("6", "\u00d7", "7", "42") and not holds("6", "x", "7", "43")
+
+
+def test_star_and_the_process_reward_read_the_same_equations():
+  """One definition (rewards/equations.py): STaR's check is "every step of
+  the process reward holds"."""
+  texts = ["4 packs of 4 is 4 * 4 = 16 more, so 15 + 16 = 31.",
+           "Noah starts with 23, so 23 + 4 = 19.", "2 + 3 * 4 = 14",
+           "27 bags = 3 x 10 = 33 apples", "No equation: 31."]
+  for text in texts:
+    rewards = [r for _, r in process.equation_steps(text, correct=True)[:-1]]
+    assert equations.arithmetic_holds(text) == all(r == 1.0 for r in rewards)
+  assert [len(process.equation_steps(t, True)) - 1 for t in texts] == [
+      2, 1, 0, 1, 0]
 
 
 def test_char_ends_map_to_the_token_that_ends_the_step():
