@@ -65,7 +65,9 @@ def base_config() -> ConfigDict:
       num_generations=8,               # G
       advantage="grpo",                # an "advantage" registry name
       process_reward="",               # a "process_reward" name ("": none),
-                                       # needed by advantage = grpo_process
+                                       # needed by advantage = grpo_process;
+                                       # with another advantage only its
+                                       # process/* metrics are logged
       adv_ddof=1, adv_eps=1e-6,
       loss_agg="token-mean",           # a "loss_agg" registry name
       max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)

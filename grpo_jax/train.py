@@ -49,17 +49,24 @@ def advantages(config, reward_bg: np.ndarray,
   return np.asarray(adv_bg, np.float32).reshape(-1)
 
 
+def process_step_rewards(config, tokenizer, groups
+                         ) -> tuple[np.ndarray, np.ndarray, dict]:
+  """The configured process reward's (step_reward_bgt, step_end_bgt,
+  process/* metrics) for the step's groups."""
+  # the text the rewards read: without the stop token (rollout.generate_groups)
+  text_len_bg = groups.length_bg - (~groups.truncated_bg)
+  return process.step_rewards(
+      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
+      groups.correct_bg, groups.tokens_bgt.shape[2])
+
+
 def process_advantages(config, tokenizer, groups) -> tuple[np.ndarray, dict]:
   """ADVANTAGE with process supervision (DeepSeekMath §4.1.3): step rewards
   from the configured process reward at step-end tokens, z-scored over all
   steps of each group and summed over the steps at or after each token:
   per-token advantages [B*G, T]."""
   B, G, T = groups.tokens_bgt.shape
-  # the text the rewards read: without the stop token (rollout.generate_groups)
-  text_len_bg = groups.length_bg - (~groups.truncated_bg)
-  step_r, step_end, metrics = process.step_rewards(
-      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
-      groups.correct_bg, T)
+  step_r, step_end, metrics = process_step_rewards(config, tokenizer, groups)
   adv_bgt = adv_lib.grpo_process_advantages(
       jnp.asarray(step_r), jnp.asarray(step_end), ddof=config.rl.adv_ddof,
       eps=config.rl.adv_eps)
@@ -245,6 +252,8 @@ def run(config, workdir: str) -> dict:
       metrics.update(process_metrics)
     else:
       adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
+      if rl.process_reward:   # its metrics only, to compare with process runs
+        metrics.update(process_step_rewards(config, tokenizer, groups)[2])
     metrics.update({"advantage/mean": float(adv_n.mean()),
                     "advantage/std": float(adv_n.std()),
                     "advantage/abs_max": float(np.abs(adv_n).max())})

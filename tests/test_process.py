@@ -104,9 +104,12 @@ def test_registered_and_validated():
   config_lib.validate(grpo_process.get_config("local_outcome"))
 
 
-def test_grpo_process_trains_end_to_end(tmp_path):
+@pytest.mark.parametrize("advantage", ["grpo_process", "grpo"])
+def test_grpo_process_trains_end_to_end(tmp_path, advantage):
+  """Process supervision trains; an outcome run with the process reward set
+  logs the same process/* metrics (the README compares them)."""
   c = tiny.get_config()
-  c.rl.advantage = "grpo_process"
+  c.rl.advantage = advantage
   c.rl.process_reward = "equations"
   c.rl.loss_agg = "seq-mean-token-mean"
   c.train.steps = 2
