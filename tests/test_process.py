@@ -2,14 +2,16 @@
 mapped to tokens, per-token process advantages into the loss and a run."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import grpo_process, tiny
 from grpo_jax import config as config_lib
-from grpo_jax import registry, train
+from grpo_jax import registry, train, update
 from grpo_jax.algorithms import advantages as adv_lib
+from grpo_jax.models import get_preset, init_params
 from grpo_jax.rewards import equations, process
 from grpo_jax.tiny_tokenizer import byte_tokenizer
 
@@ -119,3 +121,30 @@ def test_grpo_process_trains_end_to_end(tmp_path, advantage):
   assert [r["step"] for r in rows] == [1, 2]
   for r in rows:
     assert np.isfinite(r["loss"]) and r["process/steps_per_completion"] >= 1
+
+
+def test_per_token_advantages_are_exact_under_micro_batching():
+  """The update with process advantages [N, T] (each row's own) gives the
+  same loss and gradient for 1, 2 and 4 micro-batches."""
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0))
+  rng = np.random.RandomState(3)
+  n, prompt, comp = 8, 4, 5
+  lengths = rng.randint(1, comp + 1, n)
+  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
+  tokens = rng.randint(1, 256, (n, prompt + comp)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(prompt + comp), (n, prompt + comp))
+  adv_nt = np.cumsum(rng.randn(n, comp), axis=1)[:, ::-1].astype(np.float32)
+  batch = update.UpdateBatch(
+      jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
+      jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
+      jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
+      jnp.zeros((n, comp)), jnp.asarray(adv_nt))
+  s = update.LossSettings(agg="seq-mean-token-mean", chunk=4)
+  step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
+  results = [step(params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
+  assert abs(float(results[0][1])) > 1e-3
+  for grads, loss, _ in results[1:]:
+    np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results[0][0])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
