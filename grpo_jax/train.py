@@ -262,7 +262,9 @@ def run(config, workdir: str) -> dict:
         config, model_config, state, optimizer, packed, adv_n, ref_params,
         settings, np.random.default_rng([config.seed, step]), layout)
     metrics.update(update_metrics)
-    metrics["learning_rate"] = float(lr_schedule(int(state.step)))
+    # the rate of this step's last update (optax reads the count before it
+    # increments it: update k uses lr_schedule(k), k = 0, 1, ...)
+    metrics["learning_rate"] = float(lr_schedule(int(state.step) - 1))
     metrics["time/step"] = time.perf_counter() - t_step
     metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
         metrics["time/sample"], 1e-9)
