@@ -58,6 +58,10 @@ def base_config() -> ConfigDict:
       max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
       chunk_rows=0,                    # rows per sampler call; 0: as many as
                                        # the device memory holds (CPU: all)
+      continuous_batching=False,       # rows take turns in `slots` cache
+                                       # slots (grpo_jax/continuous.py);
+                                       # chunk_rows is then not used
+      slots=0,                         # 0: automatic (sampling.auto_slots)
       compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = ConfigDict(dict(
@@ -372,10 +376,10 @@ def _check_ranges(config: ConfigDict) -> None:
               "train.steps": config.train.steps,
               "sampling.max_new_tokens": config.sampling.max_new_tokens,
               "mesh.init_timeout_s": config.mesh.init_timeout_s}
-  if config.sampling.chunk_rows < 0:
-    raise ConfigError(f"config field 'sampling.chunk_rows' = "
-                      f"{config.sampling.chunk_rows} must be >= 0 (0: "
-                      f"automatic)")
+  for path in ("sampling.chunk_rows", "sampling.slots"):
+    if _get(config, path) < 0:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        f"be >= 0 (0: automatic)")
   for path, value in positive.items():
     if value < 1:
       raise ConfigError(f"config field {path!r} = {value} must be >= 1")
