@@ -33,7 +33,8 @@ so refilling, copying a prompt's cache and writing outputs stay on the
 shard (per-shard code is vmapped over a leading R axis). The host pads the
 prompts to a multiple of R; padded prompts' rows are never decoded.
 
-Shape letters as in `grpo_jax`, plus m for slots and r for row shards.
+Shape letters as in `grpo_jax` (m: slots); per-shard arrays (a leading axis
+of R row shards) carry no suffix.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class _Carry(NamedTuple):
   row_m: jax.Array          # int32: the (global) row each slot holds
   t_m: jax.Array            # int32: tokens chosen so far = next column
   live_m: jax.Array         # bool: decoding a row
-  next_r: jax.Array         # int32: the next (global) row each shard starts
+  next_row: jax.Array       # int32 (R,): the next (global) row of each shard
   cache: transformer.KVCache   # (M, K, S, E) per layer; (M, S) masks
   tokens_nt: jax.Array
   logp_nt: jax.Array
@@ -75,9 +76,9 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   kv = functools.partial(_pin, layout, axes=CACHE_AXES)
   cache = transformer.KVCache(tuple(map(kv, c.cache.k)),
                               tuple(map(kv, c.cache.v)),
-                              pin(c.cache.valid_bs), pin(c.cache.pos_bs))
+                              pin(c.cache.valid_ns), pin(c.cache.pos_ns))
   return _Carry(c.steps, pin(c.row_m), pin(c.t_m), pin(c.live_m),
-                c.next_r, cache, pin(c.tokens_nt), pin(c.logp_nt))
+                c.next_row, cache, pin(c.tokens_nt), pin(c.logp_nt))
 
 
 def _per_shard(R: int, x: jax.Array) -> jax.Array:
@@ -86,15 +87,15 @@ def _per_shard(R: int, x: jax.Array) -> jax.Array:
   return x.reshape(R, x.shape[0] // R, *x.shape[1:])
 
 
-def _assign(live_m: jax.Array, next_r: jax.Array, limit_r: jax.Array):
+def _assign(live_m: jax.Array, next_row: jax.Array, row_limit: jax.Array):
   """Idle slots take the next rows of their shard, in order. Returns which
   slots took a row (M,), the row each took (M,; meaningless where not
   taken) and the shards' next rows."""
-  R = next_r.shape[0]
+  R = next_row.shape[0]
   idle = ~_per_shard(R, live_m)                      # (R, M/R)
-  row = next_r[:, None] + jnp.cumsum(idle, axis=1) - 1
-  take = idle & (row < limit_r[:, None])
-  return take.reshape(-1), row.reshape(-1), next_r + take.sum(1)
+  row = next_row[:, None] + jnp.cumsum(idle, axis=1) - 1
+  take = idle & (row < row_limit[:, None])
+  return take.reshape(-1), row.reshape(-1), next_row + take.sum(1)
 
 
 def _copy_prompts(cache: transformer.KVCache, pp: decoding.PromptPass,
@@ -104,32 +105,32 @@ def _copy_prompts(cache: transformer.KVCache, pp: decoding.PromptPass,
   the first P columns of each slot m that took a row; the slot's other
   columns become invalid. Keys and values move one taken slot per shard
   per iteration, so a step copies only the slots that changed."""
-  P, S = pp.valid_bp.shape[1], cache.valid_bs.shape[1]
+  P, S = pp.valid_bp.shape[1], cache.valid_ns.shape[1]
   pad = lambda x: jnp.pad(x, [(0, 0), (0, S - P)])
-  valid = jnp.where(take_m[:, None], pad(pp.valid_bp[prompt_m]), cache.valid_bs)
-  pos = jnp.where(take_m[:, None], pad(pp.pos_bp[prompt_m]), cache.pos_bs)
+  valid = jnp.where(take_m[:, None], pad(pp.valid_bp[prompt_m]), cache.valid_ns)
+  pos = jnp.where(take_m[:, None], pad(pp.pos_bp[prompt_m]), cache.pos_ns)
 
-  take_rm = _per_shard(R, take_m)
-  count_r = take_rm.sum(1)
-  order_rm = jnp.argsort(~take_rm, axis=1, stable=True)   # taken slots first
+  take_by_shard = _per_shard(R, take_m)
+  taken_by_shard = take_by_shard.sum(1)
+  order_by_shard = jnp.argsort(~take_by_shard, axis=1, stable=True)   # taken slots first
   B_local = pp.valid_bp.shape[0] // R
-  local_prompt_rm = _per_shard(R, prompt_m) - (
+  prompt_by_shard = _per_shard(R, prompt_m) - (
       jnp.arange(R)[:, None] * B_local)
 
-  def copy_one(c_mkse, p_bkpe, m, b, do):                 # one shard
-    src = jnp.where(do, p_bkpe[b], c_mkse[m, :, :P])
-    return jax.lax.dynamic_update_slice(c_mkse, src[None], (m, 0, 0, 0))
+  def copy_one(cache_mkse, prompt_bkpe, m, b, do):                 # one shard
+    src = jnp.where(do, prompt_bkpe[b], cache_mkse[m, :, :P])
+    return jax.lax.dynamic_update_slice(cache_mkse, src[None], (m, 0, 0, 0))
 
   def body(i, kv):
-    m_r = order_rm[:, i]
-    b_r = jnp.take_along_axis(local_prompt_rm, m_r[:, None], 1)[:, 0]
+    slot_by_shard = order_by_shard[:, i]
+    prompt_of_slot = jnp.take_along_axis(prompt_by_shard, slot_by_shard[:, None], 1)[:, 0]
     one = lambda c, p: jax.vmap(copy_one)(
-        _per_shard(R, c), _per_shard(R, p), m_r, b_r, i < count_r
+        _per_shard(R, c), _per_shard(R, p), slot_by_shard, prompt_of_slot, i < taken_by_shard
     ).reshape(c.shape)
     return tuple(one(c, p) for c, p in zip(kv, tuple(pp.k) + tuple(pp.v)))
 
   L = len(cache.k)
-  kv = jax.lax.fori_loop(0, jnp.max(count_r), body, cache.k + cache.v)
+  kv = jax.lax.fori_loop(0, jnp.max(taken_by_shard), body, cache.k + cache.v)
   return transformer.KVCache(kv[:L], kv[L:], valid, pos)
 
 
@@ -161,15 +162,15 @@ def _write(x_nt: jax.Array, row_m: jax.Array, t_m: jax.Array,
 
 
 def _refill(c: _Carry, pp: decoding.PromptPass, first_n: jax.Array,
-            limit_r: jax.Array, G: int, T: int, cfg, R: int) -> _Carry:
+            row_limit: jax.Array, G: int, T: int, cfg, R: int) -> _Carry:
   """Idle slots take the next rows: prompt cache copied, first token in.
   A row whose first token already stops (or T = 1) leaves its slot idle."""
-  take_m, new_row_m, next_r = _assign(c.live_m, c.next_r, limit_r)
+  take_m, new_row_m, next_row = _assign(c.live_m, c.next_row, row_limit)
   row_m = jnp.where(take_m, new_row_m, c.row_m)
   cache = _copy_prompts(c.cache, pp, take_m, row_m // G, R)
   starts = take_m & ~decoding.is_stop(first_n[row_m], cfg.stop_ids) & (T > 1)
   return c._replace(row_m=row_m, t_m=jnp.where(take_m, 1, c.t_m),
-                    live_m=starts | (c.live_m & ~take_m), next_r=next_r,
+                    live_m=starts | (c.live_m & ~take_m), next_row=next_row,
                     cache=cache)
 
 
@@ -205,21 +206,21 @@ def sample_slots(config: ModelConfig, params: transformer.Params,
     return decoding.finish(tokens_nt, logp_nt, jnp.int32(0), cfg)
 
   N_local = N // R
-  start_r = jnp.arange(R, dtype=jnp.int32) * N_local
-  limit_r = start_r + jnp.clip(real_prompts * G - start_r, 0, N_local)
+  first_row = jnp.arange(R, dtype=jnp.int32) * N_local
+  row_limit = first_row + jnp.clip(real_prompts * G - first_row, 0, N_local)
   dtype = pp.k.dtype
   cache = transformer.init_cache(config, M, S, dtype)
   refill = functools.partial(_refill, pp=pp, first_n=first_n,
-                             limit_r=limit_r, G=G, T=T, cfg=cfg, R=R)
+                             row_limit=row_limit, G=G, T=T, cfg=cfg, R=R)
   zeros_m = jnp.zeros((M,), jnp.int32)
   carry = _pin_carry(layout, refill(_Carry(
-      jnp.int32(0), zeros_m, zeros_m, jnp.zeros((M,), bool), start_r, cache,
+      jnp.int32(0), zeros_m, zeros_m, jnp.zeros((M,), bool), first_row, cache,
       tokens_nt, logp_nt)))
   layers = transformer.unstack_layers(params, config.num_layers)  # once
 
   # DECODE: every slot one token per iteration; ended rows' slots refilled.
   def cond(c: _Carry):
-    return jnp.any(c.live_m) | jnp.any(c.next_r < limit_r)
+    return jnp.any(c.live_m) | jnp.any(c.next_row < row_limit)
 
   def body(c: _Carry):
     t_m = jnp.maximum(c.t_m, 1)           # never-used slots: a harmless column

@@ -77,7 +77,7 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   kv = lambda x: layout.constrain(x, CACHE_AXES)
   cache = transformer.KVCache(
       tuple(map(kv, c.cache.k)), tuple(map(kv, c.cache.v)),
-      rows(c.cache.valid_bs), rows(c.cache.pos_bs))
+      rows(c.cache.valid_ns), rows(c.cache.pos_ns))
   return c._replace(tokens_nt=rows(c.tokens_nt), logp_nt=rows(c.logp_nt),
                     done_n=rows(c.done_n), cache=cache)
 
@@ -99,8 +99,8 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
   cache = transformer.KVCache(
       k=tuple(grow(pp.k[i]) for i in range(config.num_layers)),
       v=tuple(grow(pp.v[i]) for i in range(config.num_layers)),
-      valid_bs=jnp.pad(rep(pp.valid_bp), [(0, 0), (0, T)]),
-      pos_bs=jnp.pad(rep(pp.pos_bp), [(0, 0), (0, T)]))
+      valid_ns=jnp.pad(rep(pp.valid_bp), [(0, 0), (0, T)]),
+      pos_ns=jnp.pad(rep(pp.pos_bp), [(0, 0), (0, T)]))
   row_n = row_offset + jnp.arange(B * G, dtype=jnp.int32)
   first, logp = choose_tokens(rep(pp.logits_bv), key, cfg, row_n, 0)
   tokens_nt = jnp.full((B * G, T), cfg.pad_id, jnp.int32).at[:, 0].set(first)
@@ -114,7 +114,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
              layout: Layout = None, row_offset=0) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
   N, T = carry.tokens_nt.shape
-  P = carry.cache.valid_bs.shape[1] - T
+  P = carry.cache.valid_ns.shape[1] - T
   G = N // prompt_len_b.shape[0]
   len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
   row_n = row_offset + jnp.arange(N, dtype=jnp.int32)

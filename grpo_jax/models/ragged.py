@@ -39,11 +39,11 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   (and within the sliding window). Returns (N, 1, H, E)."""
   N, _, H, E = q_nqhe.shape
   K = k_nkse.shape[1]
-  q_nkre = q_nqhe.reshape(N, K, H // K, E)
+  q_grouped = q_nqhe.reshape(N, K, H // K, E)
   scale = 1.0 / np.sqrt(E)
 
   def block_j(j, carry):
-    m_nkr, l_nkr, acc_nkre = carry
+    run_max, run_sum, acc = carry
     cut = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, 2)
     k_blk, v_blk = cut(k_nkse), cut(v_nkse)
     diff_ns = q_pos_n[:, None] - jax.lax.dynamic_slice_in_dim(
@@ -52,24 +52,24 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
         k_valid_ns, j * block, block, 1)
     if window is not None:
       mask_ns &= diff_ns < window
-    s_nkrs = jnp.einsum("nkre,nkse->nkrs", q_nkre, k_blk,
+    scores = jnp.einsum("nkre,nkse->nkrs", q_grouped, k_blk,
                         preferred_element_type=jnp.float32) * scale
-    s_nkrs = jnp.where(mask_ns[:, None, None], s_nkrs, _NEG_INF)
-    m_new = jnp.maximum(m_nkr, s_nkrs.max(-1))
-    p_nkrs = jnp.exp(s_nkrs - m_new[..., None])
-    corr = jnp.exp(m_nkr - m_new)
-    pv = jnp.einsum("nkrs,nkse->nkre", p_nkrs.astype(v_blk.dtype), v_blk,
+    scores = jnp.where(mask_ns[:, None, None], scores, _NEG_INF)
+    m_new = jnp.maximum(run_max, scores.max(-1))
+    probs = jnp.exp(scores - m_new[..., None])
+    corr = jnp.exp(run_max - m_new)
+    pv = jnp.einsum("nkrs,nkse->nkre", probs.astype(v_blk.dtype), v_blk,
                     preferred_element_type=jnp.float32)
-    return (m_new, l_nkr * corr + p_nkrs.sum(-1),
-            acc_nkre * corr[..., None] + pv)
+    return (m_new, run_sum * corr + probs.sum(-1),
+            acc * corr[..., None] + pv)
 
   r = H // K
   init = (jnp.full((N, K, r), _NEG_INF, jnp.float32),
           jnp.zeros((N, K, r), jnp.float32),
           jnp.zeros((N, K, r, E), jnp.float32))
   blocks = jnp.minimum((filled + block - 1) // block, k_nkse.shape[2] // block)
-  _, l_nkr, acc_nkre = jax.lax.fori_loop(0, blocks, block_j, init)
-  out = acc_nkre / jnp.maximum(l_nkr, 1e-30)[..., None]
+  _, run_sum, acc = jax.lax.fori_loop(0, blocks, block_j, init)
+  out = acc / jnp.maximum(run_sum, 1e-30)[..., None]
   return out.astype(v_nkse.dtype).reshape(N, 1, H, E)
 
 
@@ -83,8 +83,8 @@ def decode_step(config: ModelConfig, params: transformer.Params,
   `transformer.unstack_layers` gives them (sliced once, outside the loop).
   Returns float32 logits (N, V) and the updated cache."""
   rows = jnp.arange(tokens_n.shape[0])
-  valid = cache.valid_bs.at[rows, columns_n].set(True)
-  kpos = cache.pos_bs.at[rows, columns_n].set(positions_n)
+  valid = cache.valid_ns.at[rows, columns_n].set(True)
+  kpos = cache.pos_ns.at[rows, columns_n].set(positions_n)
   x = transformer.embed(params, tokens_n[:, None])
   ks, vs = list(cache.k), list(cache.v)
   for i, lp in enumerate(layers):
