@@ -17,8 +17,16 @@ the same completions as sampling each prompt alone.
 
 Settings, `Samples`, token choice and its noise (a function of (key, row,
 token), so chunks and schedules give the same samples) and the log-probs'
-definition live in `decoding`; the continuous-batching sampler in
-`continuous` (`SamplingConfig.continuous_batching`; `sample` dispatches).
+definition live in `decoding`. Continuous batching (rows take turns in a
+fixed number of cache slots, `continuous.sample_slots`) is the same entry
+point with two settings:
+
+  sample(config, params, prompts, key,
+         dataclasses.replace(cfg, continuous_batching=True, slots=0),
+         num_generations, batch_multiple=1, layout=None) -> Samples
+
+(slots 0: `auto_slots`; the config fields `sampling.continuous_batching` and
+`sampling.slots`), with the same rows, layout and samples.
 
 Sharding (with a `sharding.Layout`): every per-row array - prompts, tokens,
 log-probs, done flags, the KV cache and its masks - is split along rows as
