@@ -35,7 +35,8 @@ class SamplingConfig:
 
   continuous_batching: decode with `slots` cache slots that rows take in
   turn (`grpo_jax.continuous`) instead of all rows of a call in lockstep;
-  slots 0 is automatic (`continuous.auto_slots`)."""
+  slots 0 is automatic (`sampling.auto_slots`); chunk_rows is then not used
+  (the slots bound the cache)."""
   max_new_tokens: int = 64
   temperature: float = 1.0
   top_p: float = 1.0
