@@ -103,8 +103,9 @@ def token_logprobs(config: ModelConfig, params: Params, h_nsd: jax.Array,
   Temporary memory of forward and backward ~ k · N · chunk_size · V floats
   (k ≈ 2-3) plus one copy of the head weight; never (N, S, V).
   """
-  S = h_nsd.shape[1]
+  N, S, _ = h_nsd.shape
   chunk = max(1, min(chunk_size, S))
+
   fn = jax.checkpoint(
       functools.partial(_logprobs_from_hidden, temperature),
       prevent_cse=False)
