@@ -18,10 +18,6 @@ the slots stay busy until the call's work runs out. One jitted program:
             attends over the filled key blocks only, up to the longest live
             row), the token written to (row, t) of the (N, T) outputs, the
             slots whose rows ended refilled; it runs until no row is left.
-  tail      once no row waits and at most half of every shard's slots are
-            live, the live slots are gathered into half as many
-            (`_compact`) and a second loop of the same step finishes them:
-            the last long rows no longer pay for idle slots.
 
 Slot m holds row `row_m[m]` at token `t_m[m]`; `live_m` marks the slots
 decoding a row. The noise of row r's token t is `decoding.token_uniforms`'s
@@ -178,24 +174,6 @@ def _refill(c: _Carry, pp: decoding.PromptPass, first_n: jax.Array,
                     cache=cache)
 
 
-def _compact(c: _Carry, R: int) -> _Carry:
-  """The tail phase's start: each shard's live slots (at most half of them)
-  gathered into half as many slots, so the last long rows decode at half
-  the cost per step (no row waits any more: nothing is refilled)."""
-  keep = _per_shard(R, c.live_m).shape[1] // 2
-  order = jnp.argsort(~_per_shard(R, c.live_m), axis=1, stable=True)[:, :keep]
-
-  def take(x):
-    x = _per_shard(R, x)
-    idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
-    return jnp.take_along_axis(x, idx, axis=1).reshape(-1, *x.shape[2:])
-  cache = transformer.KVCache(tuple(map(take, c.cache.k)),
-                              tuple(map(take, c.cache.v)),
-                              take(c.cache.valid_ns), take(c.cache.pos_ns))
-  return c._replace(row_m=take(c.row_m), t_m=take(c.t_m),
-                    live_m=take(c.live_m), cache=cache)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
                                              "slots", "layout"))
 def sample_slots(config: ModelConfig, params: transformer.Params,
@@ -244,12 +222,6 @@ def sample_slots(config: ModelConfig, params: transformer.Params,
   def cond(c: _Carry):
     return jnp.any(c.live_m) | jnp.any(c.next_row < row_limit)
 
-  def cond_full(c: _Carry):
-    """...and, where a half-size tail phase follows, some row still waits
-    or some shard has more than half of its slots live."""
-    crowded = jnp.any(_per_shard(R, c.live_m).sum(1) > M // R // 2)
-    return cond(c) & (jnp.any(c.next_row < row_limit) | crowded)
-
   def body(c: _Carry):
     t_m = jnp.maximum(c.t_m, 1)           # never-used slots: a harmless column
     prev_m = _read(c.tokens_nt, c.row_m, t_m - 1, R)
@@ -265,12 +237,7 @@ def sample_slots(config: ModelConfig, params: transformer.Params,
                    cache=cache, tokens_nt=tokens_nt, logp_nt=logp_nt)
     return _pin_carry(layout, refill(c))
 
-  if (M // R) % 2:                        # no half-size tail phase
-    final = jax.lax.while_loop(cond, body, carry)
-  else:
-    tail = _pin_carry(layout, _compact(jax.lax.while_loop(cond_full, body,
-                                                          carry), R))
-    final = jax.lax.while_loop(cond, body, tail)
+  final = jax.lax.while_loop(cond, body, carry)
   out = decoding.finish(final.tokens_nt, final.logp_nt, final.steps, cfg)
   return decoding.Samples(*(_pin(layout, x) for x in out[:-1]),
                           steps=out.steps)
