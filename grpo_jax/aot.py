@@ -11,7 +11,10 @@ whose peak exceeds the chip's memory (RESOURCE_EXHAUSTED).
 shardings and `init_state` shapes and no weights, every program a training
 step and its evaluation run:
 
-  sampler    `sampling.sample_padded` at the rows of one sampler call
+  sampler    `sampling.sample_padded` at the rows of one sampler call, or
+             with `sampling.continuous_batching` `continuous.sample_slots`
+             on all of a step's rows (its slots: `sampling.slots`, or the
+             most the chip's free memory holds, `sampling.auto_slots`)
   update     `update.update_step` on one mini-batch split in micro-batches
   score      `update.score_logprobs` (π_ref, or π_old recomputed) when used
   eval       the evaluation's sampler calls (greedy, and n samples if set)
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from grpo_jax import continuous
 from grpo_jax import flops as flops_lib
 from grpo_jax import sampling, sharding, update
 from grpo_jax.config import ConfigError
@@ -372,6 +376,38 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
       jnp.dtype(config.model.compute_dtype).itemsize, multiple)
 
 
+def continuous_sampler(plan: Plan, slots: int) -> Program:
+  """The continuous-batching sampler (`continuous.sample_slots`) on all of a
+  step's prompts x G rows with `slots` slots (rows: the slots)."""
+  rl = plan.config.rl
+  b = -(-rl.prompts_per_step // plan.layout.batch_shards) * (
+      plan.layout.batch_shards)
+  prompt = _rows(plan.layout, (b, plan.prompt_len), jnp.int32)
+  lens = _rows(plan.layout, (b,), jnp.int32)
+  key = _replicated(plan.layout, jax.eval_shape(lambda: jax.random.key(0)))
+  params = plan.compute_params()
+  resident = plan.state_bytes + plan.reference_bytes() - (
+      0 if plan.compute_copy_bytes() else per_chip_bytes(plan.state.params))
+  lower = lambda: continuous.sample_slots.lower(
+      plan.model_config, params, prompt, lens, key, plan.sampling_config(),
+      rl.num_generations, slots, jnp.int32(b), plan.layout)
+  return compile_program("sampler slots", slots, lower, resident)
+
+
+def auto_slots(config, plan: Plan, hbm: float) -> int:
+  """sampling.slots, or the automatic count for this chip's free memory."""
+  if config.sampling.slots:
+    return config.sampling.slots
+  rl = config.rl
+  budget = (hbm - plan.state_bytes - plan.reference_bytes()
+            - plan.compute_copy_bytes())
+  return sampling.auto_slots(
+      plan.model_config, rl.prompts_per_step * rl.num_generations,
+      rl.prompts_per_step, plan.prompt_len,
+      plan.prompt_len + config.sampling.max_new_tokens, budget, plan.layout,
+      jnp.dtype(config.model.compute_dtype).itemsize)
+
+
 def _eval_calls(config, plan: Plan):
   """(prompts, generations, greedy) of each evaluation sampler call."""
   examples = config.train.eval_examples
@@ -445,9 +481,15 @@ def check(config, topology: str, prompt_len: int,
   b_call = sampler_prompts(config, plan, hbm)
   cfg = plan.sampling_config()
   G = rl.num_generations
-  build = lambda b: plan.sampler(b, G, cfg, "sampler")
-  run(build(b_call), lambda: largest_fitting(
-      halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
+  if config.sampling.continuous_batching:
+    slots = auto_slots(config, plan, hbm)
+    build = lambda m: continuous_sampler(plan, m)
+    run(build(slots), lambda: largest_fitting(
+        halvings(slots, plan.layout.batch_shards)[1:], build, hbm), "slots")
+  else:
+    build = lambda b: plan.sampler(b, G, cfg, "sampler")
+    run(build(b_call), lambda: largest_fitting(
+        halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
   micro = plan.micro_rows()
   run(plan.update(micro), lambda: largest_fitting(
       halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)")

@@ -58,6 +58,10 @@ def base_config() -> ConfigDict:
       max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
       chunk_rows=0,                    # rows per sampler call; 0: as many as
                                        # the device memory holds (CPU: all)
+      continuous_batching=False,       # rows take turns in `slots` cache
+                                       # slots (grpo_jax/continuous.py);
+                                       # chunk_rows is then not used
+      slots=0,                         # 0: automatic (sampling.auto_slots)
       compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = ConfigDict(dict(
@@ -398,10 +402,10 @@ def _check_ranges(config: ConfigDict) -> None:
     if _get(config, path) < 0:
       raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
                         "be >= 0")
-  if config.sampling.chunk_rows < 0:
-    raise ConfigError(f"config field 'sampling.chunk_rows' = "
-                      f"{config.sampling.chunk_rows} must be >= 0 (0: "
-                      f"automatic)")
+  for path in ("sampling.chunk_rows", "sampling.slots"):
+    if _get(config, path) < 0:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        f"be >= 0 (0: automatic)")
   if not 0 < config.sampling.top_p <= 1:
     raise ConfigError(f"config field 'sampling.top_p' = "
                       f"{config.sampling.top_p} must be in (0, 1]")

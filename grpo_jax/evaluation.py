@@ -244,7 +244,9 @@ def eval_sampling_config(config, tokenizer, *, greedy: bool,
   return sampling.SamplingConfig(
       max_new_tokens=config.sampling.max_new_tokens, temperature=temperature,
       top_p=top_p, greedy=greedy, stop_ids=tuple(tokenizer.stop_ids),
-      pad_id=tokenizer.pad_id or 0, chunk_rows=config.sampling.chunk_rows)
+      pad_id=tokenizer.pad_id or 0, chunk_rows=config.sampling.chunk_rows,
+      continuous_batching=config.sampling.continuous_batching,
+      slots=config.sampling.slots)
 
 
 def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:

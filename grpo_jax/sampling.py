@@ -15,11 +15,18 @@ no scatter); per-row rotary positions and a key-validity mask make padding
 invisible. Rows of a batch are thus independent: mixing prompt lengths gives
 the same completions as sampling each prompt alone.
 
-Log-probs: `logp_nt[i, t]` is log softmax(logits / temperature)[token] - the
-temperature-scaled distribution BEFORE top-k / top-p truncation (for greedy,
-temperature 1). The trainer matches it by dividing its logits by the same
-temperature and ignoring top-k/top-p (as verl and TRL do), so with unchanged
-parameters the first update's ratio is exactly 1.
+Settings, `Samples`, token choice and its noise (a function of (key, row,
+token), so chunks and schedules give the same samples) and the log-probs'
+definition live in `decoding`. Continuous batching (rows take turns in a
+fixed number of cache slots, `continuous.sample_slots`) is the same entry
+point with two settings:
+
+  sample(config, params, prompts, key,
+         dataclasses.replace(cfg, continuous_batching=True, slots=0),
+         num_generations, batch_multiple=1, layout=None) -> Samples
+
+(slots 0: `auto_slots`; the config fields `sampling.continuous_batching` and
+`sampling.slots`), with the same rows, layout and samples.
 
 Sharding (with a `sharding.Layout`): every per-row array - prompts, tokens,
 log-probs, done flags, the KV cache and its masks - is split along rows as
@@ -40,124 +47,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import sharding
+from grpo_jax import continuous, decoding, sharding
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
 
 Params = transformer.Params
 Layout = Optional[sharding.Layout]    # None: one device, or XLA's choice
-_CACHE_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")  # (N, K, S, E)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How to pick each token. temperature 0 (or greedy=True) is argmax."""
-  max_new_tokens: int = 64
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0                 # 0: no top-k
-  greedy: bool = False
-  stop_ids: tuple[int, ...] = ()
-  pad_id: int = 0
-  chunk_rows: int = 0            # rows per sampler call (0: automatic)
-
-  def __post_init__(self):
-    if self.max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if self.chunk_rows < 0:
-      raise ValueError(f"chunk_rows must be >= 0, got {self.chunk_rows}")
-
-  @property
-  def is_greedy(self) -> bool:
-    return self.greedy or self.temperature == 0 or self.top_k == 1
-
-
-class Samples(NamedTuple):
-  """One row i per completion: n = B*G rows (prompt b = i // G), each of
-  t = max_new_tokens columns."""
-  tokens_nt: jax.Array      # int32, pad after the stop token
-  logp_nt: jax.Array        # float32, see module docstring; 0 on padding
-  mask_nt: jax.Array        # bool, the generated tokens incl. the stop token
-  length_n: jax.Array       # int32, number of generated tokens
-  truncated_n: jax.Array    # bool, no stop id within max_new_tokens
-  steps: jax.Array          # int32 scalar: decode iterations run (early exit)
-
-
-# ----------------------------------------------------------------------------
-# Token choice.
-# ----------------------------------------------------------------------------
-
-def _filter_logits(logits_nv: jax.Array, top_k: int, top_p: float):
-  """Masks logits outside top-k and then outside the top-p nucleus to -inf."""
-  if top_k > 0:
-    kth = jax.lax.top_k(logits_nv, top_k)[0][:, -1:]
-    logits_nv = jnp.where(logits_nv < kth, -jnp.inf, logits_nv)
-  if top_p < 1.0:
-    sorted_desc = -jnp.sort(-logits_nv, axis=-1)
-    cum = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (always the first).
-    keep = (cum - jax.nn.softmax(sorted_desc, axis=-1)) < top_p
-    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1,
-                     keepdims=True)
-    logits_nv = jnp.where(logits_nv < cutoff, -jnp.inf, logits_nv)
-  return logits_nv
-
-
-def _row_uniforms(key: jax.Array, rows: int, row_offset, total_rows: int
-                  ) -> jax.Array:
-  """Row i's uniform is entry row_offset + i of one (total_rows, 1) draw.
-  Threefry is partitionable (jax's default): entry j of a draw does not
-  depend on the draw's length, so a chunk of rows gets the uniforms that
-  one call over all rows gives them (`sample`'s chunks)."""
-  u_n1 = jax.random.uniform(key, (max(total_rows, rows), 1),
-                            minval=jnp.finfo(jnp.float32).tiny)
-  if total_rows <= rows:
-    return u_n1
-  return jax.lax.dynamic_slice_in_dim(u_n1, row_offset, rows, axis=0)
-
-
-def _inverse_cdf_sample(key: jax.Array, logits_nv: jax.Array,
-                        row_offset=0, total_rows: int = 0) -> jax.Array:
-  """Exact categorical sampling with ONE uniform per row.
-
-  jax.random.categorical draws V Gumbel variates per row; with threefry on
-  CPU that alone cost ~50 ms per decode step at N=64, V=49k. Inverting the
-  CDF needs N uniforms and a cumulative sum.
-  """
-  cdf_nv = jnp.cumsum(jax.nn.softmax(logits_nv, axis=-1), axis=-1)
-  u_n1 = _row_uniforms(key, logits_nv.shape[0], row_offset,
-                       total_rows) * cdf_nv[:, -1:]
-  tokens = jnp.sum(cdf_nv < u_n1, axis=-1)
-  return jnp.minimum(tokens, logits_nv.shape[-1] - 1).astype(jnp.int32)
-
-
-def choose_tokens(logits_nv: jax.Array, key: jax.Array, cfg: SamplingConfig,
-                  row_offset=0, total_rows: int = 0
-                  ) -> tuple[jax.Array, jax.Array]:
-  """Next token (N,) and its log-prob under softmax(logits / temperature).
-  row_offset / total_rows: these N rows are rows row_offset.. of a call
-  over total_rows (0: just these), whose noise they then get."""
-  if cfg.is_greedy:
-    tokens = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
-    scaled = logits_nv
-  else:
-    scaled = logits_nv / cfg.temperature
-    filtered = _filter_logits(scaled, cfg.top_k, cfg.top_p)
-    tokens = _inverse_cdf_sample(key, filtered, row_offset, total_rows)
-  logp = jax.nn.log_softmax(scaled, axis=-1)
-  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-
-
-def _is_stop(tokens_n: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
-  if not stop_ids:
-    return jnp.zeros(tokens_n.shape, bool)
-  return jnp.isin(tokens_n, jnp.asarray(stop_ids, jnp.int32))
+CACHE_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")  # (N, K, S, E)
+SamplingConfig = decoding.SamplingConfig
+Samples = decoding.Samples
+choose_tokens = decoding.choose_tokens
 
 
 # ----------------------------------------------------------------------------
@@ -170,7 +69,6 @@ class _Carry(NamedTuple):
   logp_nt: jax.Array
   done_n: jax.Array
   cache: transformer.KVCache
-  key: jax.Array
 
 
 def _pin_rows(layout: Layout, x: jax.Array) -> jax.Array:
@@ -184,7 +82,7 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   if layout is None:
     return c
   rows = functools.partial(_pin_rows, layout)
-  kv = lambda x: layout.constrain(x, _CACHE_AXES)
+  kv = lambda x: layout.constrain(x, CACHE_AXES)
   cache = transformer.KVCache(
       tuple(map(kv, c.cache.k)), tuple(map(kv, c.cache.v)),
       rows(c.cache.valid_ns), rows(c.cache.pos_ns))
@@ -194,50 +92,40 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
 
 def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
             prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
-            num_generations: int, row_offset=0, total_rows: int = 0
-            ) -> _Carry:
+            num_generations: int, row_offset=0) -> _Carry:
   """Runs each left-padded prompt once and returns the decode loop's start.
 
   prompt_bp: int32 (B, P) left-padded; prompt_len_b: int32 (B,) real lengths.
   The cache for row i = b*G + g is prompt b's cache; the first token of each
-  row is sampled from prompt b's last logits with that row's own key.
+  row is sampled from prompt b's last logits with that row's own noise.
   """
-  B, P = prompt_bp.shape
+  B = prompt_bp.shape[0]
   G, T = num_generations, cfg.max_new_tokens
-  pad_b = P - prompt_len_b
-  col_p = jnp.arange(P, dtype=jnp.int32)
-  valid_bp = col_p[None, :] >= pad_b[:, None]
-  pos_bp = jnp.maximum(col_p[None, :] - pad_b[:, None], 0)
-  h, (k, v) = transformer.hidden_states(config, params, prompt_bp, pos_bp,
-                                        valid_bp, return_kv=True)
-  logits_bv = transformer.unembed(config, params, h[:, -1:])[:, 0]
-
-  rep = lambda x, axis: jnp.repeat(x, G, axis=axis)   # prompt b -> rows b*G..
-  grow = lambda x: jnp.pad(rep(x, 0), [(0, 0)] * 2 + [(0, T), (0, 0)])
+  pp = decoding.prompt_pass(config, params, prompt_bp, prompt_len_b)
+  rep = lambda x: jnp.repeat(x, G, axis=0)   # prompt b -> rows b*G..
+  grow = lambda x: jnp.pad(rep(x), [(0, 0)] * 2 + [(0, T), (0, 0)])
   cache = transformer.KVCache(
-      k=tuple(grow(k[i]) for i in range(config.num_layers)),
-      v=tuple(grow(v[i]) for i in range(config.num_layers)),
-      valid_ns=jnp.pad(rep(valid_bp, 0), [(0, 0), (0, T)]),
-      pos_ns=jnp.pad(rep(pos_bp, 0), [(0, 0), (0, T)]))
-  key, sub = jax.random.split(key)
-  first, logp = choose_tokens(rep(logits_bv, 0), sub, cfg, row_offset,
-                              total_rows)
+      k=tuple(grow(pp.k[i]) for i in range(config.num_layers)),
+      v=tuple(grow(pp.v[i]) for i in range(config.num_layers)),
+      valid_ns=jnp.pad(rep(pp.valid_bp), [(0, 0), (0, T)]),
+      pos_ns=jnp.pad(rep(pp.pos_bp), [(0, 0), (0, T)]))
+  row_n = row_offset + jnp.arange(B * G, dtype=jnp.int32)
+  first, logp = choose_tokens(rep(pp.logits_bv), key, cfg, row_n, 0)
   tokens_nt = jnp.full((B * G, T), cfg.pad_id, jnp.int32).at[:, 0].set(first)
   logp_nt = jnp.zeros((B * G, T), jnp.float32).at[:, 0].set(logp)
-  return _Carry(jnp.int32(1), tokens_nt, logp_nt, _is_stop(first, cfg.stop_ids),
-                cache, key)
+  return _Carry(jnp.int32(1), tokens_nt, logp_nt,
+                decoding.is_stop(first, cfg.stop_ids), cache)
 
 
 def generate(config: ModelConfig, params: Params, carry: _Carry,
-             prompt_len_b: jax.Array, cfg: SamplingConfig,
-             layout: Layout = None, row_offset=0, total_rows: int = 0
-             ) -> Samples:
+             prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
+             layout: Layout = None, row_offset=0) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
   N, T = carry.tokens_nt.shape
   P = carry.cache.valid_ns.shape[1] - T
   G = N // prompt_len_b.shape[0]
-
   len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
+  row_n = row_offset + jnp.arange(N, dtype=jnp.int32)
   layers = transformer.unstack_layers(params, config.num_layers)  # once
 
   def cond(c: _Carry):
@@ -248,58 +136,41 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
     logits, cache = transformer.decode_step(
         config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
         layers)
-    key, sub = jax.random.split(c.key)
-    tok, logp = choose_tokens(logits, sub, cfg, row_offset, total_rows)
+    tok, logp = choose_tokens(logits, key, cfg, row_n, c.t)
     tok = jnp.where(c.done_n, cfg.pad_id, tok)
     logp = jnp.where(c.done_n, 0.0, logp)
     tokens_nt = jax.lax.dynamic_update_slice(c.tokens_nt, tok[:, None], (0, c.t))
     logp_nt = jax.lax.dynamic_update_slice(c.logp_nt, logp[:, None], (0, c.t))
-    done = c.done_n | _is_stop(tok, cfg.stop_ids)
-    return _pin_carry(layout,
-                      _Carry(c.t + 1, tokens_nt, logp_nt, done, cache, key))
+    done = c.done_n | decoding.is_stop(tok, cfg.stop_ids)
+    return _pin_carry(layout, _Carry(c.t + 1, tokens_nt, logp_nt, done, cache))
 
   final = jax.lax.while_loop(cond, body, carry)
-  return _finish(final.tokens_nt, final.logp_nt, final.t - carry.t, cfg)
+  return decoding.finish(final.tokens_nt, final.logp_nt, final.t - carry.t,
+                         cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
-                                             "layout", "total_rows"))
+                                             "layout"))
 def sample_padded(config: ModelConfig, params: Params, prompt_bp: jax.Array,
                   prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
                   num_generations: int, layout: Layout = None,
-                  row_offset=0, total_rows: int = 0) -> Samples:
+                  row_offset=0) -> Samples:
   """prefill + generate as ONE jitted program on left-padded prompts.
 
   The KV cache is born and dies inside this program: XLA updates it in place
   through the while loop, and no cache buffer crosses the host boundary (this
   is what donating it between two jitted stages would buy, minus the copy).
   With a layout, rows are split over the batch shards (module docstring).
-  row_offset (int32, traced) / total_rows (static): this call's rows are
-  rows row_offset.. of a call over total_rows, and sample as they would
-  there (0: a call of its own).
+  row_offset (int32, traced): this call's rows are rows row_offset.. of a
+  call over all rows, and draw those rows' noise (`decoding`).
   """
   prompt_bp, prompt_len_b = (_pin_rows(layout, x)
                              for x in (prompt_bp, prompt_len_b))
   carry = _pin_carry(layout, prefill(config, params, prompt_bp, prompt_len_b,
-                                     key, cfg, num_generations, row_offset,
-                                     total_rows))
-  out = generate(config, params, carry, prompt_len_b, cfg, layout,
-                 row_offset, total_rows)
+                                     key, cfg, num_generations, row_offset))
+  out = generate(config, params, carry, prompt_len_b, key, cfg, layout,
+                 row_offset)
   return Samples(*(_pin_rows(layout, x) for x in out[:-1]), steps=out.steps)
-
-
-def _finish(tokens_nt: jax.Array, logp_nt: jax.Array, steps: jax.Array,
-            cfg: SamplingConfig) -> Samples:
-  """Mask, length and truncation from the raw token matrix."""
-  T = tokens_nt.shape[1]
-  stop_nt = _is_stop(tokens_nt, cfg.stop_ids)
-  has_stop = jnp.any(stop_nt, axis=1)
-  first_stop = jnp.argmax(stop_nt, axis=1)
-  length_n = jnp.where(has_stop, first_stop + 1, T).astype(jnp.int32)
-  mask_nt = jnp.arange(T)[None, :] < length_n[:, None]
-  tokens_nt = jnp.where(mask_nt, tokens_nt, cfg.pad_id)
-  return Samples(tokens_nt, jnp.where(mask_nt, logp_nt, 0.0), mask_nt,
-                 length_n, ~has_stop, steps)
 
 
 # ----------------------------------------------------------------------------
@@ -427,7 +298,9 @@ def sample(config: ModelConfig, params: Params,
   (`padded_prompts`), so a run compiles a bounded number of times (see
   COMPILES). The same key gives the same output.
 
-  Rows run in calls of `cfg.chunk_rows` rows, or (0) as many as the
+  With `cfg.continuous_batching`, all rows run in one call over
+  `cfg.slots` cache slots (`_sample_continuous`); else rows run in calls of
+  `cfg.chunk_rows` rows, or (0) as many as the
   device's free memory holds the KV cache of (`prompts_per_call`; all at
   once on CPU). Each row gets the noise it would get in one call over all
   rows, so chunking does not change the samples.
@@ -438,6 +311,9 @@ def sample(config: ModelConfig, params: Params,
   """
   if not prompts:
     raise ValueError("sample() needs at least one prompt")
+  if cfg.continuous_batching:
+    return _sample_continuous(config, params, prompts, key, cfg,
+                              num_generations, batch_multiple, layout)
   B, G = len(prompts), num_generations
   shards = 1 if layout is None else layout.batch_shards
   P = bucket(max(len(p) for p in prompts))
@@ -450,18 +326,72 @@ def sample(config: ModelConfig, params: Params,
   rows = -(-B // per_call) * per_call
   prompt_bp, len_b = left_pad(prompts, P, rows, cfg.pad_id)
   jit_cfg = dataclasses.replace(cfg, chunk_rows=0)
-  total = 0 if per_call == rows else rows * G
-  COMPILES.note((config, jit_cfg, G, per_call, P, layout, total),
+  COMPILES.note((config, jit_cfg, G, per_call, P, layout),
                 f"rows={per_call} prompt_len={P} G={G} "
                 f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
   put = jnp.asarray if layout is None else layout.rows
   outs = [sample_padded(config, params, put(prompt_bp[s:s + per_call]),
                         put(len_b[s:s + per_call]), key, jit_cfg, G, layout,
-                        jnp.int32(s * G), total)
+                        jnp.int32(s * G))
           for s in range(0, rows, per_call)]
   out = outs[0] if len(outs) == 1 else Samples(
       *(jnp.concatenate(xs) for xs in zip(*(o[:-1] for o in outs))),
       steps=jnp.max(jnp.stack([o.steps for o in outs])))
   if rows == B:
+    return out
+  return Samples(*(x[:B * G] for x in out[:-1]), steps=out.steps)
+
+
+# ----------------------------------------------------------------------------
+# Continuous batching (grpo_jax/continuous.py): the host side.
+# ----------------------------------------------------------------------------
+
+# Automatic slots where the device does not report its memory (CPU): this
+# share of the call's rows (benchmarks/ragged.py measures the choice).
+CPU_SLOT_SHARE = 4
+
+
+def auto_slots(config: ModelConfig, rows: int, prompts: int, prompt_len: int,
+               length: int, budget: Optional[float], layout: Layout,
+               itemsize: int) -> int:
+  """Slots of a continuous-batching call over `rows` rows of `prompts`
+  prompts: with a memory `budget` (bytes per device), the most (up to the
+  rows) whose cache of `length` columns, beside the prompts' own cache,
+  takes at most KV_FRACTION of it; without one, rows / CPU_SLOT_SHARE.
+  A multiple of the row shards, at least one per shard."""
+  shards = 1 if layout is None else layout.batch_shards
+  up = lambda m: max(shards, -(-m // shards) * shards)
+  if budget is None:
+    return min(up(rows), up(-(-rows // CPU_SLOT_SHARE)))
+  free = KV_FRACTION * budget - kv_cache_bytes(config, prompts, prompt_len,
+                                               itemsize, layout)
+  per_slot = kv_cache_bytes(config, 1, length, itemsize, layout)
+  return min(up(rows), up(max(int(free // per_slot) // shards * shards, 1)))
+
+
+def _sample_continuous(config: ModelConfig, params: Params,
+                       prompts: Sequence[Sequence[int]], key: jax.Array,
+                       cfg: SamplingConfig, num_generations: int,
+                       batch_multiple: int, layout: Layout) -> Samples:
+  """`sample` by continuous batching: one call, prompts padded to a multiple
+  of `batch_multiple` and of the row shards (padded rows are not decoded)."""
+  B, G = len(prompts), num_generations
+  shards = 1 if layout is None else layout.batch_shards
+  P = bucket(max(len(p) for p in prompts))
+  b = -(-B // math.lcm(batch_multiple, shards)) * math.lcm(batch_multiple,
+                                                          shards)
+  slots = cfg.slots or auto_slots(
+      config, b * G, b, P, P + cfg.max_new_tokens, free_device_memory(),
+      layout, jax.tree.leaves(params)[0].dtype.itemsize)
+  slots = -(-slots // shards) * shards
+  prompt_bp, len_b = left_pad(prompts, P, b, cfg.pad_id)
+  jit_cfg = dataclasses.replace(cfg, chunk_rows=0, slots=0)
+  COMPILES.note((config, jit_cfg, G, b, P, layout, slots),
+                f"continuous rows={b * G} slots={slots} prompt_len={P} G={G} "
+                f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
+  put = jnp.asarray if layout is None else layout.rows
+  out = continuous.sample_slots(config, params, put(prompt_bp), put(len_b),
+                                key, jit_cfg, G, slots, jnp.int32(B), layout)
+  if b == B:
     return out
   return Samples(*(x[:B * G] for x in out[:-1]), steps=out.steps)

@@ -43,6 +43,17 @@ def test_tiny_fits():
   assert "fits: every program leaves >= 5%" in out
 
 
+def test_continuous_batching_sampler_compiles_and_fits():
+  """sampling.continuous_batching: the tool compiles continuous.sample_slots
+  on the step's rows; its rows column is the slots (sampling.slots)."""
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 "--config.sampling.continuous_batching=True",
+                 "--config.sampling.slots=8")
+  assert rc == 0, out
+  row = _row(out, "sampler slots")
+  assert row.split()[2] == "8" and row.endswith("yes"), row
+
+
 def test_qwen_half_b_fits_with_scoring():
   """Qwen2.5-0.5B, bf16 compute, KL to a reference (scoring compiled)."""
   rc, out = _aot("--config=configs/grpo_gsm8k.py", "--prompt_len=64",
