@@ -24,6 +24,7 @@ from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
 _NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+SEGMENT_MEMBERS = blockwise.SEGMENT_MEMBERS
 
 
 # ----------------------------------------------------------------------------
@@ -196,14 +197,15 @@ def attention_mask(config: ModelConfig, q_pos_bt: jax.Array,
                    k_seg_bs: Optional[jax.Array] = None) -> jax.Array:
   """Causal (+ sliding window) mask over positions, and padding. (B, T, S).
 
-  With segment ids (packed rows), a query sees only keys of its own segment.
+  With segment ids (packed rows), a query sees only keys of its own segment
+  and of its group's shared prompt (`blockwise.segment_mask`).
   """
   diff = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
   mask = (diff >= 0) & k_valid_bs[:, None, :]
   if config.sliding_window is not None:
     mask &= diff < config.sliding_window
   if q_seg_bt is not None:
-    mask &= q_seg_bt[:, :, None] == k_seg_bs[:, None, :]
+    mask &= blockwise.segment_mask(q_seg_bt, k_seg_bs)
   return mask
 
 
@@ -279,7 +281,8 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
   positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
   which are the only keys attended to. segment_bt (int, optional) isolates
   examples packed into one row: a token attends only within its segment
-  (positions then restart at 0 per segment). With return_kv, also returns k
+  and to its group's shared prompt (`blockwise.segment_mask`; positions
+  restart per example). With return_kv, also returns k
   and v stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
   attention_impl: one of ATTENTION (see `attend_fn`).
   """
