@@ -84,6 +84,8 @@ def base_config() -> ConfigDict:
                                        # this budget (0: the whole mini-batch)
       old_logp="sampler",              # sampler | recompute
       shared_prompt=True,              # run each group's prompt once in the update
+      packing=True,                    # pack sequences into rows of s tokens
+                                       # for scoring and the update (packing.py)
       dynamic_sampling=True,
       max_gen_batches=3,               # cap on generation batches per step
       on_cap="fill",                   # fill | fewer | raise

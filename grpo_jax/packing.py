@@ -119,8 +119,8 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   need_nt [n, T]: the completion tokens whose log-probs are needed (the
   loss mask); each row is packed through its last one, rows without any are
   left out. group_size G > 1: rows come in groups of G sharing a prompt,
-  which a packed row then holds once (module docstring). row_multiple: R is
-  a multiple of it (the devices the rows are split over).
+  which a packed row then holds once (module docstring). row_multiple: R and
+  K are multiples of it (the devices the rows are split over).
   Returns the rows and M, the number of micro-batches.
   """
   tokens_ns, valid_ns = np.asarray(tokens_ns), np.asarray(valid_ns, bool)
@@ -137,7 +137,8 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   R = _round_up(max(R, 1), row_multiple)
   M = max(1, -(-len(rows) // R))
   per_micro = [rows[m * R:(m + 1) * R] for m in range(M)]
-  K = _bucket(max([sum(map(len, rs)) for rs in per_micro] + [1]))
+  K = _round_up(_bucket(max([sum(map(len, rs)) for rs in per_micro] + [1])),
+                row_multiple)
   out = _empty(M, R, S, K, T, n)
   for m, micro_rows in enumerate(per_micro):
     slot = 0

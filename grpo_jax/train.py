@@ -24,7 +24,7 @@ import numpy as np
 
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation, experiment, registry, rollout, sampling
-from grpo_jax import interrupts, preflight
+from grpo_jax import interrupts, packing, preflight
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import advantages as adv_lib
@@ -33,8 +33,8 @@ from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.rewards import process
 from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
-                             micro_batch_rows, score_logprobs,
-                             update_step)
+                             micro_batch_rows, pack_update_batch,
+                             score_logprobs, score_packed, update_step)
 
 
 def advantages(config, reward_bg: np.ndarray,
@@ -87,7 +87,9 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
                layout: sharding_lib.Layout | None = None):
   """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches.
   With a layout, batches are row-sharded global arrays (each host gives its
-  rows) and the update keeps the state's shardings."""
+  rows) and the update keeps the state's shardings. rl.packing: scoring and
+  every update run on packed rows (packing.py), the same micro-batch token
+  budget per forward/backward."""
   rl = config.rl
   T = packed.mask_nt.shape[1]
   n = packed.tokens_ns.shape[0]
@@ -102,8 +104,18 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   seq_len = packed.tokens_ns.shape[1]
   micro = micro_batch_rows(mini, seq_len, rl.micro_batch_size,
                            rl.micro_batch_tokens)
-  score = lambda params: score_logprobs(params, *cols, model_config, T,
-                                        settings, whole, n // micro)
+  shards = layout.batch_shards if layout is not None else 1
+  pack = lambda idx, mask_nt, group_size: packing.pack_rows(
+      packed.tokens_ns[idx], packed.valid_ns[idx], mask_nt, group_size,
+      micro, shards)
+  if rl.packing:
+    rows, num_micro = pack(slice(None), packed.mask_nt, whole)
+    rows = jax.tree.map(put, rows)
+    score = lambda params: score_packed(params, rows, model_config, settings,
+                                        num_micro, n)
+  else:
+    score = lambda params: score_logprobs(params, *cols, model_config, T,
+                                          settings, whole, n // micro)
   if rl.old_logp == "recompute":
     old = score(state.params)
   ref = jnp.zeros_like(old)
@@ -117,12 +129,17 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
   full = UpdateBatch(*cols, mask, old, ref, put(adv_n), weight)
-  num_micro = mini // micro
+  mask_host = np.asarray(sharding_lib.to_host(mask)) if rl.packing else None
   t0 = time.perf_counter()
-  step_metrics = []
+  step_metrics, pack_metrics = [], []
   for _ in range(rl.num_updates):
     for idx in _minibatches(n, mini, rng, group):
       batch = jax.tree.map(lambda x: put(x[idx]), full)
+      num_micro = mini // micro
+      if rl.packing:
+        rows, num_micro = pack(idx, mask_host[idx], group)
+        batch = jax.tree.map(put, pack_update_batch(batch, rows))
+        pack_metrics.append(packing.describe(rows, len(idx)))
       state, m = update_step(state, batch, model_config, optimizer,
                              num_micro, settings, layout, group)
       step_metrics.append(m)
@@ -130,6 +147,8 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   metrics["time/update"] = time.perf_counter() - t0
   for k in step_metrics[0]:
     metrics[k] = float(np.mean([m[k] for m in step_metrics]))
+  for k in (pack_metrics[0] if pack_metrics else ()):
+    metrics[k] = float(np.mean([m[k] for m in pack_metrics]))
   metrics["ratio/first_update_mean"] = float(step_metrics[0]["ratio/mean"])
   # bypass mode: the sampler/trainer mismatch is the first update's (θ = θ_old)
   metrics.update({k: float(v) for k, v in step_metrics[0].items()
