@@ -25,8 +25,8 @@ for every packed column, the column whose hidden state predicts its token;
 the LM head runs on those gathered states (`packed_logprobs`).
 
 The loss stays exact by construction: the log-probs are gathered back into
-the padded layout, K sequence slots of t tokens per micro-batch ([K, T],
-`src_kt`), and the policy losses, aggregations, KL and rollout correction
+the padded layout, N sequence slots of t tokens per micro-batch ([N, T],
+`src_nt`), and the policy losses, aggregations, KL and rollout correction
 run on those as on padded rows (empty slots have mask 0). Only rows with a
 loss token are packed, each through its last one: what a masked token's
 log-prob would be is never read.
@@ -75,18 +75,18 @@ def assign_rows(group_n: Sequence[int], prompt_n: Sequence[int],
 
 
 class PackedRows(NamedTuple):
-  """Sequences packed into M micro-batches of R rows of S tokens and K
+  """Sequences packed into M micro-batches of R rows of S tokens and N
   sequence slots of T tokens. Row arrays are [R*M, S], slot arrays
-  [K*M, T] / [K*M], strided: micro-batch m holds rows (slots) m, m+M, ...
-  (`update.micro_batches` splits them). Indices (`pred_rs`, `src_kt`) are
+  [N*M, T] / [N*M], strided: micro-batch m holds rows (slots) m, m+M, ...
+  (`update.micro_batches` splits them). Indices (`pred_rs`, `src_nt`) are
   flat within a micro-batch: its local row r, column j -> r*S + j."""
   tokens_rs: np.ndarray      # int32
   positions_rs: np.ndarray   # int32: the padded row's positions
   valid_rs: np.ndarray       # bool: real tokens
   segments_rs: np.ndarray    # int32: group * SEGMENT_MEMBERS + member; 0 pad
   pred_rs: np.ndarray        # int32: the column predicting this token
-  src_kt: np.ndarray         # int32: slot k's completion token t (0: none)
-  row_k: np.ndarray          # int32: the padded row slot k holds (n: empty)
+  src_nt: np.ndarray         # int32: slot's completion token t (0: none)
+  row_n: np.ndarray          # int32: the padded row slot holds (n: empty)
 
 
 def _bucket(n: int) -> int:
@@ -120,7 +120,7 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   loss mask); each row is packed through its last one, rows without any are
   left out. group_size G > 1: rows come in groups of G sharing a prompt,
   which a packed row then holds once (module docstring). row_multiple: R and
-  K are multiples of it (the devices the rows are split over).
+  N are multiples of it (the devices the rows are split over).
   Returns the rows and M, the number of micro-batches.
   """
   tokens_ns, valid_ns = np.asarray(tokens_ns), np.asarray(valid_ns, bool)
@@ -137,9 +137,9 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   R = _round_up(max(R, 1), row_multiple)
   M = max(1, -(-len(rows) // R))
   per_micro = [rows[m * R:(m + 1) * R] for m in range(M)]
-  K = _round_up(_bucket(max([sum(map(len, rs)) for rs in per_micro] + [1])),
+  N = _round_up(_bucket(max([sum(map(len, rs)) for rs in per_micro] + [1])),
                 row_multiple)
-  out = _empty(M, R, S, K, T, n)
+  out = _empty(M, R, S, N, T, n)
   for m, micro_rows in enumerate(per_micro):
     slot = 0
     for r, row in enumerate(micro_rows):
@@ -158,18 +158,18 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
         flat = r * S + col + np.arange(c)
         out.pred_rs[r * M + m, col:col + c] = np.concatenate(
             [[prompt_last], flat[:-1]])
-        out.src_kt[slot * M + m, :c] = flat
-        out.row_k[slot * M + m] = i
+        out.src_nt[slot * M + m, :c] = flat
+        out.row_n[slot * M + m] = i
         slot, col = slot + 1, col + c
   return out, M
 
 
-def _empty(M, R, S, K, T, n) -> PackedRows:
+def _empty(M, R, S, N, T, n) -> PackedRows:
   return PackedRows(np.zeros((R * M, S), np.int32),
                     np.zeros((R * M, S), np.int32),
                     np.zeros((R * M, S), bool), np.zeros((R * M, S), np.int32),
                     np.zeros((R * M, S), np.int32),
-                    np.zeros((K * M, T), np.int32), np.full((K * M,), n,
+                    np.zeros((N * M, T), np.int32), np.full((N * M,), n,
                                                             np.int32))
 
 
@@ -188,14 +188,14 @@ def packed_tokens(rows: PackedRows) -> int:
 
 
 # ----------------------------------------------------------------------------
-# Device side: one micro-batch of packed rows -> log-probs in K slots.
+# Device side: one micro-batch of packed rows -> log-probs in N slots.
 # ----------------------------------------------------------------------------
 
 def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
                     chunk_size: int, temperature: float = 1.0,
                     remat: str = "none", attention: str = "auto"):
-  """log π and entropy of each slot's completion tokens, float32 [K, T],
-  from ONE micro-batch of packed rows ([R, S] arrays, `src_kt` [K, T]).
+  """log π and entropy of each slot's completion tokens, float32 [N, T],
+  from ONE micro-batch of packed rows ([R, S] arrays, `src_nt` [N, T]).
   Entries past a slot's packed length (and empty slots) are garbage that
   the loss mask removes, as the padded path's are."""
   h_rsd = transformer.hidden_states(
@@ -207,20 +207,20 @@ def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
   logp_rs, entropy_rs = logprobs_lib.token_logprobs(
       config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
       temperature=temperature)
-  take = lambda x: jnp.take(x.reshape(-1), rows.src_kt, axis=0)
+  take = lambda x: jnp.take(x.reshape(-1), rows.src_nt, axis=0)
   return take(logp_rs), take(entropy_rs)
 
 
-def gather_slots(x_n: jax.Array, row_k: jax.Array) -> jax.Array:
-  """Padded-row values [n, ...] -> slot values [K, ...] (0 in empty slots,
+def gather_slots(x_n: jax.Array, row_n: jax.Array) -> jax.Array:
+  """Padded-row values [n, ...] -> slot values [N, ...] (0 in empty slots,
   whose row index is n)."""
-  return jnp.take(x_n, row_k, axis=0, mode="fill", fill_value=0)
+  return jnp.take(x_n, row_n, axis=0, mode="fill", fill_value=0)
 
 
-def scatter_slots(x_k: jax.Array, row_k: jax.Array, n: int) -> jax.Array:
-  """Slot values [K, ...] -> padded rows [n, ...] (0 in rows not packed)."""
-  out = jnp.zeros((n, *x_k.shape[1:]), x_k.dtype)
-  return out.at[row_k].set(x_k, mode="drop")
+def scatter_slots(x_slots: jax.Array, row_n: jax.Array, n: int) -> jax.Array:
+  """Slot values [N, ...] -> padded rows [n, ...] (0 in rows not packed)."""
+  out = jnp.zeros((n, *x_slots.shape[1:]), x_slots.dtype)
+  return out.at[row_n].set(x_slots, mode="drop")
 
 
 def describe(rows: PackedRows, n: int) -> dict[str, float]:

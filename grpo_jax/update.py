@@ -90,7 +90,7 @@ class LossSettings:
 
 class PackedUpdateBatch(NamedTuple):
   """A mini-batch of sequences packed into rows (`packing.py`): `rows`, and
-  the per-token fields of its K*M sequence slots in slot order (empty slots
+  the per-token fields of its N*M sequence slots in slot order (empty slots
   all zero, mask 0), strided by micro-batch like `rows`."""
   rows: packing.PackedRows
   mask_nt: jax.Array
@@ -352,7 +352,7 @@ def pack_update_batch(batch: UpdateBatch, rows: packing.PackedRows
   """An UpdateBatch's per-token fields moved into the slots of `rows`
   (`packing.pack_rows` of the same batch); its row arrays are not needed."""
   take = lambda x: None if x is None else packing.gather_slots(
-      jnp.asarray(x), jnp.asarray(rows.row_k))
+      jnp.asarray(x), jnp.asarray(rows.row_n))
   return PackedUpdateBatch(rows, take(batch.mask_nt), take(batch.old_logp_nt),
                            take(batch.ref_logp_nt), take(batch.adv_n),
                            take(batch.is_weight_nt))
@@ -436,5 +436,5 @@ def score_packed(params: Params, rows: packing.PackedRows,
   logp = jax.lax.map(
       lambda r: packed_logprobs(model_config, params, r, s)[0],
       micro_batches(rows, num_micro))
-  return packing.scatter_slots(_join_micro_batches(logp), rows.row_k,
+  return packing.scatter_slots(_join_micro_batches(logp), rows.row_n,
                                num_rows)

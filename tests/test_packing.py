@@ -115,8 +115,8 @@ def _slot_loss(logp_nt, batch, packed, num_micro, s):
   """The packed path's loss on given log-probs: gathered into slots, split
   into micro-batches, each normalised by the whole batch, summed."""
   norm = update.global_normalisers(packed.mask_nt, s)
-  logp_k = packing.gather_slots(logp_nt, packed.rows.row_k)
-  micro = update.micro_batches((logp_k, packed._replace(rows=None)),
+  logp_slots = packing.gather_slots(logp_nt, packed.rows.row_n)
+  micro = update.micro_batches((logp_slots, packed._replace(rows=None)),
                                num_micro)
   total, metrics = 0.0, None
   for m in range(num_micro):
@@ -209,7 +209,7 @@ def test_rows_hold_each_prompt_once_per_group_and_row():
       copies += prompt.sum()
   assert rows.valid_rs.sum() - copies == comp_n.sum()   # every completion
   assert copies < (prompt_n * (comp_n > 0)).sum()       # fewer prompt copies
-  packed_rows = rows.row_k[rows.row_k < B * G]
+  packed_rows = rows.row_n[rows.row_n < B * G]
   assert sorted(packed_rows) == list(np.flatnonzero(comp_n > 0))
   assert num_micro == -(-rows.tokens_rs.shape[0] // 2) and num_micro > 1
 
