@@ -78,13 +78,15 @@ class PackedRows(NamedTuple):
   """Sequences packed into M micro-batches of R rows of S tokens and N
   sequence slots of T tokens. Row arrays are [R*M, S], slot arrays
   [N*M, T] / [N*M], strided: micro-batch m holds rows (slots) m, m+M, ...
-  (`update.micro_batches` splits them). Indices (`pred_rs`, `src_nt`) are
-  flat within a micro-batch: its local row r, column j -> r*S + j."""
+  (`update.micro_batches` splits them). `pred_rs` is a column of the same
+  row (rows stay where the batch sharding put them); `src_nt` is flat within
+  a micro-batch: its local row r, column j -> r*S + j (a gather of R*S
+  scalar log-probs, not of hidden states)."""
   tokens_rs: np.ndarray      # int32
   positions_rs: np.ndarray   # int32: the padded row's positions
   valid_rs: np.ndarray       # bool: real tokens
   segments_rs: np.ndarray    # int32: group * SEGMENT_MEMBERS + member; 0 pad
-  pred_rs: np.ndarray        # int32: the column predicting this token
+  pred_rs: np.ndarray        # int32: the column (same row) predicting it
   src_nt: np.ndarray         # int32: slot's completion token t (0: none)
   row_n: np.ndarray          # int32: the padded row slot holds (n: empty)
 
@@ -151,14 +153,14 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
           gid += 1
           _put(out, m, M, r, col, tokens_ns[i, P - p:P], np.arange(p),
                gid * SEGMENT_MEMBERS, S)
-          prompt_last, col = r * S + col + p - 1, col + p
+          prompt_last, col = col + p - 1, col + p
         member += 1
         _put(out, m, M, r, col, tokens_ns[i, P:P + c], p + np.arange(c),
              gid * SEGMENT_MEMBERS + member, S)
-        flat = r * S + col + np.arange(c)
+        cols = col + np.arange(c)
         out.pred_rs[r * M + m, col:col + c] = np.concatenate(
-            [[prompt_last], flat[:-1]])
-        out.src_nt[slot * M + m, :c] = flat
+            [[prompt_last], cols[:-1]])
+        out.src_nt[slot * M + m, :c] = r * S + cols
         out.row_n[slot * M + m] = i
         slot, col = slot + 1, col + c
   return out, M
@@ -200,10 +202,8 @@ def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
   the loss mask removes, as the padded path's are."""
   h_rsd = transformer.hidden_states(
       config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
-      remat=remat, segment_bt=rows.segments_rs, attention_impl=attention)
-  R, S, D = h_rsd.shape
-  h_pred = jnp.take(h_rsd.reshape(R * S, D), rows.pred_rs.reshape(-1),
-                    axis=0).reshape(R, S, D)
+      remat=remat, segment_ns=rows.segments_rs, attention_impl=attention)
+  h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)
   logp_rs, entropy_rs = logprobs_lib.token_logprobs(
       config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
       temperature=temperature)

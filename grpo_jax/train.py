@@ -108,7 +108,7 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   pack = lambda idx, mask_nt, group_size: packing.pack_rows(
       packed.tokens_ns[idx], packed.valid_ns[idx], mask_nt, group_size,
       micro, shards)
-  if rl.packing:
+  if rl.packing and (settings.use_kl or rl.old_logp == "recompute"):
     rows, num_micro = pack(slice(None), packed.mask_nt, whole)
     rows = jax.tree.map(put, rows)
     score = lambda params: score_packed(params, rows, model_config, settings,
