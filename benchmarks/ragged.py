@@ -20,7 +20,7 @@ Side by side, in one process:
      (`SamplingConfig.continuous_batching`, where this checkout has it) and
      transformers `generate` (EOS on). Each: one warm-up call (compiles),
      then one timed call.
-  2. the update (train.train_step, beta = 0, mu = 1) on ONE rollout of the
+  2. (run first) the update (train.train_step, beta = 0, mu = 1) on ONE rollout of the
      static sampler: padded rows (rl.packing = False; each group's prompt
      once, rl.shared_prompt) vs packed rows (rl.packing = True), the same
      micro-batch token budget; each compiled first, then timed alternately.
@@ -249,9 +249,12 @@ def main(argv=None) -> int:
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, dtype=torch.float32).eval()
   clock = step.clock
+  updates = time_updates(args, step)
+  print(f"update: padded {updates['padded']:.1f} s, packed "
+        f"{updates['packed']:.1f} s")
+  sys.stdout.flush()
   samplers = time_samplers(args, step, hf_model, prompt_ids, clock)
   del hf_model
-  updates = time_updates(args, step)
   ours_steps = []
   for i in range(args.warmup_steps + 1):
     ours_steps.append(step(100 + i))
