@@ -21,11 +21,11 @@ Side by side, in one process:
      transformers `generate` (EOS on). Each: one warm-up call (compiles),
      then one timed call.
   2. (run first) the update (train.train_step, beta = 0, mu = 1) on ONE rollout of the
-     static sampler: padded rows (rl.packing = False; each group's prompt
-     once, rl.shared_prompt) vs packed rows (rl.packing = True), the same
+     static sampler: padded rows (rl.packing = "off"; each group's prompt
+     once, rl.shared_prompt) vs packed rows (rl.packing = "on"), the same
      micro-batch token budget; each compiled first, then timed alternately.
   3. one GRPO step (grpo_jax: benchmarks/grpo_step.py's step with its
-     config, packing on; TRL GRPOTrainer with the same micro-batching rule:
+     config, rl.packing = "auto"; TRL GRPOTrainer with the same micro-batching rule:
      per_device_train_batch_size = --micro-batch with gradient accumulation
      over B*G rows) on this workload.
 
@@ -186,7 +186,7 @@ def time_updates(args, step, repeats: int = 1) -> dict:
   batch = rollout.pack(groups, step.tokenizer.pad_id or 0, rl.overlong_filter)
   adv_n = train.advantages(c, batch.reward_bg, batch.mask_nt)
   configs = {}
-  for name, packing in (("padded", False), ("packed", True)):
+  for name, packing in (("padded", "off"), ("packed", "on")):
     cfg = c.copy_and_resolve_references()
     cfg.rl.packing = packing
     configs[name] = cfg

@@ -183,6 +183,27 @@ def _put(out: PackedRows, m, M, r, col, tokens, positions, segment, S):
   out.segments_rs[row, col:end] = segment
 
 
+MODES = ("auto", "on", "off")   # rl.packing
+
+
+def padded_cost(n: int, prompt_len: int, completion_len: int,
+                group_size: int) -> int:
+  """Decoder tokens the padded path pays for n rows: each group's prompt
+  once (group_size > 1, `hidden_states_shared_prompt`) or every row whole."""
+  if group_size > 1:
+    return n // group_size * prompt_len + n * completion_len
+  return n * (prompt_len + completion_len)
+
+
+def wins(rows: PackedRows, n: int, prompt_len: int, completion_len: int,
+         group_size: int) -> bool:
+  """rl.packing = auto: pack when the packed rows pay for fewer decoder
+  tokens than the padded path (long-tailed lengths); with every completion
+  near the cap, one per row, the shared-prompt padded path pays less."""
+  return rows.tokens_rs.size < padded_cost(n, prompt_len, completion_len,
+                                           group_size)
+
+
 def packed_tokens(rows: PackedRows) -> int:
   """Real tokens in the packed rows (what the decoder works on, padding
   excluded); the row count times S is what it pays for."""

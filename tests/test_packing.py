@@ -226,3 +226,19 @@ def test_sft_rows_use_the_same_assignment():
                                                                       2]]
   with pytest.raises(ValueError, match="does not fit a row of 5"):
     packing.assign_rows([0], [4], [2], 5)
+
+
+def test_auto_packs_only_when_packed_rows_cost_fewer_tokens():
+  """rl.packing = auto: long-tailed lengths pack; every completion at the
+  cap (one per row) stays padded, where the prompt runs once per group."""
+  batch = _ragged_batch()
+  valid = np.asarray(batch.valid_ns)
+  short = np.zeros((B * G, T), np.float32)
+  short[:, :2] = 1.0                                  # 2 tokens each
+  full = np.ones((B * G, T), np.float32)
+  for need, want in ((short, True), (full, False)):
+    rows, _ = packing.pack_rows(np.asarray(batch.tokens_ns), valid, need, G,
+                                64)
+    assert packing.wins(rows, B * G, P, T, G) == want
+  assert packing.padded_cost(8, 5, 3, 4) == 2 * 5 + 8 * 3
+  assert packing.padded_cost(8, 5, 3, 1) == 8 * 8
