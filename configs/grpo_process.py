@@ -3,14 +3,19 @@
     python experiments/run.py --config=configs/grpo_process.py:local
     python experiments/run.py --config=configs/grpo_process.py:local_outcome
 
-:local rewards every step: each written equation "a op b = c" is a step
+:local rewards every step: each stand-alone equation "a op b = c" is a step
 (reward 1 if it holds, 0 if not; the "equations" process reward in
 grpo_jax/rewards/process.py) and the final answer is the last step (1 if the
 last number is right). The step rewards of all G completions of a prompt are
 z-scored together and token t's advantage is the sum of the normalised
 rewards of the steps ending at or after t. :local_outcome is the same run
 with one reward per completion (the last number) and GRPO's z-scored
-outcome advantage. Both without dynamic sampling (DeepSeekMath has none), so
+outcome advantage; it still logs the process reward's process/* metrics
+(equations written, fraction that hold), which do not enter its loss. Both
+run 12 steps of 8 prompts x G=8 at a constant learning rate of 2e-5 after 2
+warm-up steps, with greedy accuracy on 128 held-out problems at steps 0, 4,
+8 and 12 (binomial standard error about 0.03 at the starting accuracy).
+Both without dynamic sampling (DeepSeekMath has none), so
 a group whose answers are all wrong still teaches through its equations
 under process supervision, and teaches nothing under outcome supervision.
 """
@@ -24,7 +29,7 @@ def local(c):
   c.model.remat = "dots"
   c.data.source = "word_problems"
   c.data.kwargs = dict(num_examples=512, levels=1, seed=0)
-  c.data.eval_kwargs = dict(num_examples=64, levels=1, seed=12345)
+  c.data.eval_kwargs = dict(num_examples=128, levels=1, seed=12345)
   c.data.template = "last_number"
   c.sampling.max_new_tokens = 48
   c.rl.prompts_per_step, c.rl.num_generations = 8, 8
@@ -38,8 +43,9 @@ def local(c):
   c.rewards = {"last_number": 1.0}
   c.accuracy_reward = "last_number"
   c.optim.learning_rate, c.optim.warmup_steps = 2e-5, 2
-  c.train.steps = 6
-  c.train.eval_examples = 64
+  c.train.steps = 12
+  c.train.eval_every = 4                      # held-out curve: 0, 4, 8, 12
+  c.train.eval_examples = 128                 # binomial s.e. <= 0.044
   return c
 
 

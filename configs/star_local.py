@@ -50,7 +50,7 @@ def word_problems(c):
   c.star.few_shot_first_only = True
   # A rationalisation is kept only if its reasoning reaches the answer
   # before the final line states it, with true arithmetic (star.reasoning,
-  # star.arithmetic_holds): at 135M many hinted replies echo the hinted
+  # equations.arithmetic_holds): at 135M many hinted replies echo the hinted
   # number, assert it after unrelated arithmetic or force it into a false
   # equation ("23 + 4 = 19").
   c.star.rationale_reasoning_check = True

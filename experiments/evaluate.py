@@ -10,8 +10,11 @@ an exported Hugging Face directory works too: --config.model.source=DIR).
 `--checkpoint` is a run's workdir, its checkpoints directory or one step
 directory (default step: the latest). The problems are the first
 `train.eval_examples` of `data.eval_source`; sampling settings come from
-`config.eval`. Prints a table and writes every completion with its answer and
-verdict to <workdir>/eval/<step_N|pretrained>.json.
+`config.eval`. A checkpoint is evaluated with the tokenizer and prompt
+format (data.template, data.system_prompt) it was trained with: another is
+refused (--allow_prompt_change allows another prompt format). Prints a
+table and writes every completion with its answer and verdict to
+<workdir>/eval/<step_N|pretrained>.json.
 """
 import json
 import os
@@ -28,6 +31,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Run workdir, checkpoints "
                                   "dir or step dir; empty: config.model.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_ALLOW_PROMPT_CHANGE = flags.DEFINE_bool(
+    "allow_prompt_change", False, "Evaluate a checkpoint under another "
+    "data.template / data.system_prompt than it was trained with (refused "
+    "otherwise).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where eval/*.json goes "
                                "(default: the checkpoint's run workdir, else "
                                "workdirs/<config name>).")
@@ -61,12 +68,16 @@ def _evaluate(config):
   if _CHECKPOINT.value:   # the run's own config must fit this one
     preflight.check_eval_config(
         config, ckpt_lib.load_config(_CHECKPOINT.value, _STEP.value),
-        _CHECKPOINT.value)
+        _CHECKPOINT.value, allow_prompt_change=_ALLOW_PROMPT_CHANGE.value)
   examples = experiment.load_examples(config)[1][:config.train.eval_examples]
+  tokenizer = experiment.load_tokenizer(config)
+  preflight.check_model(   # before the weights load
+      config, experiment.policy_model_config(config, _CHECKPOINT.value,
+                                             _STEP.value),
+      tokenizer, preflight.data_prompts(config, tokenizer, [], examples),
+      where=_CHECKPOINT.value or "config.model")
   model_config, params, tokenizer, step = experiment.load_policy(
       config, _CHECKPOINT.value, _STEP.value)
-  preflight.check_model(config, model_config, tokenizer,
-                        where=_CHECKPOINT.value or "config.model")
   result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
                                       examples)
   workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)

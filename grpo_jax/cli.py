@@ -8,11 +8,12 @@ field, and user errors printed as one message instead of a traceback.
         ...
 
 A user error is a bad config (config.ConfigError), a checkpoint that cannot
-be used (checkpoint.CheckpointError), a workdir another run holds
+be used (checkpoint.CheckpointError), a bad model or data file
+(weights.CheckpointError, data.DataError), a workdir another run holds
 (workdir_lock.WorkdirLockedError), an unreadable run store, an output
-directory that is not empty, a full disk, or
-a run stopped by a signal (interrupts.Preempted: its message says how to
-resume). Anything else is a bug and keeps its traceback.
+directory that is not empty, a full disk, or a run stopped by a signal
+(interrupts.Preempted, interrupts.Aborted: the message says how to resume).
+Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import importlib.util
 import logging
 import os
 import sys
+import traceback
 from typing import Any, Iterator, Optional, Sequence
 
 from absl import flags
@@ -121,25 +123,43 @@ def disk_full(error: BaseException) -> bool:
              or "No space left on device" in str(e) for e in _chain(error))
 
 
+def _last_good(workdir: Optional[str]) -> str:
+  """'the last good checkpoint is <path>' of a run's workdir, or that there
+  is none yet."""
+  last = None
+  if workdir:
+    from grpo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+    last = checkpoint.latest_checkpoint(workdir)
+  return (f"the last good checkpoint is {last}" if last else
+          "there is no complete checkpoint yet")
+
+
+# Errors of bad input that name their field, file or process: (module,
+# class), looked up only where the module is loaded.
+_USER_ERRORS = (("grpo_jax.config", "ConfigError"),
+                ("grpo_jax.workdir_lock", "WorkdirLockedError"),
+                ("grpo_jax.runs", "RunStoreError"),
+                ("grpo_jax.interrupts", "Preempted"),
+                ("grpo_jax.outdir", "OutputExistsError"),
+                ("grpo_jax.checkpoint", "CheckpointError"),   # a run's
+                ("grpo_jax.weights", "CheckpointError"),      # a model file
+                ("grpo_jax.data.example", "DataError"))       # a data file
+
+
 def describe(error: BaseException, workdir: Optional[str] = None) -> Optional[str]:
   """The message for a user error, None for anything else."""
-  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, interrupts, outdir, runs, workdir_lock
   if disk_full(error):
-    last = None
-    if workdir:
-      from grpo_jax import checkpoint
-      last = checkpoint.latest_checkpoint(workdir)
-    good = (f"the last good checkpoint is {last}" if last else
-            "there is no complete checkpoint yet")
     where = f" under {workdir}" if workdir else ""
-    return (f"disk full (No space left on device) while writing{where}; {good}. "
-            "Free space (old checkpoints: --config.train.keep_checkpoints) and run "
-            "the same command again to resume.")
-  known = (config_lib.ConfigError, workdir_lock.WorkdirLockedError,
-           runs.RunStoreError, interrupts.Preempted, outdir.OutputExistsError)
-  if "grpo_jax.checkpoint" in sys.modules:
-    known += (sys.modules["grpo_jax.checkpoint"].CheckpointError,)
+    return (f"disk full (No space left on device) while writing{where}; "
+            f"{_last_good(workdir)}. Free space (old checkpoints: "
+            "--config.train.keep_checkpoints) and run the same command again "
+            "to resume.")
+  interrupts = sys.modules.get("grpo_jax.interrupts")
+  if interrupts and isinstance(error, interrupts.Aborted):
+    return (f"stopped by {error}; {_last_good(workdir)}: run the same command "
+            "again to resume from it.")
+  known = tuple(getattr(sys.modules[module], name)
+                for module, name in _USER_ERRORS if module in sys.modules)
   if isinstance(error, known):
     return str(error)
   return None
@@ -161,11 +181,39 @@ class _NoLibraryTracebacks(logging.Filter):
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _closed_loop_callback(unraisable) -> bool:
+  """Whether an unraisable exception is asyncio's "Event loop is closed"
+  raised inside `call_soon_threadsafe`: a tensorstore write finishing after
+  orbax gave up on a failed save and closed the event loop that awaited it
+  (tensorstore reports it from its own thread with PyErr_WriteUnraisable).
+  The save's failure itself is raised and described."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    return False
+  frames = traceback.extract_tb(unraisable.exc_traceback)
+  return any(f.name == "call_soon_threadsafe" for f in frames)
+
+
+def _quiet_unraisablehook(previous):
+  def hook(unraisable):
+    if (_closed_loop_callback(unraisable)
+        and absl_logging.get_verbosity() < absl_logging.DEBUG):
+      return
+    previous(unraisable)
+  hook.grpo_jax_quiet = True
+  return hook
+
+
 def hide_library_tracebacks() -> None:
-  """Installs `_NoLibraryTracebacks` on the root logger's handlers."""
+  """Installs `_NoLibraryTracebacks` on the root logger's handlers, and an
+  unraisable-exception hook that drops the "Event loop is closed" tracebacks
+  a failed asynchronous checkpoint leaves behind (one per write still in
+  flight; a full disk printed up to 35)."""
   for handler in logging.getLogger().handlers:
     if not any(isinstance(f, _NoLibraryTracebacks) for f in handler.filters):
       handler.addFilter(_NoLibraryTracebacks())
+  if not getattr(sys.unraisablehook, "grpo_jax_quiet", False):
+    sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
 
 
 @contextlib.contextmanager
@@ -180,6 +228,6 @@ def user_errors(workdir: Optional[str] = None) -> Iterator[None]:
     if message is None:
       raise
     from grpo_jax import interrupts  # pylint: disable=import-outside-toplevel
-    preempted = isinstance(e, interrupts.Preempted)
-    print(message if preempted else f"error: {message}", file=sys.stderr)
-    sys.exit(e.exit_code if preempted else 1)
+    stopped = isinstance(e, (interrupts.Preempted, interrupts.Aborted))
+    print(message if stopped else f"error: {message}", file=sys.stderr)
+    sys.exit(e.exit_code if stopped else 1)

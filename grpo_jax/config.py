@@ -65,7 +65,9 @@ def base_config() -> ConfigDict:
       num_generations=8,               # G
       advantage="grpo",                # an "advantage" registry name
       process_reward="",               # a "process_reward" name ("": none),
-                                       # needed by advantage = grpo_process
+                                       # needed by advantage = grpo_process;
+                                       # with another advantage only its
+                                       # process/* metrics are logged
       adv_ddof=1, adv_eps=1e-6,
       loss_agg="token-mean",           # a "loss_agg" registry name
       max_len_norm=0,                  # T_max of seq-mean-token-sum-norm (0: T)
@@ -204,6 +206,8 @@ _CHOICES = {
 }
 # rl.num_generations may be 1: no group baseline (a batch baseline or none).
 _NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
+# Advantages that divide by the std of a group's G rewards (G > ddof).
+_STD_ADVANTAGES = ("grpo",)
 # Advantages the loop feeds per-step rewards (train.process_advantages).
 _PROCESS_ADVANTAGES = ("grpo_process",)
 # Policy losses whose ratio is PPO-clipped to [1 - eps_low, 1 + eps_high].
@@ -368,43 +372,55 @@ def _check_star(star: ConfigDict) -> None:
                       f"= {star.batch_size}")
 
 
+# Fields that must be >= 1: counts, sizes, and the divisors of the loops
+# (a step is logged when step % train.log_every == 0), with why where it is
+# not plain.
+_AT_LEAST_1 = {
+    "rl.prompts_per_step": "", "rl.num_generations": "",
+    "rl.num_updates": "", "rl.max_gen_batches": "", "train.steps": "",
+    "train.log_every": " (metrics are written every train.log_every steps)",
+    "train.keep_checkpoints": " (the run resumes from the newest checkpoint "
+                              "it keeps)",
+    "sampling.max_new_tokens": "", "model.logprob_chunk": "",
+    "mesh.init_timeout_s": ""}
+# Fields that must be >= 0; 0 means "off" or "all" for the *_every and
+# *_batch_size fields (the loops test them before dividing).
+_AT_LEAST_0 = (
+    "optim.learning_rate", "optim.weight_decay", "optim.warmup_steps",
+    "rl.kl_beta", "rl.kl_start_step", "rl.kl_ramp_steps", "rl.adv_ddof",
+    "rl.adv_eps", "rl.max_len_norm", "rl.mini_batch_size",
+    "rl.micro_batch_size", "train.checkpoint_every", "train.eval_every",
+    "train.eval_examples", "sampling.temperature", "sampling.top_k")
+
+
 def _check_ranges(config: ConfigDict) -> None:
   rl = config.rl
-  positive = {"rl.prompts_per_step": rl.prompts_per_step,
-              "rl.num_generations": rl.num_generations,
-              "rl.num_updates": rl.num_updates,
-              "rl.max_gen_batches": rl.max_gen_batches,
-              "train.steps": config.train.steps,
-              "sampling.max_new_tokens": config.sampling.max_new_tokens,
-              "mesh.init_timeout_s": config.mesh.init_timeout_s}
+  for path, why in _AT_LEAST_1.items():
+    if _get(config, path) < 1:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        f"be >= 1{why}")
+  for path in _AT_LEAST_0:
+    if _get(config, path) < 0:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        "be >= 0")
   if config.sampling.chunk_rows < 0:
     raise ConfigError(f"config field 'sampling.chunk_rows' = "
                       f"{config.sampling.chunk_rows} must be >= 0 (0: "
                       f"automatic)")
-  for path, value in positive.items():
-    if value < 1:
-      raise ConfigError(f"config field {path!r} = {value} must be >= 1")
-  if config.train.keep_checkpoints < 1:
-    raise ConfigError(f"config field 'train.keep_checkpoints' = "
-                      f"{config.train.keep_checkpoints} must be >= 1 (the run "
-                      "resumes from the newest checkpoint it keeps)")
-  non_negative = {"optim.learning_rate": config.optim.learning_rate,
-                  "optim.weight_decay": config.optim.weight_decay,
-                  "optim.warmup_steps": config.optim.warmup_steps,
-                  "rl.kl_beta": rl.kl_beta,
-                  "train.checkpoint_every": config.train.checkpoint_every,
-                  "train.eval_every": config.train.eval_every,
-                  "train.eval_examples": config.train.eval_examples,
-                  "sampling.temperature": config.sampling.temperature}
-  for path, value in non_negative.items():
-    if value < 0:
-      raise ConfigError(f"config field {path!r} = {value} must be >= 0")
+  if not 0 < config.sampling.top_p <= 1:
+    raise ConfigError(f"config field 'sampling.top_p' = "
+                      f"{config.sampling.top_p} must be in (0, 1]")
   if config.method == "rl" and config.sampling.temperature == 0:
     raise ConfigError(
         "config field 'sampling.temperature' = 0: RL compares the "
         f"{rl.num_generations} completions of a group, which at temperature 0 "
         "are identical, so every advantage is 0 and nothing is learnt; use a "
         "temperature > 0 (e.g. 1.0)")
+  if rl.advantage in _STD_ADVANTAGES and rl.num_generations <= rl.adv_ddof:
+    raise ConfigError(f"config field 'rl.adv_ddof' = {rl.adv_ddof} must be "
+                      f"below rl.num_generations = {rl.num_generations}: "
+                      f"rl.advantage = {rl.advantage!r} divides by the "
+                      f"group's std with G - ddof degrees of freedom")
   if rl.num_generations < 2 and rl.advantage not in _NO_GROUP_ADVANTAGES:
     raise ConfigError(f"config field 'rl.num_generations' must be >= 2 for "
                       f"group-relative advantages (rl.advantage = "

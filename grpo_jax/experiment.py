@@ -3,7 +3,9 @@
 The RL loop (`train.py`), the STaR loop (`star_loop.py`) and the evaluation
 entry point (`experiments/evaluate.py`) all start here:
 
-- `load_model_and_tokenizer` / `load_tokenizer`: what `config.model` names;
+- `load_model_and_tokenizer` / `load_model` / `load_tokenizer`: what
+  `config.model` names; `model_config_of` / `policy_model_config`: its
+  ModelConfig without the weights, for the checks made before they load;
 - `load_examples`: the train and held-out problems of `config.data`;
 - `sampling_config`: the sampler settings of `config.sampling`;
 - `load_policy`: a checkpoint's (or the pretrained) policy to evaluate;
@@ -30,6 +32,7 @@ from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding, workdir_lock
 from grpo_jax import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.loading import open_checkpoint
 from grpo_jax.tiny_tokenizer import byte_tokenizer
 from grpo_jax.update import cast
 
@@ -43,17 +46,35 @@ def load_tokenizer(config):
   return byte_tokenizer() if source == "tiny" else tok_lib.load_tokenizer(source)
 
 
-def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:
-  """The model and tokenizer that `config.model` names (the `tiny` preset is
-  randomly initialised from config.seed and uses the byte tokenizer)."""
+def model_config_of(config) -> ModelConfig:
+  """The ModelConfig of `config.model` without loading its weights (the
+  preset, a Hugging Face directory's config.json, a GGUF file's header):
+  what the checks before the model loads need (preflight.check_model)."""
+  if config.model.source == "tiny":
+    return models.get_preset("tiny")
+  ckpt = open_checkpoint(config.model.source)
+  try:
+    return ckpt.config
+  finally:
+    ckpt.close()
+
+
+def load_model(config) -> tuple[ModelConfig, Params]:
+  """The model that `config.model` names (the `tiny` preset is randomly
+  initialised from config.seed), in model.param_dtype."""
   source = config.model.source
   if source == "tiny":
     model_config = models.get_preset("tiny")
     params = models.init_params(model_config, jax.random.key(config.seed))
   else:
     model_config, params = models.load_pretrained(source)
-  params = cast(params, config.model.param_dtype)
-  return model_config, params, load_tokenizer(config)
+  return model_config, cast(params, config.model.param_dtype)
+
+
+def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:
+  """The model and tokenizer that `config.model` names (the `tiny` preset
+  uses the byte tokenizer)."""
+  return (*load_model(config), load_tokenizer(config))
 
 
 def sampling_config(config, tokenizer) -> sampling.SamplingConfig:
@@ -84,6 +105,14 @@ def load_examples(config) -> tuple[list, list]:
         "evaluated: fix the eval data, or set --config.train.eval_examples=0 to "
         "train without held-out evaluation")
   return train, held_out
+
+
+def policy_model_config(config, source: str = "", step: int | None = None
+                        ) -> ModelConfig:
+  """The ModelConfig `load_policy` returns, without loading weights."""
+  if not source:
+    return model_config_of(config)
+  return checkpoint.load_model_config(source, step)
 
 
 def load_policy(config, source: str = "", step: int | None = None

@@ -8,7 +8,9 @@ pre-emption sync point, orbax `reached_preemption`, plays the same role):
                                          checkpoint, raises `Preempted`
                                          (exit status 143 / 130; the run
                                          store records "preempted")
-  a second Ctrl-C (or SIGTERM)           aborts at once (KeyboardInterrupt)
+  a second Ctrl-C (or SIGTERM)           aborts at once (`Aborted`, a
+                                         KeyboardInterrupt; exit status
+                                         130 / 143, recorded "killed")
 
 A loop marks the end of its start-up and its step boundaries:
 
@@ -59,6 +61,15 @@ class Preempted(BaseException):
     super().__init__(f"stopped by {reason} {what}")
 
 
+class Aborted(KeyboardInterrupt):
+  """A second signal: the run stops at once, without saving."""
+
+  def __init__(self, signum: int):
+    self.exit_code = 128 + signum
+    super().__init__(f"{signal.Signals(signum).name} again: aborted without "
+                     "saving")
+
+
 class _Stop:
   """The signal state of one guarded run."""
 
@@ -83,7 +94,7 @@ class _Stop:
     del frame
     name = signal.Signals(signum).name
     if self.signum is not None:   # asked twice: stop waiting
-      raise KeyboardInterrupt(f"{name} again: aborted without saving")
+      raise Aborted(signum)
     self.signum, self.reason = signum, name
     if not self.deferring:
       raise Preempted(name, signum=signum)

@@ -1,18 +1,23 @@
 """Checks that need more than the config (config.validate has the rest),
 made before the work they protect, each naming the field and what to do.
 
-  check_model       the tokenizer's vocabulary fits the model's; prompts
-                    and completions fit the model's context
+  check_model       the tokenizer's vocabulary fits the model's; the
+                    longest prompt of the data (data_prompts) plus
+                    sampling.max_new_tokens fits the model's context
   check_eval_config an evaluation's config against the one a checkpoint
-                    was trained with
+                    was trained with (tokenizer, prompt template, system
+                    prompt)
   check_resume_step train.steps against the step a run resumes from
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
+
+from grpo_jax import rollout
 from grpo_jax.config import ConfigError
 
 
@@ -20,10 +25,14 @@ def tokenizer_source(config) -> str:
   return config.model.tokenizer or config.model.source
 
 
-def check_model(config, model_config, tokenizer, where: str = "config.model"
-                ) -> None:
+def check_model(config, model_config, tokenizer,
+                prompts: Mapping[str, Sequence[str]] | None = None,
+                where: str = "config.model") -> None:
   """Raises ConfigError if the tokenizer can produce ids the model has no
-  embedding for, or if sampling.max_new_tokens does not fit the context."""
+  embedding for, or if a prompt of `prompts` (what gave them -> the rendered
+  prompt texts, `data_prompts`) plus sampling.max_new_tokens does not fit
+  the model's context. Needs the ModelConfig only: call it before the
+  weights load."""
   if tokenizer.vocab_size > model_config.vocab_size:
     raise ConfigError(
         f"the tokenizer {tokenizer_source(config)!r} (config field "
@@ -32,12 +41,52 @@ def check_model(config, model_config, tokenizer, where: str = "config.model"
         "its ids would index past the embedding. Use the model's own tokenizer "
         "(--config.model.tokenizer= empty, or the config the model was trained "
         "with).")
-  context = model_config.max_seq_len
-  if config.sampling.max_new_tokens >= context:
+  _check_context(config, model_config.max_seq_len, tokenizer, prompts or {},
+                 where)
+
+
+def _check_context(config, context: int, tokenizer,
+                   prompts: Mapping[str, Sequence[str]], where: str) -> None:
+  """Prompt + completion positions within the model's context: the longest
+  prompt of each set plus sampling.max_new_tokens (max position P + T - 1)."""
+  T = config.sampling.max_new_tokens
+  if T >= context:
     raise ConfigError(
-        f"config field 'sampling.max_new_tokens' = {config.sampling.max_new_tokens} "
-        f"leaves no room for a prompt in the model's context of {context} tokens "
-        f"(ModelConfig.max_seq_len of {where}): lower it below {context}.")
+        f"config field 'sampling.max_new_tokens' = {T} leaves no room for a "
+        f"prompt in the model's context of {context} tokens (ModelConfig."
+        f"max_seq_len of {where}): lower it below {context}.")
+  for source, texts in prompts.items():
+    if not texts:
+      continue
+    p_lengths = [len(ids) for ids in tokenizer.encode_batch(list(texts))]
+    i = int(np.argmax(p_lengths))
+    P = p_lengths[i]
+    if P + T > context:
+      keep = f"only prompts of at most {context - T} tokens in the data"
+      fix = (f"Lower sampling.max_new_tokens to {context - P} or less, or "
+             f"keep {keep}" if P < context else f"Keep {keep}")
+      raise ConfigError(
+          f"prompt {i} of {source} has {P} tokens (through data.template = "
+          f"{config.data.template!r}"
+          f"{' and data.system_prompt' if config.data.system_prompt else ''}"
+          f"); with sampling.max_new_tokens = {T} it needs {P + T} "
+          f"positions, beyond the model's context of {context} tokens "
+          f"(ModelConfig.max_seq_len of {where}). {fix}.")
+
+
+def data_prompts(config, tokenizer, train: Sequence[Any],
+                 held_out: Sequence[Any]) -> dict[str, list[str]]:
+  """The prompts an RL run or an evaluation samples from (for
+  `check_model`): every training and held-out example through data.template,
+  data.system_prompt and the chat template, by the config fields that gave
+  them."""
+  d = config.data
+  render = lambda examples: rollout.render_prompts(
+      tokenizer, d.template, [e.question for e in examples], d.system_prompt)
+  return {f"the training data (data.source = {d.source!r}, data.kwargs)":
+              render(train),
+          f"the held-out data (data.eval_source = "
+          f"{d.eval_source or d.source!r}, data.eval_kwargs)": render(held_out)}
 
 
 # Fields of a run's config that an evaluation of its checkpoint must keep:
@@ -62,10 +111,12 @@ def _resolvable(source: str) -> bool:
 
 
 def check_eval_config(config, stored: Optional[Mapping[str, Any]],
-                      checkpoint: str) -> None:
+                      checkpoint: str, allow_prompt_change: bool = False
+                      ) -> None:
   """Compares an evaluation's config with the config stored in the
-  checkpoint: a different tokenizer raises ConfigError listing both, a
-  different prompt format warns."""
+  checkpoint: a different tokenizer raises ConfigError listing both; so
+  does a different prompt format (template, system prompt) unless
+  `allow_prompt_change` (evaluating under another prompt on purpose)."""
   if not stored:
     return
   now, then = _effective(config.to_dict()), _effective(stored)
@@ -82,11 +133,22 @@ def check_eval_config(config, stored: Optional[Mapping[str, Any]],
         f"({config.name!r}) uses {now['model.tokenizer_source']!r}. Evaluate "
         f"with the run's config (--config=configs/{stored.get('name', '?')}.py...) "
         f"or --config.model.tokenizer={then['model.tokenizer_source']}.")
-  for k in _EVAL_SHOULD_MATCH:
-    if now[k] != then[k]:
-      logging.warning("config field %r is %r here but %r in the config %s was "
-                      "trained with: the prompts differ from training", k,
-                      now[k], then[k], checkpoint)
+  changed = [k for k in _EVAL_SHOULD_MATCH if now[k] != then[k]]
+  if not changed:
+    return
+  fields = "; ".join(f"{k} is {now[k]!r} here but {then[k]!r} in training"
+                     for k in changed)
+  if allow_prompt_change:
+    logging.warning("%s (checkpoint %s): evaluating with other prompts than "
+                    "training, as --allow_prompt_change asks", fields,
+                    checkpoint)
+    return
+  flags = " ".join(f"--config.{k}={then[k]!r}" for k in changed)
+  raise ConfigError(
+      f"the checkpoint {checkpoint} (config {stored.get('name')!r}) was "
+      f"trained with other prompts: {fields}. Evaluate with its prompts "
+      f"({flags}), or pass --allow_prompt_change to evaluate under this "
+      "config's prompts on purpose.")
 
 
 def check_resume_step(resumed_step: int, config, where: str) -> None:

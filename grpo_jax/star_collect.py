@@ -21,8 +21,9 @@ import jax
 import numpy as np
 
 from grpo_jax import evaluation, experiment, registry, rollout, sampling, sft
-from grpo_jax.algorithms.star import arithmetic_holds, mentions_hint, reasoning
+from grpo_jax.algorithms.star import mentions_hint, reasoning
 from grpo_jax.data import Example, answer_hint
+from grpo_jax.rewards import equations
 
 
 # ----------------------------------------------------------------------------
@@ -44,6 +45,16 @@ def render(tokenizer, template: str, question: str, system_prompt: str = "",
     messages.append({"role": "assistant", "content": shot.rationale})
   messages += fmt(question, hint)
   return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def sampling_prompts(config, tokenizer, problems: Sequence[Example],
+                     shots: Sequence[Example]) -> list[str]:
+  """Each problem's longest sampling prompt (preflight.check_model): with
+  the few-shot exemplars and, under star.rationalize, its answer hint."""
+  d, hinted = config.data, config.star.rationalize
+  return [render(tokenizer, d.template, p.question, d.system_prompt,
+                 hint=answer_hint(p.answer) if hinted else None, shots=shots)
+          for p in problems]
 
 
 # ----------------------------------------------------------------------------
@@ -94,7 +105,7 @@ def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
           spec, np.repeat(texts, G).tolist(),
           [reasoning(c) for c in completions],
           np.repeat(golds, G).tolist(), out.length_n)
-      derived &= np.array([arithmetic_holds(c) for c in completions])
+      derived &= np.array([equations.arithmetic_holds(c) for c in completions])
       counts["unreasoned"] += int((usable & ~derived).sum())
       usable &= derived
     for b in range(len(texts)):

@@ -36,7 +36,7 @@ from grpo_jax import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
-from grpo_jax.star_collect import Kept, collect_examples
+from grpo_jax.star_collect import Kept, collect_examples, sampling_prompts
 from grpo_jax.update import OptimizerSpec, cast, init_state
 
 Params = Any
@@ -144,10 +144,17 @@ def run(config, workdir: str) -> dict:
   st = config.star
   os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
   problems, held_out = experiment.load_examples(config)   # cheap first
-  model_config, original, tokenizer = experiment.load_model_and_tokenizer(config)
-  preflight.check_model(config, model_config, tokenizer)
   held_out = held_out[:config.train.eval_examples]
   shots, problems = split_shots(problems, st.few_shot)
+  tokenizer = experiment.load_tokenizer(config)
+  prompts = {f"the training data (data.source = {config.data.source!r}, "
+             "data.kwargs; with star.few_shot exemplars and, under "
+             "star.rationalize, answer hints)": sampling_prompts(
+                 config, tokenizer, problems, shots),
+             **preflight.data_prompts(config, tokenizer, [], held_out)}
+  preflight.check_model(config, experiment.model_config_of(config), tokenizer,
+                        prompts)   # before the weights load
+  model_config, original = experiment.load_model(config)
   spec = rollout.RewardSpec.from_config(config)
   layout = sharding_lib.Layout.from_config(config)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)

@@ -49,17 +49,24 @@ def advantages(config, reward_bg: np.ndarray,
   return np.asarray(adv_bg, np.float32).reshape(-1)
 
 
+def process_step_rewards(config, tokenizer, groups
+                         ) -> tuple[np.ndarray, np.ndarray, dict]:
+  """The configured process reward's (step_reward_bgt, step_end_bgt,
+  process/* metrics) for the step's groups."""
+  # the text the rewards read: without the stop token (rollout.generate_groups)
+  text_len_bg = groups.length_bg - (~groups.truncated_bg)
+  return process.step_rewards(
+      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
+      groups.correct_bg, groups.tokens_bgt.shape[2])
+
+
 def process_advantages(config, tokenizer, groups) -> tuple[np.ndarray, dict]:
   """ADVANTAGE with process supervision (DeepSeekMath §4.1.3): step rewards
   from the configured process reward at step-end tokens, z-scored over all
   steps of each group and summed over the steps at or after each token:
   per-token advantages [B*G, T]."""
   B, G, T = groups.tokens_bgt.shape
-  # the text the rewards read: without the stop token (rollout.generate_groups)
-  text_len_bg = groups.length_bg - (~groups.truncated_bg)
-  step_r, step_end, metrics = process.step_rewards(
-      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
-      groups.correct_bg, T)
+  step_r, step_end, metrics = process_step_rewards(config, tokenizer, groups)
   adv_bgt = adv_lib.grpo_process_advantages(
       jnp.asarray(step_r), jnp.asarray(step_end), ddof=config.rl.adv_ddof,
       eps=config.rl.adv_eps)
@@ -200,11 +207,16 @@ def run(config, workdir: str) -> dict:
   sharding_lib.initialize_distributed(config)  # before any device is used
   layout = sharding_lib.Layout.from_config(config)
   os.makedirs(workdir, exist_ok=True)
-  train_examples, eval_examples = experiment.load_examples(config)  # cheap first
-  model_config, params, tokenizer = experiment.load_model_and_tokenizer(config)
-  preflight.check_model(config, model_config, tokenizer)
-  ckpt = experiment.make_checkpointer(config, workdir, model_config)
+  # Cheap checks first: the data, the tokenizer and the model's config
+  # against each other, then the weights.
+  train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
+  tokenizer = experiment.load_tokenizer(config)
+  preflight.check_model(
+      config, experiment.model_config_of(config), tokenizer,
+      preflight.data_prompts(config, tokenizer, train_examples, eval_examples))
+  model_config, params = experiment.load_model(config)
+  ckpt = experiment.make_checkpointer(config, workdir, model_config)
   spec = rollout.RewardSpec.from_config(config)
   settings = LossSettings.from_config(config)
   sample_cfg = experiment.sampling_config(config, tokenizer)
@@ -273,6 +285,8 @@ def run(config, workdir: str) -> dict:
       metrics.update(process_metrics)
     else:
       adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
+      if rl.process_reward:   # its metrics only, to compare with process runs
+        metrics.update(process_step_rewards(config, tokenizer, groups)[2])
     metrics.update({"advantage/mean": float(adv_n.mean()),
                     "advantage/std": float(adv_n.std()),
                     "advantage/abs_max": float(np.abs(adv_n).max())})
@@ -281,7 +295,9 @@ def run(config, workdir: str) -> dict:
         config, model_config, state, optimizer, packed, adv_n, ref_params,
         settings, np.random.default_rng([config.seed, step]), layout)
     metrics.update(update_metrics)
-    metrics["learning_rate"] = float(lr_schedule(int(state.step)))
+    # the rate of this step's last update (optax reads the count before it
+    # increments it: update k uses lr_schedule(k), k = 0, 1, ...)
+    metrics["learning_rate"] = float(lr_schedule(int(state.step) - 1))
     metrics["time/step"] = time.perf_counter() - t_step
     metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
         metrics["time/sample"], 1e-9)

@@ -155,6 +155,34 @@ def test_evaluate_refuses_a_config_whose_tokenizer_differs_from_the_checkpoints(
   assert "Traceback" not in out.stderr and not (tmp_path / "eval").exists()
 
 
+def test_evaluate_refuses_the_dapo_config_on_a_tiny_checkpoint(finished_run, tmp_path):
+  """The issue's case: a 49,152-token tokenizer on a 256-token model gave
+  accuracy 0.0 labelled dapo_local, exit 0."""
+  out = command("evaluate.py", f"--config={REPO / 'configs' / 'dapo_aime.py'}:local",
+                f"--checkpoint={finished_run}", f"--workdir={tmp_path / 'eval'}")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert ("was trained with the tokenizer 'tiny'" in out.stderr
+          and "uses 'smollm2-135m-instruct'" in out.stderr)
+  assert not (tmp_path / "eval").exists()
+
+
+def test_evaluate_refuses_other_prompts_than_the_checkpoint_was_trained_with(
+    finished_run, tmp_path):
+  args = (f"--config={TINY}", f"--checkpoint={finished_run}", "--config.data.template=boxed",
+          "--config.data.system_prompt=Think.", f"--workdir={tmp_path / 'eval'}")
+  out = command("evaluate.py", *args)
+  assert out.returncode != 0 and not (tmp_path / "eval").exists()
+  message = out.stderr.strip().splitlines()[-1]
+  assert "data.template is 'boxed' here but 'last_number' in training" in message
+  assert "data.system_prompt is 'Think.' here but '' in training" in message
+  assert "--config.data.template='last_number'" in message
+  assert "--allow_prompt_change" in message and "Traceback" not in out.stderr
+  on_purpose = command("evaluate.py", *args, "--allow_prompt_change")
+  assert on_purpose.returncode == 0, on_purpose.stderr[-2000:]
+  assert "evaluating with other prompts than training" in on_purpose.stderr
+  assert (tmp_path / "eval" / "eval" / "step_3.json").is_file()
+
+
 def test_resume_with_changed_data_arguments_lists_the_fields(finished_run, tmp_path):
   workdir = copy_run(finished_run, tmp_path)
   config = quiet_tiny(steps=5)
@@ -189,17 +217,115 @@ def test_max_new_tokens_beyond_the_models_context_is_refused(tmp_path):
     train.run(config, str(tmp_path))
 
 
+def _no_weights(monkeypatch):
+  """Makes loading any model's weights fail: a check that passes must have
+  run before them."""
+  from grpo_jax import experiment
+
+  def load_model(config):
+    raise AssertionError("the weights were loaded before the check")
+  monkeypatch.setattr(experiment, "load_model", load_model)
+
+
+def _jsonl(path, questions):
+  path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"
+                          for q in questions))
+  return str(path)
+
+
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_a_prompt_plus_completion_beyond_the_context_is_refused_before_the_weights(
+    tmp_path, monkeypatch, which):
+  _no_weights(monkeypatch)
+  # The tiny model: byte tokenizer, context 512. max_new_tokens = 64 fits
+  # alone; one prompt of ~470 bytes (with the template's) plus 64 new tokens
+  # does not.
+  config = quiet_tiny()
+  config.sampling.max_new_tokens = 64
+  long = _jsonl(tmp_path / "long.jsonl", ["1 + 1 = ?", "x" * 360 + " 1 + 0 = ?"])
+  if which == "train":
+    config.data.source, config.data.kwargs = "jsonl", dict(path=long, layout="gsm8k")
+    config.data.eval_source = "arithmetic"
+    source = r"the training data \(data.source = 'jsonl', data.kwargs\)"
+  else:
+    config.data.eval_source, config.data.eval_kwargs = "jsonl", dict(path=long,
+                                                                     layout="gsm8k")
+    source = r"the held-out data \(data.eval_source = 'jsonl', data.eval_kwargs\)"
+  with pytest.raises(config_lib.ConfigError,
+                     match=rf"prompt 1 of {source} has 47\d tokens \(through data.template = "
+                           r"'last_number'\); with sampling.max_new_tokens = 64 it needs 5\d\d "
+                           r"positions, beyond the model's context of 512 tokens.*Lower "
+                           r"sampling.max_new_tokens to 3\d or less, or keep only prompts of "
+                           r"at most 448 tokens"):
+    train.run(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_star_checks_its_few_shot_prompts_against_the_context(tmp_path, monkeypatch):
+  from configs import star_tiny
+  _no_weights(monkeypatch)
+  config = star_tiny.get_config()
+  config.star.few_shot = 4   # four worked exemplars before each question
+  config.sampling.max_new_tokens = 250   # the held-out prompts (no exemplars) fit
+  with pytest.raises(config_lib.ConfigError, match=r"prompt \d+ of the training data .*"
+                                                   r"star.few_shot exemplars"):
+    train_star = __import__("grpo_jax.star_loop", fromlist=["run"]).run
+    train_star(config, str(tmp_path / "run"))
+  config.sampling.max_new_tokens, config.star.few_shot = 8, 0   # fits: loads the weights
+  with pytest.raises(AssertionError, match="weights were loaded"):
+    train_star(config, str(tmp_path / "run"))
+
+
+def test_evaluate_checks_the_held_out_prompts_against_the_checkpoints_context(
+    finished_run, tmp_path):
+  long = _jsonl(tmp_path / "long.jsonl", ["x" * 520])
+  out = command("evaluate.py", f"--config={TINY}", f"--checkpoint={finished_run}",
+                "--config.data.eval_source=jsonl",
+                f"--config.data.eval_kwargs={json.dumps(dict(path=long, layout='gsm8k'))}",
+                f"--workdir={tmp_path / 'eval'}")
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "prompt 0 of the held-out data (data.eval_source = 'jsonl'" in out.stderr
+  assert f"context of 512 tokens (ModelConfig.max_seq_len of {finished_run}). Keep only " \
+      "prompts of at most 504 tokens" in out.stderr
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("optim.learning_rate", -1e-3, "'optim.learning_rate' = -0.001 must be >= 0"),
     ("rl.kl_beta", -0.1, "'rl.kl_beta' = -0.1 must be >= 0"),
     ("optim.weight_decay", -0.01, "'optim.weight_decay' = -0.01 must be >= 0"),
     ("train.keep_checkpoints", 0, "'train.keep_checkpoints' = 0 must be >= 1"),
     ("sampling.temperature", 0.0, "every advantage is 0"),
+    # Divisors of the loops: 0 was a ZeroDivisionError (log_every) or a
+    # crash mid-run; a negative size passed `rows % size`.
+    ("train.log_every", 0, "'train.log_every' = 0 must be >= 1"),
+    ("rl.mini_batch_size", -4, "'rl.mini_batch_size' = -4 must be >= 0"),
+    ("rl.micro_batch_size", -4, "'rl.micro_batch_size' = -4 must be >= 0"),
+    ("rl.adv_ddof", 4, "'rl.adv_ddof' = 4 must be below rl.num_generations = 4"),
+    ("model.logprob_chunk", 0, "'model.logprob_chunk' = 0 must be >= 1"),
+    ("train.eval_every", -1, "'train.eval_every' = -1 must be >= 0"),
+    ("train.checkpoint_every", -2, "'train.checkpoint_every' = -2 must be >= 0"),
+    ("sampling.top_p", 0.0, r"'sampling.top_p' = 0.0 must be in \(0, 1\]"),
+    ("sampling.top_k", -1, "'sampling.top_k' = -1 must be >= 0"),
 ])
 def test_impossible_values_are_refused_naming_the_field(field, value, message):
   config = sweeps.apply_overrides(tiny.get_config(), {field: value})
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize("field", ["train.eval_every", "train.checkpoint_every",
+                                   "rl.mini_batch_size", "rl.micro_batch_size"])
+def test_zero_means_off_or_all_for_the_other_divisors(field):
+  """The loops test these before dividing: 0 is 'never' or 'the whole batch'."""
+  config_lib.validate(sweeps.apply_overrides(tiny.get_config(), {field: 0}))
+
+
+def test_a_run_with_log_every_0_stops_before_the_model_loads(tmp_path):
+  config = quiet_tiny(log_every=0)
+  config.model.source = str(tmp_path / "no_such_model.gguf")   # never reached
+  with pytest.raises(config_lib.ConfigError, match="'train.log_every' = 0"):
+    train.run(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
 
 
 def test_stray_argument_and_variant_of_a_config_without_variants_are_refused(tmp_path):
@@ -222,6 +348,16 @@ def test_an_empty_eval_file_is_refused_before_the_model_loads(tmp_path):
   config.data.eval_kwargs = dict(path=str(empty), layout="gsm8k")
   with pytest.raises(config_lib.ConfigError, match=r"data.eval_kwargs.*gave no examples"):
     train.run(config, str(tmp_path / "run"))
+
+
+def test_a_bad_data_file_is_one_line_naming_it(tmp_path):
+  bad = tmp_path / "eval.jsonl"
+  bad.write_text('{"question": "1 + 1 = ?", "answer": "#### 2"}\n{"question": \n')
+  out = command("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
+                "--config.data.eval_source=jsonl",
+                f"--config.data.eval_kwargs={json.dumps(dict(path=str(bad), layout='gsm8k'))}")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == f"error: {bad} line 2: not valid JSON (Expecting value)"
 
 
 def test_a_data_path_typo_is_reported_before_the_model_loads(tmp_path):
@@ -300,7 +436,7 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch):
 def _running_tiny(workdir, store, *extra):
   return subprocess.Popen(
       [sys.executable, "experiments/run.py", f"--config={TINY}", f"--workdir={workdir}",
-       "--config.train.steps=200", "--config.train.eval_at_start=false", *extra],
+       "--config.train.steps=100000", "--config.train.eval_at_start=false", *extra],
       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                GRPO_JAX_RUNS=str(store)))
@@ -332,6 +468,14 @@ def test_sigterm_mid_run_saves_exits_non_zero_and_records_preempted(tmp_path):
   try:
     assert _wait_for(lambda: (workdir / "metrics.jsonl").exists()
                      and (workdir / "metrics.jsonl").read_text().count("\n") >= 2, proc)
+    # The same command again, while the first runs: refused, naming it.
+    second = command("run.py", f"--config={TINY}", f"--workdir={workdir}",
+                     "--config.train.steps=100000", "--config.train.eval_at_start=false",
+                     env={"GRPO_JAX_RUNS": str(store)})
+    assert proc.poll() is None, "the first run ended before the second started"
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1].startswith(
+        f"error: workdir {workdir} is in use by pid {proc.pid} on host ")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
   finally:
@@ -339,8 +483,8 @@ def test_sigterm_mid_run_saves_exits_non_zero_and_records_preempted(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
   assert "stopped by SIGTERM at step" in stderr and "Traceback" not in stderr
   saved = checkpoint.finalized_steps(checkpoint.checkpoint_dir(workdir))
-  assert len(saved) == 1 and 2 <= saved[0] < 200
-  assert _statuses(store) == ["preempted"]
+  assert len(saved) == 1 and 2 <= saved[0] < 100000
+  assert _statuses(store) == ["preempted", "failed"]   # the refused second run
 
 
 def test_sigterm_during_start_up_leaves_no_row_running(tmp_path):
@@ -356,6 +500,17 @@ def test_sigterm_during_start_up_leaves_no_row_running(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
   assert "during start-up" in stderr
   assert _statuses(store) == ["preempted"]
+
+
+def test_a_second_ctrl_c_exits_130_naming_the_last_checkpoint_without_a_traceback(
+    finished_run, capsys):
+  with pytest.raises(SystemExit) as exited:
+    with cli.user_errors(str(finished_run)):
+      raise interrupts.Aborted(signal.SIGINT)
+  assert exited.value.code == 130
+  assert capsys.readouterr().err == (
+      "stopped by SIGINT again: aborted without saving; the last good checkpoint is "
+      f"{finished_run / 'checkpoints' / '3'}: run the same command again to resume from it.\n")
 
 
 def test_a_sweep_stops_at_a_preempted_point(tmp_path):
@@ -388,6 +543,21 @@ def test_unknown_config_fields_get_one_line_with_the_nearest_names(tmp_path, fla
   assert out.returncode != 0
   assert expected in out.stderr
   assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_fix_a_missing_data_path_error_suggests_works(tmp_path):
+  """tiny's data.eval_kwargs has no `path`: the suggestion must be a flag
+  that parses (--config.data.eval_kwargs.path=... failed with AttributeError)."""
+  base = ("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
+          "--config.data.eval_source=jsonl")
+  out = command(*base)
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  suggestion = "--config.data.eval_kwargs='{\"path\": \"...\"}'"
+  assert suggestion in out.stderr.strip().splitlines()[-1]
+  missing = tmp_path / "eval.jsonl"
+  followed = command(*base, suggestion.replace("'", "").replace("...", str(missing)))
+  assert followed.returncode == 1 and "Traceback" not in followed.stderr
+  assert followed.stderr.strip().splitlines()[-1] == f"error: {missing}: no such file"
 
 
 def test_validate_names_the_nearest_field_for_a_misspelt_nested_one():
@@ -488,8 +658,48 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path):
         saved, out.stderr[-3000:])
     assert f"the last good checkpoint is {mount / 'run' / 'checkpoints' / str(saved[-1])}" in last
     assert "site-packages/orbax" not in out.stderr   # its ~600 lines of tracebacks
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
   finally:
     subprocess.run(["umount", str(mount)], check=False)
+
+
+_CLOSED_LOOP = """
+import asyncio, threading, tensorstore
+from grpo_jax import cli
+cli.hide_library_tracebacks()
+# What a failed orbax save leaves: a tensorstore write awaited in an event
+# loop that orbax closed after a sibling write failed; the write completes
+# later, on another thread.
+promise, write = tensorstore.Promise.new()
+async def save():
+  async def one_write():
+    await write
+  asyncio.ensure_future(one_write())
+  await asyncio.sleep(0.01)
+  raise OSError(28, "No space left on device")
+loop = asyncio.new_event_loop()
+try:
+  loop.run_until_complete(save())
+except OSError:
+  pass
+loop.close()
+done = threading.Thread(target=lambda: promise.set_result(1))
+done.start()
+done.join()
+class Other:
+  def __del__(self):
+    raise ValueError("another unraisable error is still shown")
+Other()
+print("end")
+"""
+
+
+def test_a_failed_async_save_prints_no_closed_event_loop_traceback():
+  out = subprocess.run([sys.executable, "-c", _CLOSED_LOOP], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert out.returncode == 0 and out.stdout == "end\n", out.stderr
+  assert "Event loop is closed" not in out.stderr
+  assert "another unraisable error is still shown" in out.stderr
 
 
 def test_config_json_missing_a_key_names_it(tmp_path):

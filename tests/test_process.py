@@ -2,15 +2,17 @@
 mapped to tokens, per-token process advantages into the loss and a run."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import grpo_process, tiny
 from grpo_jax import config as config_lib
-from grpo_jax import registry, train
+from grpo_jax import registry, train, update
 from grpo_jax.algorithms import advantages as adv_lib
-from grpo_jax.rewards import process
+from grpo_jax.models import get_preset, init_params
+from grpo_jax.rewards import equations, process
 from grpo_jax.tiny_tokenizer import byte_tokenizer
 
 
@@ -22,11 +24,28 @@ def test_equation_steps_reward_true_equations_and_the_answer():
   assert steps == [(ends[0], 1.0), (ends[1], 0.0), (ends[2], 1.0),
                    (ends[3], 1.0)]
   assert process.equation_steps("no equation", correct=False) == [(11, 0.0)]
-  assert process.equation_holds("10", "/", "4", "2.5")
-  assert process.equation_holds("10", "/", "3", "3.33")
-  assert not process.equation_holds("10", "/", "0", "0")
-  assert not process.equation_holds("12", "-", "5", "-7")
-  assert process.equation_holds("5", "-", "12", "-7")
+  # a chain is no step (its last link "3 * 4 = 14" is false, the chain true)
+  chain = "2 + 3 * 4 = 14, then 14 - 20 = -6"
+  assert process.equation_steps(chain, correct=False) == [(len(chain), 1.0),
+                                                          (len(chain), 0.0)]
+  holds = equations.equation_holds
+  assert holds("10", "/", "4", "2.5") and holds("10", "/", "3", "3.33")
+  assert not holds("10", "/", "0", "0") and not holds("10", "/", "3", "3.4")
+  assert not holds("12", "-", "5", "-7") and holds("5", "-", "12", "-7")
+  assert holds("6", "\u00d7", "7", "42") and not holds("6", "x", "7", "43")
+
+
+def test_star_and_the_process_reward_read_the_same_equations():
+  """One definition (rewards/equations.py): STaR's check is "every step of
+  the process reward holds"."""
+  texts = ["4 packs of 4 is 4 * 4 = 16 more, so 15 + 16 = 31.",
+           "Noah starts with 23, so 23 + 4 = 19.", "2 + 3 * 4 = 14",
+           "27 bags = 3 x 10 = 33 apples", "No equation: 31."]
+  for text in texts:
+    rewards = [r for _, r in process.equation_steps(text, correct=True)[:-1]]
+    assert equations.arithmetic_holds(text) == all(r == 1.0 for r in rewards)
+  assert [len(process.equation_steps(t, True)) - 1 for t in texts] == [
+      2, 1, 0, 1, 0]
 
 
 def test_char_ends_map_to_the_token_that_ends_the_step():
@@ -87,9 +106,12 @@ def test_registered_and_validated():
   config_lib.validate(grpo_process.get_config("local_outcome"))
 
 
-def test_grpo_process_trains_end_to_end(tmp_path):
+@pytest.mark.parametrize("advantage", ["grpo_process", "grpo"])
+def test_grpo_process_trains_end_to_end(tmp_path, advantage):
+  """Process supervision trains; an outcome run with the process reward set
+  logs the same process/* metrics (the README compares them)."""
   c = tiny.get_config()
-  c.rl.advantage = "grpo_process"
+  c.rl.advantage = advantage
   c.rl.process_reward = "equations"
   c.rl.loss_agg = "seq-mean-token-mean"
   c.train.steps = 2
@@ -99,3 +121,30 @@ def test_grpo_process_trains_end_to_end(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
   for r in rows:
     assert np.isfinite(r["loss"]) and r["process/steps_per_completion"] >= 1
+
+
+def test_per_token_advantages_are_exact_under_micro_batching():
+  """The update with process advantages [N, T] (each row's own) gives the
+  same loss and gradient for 1, 2 and 4 micro-batches."""
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0))
+  rng = np.random.RandomState(3)
+  n, prompt, comp = 8, 4, 5
+  lengths = rng.randint(1, comp + 1, n)
+  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
+  tokens = rng.randint(1, 256, (n, prompt + comp)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(prompt + comp), (n, prompt + comp))
+  adv_nt = np.cumsum(rng.randn(n, comp), axis=1)[:, ::-1].astype(np.float32)
+  batch = update.UpdateBatch(
+      jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
+      jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
+      jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
+      jnp.zeros((n, comp)), jnp.asarray(adv_nt))
+  s = update.LossSettings(agg="seq-mean-token-mean", chunk=4)
+  step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
+  results = [step(params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
+  assert abs(float(results[0][1])) > 1e-3
+  for grads, loss, _ in results[1:]:
+    np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results[0][0])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)

@@ -19,6 +19,7 @@ from grpo_jax import rollout, sampling, star_collect, star_loop
 from grpo_jax.algorithms import star
 from grpo_jax.data import commonsenseqa
 from grpo_jax.data import Example, answer_hint
+from grpo_jax.rewards import equations
 from grpo_jax.tiny_tokenizer import byte_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,7 +163,7 @@ def test_reasoning_check_drops_asserted_rationalisations(scripted):
 
 
 def test_arithmetic_holds_checks_every_stand_alone_equation():
-  holds = star.arithmetic_holds
+  holds = equations.arithmetic_holds
   assert holds("4 packs of 4 is 4 * 4 = 16 more, so 15 + 16 = 31.")
   assert holds("26 x 2 = 52, 5 - 7 = -2, 10 / 4 = 2.5, 10 / 3 = 3.33.")
   assert holds("No equation here: 31.") and holds("2 + 3 * 4 = 14")

@@ -16,6 +16,7 @@ from grpo_jax.models import get_preset, init_params
 
 def test_three_step_run_of_tiny_config(tmp_path):
   config = tiny.get_config()
+  config.optim.warmup_steps = 2
   summary = train.run(config, str(tmp_path))
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   steps = [r for r in rows if "loss" in r]
@@ -27,6 +28,10 @@ def test_three_step_run_of_tiny_config(tmp_path):
               "tokens_per_second"):
     assert key in steps[0], key
   assert all(np.isfinite(r["loss"]) for r in steps)
+  # the rate each step's update used: warm-up from 0 over 2 updates
+  lr = config.optim.learning_rate
+  np.testing.assert_allclose([r["learning_rate"] for r in steps],
+                             [0.0, lr / 2, lr], rtol=1e-6)
   assert "eval_before" in summary and "eval_after" in summary
   assert int(summary["state"].step) == 3
   assert os.path.isdir(tmp_path / "tensorboard")

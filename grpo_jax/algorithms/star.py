@@ -1,10 +1,10 @@
 """STaR's pure pieces (Zelikman et al. 2022): the checks a rationale must pass
-to be kept, the fine-tuning schedule and the few-shot split. The loop that
-uses them is `grpo_jax/star_loop.py`.
+to be kept (its arithmetic is checked by `grpo_jax/rewards/equations.py`,
+which the process reward shares), the fine-tuning schedule and the few-shot
+split. The loop that uses them is `grpo_jax/star_loop.py`.
 """
 from __future__ import annotations
 
-import fractions
 import re
 from typing import Sequence
 
@@ -36,31 +36,6 @@ def reasoning(text: str) -> str:
     lines = _SENTENCE_END.split(lines[0])
   sentences = [s for line in lines[:-1] for s in _SENTENCE_END.split(line)]
   return " ".join(s for s in sentences if "answer" not in s.lower())
-
-
-# "a op b = c" standing alone: not preceded by a number or an operator, c
-# not followed by one (a chain such as "2 + 3 * 4 = 14" is not checked).
-_EQUATION = re.compile(
-    r"(?<![\d.\-+*/\u00d7])(?<![\-+*/\u00d7] )(\d+(?:\.\d+)?)\s*"
-    r"([-+*/x\u00d7])\s*(\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)"
-    r"(?!\.?\d|\s*[-+*/x\u00d7]\s*\d)")
-
-
-def arithmetic_holds(text: str) -> bool:
-  """Whether every stand-alone "a op b = c" in `text` (op: + - * / x; a c
-  with decimals may be rounded to them) is true. A hint can pull the
-  hinted number into a false equation ("23 + 4 = 19. The answer is 19."):
-  the answer is then asserted, not derived."""
-  for a, op, b, c in _EQUATION.findall(text):
-    x, y = fractions.Fraction(a), fractions.Fraction(b)
-    if op == "/" and y == 0:
-      return False
-    value = {"+": x + y, "-": x - y, "/": x / y}.get(op, x * y)
-    decimals = len(c.partition(".")[2])
-    error = abs(value - fractions.Fraction(c))
-    if error > (fractions.Fraction(1, 2 * 10 ** decimals) if decimals else 0):
-      return False
-  return True
 
 
 def finetune_steps(star, iteration: int) -> int:

@@ -15,38 +15,20 @@ step_reward_bgt (the reward at the step's last token) and step_end_bgt.
 """
 from __future__ import annotations
 
-import fractions
-import re
 from typing import Sequence
 
 import numpy as np
 
 from grpo_jax.registry import register
-
-# "a op b = c" (op: + - * / x ×); a, b, c integers or decimals, c may be
-# negative. Chains ("2 + 3 * 4 = 14") are read from their last "x op y = z".
-_EQUATION = re.compile(
-    r"(\d+(?:\.\d+)?)\s*([-+*/x\u00d7])\s*(\d+(?:\.\d+)?)\s*=\s*"
-    r"(-?\d+(?:\.\d+)?)")
-
-
-def equation_holds(a: str, op: str, b: str, c: str) -> bool:
-  """Exact rational arithmetic; a c written with decimals may be rounded."""
-  x, y = fractions.Fraction(a), fractions.Fraction(b)
-  if op == "/" and y == 0:
-    return False
-  value = {"+": x + y, "-": x - y, "/": x / y}.get(op, x * y)
-  decimals = len(c.partition(".")[2])
-  tolerance = fractions.Fraction(1, 2 * 10 ** decimals) if decimals else 0
-  return abs(value - fractions.Fraction(c)) <= tolerance
+from grpo_jax.rewards.equations import checked_equations
 
 
 @register("process_reward", "equations")
 def equation_steps(text: str, correct: bool) -> list[tuple[int, float]]:
-  """One step per written equation (1: holds, 0: does not), then the final
+  """One step per stand-alone equation (`rewards/equations.py`; 1: holds, 0:
+  does not; a chain such as "2 + 3 * 4 = 14" is no step), then the final
   answer (1: correct, 0: not) ending at the end of the text."""
-  steps = [(m.end(), 1.0 if equation_holds(*m.groups()) else 0.0)
-           for m in _EQUATION.finditer(text)]
+  steps = [(end, 1.0 if ok else 0.0) for end, ok in checked_equations(text)]
   return steps + [(len(text), 1.0 if correct else 0.0)]
 
 
