@@ -135,11 +135,13 @@ def step_matmul_floor(config, rows: int, repeats: int = 5) -> tuple[float, float
 # ----------------------------------------------------------------------------
 
 def ours_runner(model_config, params, prompt_ids, generations, new_tokens,
-                pad_id, seed):
+                pad_id, seed, stop_ids=(), **cfg_fields):
   """A no-argument function that samples B*G rows of `new_tokens` tokens and
-  returns the Samples on the host (so it blocks until they are ready)."""
+  returns the Samples on the host (so it blocks until they are ready).
+  stop_ids () ignores EOS; cfg_fields: other SamplingConfig fields."""
   cfg = sampling.SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
-                                top_p=1.0, top_k=0, stop_ids=(), pad_id=pad_id)
+                                top_p=1.0, top_k=0, stop_ids=tuple(stop_ids),
+                                pad_id=pad_id, **cfg_fields)
   key = jax.random.key(seed)
 
   def run():
@@ -150,9 +152,9 @@ def ours_runner(model_config, params, prompt_ids, generations, new_tokens,
 
 
 def hf_runner(model, prompt_ids, generations, new_tokens, pad_id, eos_ids,
-              seed):
+              seed, ignore_eos=True):
   """The same for transformers: left-padded ids, EOS suppressed by
-  min_new_tokens, sampling settings stated explicitly."""
+  min_new_tokens (unless not ignore_eos), sampling settings explicit."""
   P = max(len(p) for p in prompt_ids)
   ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
   mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
@@ -161,7 +163,8 @@ def hf_runner(model, prompt_ids, generations, new_tokens, pad_id, eos_ids,
     mask[i, P - len(p):] = 1
   gen = transformers.GenerationConfig(
       do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+      max_new_tokens=new_tokens,
+      min_new_tokens=new_tokens if ignore_eos else 0,
       num_return_sequences=generations, eos_token_id=list(eos_ids),
       pad_token_id=pad_id)
 

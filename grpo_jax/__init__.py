@@ -17,8 +17,9 @@ Shape letters, one meaning in every name and file (`reward_bg`, `logp_nt`,
        any sequence of tokens)      l  layers;  d  model width
     q  query columns: the last q    h  query heads;  k  KV heads
        of the s (s, t, or 1)        e  head width
-    m  cache slots (continuous
-       batching, continuous.py)
+    m  cache slots (continuous      r  packed rows: rows of s
+       batching, continuous.py)        columns holding several
+                                       sequences (packing.py)
 
 A name's shape suffix is its last `_` part: these letters in axis order
 (`logits_nsv` is [n, s, v]); a trailing 1 is a kept axis of size one

@@ -15,7 +15,7 @@ import inspect
 from flax import traverse_util
 import ml_collections
 
-from grpo_jax import registry, update
+from grpo_jax import packing, registry, update
 from grpo_jax.algorithms import (dynamic_sampling, losses, policy_losses,
                                  rollout_correction)
 from grpo_jax.models import transformer
@@ -90,6 +90,10 @@ def base_config() -> ConfigDict:
                                        # this budget (0: the whole mini-batch)
       old_logp="sampler",              # sampler | recompute
       shared_prompt=True,              # run each group's prompt once in the update
+      packing="auto",                  # sequences packed into rows of s
+                                       # tokens for scoring and the update
+                                       # (packing.py): on | off | auto (when
+                                       # packed rows cost fewer tokens)
       dynamic_sampling=True,
       max_gen_batches=3,               # cap on generation batches per step
       on_cap="fill",                   # fill | fewer | raise
@@ -200,6 +204,7 @@ _CHOICES = {
     "sampling.compute_dtype": update.SAMPLING_DTYPES,
     "rl.old_logp": update.OLD_LOGP,
     "rl.on_cap": dynamic_sampling.ON_CAP,
+    "rl.packing": packing.MODES,
     "optim.schedule": update.SCHEDULES,
     "model.attention": transformer.ATTENTION,
 }

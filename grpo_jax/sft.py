@@ -32,7 +32,7 @@ import optax
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
-from grpo_jax import update
+from grpo_jax import packing, update
 from grpo_jax.update import TrainState, cast
 
 Params = transformer.Params
@@ -77,20 +77,12 @@ def example_length(example: SFTExample) -> int:
 def group_rows(examples: Sequence[SFTExample], row_len: int,
                pack: bool) -> list[list[SFTExample]]:
   """Examples grouped into rows of at most `row_len` tokens, in order: one
-  per row, or (pack) each appended to the current row while it fits."""
-  rows: list[list[SFTExample]] = []
-  used = row_len
-  for e in examples:
-    n = example_length(e)
-    if n > row_len:
-      raise ValueError(f"an example of {n} tokens does not fit a row of "
-                       f"{row_len}; drop it or raise row_len")
-    if not pack or used + n > row_len:
-      rows.append([])
-      used = 0
-    rows[-1].append(e)
-    used += n
-  return rows
+  per row, or (pack) each appended to the current row while it fits
+  (`packing.assign_rows`, as the RL update packs)."""
+  rows = packing.assign_rows(
+      range(len(examples)), [len(e.prompt_ids) for e in examples],
+      [len(e.completion_ids) for e in examples], row_len, pack)
+  return [[examples[i] for i in row] for row in rows]
 
 
 def rows_to_batch(rows: Sequence[Sequence[SFTExample]], row_len: int,

@@ -24,7 +24,7 @@ import numpy as np
 
 from grpo_jax import config as config_lib
 from grpo_jax import evaluation, experiment, registry, rollout, sampling
-from grpo_jax import interrupts, preflight
+from grpo_jax import interrupts, packing, preflight
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import advantages as adv_lib
@@ -33,8 +33,8 @@ from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.rewards import process
 from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
-                             micro_batch_rows, score_logprobs,
-                             update_step)
+                             micro_batch_rows, pack_update_batch,
+                             score_logprobs, score_packed, update_step)
 
 
 def advantages(config, reward_bg: np.ndarray,
@@ -94,7 +94,9 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
                layout: sharding_lib.Layout | None = None):
   """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches.
   With a layout, batches are row-sharded global arrays (each host gives its
-  rows) and the update keeps the state's shardings."""
+  rows) and the update keeps the state's shardings. rl.packing (on, or
+  auto: where it pays for fewer tokens): scoring and each update run on
+  packed rows (packing.py), the same micro-batch token budget."""
   rl = config.rl
   T = packed.mask_nt.shape[1]
   n = packed.tokens_ns.shape[0]
@@ -109,8 +111,29 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   seq_len = packed.tokens_ns.shape[1]
   micro = micro_batch_rows(mini, seq_len, rl.micro_batch_size,
                            rl.micro_batch_tokens)
-  score = lambda params: score_logprobs(params, *cols, model_config, T,
-                                        settings, whole, n // micro)
+  shards = layout.batch_shards if layout is not None else 1
+  def pack(idx, mask_nt, group_size):
+    """(rows, micro-batches) of packed rows, or None where rl.packing
+    says to stay padded (auto: when packing pays for more tokens)."""
+    if rl.packing == "off":
+      return None
+    rows, num_micro = packing.pack_rows(
+        packed.tokens_ns[idx], packed.valid_ns[idx], mask_nt, group_size,
+        micro, shards)
+    if rl.packing == "auto" and not packing.wins(
+        rows, len(mask_nt), seq_len - T, T, group_size):
+      return None
+    return rows, num_micro
+
+  scored = (pack(slice(None), packed.mask_nt, whole)
+            if settings.use_kl or rl.old_logp == "recompute" else None)
+  if scored is not None:
+    rows, num_micro = jax.tree.map(put, scored[0]), scored[1]
+    score = lambda params: score_packed(params, rows, model_config, settings,
+                                        num_micro, n)
+  else:
+    score = lambda params: score_logprobs(params, *cols, model_config, T,
+                                          settings, whole, n // micro)
   if rl.old_logp == "recompute":
     old = score(state.params)
   ref = jnp.zeros_like(old)
@@ -124,12 +147,20 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
   full = UpdateBatch(*cols, mask, old, ref, put(adv_n), weight)
-  num_micro = mini // micro
+  mask_host = (np.asarray(sharding_lib.to_host(mask))
+               if rl.packing != "off" else None)
   t0 = time.perf_counter()
-  step_metrics = []
+  step_metrics, pack_metrics = [], []
   for _ in range(rl.num_updates):
     for idx in _minibatches(n, mini, rng, group):
       batch = jax.tree.map(lambda x: put(x[idx]), full)
+      num_micro = mini // micro
+      chosen = None if mask_host is None else pack(idx, mask_host[idx], group)
+      pack_metrics.append({"pack/used": float(chosen is not None)})
+      if chosen is not None:
+        rows, num_micro = chosen
+        batch = jax.tree.map(put, pack_update_batch(batch, rows))
+        pack_metrics[-1].update(packing.describe(rows, len(idx)))
       state, m = update_step(state, batch, model_config, optimizer,
                              num_micro, settings, layout, group)
       step_metrics.append(m)
@@ -137,6 +168,8 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   metrics["time/update"] = time.perf_counter() - t0
   for k in step_metrics[0]:
     metrics[k] = float(np.mean([m[k] for m in step_metrics]))
+  for k in {k for m in pack_metrics for k in m}:
+    metrics[k] = float(np.mean([m[k] for m in pack_metrics if k in m]))
   metrics["ratio/first_update_mean"] = float(step_metrics[0]["ratio/mean"])
   # bypass mode: the sampler/trainer mismatch is the first update's (θ = θ_old)
   metrics.update({k: float(v) for k, v in step_metrics[0].items()

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_jax import packing
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses, policy_losses, rollout_correction
 from grpo_jax.models.config import ModelConfig
@@ -85,6 +86,18 @@ class LossSettings:
                    rollout_correction.CorrectionSettings.from_config(
                        rl.rollout_correction)
                    if rl.old_logp == "sampler" else None))
+
+
+class PackedUpdateBatch(NamedTuple):
+  """A mini-batch of sequences packed into rows (`packing.py`): `rows`, and
+  the per-token fields of its N*M sequence slots in slot order (empty slots
+  all zero, mask 0), strided by micro-batch like `rows`."""
+  rows: packing.PackedRows
+  mask_nt: jax.Array
+  old_logp_nt: jax.Array
+  ref_logp_nt: jax.Array
+  adv_n: jax.Array
+  is_weight_nt: Optional[jax.Array] = None
 
 
 class UpdateBatch(NamedTuple):
@@ -203,12 +216,19 @@ def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
   logp, entropy = completion_logprobs(model_config, params, batch.tokens_ns,
                                       batch.positions_ns, batch.valid_ns, T, s,
                                       group_size)
+  return policy_loss(logp, entropy, batch, norm, kl_beta, s)
+
+
+def policy_loss(logp_nt, entropy_nt, batch, norm: losses.Normalisers,
+                kl_beta, s: LossSettings):
+  """The configured loss of given log-probs; `batch` an UpdateBatch or a
+  PackedUpdateBatch (its per-token fields are [N, T] either way)."""
   return losses.policy_loss(
-      logp, batch.old_logp_nt, batch.adv_n, batch.mask_nt,
+      logp_nt, batch.old_logp_nt, batch.adv_n, batch.mask_nt,
       batch.ref_logp_nt if s.use_kl else None, eps_low=s.eps_low,
       eps_high=s.eps_high, dual_clip=s.dual_clip, agg=s.agg,
       kl_beta=kl_beta, kl_estimator=s.kl_estimator, norm=norm,
-      entropy_nt=entropy, loss=s.policy_loss, params=s.loss_params,
+      entropy_nt=entropy_nt, loss=s.policy_loss, params=s.loss_params,
       is_weight_nt=batch.is_weight_nt,
       bypass_correction=s.bypass_correction)
 
@@ -295,7 +315,7 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
                                              "num_micro", "s", "layout",
                                              "group_size"),
                    donate_argnames=("state",))
-def update_step(state: TrainState, batch: UpdateBatch,
+def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
                 model_config: ModelConfig, optimizer, num_micro: int,
                 s: LossSettings, layout=None, group_size: int = 1
                 ) -> tuple[TrainState, dict]:
@@ -304,17 +324,68 @@ def update_step(state: TrainState, batch: UpdateBatch,
   `optimizer`: an OptimizerSpec (or an optax transformation, which compiles
   once per object).
   group_size > 1: the rows are whole groups of that many consecutive rows
-  sharing a prompt (each prompt's forward/backward then runs once)."""
+  sharing a prompt (each prompt's forward/backward then runs once).
+  A PackedUpdateBatch (`pack_update_batch`): num_micro is its number of
+  micro-batches (`packing.pack_rows`), group_size is not read."""
   kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
                                     start_step=s.kl_start_step,
                                     ramp_steps=s.kl_ramp_steps)
-  grads, loss, metrics = accumulate_gradients(state.params, model_config,
-                                              batch, num_micro, kl_beta, s,
-                                              group_size)
+  if isinstance(batch, PackedUpdateBatch):
+    grads, loss, metrics = accumulate_packed_gradients(
+        state.params, model_config, batch, num_micro, kl_beta, s)
+  else:
+    grads, loss, metrics = accumulate_gradients(
+        state.params, model_config, batch, num_micro, kl_beta, s, group_size)
   metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
              "kl_beta": kl_beta}
   return apply_gradients(state, grads, optimizer, model_config,
                          layout), metrics
+
+
+# ----------------------------------------------------------------------------
+# Packed sequences (packing.py): the same loss on log-probs gathered back
+# into sequence slots, so every aggregation stays exact.
+# ----------------------------------------------------------------------------
+
+def pack_update_batch(batch: UpdateBatch, rows: packing.PackedRows
+                      ) -> PackedUpdateBatch:
+  """An UpdateBatch's per-token fields moved into the slots of `rows`
+  (`packing.pack_rows` of the same batch); its row arrays are not needed."""
+  take = lambda x: None if x is None else packing.gather_slots(
+      jnp.asarray(x), jnp.asarray(rows.row_n))
+  return PackedUpdateBatch(rows, take(batch.mask_nt), take(batch.old_logp_nt),
+                           take(batch.ref_logp_nt), take(batch.adv_n),
+                           take(batch.is_weight_nt))
+
+
+def packed_logprobs(model_config: ModelConfig, params: Params,
+                    rows: packing.PackedRows, s: LossSettings):
+  """`packing.packed_logprobs` with the loss settings' dtype and head."""
+  return packing.packed_logprobs(
+      model_config, cast(params, s.compute_dtype), rows, chunk_size=s.chunk,
+      temperature=s.temperature, remat=s.remat, attention=s.attention)
+
+
+def packed_loss_fn(params: Params, model_config: ModelConfig,
+                   batch: PackedUpdateBatch, norm: losses.Normalisers,
+                   kl_beta, s: LossSettings):
+  logp, entropy = packed_logprobs(model_config, params, batch.rows, s)
+  return policy_loss(logp, entropy, batch, norm, kl_beta, s)
+
+
+def accumulate_packed_gradients(params, model_config,
+                                batch: PackedUpdateBatch, num_micro: int,
+                                kl_beta, s: LossSettings):
+  """`accumulate_gradients` of a packed mini-batch: the normalisers of all
+  its slots (empty ones count nothing), the micro-batches summed."""
+  norm = global_normalisers(batch.mask_nt, s)
+  grad_fn = jax.value_and_grad(
+      functools.partial(packed_loss_fn, model_config=model_config, norm=norm,
+                        kl_beta=kl_beta, s=s), has_aux=True)
+  loss, metrics, grads = micro_batch_sum(
+      lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
+      losses.accumulate_metrics)
+  return grads, loss, metrics
 
 
 def micro_batch_rows(mini: int, seq_len: int, micro_batch_size: int = 0,
@@ -352,3 +423,18 @@ def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
   logp = jax.lax.map(lambda xs: completion_logprobs(
       model_config, params, *xs, num_completion, s, group)[0], cols)
   return _join_micro_batches(logp)
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "s", "num_micro",
+                                             "num_rows"))
+def score_packed(params: Params, rows: packing.PackedRows,
+                 model_config: ModelConfig, s: LossSettings, num_micro: int,
+                 num_rows: int) -> jax.Array:
+  """`score_logprobs` of packed sequences: token log-probs [num_rows, T] in
+  the padded rows' layout, 0 in rows and columns that were not packed."""
+  params = cast(params, s.compute_dtype)
+  logp = jax.lax.map(
+      lambda r: packed_logprobs(model_config, params, r, s)[0],
+      micro_batches(rows, num_micro))
+  return packing.scatter_slots(_join_micro_batches(logp), rows.row_n,
+                               num_rows)

@@ -15,7 +15,8 @@ exactly as `transformer.attention_mask` computes it. Blocks the causal mask
 by query block i only if some key column in it is <= the block's last query
 column. This relies on what every caller here guarantees: within a segment,
 a later column holds a later position (left-padded rows, packed rows whose
-positions restart per segment, [prompt | completion] rows). Query row i is
+positions restart per segment, [prompt | completion] rows), and a group's
+shared prompt precedes its members in the row (`segment_mask`). Query row i is
 key column `q_offset + i` (q_offset = S - Q: queries are the last Q
 columns).
 
@@ -34,6 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 
 _NEG_INF = -1e30
+# Segment ids of packed rows: group * SEGMENT_MEMBERS + member. A query sees
+# keys of its own segment and of member 0 of its group (a shared prompt).
+SEGMENT_MEMBERS = 1 << 16
+
+
+def segment_mask(q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+  """(N, Q, S): key in the query's segment, or in its group's member 0."""
+  same = q_seg[:, :, None] == k_seg[:, None, :]
+  shared = ((k_seg % SEGMENT_MEMBERS == 0)[:, None, :]
+            & (q_seg[:, :, None] // SEGMENT_MEMBERS
+               == k_seg[:, None, :] // SEGMENT_MEMBERS))
+  return same | shared
 
 
 class MaskInfo(NamedTuple):
@@ -68,7 +81,7 @@ def _block_mask(info: MaskInfo, i, j, block_q: int, block_k: int,
   if info.q_seg is not None:
     q_seg = jax.lax.dynamic_slice_in_dim(info.q_seg, i * block_q, block_q, 1)
     k_seg = jax.lax.dynamic_slice_in_dim(info.k_seg, j * block_k, block_k, 1)
-    mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    mask &= segment_mask(q_seg, k_seg)
   return mask
 
 

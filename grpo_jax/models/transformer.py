@@ -27,6 +27,7 @@ from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
 _NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+SEGMENT_MEMBERS = blockwise.SEGMENT_MEMBERS
 
 
 # ----------------------------------------------------------------------------
@@ -200,14 +201,15 @@ def attention_mask(config: ModelConfig, q_pos_nq: jax.Array,
                    k_seg_ns: Optional[jax.Array] = None) -> jax.Array:
   """Causal (+ sliding window) mask over positions, and padding. (N, Q, S).
 
-  With segment ids (packed rows), a query sees only keys of its own segment.
+  With segment ids (packed rows), a query sees only keys of its own segment
+  and of its group's shared prompt (`blockwise.segment_mask`).
   """
   diff = q_pos_nq[:, :, None] - k_pos_ns[:, None, :]
   mask = (diff >= 0) & k_valid_ns[:, None, :]
   if config.sliding_window is not None:
     mask &= diff < config.sliding_window
   if q_seg_nq is not None:
-    mask &= q_seg_nq[:, :, None] == k_seg_ns[:, None, :]
+    mask &= blockwise.segment_mask(q_seg_nq, k_seg_ns)
   return mask
 
 
@@ -283,8 +285,9 @@ def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
   positions_ns defaults to 0..S-1; valid_ns marks real (non-padding) tokens,
   which are the only keys attended to. segment_ns (int, optional) isolates
   examples packed into one row: a token attends only within its segment
-  (positions then restart at 0 per segment). With return_kv, also returns k
-  and v stacked over layers, each (L, N, K, S, E), for filling a KV cache.
+  and to its group's shared prompt (`blockwise.segment_mask`; positions
+  restart per example). With return_kv, also returns k and v stacked over
+  layers, each (L, N, K, S, E), for filling a KV cache.
   attention_impl: one of ATTENTION (see `attend_fn`).
   """
   positions_ns, valid_ns = default_positions_and_valid(tokens_ns, positions_ns,

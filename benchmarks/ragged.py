@@ -1,0 +1,341 @@
+"""Ragged (long-tailed) completion lengths: sampler, update and GRPO step.
+
+    python benchmarks/ragged.py [--prompts 4] [--generations 8]
+        [--new-tokens 192] [--micro-batch 16] [--threads N] [--quick]
+
+SmolLM2-135M-Instruct in float32, EOS on, temperature 1: completion lengths
+are the model's own on chat-templated arithmetic prompts of mixed
+difficulty (levels 1-5 cycled, the last_number template and system prompt
+of configs/dapo_aime.py:local). The run prints their distribution (mean,
+p50, p90, max). Samplers and the GRPO steps run on natural lengths. The
+update comparison runs on one rollout of the static sampler; if its mean
+length is above 0.35 of the cap (--new-tokens), each of its rows is cut at
+a length drawn from a lognormal (`impose_lengths`: median cap/8, sigma 1),
+and both distributions are printed.
+
+Side by side, in one process:
+  1. sampler, useful (non-padding: through each row's stop token) tokens/s
+     on the same prompts: grpo_jax's static sampler (decodes until its
+     longest row ends), its continuous-batching sampler
+     (`SamplingConfig.continuous_batching`, where this checkout has it) and
+     transformers `generate` (EOS on). Each: one warm-up call (compiles),
+     then one timed call.
+  2. (run first) the update (train.train_step, beta = 0, mu = 1) on ONE rollout of the
+     static sampler: padded rows (rl.packing = "off"; each group's prompt
+     once, rl.shared_prompt) vs packed rows (rl.packing = "on"), the same
+     micro-batch token budget; each compiled first, then timed alternately.
+  3. one GRPO step (grpo_jax: benchmarks/grpo_step.py's step with its
+     config, rl.packing = "auto"; TRL GRPOTrainer with the same micro-batching rule:
+     per_device_train_batch_size = --micro-batch with gradient accumulation
+     over B*G rows) on this workload.
+
+The last line is `ratios: sampler <x>, update <y>, step_vs_trl <z>`:
+continuous-batching / static useful tokens/s (n/a without it), padded /
+packed update seconds, TRL step / grpo_jax step seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import numpy as np
+import torch
+import transformers
+
+import _common
+import grpo_step
+import sampler as sampler_bench
+from grpo_jax import rollout, sampling, train, update
+from grpo_jax.models import loading
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+MAX_MEAN_FRACTION = 0.35
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--prompts", type=int, default=4, help="B prompts")
+  p.add_argument("--generations", type=int, default=8, help="G per prompt")
+  p.add_argument("--new-tokens", type=int, default=192,
+                 help="the length cap (max_new_tokens)")
+  p.add_argument("--micro-batch", type=int, default=16,
+                 help="rows per forward/backward, both sides (grpo_jax "
+                      "micro_batch_size; packed: rows of P+T tokens)")
+  p.add_argument("--levels", default="1,2,3,4,5",
+                 help="arithmetic levels, cycled over the prompts")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--lr", type=float, default=1e-6)
+  p.add_argument("--warmup-steps", type=int, default=1,
+                 help="grpo_jax GRPO steps before the measured one")
+  p.add_argument("--threads", type=int, default=os.cpu_count(),
+                 help="torch intra-op threads (default: all cores)")
+  p.add_argument("--skip-trl", action="store_true")
+  p.add_argument("--quick", action="store_true",
+                 help="smoke check: 2 prompts x 4 generations x 32 tokens")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.prompts, args.generations, args.new_tokens = 2, 4, 32
+    args.micro_batch = 4
+  rows = args.prompts * args.generations
+  args.micro_batch = min(args.micro_batch or rows, rows)
+  if rows % args.micro_batch:
+    p.error(f"--micro-batch {args.micro_batch} must divide B*G = {rows}")
+  return args
+
+
+def has_continuous_batching() -> bool:
+  return "continuous_batching" in {
+      f.name for f in dataclasses.fields(sampling.SamplingConfig)}
+
+
+def distribution(length_n) -> dict[str, float]:
+  x = np.asarray(length_n, np.float64)
+  return {"mean": x.mean(), "p50": np.percentile(x, 50),
+          "p90": np.percentile(x, 90), "max": x.max()}
+
+
+def hf_lengths(tokens_nt: np.ndarray, stop_ids) -> np.ndarray:
+  """Generated tokens per row through its first stop token (or all)."""
+  stop = np.isin(tokens_nt, list(stop_ids))
+  first = np.where(stop.any(axis=1), stop.argmax(axis=1) + 1,
+                   tokens_nt.shape[1])
+  return first
+
+
+# ----------------------------------------------------------------------------
+# 1. Samplers.
+# ----------------------------------------------------------------------------
+
+def time_samplers(args, step, hf_model, prompt_ids, clock) -> dict:
+  """Useful tokens/s of each sampler (warm-up call, then one timed)."""
+  tok = step.tokenizer
+  G, T = args.generations, args.new_tokens
+  pad_id, stop_ids = tok.pad_id or 0, tuple(tok.stop_ids)
+  params = step.state.params
+  runners = {"static": sampler_bench.ours_runner(
+      step.model_config, params, prompt_ids, G, T, pad_id, args.seed,
+      stop_ids)}
+  if has_continuous_batching():
+    runners["continuous"] = sampler_bench.ours_runner(
+        step.model_config, params, prompt_ids, G, T, pad_id, args.seed,
+        stop_ids, continuous_batching=True)
+  runners["transformers"] = sampler_bench.hf_runner(
+      hf_model, prompt_ids, G, T, pad_id, stop_ids, args.seed,
+      ignore_eos=False)
+  out = {}
+  for name, run in runners.items():
+    mark = clock.mark()
+    _, first = _common.timed(run)
+    compile_s = clock.since(mark)[1]
+    result, seconds = _common.timed(run)
+    lengths = (hf_lengths(result, stop_ids) if name == "transformers"
+               else np.asarray(result.length_n))
+    out[name] = {"seconds": seconds, "first": first, "compile": compile_s,
+                 "lengths": lengths,
+                 "useful_tps": float(lengths.sum()) / seconds}
+    print(f"sampler {name}: first call {first:.1f} s (compile "
+          f"{compile_s:.1f} s), timed {seconds:.1f} s, "
+          f"{lengths.sum()} useful tokens")
+    sys.stdout.flush()
+  return out
+
+
+# ----------------------------------------------------------------------------
+# 2. The update, padded vs packed, on one rollout.
+# ----------------------------------------------------------------------------
+
+def impose_lengths(groups: rollout.Groups, seed: int) -> rollout.Groups:
+  """The rollout's real tokens, each row cut at min(its length, L) with L
+  drawn from a lognormal of median cap/8 and sigma 1 (mean about 0.21 of
+  the cap, p90 about 0.45, a tail to the cap): a long-tailed workload
+  imposed on real decoding when the natural lengths are not long-tailed."""
+  B, G, T = groups.tokens_bgt.shape
+  rng = np.random.default_rng(seed)
+  cap_bg = np.clip(np.ceil(rng.lognormal(np.log(T / 8), 1.0, (B, G))), 1, T)
+  length_bg = np.minimum(groups.length_bg, cap_bg).astype(np.int32)
+  keep_bgt = np.arange(T)[None, None, :] < length_bg[..., None]
+  return groups._replace(
+      tokens_bgt=np.where(keep_bgt, groups.tokens_bgt, 0),
+      logp_bgt=np.where(keep_bgt, groups.logp_bgt, 0.0),
+      mask_bgt=groups.mask_bgt & keep_bgt, length_bg=length_bg,
+      truncated_bg=groups.truncated_bg | (length_bg < groups.length_bg))
+
+
+def time_updates(args, step, repeats: int = 1) -> dict:
+  """time/update of train.train_step on the same rollout, padded and
+  packed: each compiled by a first call, then timed alternately."""
+  c = step.config
+  rl = c.rl
+  key = jax.random.key(args.seed + 1)
+  groups, _ = rollout.generate_groups(
+      step.model_config, step.state.params, step.tokenizer, step.examples,
+      key, step.sample_cfg, rl.num_generations, step.spec, c.data.template,
+      c.data.system_prompt)
+  natural = np.asarray(groups.length_bg).reshape(-1)
+  imposed = natural.mean() > MAX_MEAN_FRACTION * args.new_tokens
+  if imposed:
+    groups = impose_lengths(groups, args.seed)
+  batch = rollout.pack(groups, step.tokenizer.pad_id or 0, rl.overlong_filter)
+  adv_n = train.advantages(c, batch.reward_bg, batch.mask_nt)
+  configs = {}
+  for name, packing in (("padded", "off"), ("packed", "on")):
+    cfg = c.copy_and_resolve_references()
+    cfg.rl.packing = packing
+    configs[name] = cfg
+  times = {name: [] for name in configs}
+  extra = {}
+  for i in range(repeats + 1):
+    for name, cfg in configs.items():
+      step.state, m = train.train_step(
+          cfg, step.model_config, step.state, step.optimizer, batch, adv_n,
+          None, step.settings, np.random.default_rng(i))
+      if i:
+        times[name].append(m["time/update"])
+      else:
+        print(f"update {name}: first call (compiles) {m['time/update']:.1f} s")
+      extra.update({k: v for k, v in m.items() if k.startswith("pack/")})
+  out = {name: min(t) for name, t in times.items()}
+  out.update(extra)
+  out["lengths"] = np.asarray(groups.length_bg).reshape(-1)
+  out["natural"], out["imposed"] = natural, imposed
+  out["seq_len"] = batch.tokens_ns.shape[1]
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Main.
+# ----------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  threads = _common.set_torch_threads(args.threads)
+  B, G, T = args.prompts, args.generations, args.new_tokens
+  cb = ("grpo_jax SamplingConfig(continuous_batching=True)"
+        if has_continuous_batching() else
+        "unavailable: this checkout's sampling.SamplingConfig has no "
+        "continuous_batching field (issue 15 item 1, branch cbatch)")
+  _common.print_header("ragged lengths: sampler, update, GRPO step", {
+      "model": f"{_common.MODEL} (float32, both sides)",
+      "rows": f"{B} prompts x G={G} = {B * G}, <= {T} new tokens, EOS on, "
+              "temperature 1, top_k 0, top_p 1",
+      "prompts": f"arithmetic levels {args.levels} cycled, seed {args.seed}, "
+                 "last_number template + system prompt (dapo_aime:local)",
+      "micro-batch": f"{args.micro_batch} rows (padded rows of P+T tokens; "
+                     "packed: as many rows of P+T tokens)",
+      "continuous batching": cb,
+      "timing": "samplers: warm-up + 1 timed call each; update: compile "
+                "call, then timed alternately; step: grpo_jax "
+                f"{args.warmup_steps} warm-up step(s), TRL 1, then 1 each",
+  }, threads)
+  examples = _common.arithmetic_examples(B, _common.parse_ints(args.levels),
+                                         args.seed)
+  messages = [_common.chat_messages(e.question) for e in examples]
+  config = grpo_step.ours_config(args)
+  step = grpo_step.OursStep(config, examples)
+  prompt_ids = step.prompt_ids()
+  directory = loading.preset_directory(_common.MODEL)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(directory)
+  if _common.hf_prompt_ids(hf_tok, messages) != prompt_ids:
+    raise RuntimeError("grpo_jax and transformers render the prompts to "
+                       "different token ids")
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, dtype=torch.float32).eval()
+  clock = step.clock
+  updates = time_updates(args, step)
+  print(f"update: padded {updates['padded']:.1f} s, packed "
+        f"{updates['packed']:.1f} s")
+  sys.stdout.flush()
+  samplers = time_samplers(args, step, hf_model, prompt_ids, clock)
+  del hf_model
+  ours_steps = []
+  for i in range(args.warmup_steps + 1):
+    ours_steps.append(step(100 + i))
+    print(f"grpo_jax step {i + 1}: {ours_steps[-1]['total']:.1f} s, "
+          f"{ours_steps[-1]['compiles']} compilation(s), "
+          f"{ours_steps[-1]['compile_s']:.1f} s")
+    sys.stdout.flush()
+  theirs = None
+  if not args.skip_trl:
+    del step
+    theirs = grpo_step.trl_step_times(args, examples, messages)
+  report(args, samplers, updates, ours_steps, theirs)
+  return 0
+
+
+def report(args, samplers, updates, ours_steps, theirs) -> None:
+  T = args.new_tokens
+  lengths = samplers["static"]["lengths"]
+  d = distribution(lengths)
+  print(f"\nlength distribution (static sampler's rollout, {len(lengths)} "
+        f"rows, cap {T}): mean {d['mean']:.1f}, p50 {d['p50']:.0f}, p90 "
+        f"{d['p90']:.0f}, max {d['max']:.0f}; mean / cap = "
+        f"{d['mean'] / T:.2f}")
+  if d["mean"] > MAX_MEAN_FRACTION * T:
+    print(f"NOTE: mean length above {MAX_MEAN_FRACTION} of the cap: not the "
+          "long-tailed workload this benchmark is for; raise --new-tokens")
+  u = distribution(updates["lengths"])
+  if updates["imposed"]:
+    n = distribution(updates["natural"])
+    print(f"update rollout's natural lengths: mean {n['mean']:.1f}, p50 "
+          f"{n['p50']:.0f}, p90 {n['p90']:.0f}, max {n['max']:.0f}: mean "
+          f"above {MAX_MEAN_FRACTION} of the cap, so each row is cut at a "
+          "lognormal length (impose_lengths)")
+  print(f"update rollout{' (imposed)' if updates['imposed'] else ''}: mean {u['mean']:.1f}, p50 {u['p50']:.0f}, p90 "
+        f"{u['p90']:.0f}, max {u['max']:.0f}; padded rows of "
+        f"{updates['seq_len']} tokens; packed rows paid for = "
+        f"{updates.get('pack/token_ratio', float('nan')):.2f} of padded, "
+        f"fill {updates.get('pack/fill', float('nan')):.2f}\n")
+  static = samplers["static"]["useful_tps"]
+  rows = []
+  for name, label in (("static", "grpo_jax static sampler"),
+                      ("continuous", "grpo_jax continuous batching"),
+                      ("transformers", "transformers generate")):
+    if name not in samplers:
+      rows.append((f"sampler: {label}", "unavailable", "-", "-"))
+      continue
+    s = samplers[name]
+    rows.append((f"sampler: {label}", f"{s['useful_tps']:.1f} tok/s",
+                 f"{s['seconds']:.1f} s, mean len "
+                 f"{s['lengths'].mean():.0f}",
+                 _common.ratio(s["useful_tps"], static, True)))
+  rows.append(("update: padded rows", f"{updates['padded']:.1f} s", "-",
+               "1.00x"))
+  rows.append(("update: packed rows", f"{updates['packed']:.1f} s", "-",
+               _common.ratio(updates["packed"], updates["padded"], False)))
+  o = ours_steps[-1]
+  # Packed shapes follow the rollout's lengths: a new (micro-batches, rows,
+  # slots) bucket compiles once; that compile is not step time.
+  ours_s = o["total"] - o["compile_s"]
+  rows.append(("GRPO step: grpo_jax", f"{ours_s:.1f} s",
+               f"sample {o['sample']:.1f}, update {o['update']:.1f}; "
+               f"{o['compiles']} compile(s), {o['compile_s']:.1f} s excluded",
+               "-"))
+  if theirs:
+    t = theirs[-1]
+    rows.append(("GRPO step: TRL GRPOTrainer", f"{t['total']:.1f} s",
+                 f"sample {t['sample']:.1f}, update {t['update']:.1f}",
+                 _common.ratio(ours_s, t["total"], False)))
+  _common.print_table(("what", "time / rate", "detail",
+                       "vs first of its kind"), rows)
+  cb = samplers.get("continuous")
+  sampler_ratio = f"{cb['useful_tps'] / static:.2f}" if cb else "n/a"
+  step_ratio = f"{theirs[-1]['total'] / ours_s:.2f}" if theirs else "n/a"
+  print(f"ratios: sampler {sampler_ratio}, update "
+        f"{updates['padded'] / updates['packed']:.2f}, step_vs_trl "
+        f"{step_ratio}")
+
+
+if __name__ == "__main__":
+  try:
+    sys.exit(main())
+  except Exception:  # pylint: disable=broad-except
+    traceback.print_exc()
+    sys.exit(1)

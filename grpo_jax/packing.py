@@ -1,0 +1,252 @@
+"""Sequence packing: several sequences per row of a token budget, isolated by
+segment ids, for the RL update and scoring (`rl.packing`) and SFT.
+
+Padded rows [prompt | completion] cost s = p + t tokens each whatever the
+completion's length; on long-tailed reasoning lengths most of that is
+padding. Packing lays the sequences back to back in rows of s tokens
+(`assign_rows`, next-fit in order, SFT's rule), so the decoder runs over
+about the tokens that exist.
+
+Prompts once per group (`group_size` G > 1, `rl.shared_prompt`): a row
+holds, for each group in it, the prompt ONCE and then those of its
+completions that fit, [prompt_b | c_b1 | c_b2 | ... | prompt_b' | ...]; a
+group that does not fit in one row continues in the next with another copy
+of the prompt. Segment ids say who sees whom (`transformer.segment_mask`):
+segment id = group * SEGMENT_MEMBERS + member, member 0 the prompt, which
+every completion of the group sees; a completion sees itself causally, never
+a sibling. Positions are the padded row's: prompt 0..p-1, every completion
+p..p+c-1. So each completion token's hidden state is exactly its padded
+row's, with B·p + Σ c decoder tokens instead of n·s (padded) or B·p + n·t
+(`hidden_states_shared_prompt`).
+
+The first token of completion c_b2 is predicted by the prompt's last
+column, not by the column before it (c_b1's last token): `pred_rs` names,
+for every packed column, the column whose hidden state predicts its token;
+the LM head runs on those gathered states (`packed_logprobs`).
+
+The loss stays exact by construction: the log-probs are gathered back into
+the padded layout, N sequence slots of t tokens per micro-batch ([N, T],
+`src_nt`), and the policy losses, aggregations, KL and rollout correction
+run on those as on padded rows (empty slots have mask 0). Only rows with a
+loss token are packed, each through its last one: what a masked token's
+log-prob would be is never read.
+
+Micro-batches: R packed rows of s tokens each, the padded path's token
+budget per micro-batch (`update.micro_batch_rows`). Host arrays are laid out
+strided as the padded path's (`update.micro_batches`: micro-batch m holds
+rows m, m+M, ...), so the same scan and the same row sharding apply.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.algorithms import logprobs as logprobs_lib
+from grpo_jax.models import transformer
+from grpo_jax.models.config import ModelConfig
+
+SEGMENT_MEMBERS = transformer.SEGMENT_MEMBERS
+
+
+def assign_rows(group_n: Sequence[int], prompt_n: Sequence[int],
+                completion_n: Sequence[int], row_len: int,
+                pack: bool = True) -> list[list[int]]:
+  """Sequences (indices, in order) grouped into rows of at most `row_len`
+  tokens: one per row, or (pack) each appended to the current row while it
+  fits (next-fit). A sequence costs its prompt and completion, or only its
+  completion when the row's last sequence is of the same group (its prompt
+  is already there)."""
+  rows: list[list[int]] = []
+  used, last_group = row_len, None
+  for i, (g, p, c) in enumerate(zip(group_n, prompt_n, completion_n)):
+    if p + c > row_len:
+      raise ValueError(f"a sequence of {p + c} tokens does not fit a row of "
+                       f"{row_len}; drop it or raise the row length")
+    cost = c if g == last_group else p + c
+    if not pack or used + cost > row_len:
+      rows.append([])
+      used, cost = 0, p + c
+    rows[-1].append(i)
+    used, last_group = used + cost, g
+  return rows
+
+
+class PackedRows(NamedTuple):
+  """Sequences packed into M micro-batches of R rows of S tokens and N
+  sequence slots of T tokens. Row arrays are [R*M, S], slot arrays
+  [N*M, T] / [N*M], strided: micro-batch m holds rows (slots) m, m+M, ...
+  (`update.micro_batches` splits them). `pred_rs` is a column of the same
+  row (rows stay where the batch sharding put them); `src_nt` is flat within
+  a micro-batch: its local row r, column j -> r*S + j (a gather of R*S
+  scalar log-probs, not of hidden states)."""
+  tokens_rs: np.ndarray      # int32
+  positions_rs: np.ndarray   # int32: the padded row's positions
+  valid_rs: np.ndarray       # bool: real tokens
+  segments_rs: np.ndarray    # int32: group * SEGMENT_MEMBERS + member; 0 pad
+  pred_rs: np.ndarray        # int32: the column (same row) predicting it
+  src_nt: np.ndarray         # int32: slot's completion token t (0: none)
+  row_n: np.ndarray          # int32: the padded row slot holds (n: empty)
+
+
+def _bucket(n: int) -> int:
+  """The next power of two >= n: few distinct shapes, few compiles."""
+  return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def sequence_lengths(valid_ns: np.ndarray, need_nt: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """(prompt tokens [n], completion tokens to pack [n]) of padded rows
+  [left-padded prompt | completion]: the completion through its last
+  `need_nt` token (0: nothing to pack)."""
+  T = need_nt.shape[1]
+  prompt_n = valid_ns[:, :-T].sum(axis=1)
+  need = np.asarray(need_nt) > 0
+  last_n = T - np.argmax(need[:, ::-1], axis=1)
+  return prompt_n.astype(np.int64), np.where(need.any(axis=1), last_n, 0)
+
+
+def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
+              need_nt: np.ndarray, group_size: int, rows_per_micro: int,
+              row_multiple: int = 1) -> tuple[PackedRows, int]:
+  """Packs padded rows [left-padded prompt (P) | completion (T)] into rows
+  of S = P + T tokens, R = `rows_per_micro` (at most) per micro-batch.
+
+  need_nt [n, T]: the completion tokens whose log-probs are needed (the
+  loss mask); each row is packed through its last one, rows without any are
+  left out. group_size G > 1: rows come in groups of G sharing a prompt,
+  which a packed row then holds once (module docstring). row_multiple: R and
+  N are multiples of it (the devices the rows are split over).
+  Returns the rows and M, the number of micro-batches.
+  """
+  tokens_ns, valid_ns = np.asarray(tokens_ns), np.asarray(valid_ns, bool)
+  n, S = tokens_ns.shape
+  T = need_nt.shape[1]
+  P = S - T
+  prompt_n, comp_n = sequence_lengths(valid_ns, need_nt)
+  keep = np.flatnonzero(comp_n > 0)
+  group_n = np.arange(n) // group_size if group_size > 1 else np.arange(n)
+  rows = [[int(keep[j]) for j in row] for row in assign_rows(
+      group_n[keep], prompt_n[keep], comp_n[keep], S)]
+  # R rows per micro-batch (a power of two when one micro-batch holds all).
+  R = min(rows_per_micro, _bucket(len(rows)))
+  R = _round_up(max(R, 1), row_multiple)
+  M = max(1, -(-len(rows) // R))
+  per_micro = [rows[m * R:(m + 1) * R] for m in range(M)]
+  N = _round_up(_bucket(max([sum(map(len, rs)) for rs in per_micro] + [1])),
+                row_multiple)
+  out = _empty(M, R, S, N, T, n)
+  for m, micro_rows in enumerate(per_micro):
+    slot = 0
+    for r, row in enumerate(micro_rows):
+      col, last_group, prompt_last, member, gid = 0, None, 0, 0, 0
+      for i in row:
+        p, c = int(prompt_n[i]), int(comp_n[i])
+        if group_n[i] != last_group:        # the group's prompt, once
+          last_group, member = group_n[i], 0
+          gid += 1
+          _put(out, m, M, r, col, tokens_ns[i, P - p:P], np.arange(p),
+               gid * SEGMENT_MEMBERS, S)
+          prompt_last, col = col + p - 1, col + p
+        member += 1
+        _put(out, m, M, r, col, tokens_ns[i, P:P + c], p + np.arange(c),
+             gid * SEGMENT_MEMBERS + member, S)
+        cols = col + np.arange(c)
+        out.pred_rs[r * M + m, col:col + c] = np.concatenate(
+            [[prompt_last], cols[:-1]])
+        out.src_nt[slot * M + m, :c] = r * S + cols
+        out.row_n[slot * M + m] = i
+        slot, col = slot + 1, col + c
+  return out, M
+
+
+def _empty(M, R, S, N, T, n) -> PackedRows:
+  return PackedRows(np.zeros((R * M, S), np.int32),
+                    np.zeros((R * M, S), np.int32),
+                    np.zeros((R * M, S), bool), np.zeros((R * M, S), np.int32),
+                    np.zeros((R * M, S), np.int32),
+                    np.zeros((N * M, T), np.int32), np.full((N * M,), n,
+                                                            np.int32))
+
+
+def _put(out: PackedRows, m, M, r, col, tokens, positions, segment, S):
+  row, end = r * M + m, col + len(tokens)
+  out.tokens_rs[row, col:end] = tokens
+  out.positions_rs[row, col:end] = positions
+  out.valid_rs[row, col:end] = True
+  out.segments_rs[row, col:end] = segment
+
+
+MODES = ("auto", "on", "off")   # rl.packing
+
+
+def padded_cost(n: int, prompt_len: int, completion_len: int,
+                group_size: int) -> int:
+  """Decoder tokens the padded path pays for n rows: each group's prompt
+  once (group_size > 1, `hidden_states_shared_prompt`) or every row whole."""
+  if group_size > 1:
+    return n // group_size * prompt_len + n * completion_len
+  return n * (prompt_len + completion_len)
+
+
+def wins(rows: PackedRows, n: int, prompt_len: int, completion_len: int,
+         group_size: int) -> bool:
+  """rl.packing = auto: pack when the packed rows pay for fewer decoder
+  tokens than the padded path (long-tailed lengths); with every completion
+  near the cap, one per row, the shared-prompt padded path pays less."""
+  return rows.tokens_rs.size < padded_cost(n, prompt_len, completion_len,
+                                           group_size)
+
+
+def packed_tokens(rows: PackedRows) -> int:
+  """Real tokens in the packed rows (what the decoder works on, padding
+  excluded); the row count times S is what it pays for."""
+  return int(rows.valid_rs.sum())
+
+
+# ----------------------------------------------------------------------------
+# Device side: one micro-batch of packed rows -> log-probs in N slots.
+# ----------------------------------------------------------------------------
+
+def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
+                    chunk_size: int, temperature: float = 1.0,
+                    remat: str = "none", attention: str = "auto"):
+  """log π and entropy of each slot's completion tokens, float32 [N, T],
+  from ONE micro-batch of packed rows ([R, S] arrays, `src_nt` [N, T]).
+  Entries past a slot's packed length (and empty slots) are garbage that
+  the loss mask removes, as the padded path's are."""
+  h_rsd = transformer.hidden_states(
+      config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
+      remat=remat, segment_ns=rows.segments_rs, attention_impl=attention)
+  h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)
+  logp_rs, entropy_rs = logprobs_lib.token_logprobs(
+      config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
+      temperature=temperature)
+  take = lambda x: jnp.take(x.reshape(-1), rows.src_nt, axis=0)
+  return take(logp_rs), take(entropy_rs)
+
+
+def gather_slots(x_n: jax.Array, row_n: jax.Array) -> jax.Array:
+  """Padded-row values [n, ...] -> slot values [N, ...] (0 in empty slots,
+  whose row index is n)."""
+  return jnp.take(x_n, row_n, axis=0, mode="fill", fill_value=0)
+
+
+def scatter_slots(x_slots: jax.Array, row_n: jax.Array, n: int) -> jax.Array:
+  """Slot values [N, ...] -> padded rows [n, ...] (0 in rows not packed)."""
+  out = jnp.zeros((n, *x_slots.shape[1:]), x_slots.dtype)
+  return out.at[row_n].set(x_slots, mode="drop")
+
+
+def describe(rows: PackedRows, n: int) -> dict[str, float]:
+  """How much packing saved: decoder tokens paid for, packed / padded, and
+  the packed rows' fill."""
+  paid = rows.tokens_rs.size
+  return {"pack/token_ratio": paid / max(n * rows.tokens_rs.shape[1], 1),
+          "pack/fill": packed_tokens(rows) / max(paid, 1)}
