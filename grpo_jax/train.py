@@ -103,7 +103,7 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   micro = micro_batch_rows(mini, seq_len, rl.micro_batch_size,
                            rl.micro_batch_tokens)
   score = lambda params: score_logprobs(params, *cols, model_config, T,
-                                        settings, whole, n // micro)
+                                        settings, whole, n // micro, layout)
   if rl.old_logp == "recompute":
     old = score(state.params)
   ref = jnp.zeros_like(old)

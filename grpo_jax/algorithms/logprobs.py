@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import (Params, default_positions_and_valid,
+from grpo_jax.models.transformer import (RESIDUAL_AXES, Constrain, Params,
+                                         default_positions_and_valid,
                                          hidden_states,
                                          hidden_states_shared_prompt)
 
@@ -121,7 +122,8 @@ def sequence_logprobs(config: ModelConfig, params: Params,
                       completion_len: Optional[int] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE,
                       temperature: float = 1.0, remat: str = "none",
-                      group_size: int = 1, attention: str = "auto"):
+                      group_size: int = 1, attention: str = "auto",
+                      constrain: Optional[Constrain] = None):
   """Runs the decoder, then the chunked head: log-probs and entropies of the
   last K = completion_len tokens of tokens_bt (default K = T - 1, every token
   but the first), float32 (B, K). Entry k is log p(tokens[:, T-K+k] | the
@@ -133,6 +135,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
   group's prompt then runs through the decoder once
   (`hidden_states_shared_prompt`), with the same result.
   attention: the decoder's attention (`transformer.ATTENTION`).
+  constrain: pins the activations' shardings (`transformer.hidden_states`).
   """
   T = tokens_bt.shape[1]
   K = T - 1 if completion_len is None else completion_len
@@ -145,12 +148,15 @@ def sequence_logprobs(config: ModelConfig, params: Params,
     h_last_bd, h_nkd = hidden_states_shared_prompt(
         config, params, tokens_bt[first, :P], positions_bt[first, :P],
         valid_bt[first, :P], tokens_bt[:, P:], positions_bt[:, P:],
-        valid_bt[:, P:], remat=remat, attention_impl=attention)
+        valid_bt[:, P:], remat=remat, attention_impl=attention,
+        constrain=constrain)
     h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
     h_btd = jnp.concatenate([h_last_nd[:, None], h_nkd[:, :K - 1]], axis=1)
   else:
     h_btd = hidden_states(config, params, tokens_bt, positions_bt, valid_bt,
-                          remat=remat, attention_impl=attention
-                          )[:, T - 1 - K:T - 1]
+                          remat=remat, attention_impl=attention,
+                          constrain=constrain)[:, T - 1 - K:T - 1]
+  if constrain is not None:
+    h_btd = constrain(h_btd, RESIDUAL_AXES)
   return token_logprobs(config, params, h_btd, tokens_bt[:, T - K:],
                         chunk_size=chunk_size, temperature=temperature)

@@ -13,7 +13,7 @@ H query heads, K kv heads, G = H // K, hd head dim, F mlp dim, V vocab, L layers
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from grpo_jax.models import blockwise
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
+# (array, logical axes) -> the array pinned to the sharding those axes get
+# (`sharding.Layout.constrain` inside jit); the model only names the axes.
+Constrain = Callable[[jax.Array, tuple], jax.Array]
 _NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
@@ -163,13 +166,28 @@ def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array,
   return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
 
 
+# Logical axes of the activations a layer pins when given a `Constrain`:
+# rows split like a batch, features like the weight that makes them. Without
+# these, GSPMD may keep an FSDP weight sharded over its `embed` axis and
+# gather the rows instead (every chip computing the whole micro-batch).
+RESIDUAL_AXES = ("batch", None, None)                  # (B, T, D)
+Q_AXES = ("batch", None, "q_heads", None)              # (B, T, H, hd)
+KV_AXES = ("batch", None, "kv_heads", None)            # (B, T, K, hd)
+MLP_AXES = ("batch", None, "mlp")                      # (B, T, F)
+
+
+def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
+  del logical_axes
+  return x
+
+
 def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
-         positions_bt: jax.Array):
+         positions_bt: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (B,T,H,hd), k and v (B,K,T,hd)."""
   h = rms_norm(x_btd, lp["attn_norm"], config.norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
-  k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
-  v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
+  q = constrain(jnp.einsum("btd,dhk->bthk", h, lp["wq"]), Q_AXES)
+  k = constrain(jnp.einsum("btd,dhk->bthk", h, lp["wk"]), KV_AXES)
+  v = constrain(jnp.einsum("btd,dhk->bthk", h, lp["wv"]), KV_AXES)
   if config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   if config.qk_norm:
@@ -182,12 +200,16 @@ def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
 
 
 def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_btd: jax.Array,
-                      attn_bthd: jax.Array) -> jax.Array:
+                      attn_bthd: jax.Array,
+                      constrain: Constrain = no_constraint) -> jax.Array:
   x = x_btd + jnp.einsum("bthk,hkd->btd", attn_bthd, lp["wo"])
+  x = constrain(x, RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], config.norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, lp["w_gate"])
-  up = jnp.einsum("btd,df->btf", h, lp["w_up"])
-  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"])
+  gate = constrain(jnp.einsum("btd,df->btf", h, lp["w_gate"]), MLP_AXES)
+  up = constrain(jnp.einsum("btd,df->btf", h, lp["w_up"]), MLP_AXES)
+  return constrain(
+      x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"]),
+      RESIDUAL_AXES)
 
 
 def attention_mask(config: ModelConfig, q_pos_bt: jax.Array,
@@ -273,7 +295,8 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
                   valid_bt: Optional[jax.Array] = None,
                   remat: str = "none", return_kv: bool = False,
                   segment_bt: Optional[jax.Array] = None,
-                  attention_impl: str = "auto"):
+                  attention_impl: str = "auto",
+                  constrain: Optional[Constrain] = None):
   """Final-normed hidden states (B, T, D); optionally every layer's k, v.
 
   positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
@@ -282,22 +305,25 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
   (positions then restart at 0 per segment). With return_kv, also returns k
   and v stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
   attention_impl: one of ATTENTION (see `attend_fn`).
+  constrain: pins the activations' shardings (`RESIDUAL_AXES` ...); None:
+  left to the compiler. The values are the same either way.
   """
+  constrain = constrain or no_constraint
   positions_bt, valid_bt = default_positions_and_valid(tokens_bt, positions_bt,
                                                        valid_bt)
   attend = attend_fn(config, attention_impl, positions_bt, positions_bt,
                      valid_bt, segment_bt, segment_bt)
 
   def layer(x, lp):
-    q, k, v = _qkv(config, lp, x, positions_bt)
-    x = _attn_out_and_mlp(config, lp, x, attend(q, k, v))
+    q, k, v = _qkv(config, lp, x, positions_bt, constrain)
+    x = _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain)
     return x, ((k, v) if return_kv else None)
 
   if REMAT_POLICIES.get(remat, "bad") == "bad":
     raise ValueError(f"remat={remat!r}; allowed: {sorted(REMAT_POLICIES)}")
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x = embed(params, tokens_bt)
+  x = constrain(embed(params, tokens_bt), RESIDUAL_AXES)
   x, kv = jax.lax.scan(layer, x, params["layers"])
   h = rms_norm(x, params["final_norm"], config.norm_eps)
   return (h, kv) if return_kv else h
@@ -308,7 +334,8 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
                                 prompt_valid_bp: jax.Array,
                                 tokens_nt: jax.Array, positions_nt: jax.Array,
                                 valid_nt: jax.Array, remat: str = "none",
-                                attention_impl: str = "auto"):
+                                attention_impl: str = "auto",
+                                constrain: Optional[Constrain] = None):
   """`hidden_states` of N = B*G rows [prompt b | continuation n], with each
   of the B prompts run through the decoder ONCE instead of G times.
 
@@ -325,9 +352,10 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
   if N % B:
     raise ValueError(f"{N} rows do not split into groups of {B} prompts")
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
+  constrain = constrain or no_constraint
   h_bpd, (k_lbksd, v_lbksd) = hidden_states(
       config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
-      return_kv=True, attention_impl=attention_impl)
+      return_kv=True, attention_impl=attention_impl, constrain=constrain)
   key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
   key_valid_ns = jnp.concatenate([rep(prompt_valid_bp), valid_nt], axis=1)
   attend = attend_fn(config, attention_impl, positions_nt, key_pos_ns,
@@ -335,14 +363,14 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
 
   def layer(x, xs):
     lp, k_prompt, v_prompt = xs
-    q, k, v = _qkv(config, lp, x, positions_nt)
+    q, k, v = _qkv(config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return _attn_out_and_mlp(config, lp, x, attend(q, k, v)), None
+    return _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain), None
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x, _ = jax.lax.scan(layer, embed(params, tokens_nt),
+  x, _ = jax.lax.scan(layer, constrain(embed(params, tokens_nt), RESIDUAL_AXES),
                       (params["layers"], k_lbksd, v_lbksd))
   return h_bpd[:, -1], rms_norm(x, params["final_norm"], config.norm_eps)
 
