@@ -53,9 +53,9 @@ def _step(args, path: str, wrt_head: bool):
   """jit(value and grad) of Σ logp + 0.01 Σ entropy, as a policy loss needs."""
   config, fn = _config(args), _path_fn(args, path)
 
-  def loss(head, h_btd, targets_bt):
-    logp_bt, entropy_bt = fn(config, head, h_btd, targets_bt)
-    return logp_bt.sum() + 0.01 * entropy_bt.sum()
+  def loss(head, h_nsd, targets_ns):
+    logp_ns, entropy_ns = fn(config, head, h_nsd, targets_ns)
+    return logp_ns.sum() + 0.01 * entropy_ns.sum()
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1) if wrt_head else 1))
 
@@ -94,17 +94,17 @@ def child(args) -> None:
   """Runs one path once; prints peak RSS above the inputs, as JSON."""
   k = jax.random.split(jax.random.PRNGKey(0), 3)
   head = {"embed": 0.02 * jax.random.normal(k[0], (args.vocab, args.dim))}
-  h_btd = jax.random.normal(k[1], (args.batch, args.length, args.dim))
-  targets_bt = jax.random.randint(k[2], (args.batch, args.length), 0,
+  h_nsd = jax.random.normal(k[1], (args.batch, args.length, args.dim))
+  targets_ns = jax.random.randint(k[2], (args.batch, args.length), 0,
                                   args.vocab)
   step = _step(args, args.child, wrt_head=True)
-  compiled = step.lower(head, h_btd, targets_bt).compile()
-  jax.block_until_ready((head, h_btd, targets_bt))
+  compiled = step.lower(head, h_nsd, targets_ns).compile()
+  jax.block_until_ready((head, h_nsd, targets_ns))
   base_kib = _status_kib("VmRSS")
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets VmHWM (peak RSS) to the current RSS
   start = time.perf_counter()
-  jax.block_until_ready(compiled(head, h_btd, targets_bt))
+  jax.block_until_ready(compiled(head, h_nsd, targets_ns))
   seconds = time.perf_counter() - start
   peak_kib = _status_kib("VmHWM")
   print(json.dumps({"peak_above_inputs_mib": (peak_kib - base_kib) / 1024,

@@ -7,18 +7,23 @@ rewards (`rewards`), advantages, loss aggregations and KL estimators
 readers (`evaluation`) and the methods, i.e. the loops: "rl" (`train`) and
 "star" (`star_loop`).
 
-Shape letters, one meaning in every name (`reward_bg`, `logp_nt`,
-`tokens_ns`):
+Shape letters, one meaning in every name and file (`reward_bg`, `logp_nt`,
+`tokens_ns`, `q_nqhe`):
 
-    b  prompts (groups)            g  generations per prompt
-    n  rows, n = b*g (or any rows  t  completion tokens
-       of a batch)                 p  prompt tokens
-    s  p + t (a row: prompt then   v  vocabulary
-       completion)                 l  layers;  d  model width
+    b  prompts (groups)             g  generations per prompt
+    n  rows, n = b*g (or any rows   t  completion tokens
+       of a batch)                  p  prompt tokens
+    s  a row's columns, p + t (or   v  vocabulary
+       any sequence of tokens)      l  layers;  d  model width
+    q  query columns: the last q    h  query heads;  k  KV heads
+       of the s (s, t, or 1)        e  head width
 
-The model code (`models/`, `algorithms/logprobs.py`) does not know about
-groups: there `b` is any batch of sequences and `t` their length.
+A name's shape suffix is its last `_` part: these letters in axis order
+(`logits_nsv` is [n, s, v]); a trailing 1 is a kept axis of size one
+(`adv_n1`); upper case is a size (`N`, `T`). Rows of a group are `bg` or `n`,
+never `b` followed by `t`, `s` or `q` (tests/test_architecture.py checks).
 """
+
 __version__ = "0.1.0"
 
 # pylint: disable=wrong-import-position,unused-import

@@ -203,11 +203,13 @@ def final_answer(accuracy_reward: str) -> FinalAnswer:
 # ----------------------------------------------------------------------------
 
 class Completions(NamedTuple):
-  """n completions of each of P problems, scored by the accuracy reward."""
-  texts: list[list[str]]              # [P][n]
-  answers: list[list[str | None]]     # [P][n], FinalAnswer.extract of each
-  correct_pn: np.ndarray              # bool [P, n]
-  length_pn: np.ndarray               # int32 [P, n], tokens
+  """G completions of each of B problems (prompts), scored by the accuracy
+  reward."""
+  texts: list[list[str]]              # [B][G]
+  answers: list[list[str | None]]     # [B][G], FinalAnswer.extract of each
+  correct_bg: np.ndarray              # bool [B, G]
+  length_bg: np.ndarray               # int32 [B, G], tokens
+
 
 
 @dataclasses.dataclass
@@ -229,7 +231,7 @@ class PolicyEval:
         if done is not None:
           row[name] = [{"completion": t, "answer": a, "correct": bool(c)}
                        for t, a, c in zip(done.texts[p], done.answers[p],
-                                          done.correct_pn[p])]
+                                          done.correct_bg[p])]
       problems.append(row)
     return {"metrics": self.metrics, "problems": problems}
 
@@ -286,12 +288,12 @@ def summarise(sampled: Completions | None, greedy: Completions | None,
   """avg@n, pass@k, maj@k of the samples and the greedy accuracy, "eval/"-named."""
   metrics: dict[str, float] = {"num_examples": len(golds)}
   if greedy is not None:
-    metrics["greedy_accuracy"] = greedy_accuracy(greedy.correct_pn[:, 0])
-    metrics["response_length"] = float(greedy.length_pn.mean())
+    metrics["greedy_accuracy"] = greedy_accuracy(greedy.correct_bg[:, 0])
+    metrics["response_length"] = float(greedy.length_bg.mean())
   if sampled is not None:
-    metrics.update(sampled_metrics(sampled.correct_pn.tolist(), ks))
+    metrics.update(sampled_metrics(sampled.correct_bg.tolist(), ks))
     metrics.update(majority_metrics(sampled.answers, golds, equivalent, ks))
-    metrics["sampled_response_length"] = float(sampled.length_pn.mean())
+    metrics["sampled_response_length"] = float(sampled.length_bg.mean())
   return {f"eval/{k}": v for k, v in metrics.items()}
 
 

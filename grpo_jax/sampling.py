@@ -46,7 +46,7 @@ from grpo_jax.models.config import ModelConfig
 
 Params = transformer.Params
 Layout = Optional[sharding.Layout]    # None: one device, or XLA's choice
-_CACHE_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")  # (BG, K, S, hd)
+_CACHE_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")  # (N, K, S, E)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +93,20 @@ class Samples(NamedTuple):
 # Token choice.
 # ----------------------------------------------------------------------------
 
-def _filter_logits(logits_bv: jax.Array, top_k: int, top_p: float):
+def _filter_logits(logits_nv: jax.Array, top_k: int, top_p: float):
   """Masks logits outside top-k and then outside the top-p nucleus to -inf."""
   if top_k > 0:
-    kth = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
-    logits_bv = jnp.where(logits_bv < kth, -jnp.inf, logits_bv)
+    kth = jax.lax.top_k(logits_nv, top_k)[0][:, -1:]
+    logits_nv = jnp.where(logits_nv < kth, -jnp.inf, logits_nv)
   if top_p < 1.0:
-    sorted_desc = -jnp.sort(-logits_bv, axis=-1)
+    sorted_desc = -jnp.sort(-logits_nv, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (always the first).
     keep = (cum - jax.nn.softmax(sorted_desc, axis=-1)) < top_p
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1,
                      keepdims=True)
-    logits_bv = jnp.where(logits_bv < cutoff, -jnp.inf, logits_bv)
-  return logits_bv
+    logits_nv = jnp.where(logits_nv < cutoff, -jnp.inf, logits_nv)
+  return logits_nv
 
 
 def _row_uniforms(key: jax.Array, rows: int, row_offset, total_rows: int
@@ -115,49 +115,49 @@ def _row_uniforms(key: jax.Array, rows: int, row_offset, total_rows: int
   Threefry is partitionable (jax's default): entry j of a draw does not
   depend on the draw's length, so a chunk of rows gets the uniforms that
   one call over all rows gives them (`sample`'s chunks)."""
-  u_r1 = jax.random.uniform(key, (max(total_rows, rows), 1),
+  u_n1 = jax.random.uniform(key, (max(total_rows, rows), 1),
                             minval=jnp.finfo(jnp.float32).tiny)
   if total_rows <= rows:
-    return u_r1
-  return jax.lax.dynamic_slice_in_dim(u_r1, row_offset, rows, axis=0)
+    return u_n1
+  return jax.lax.dynamic_slice_in_dim(u_n1, row_offset, rows, axis=0)
 
 
-def _inverse_cdf_sample(key: jax.Array, logits_bv: jax.Array,
+def _inverse_cdf_sample(key: jax.Array, logits_nv: jax.Array,
                         row_offset=0, total_rows: int = 0) -> jax.Array:
   """Exact categorical sampling with ONE uniform per row.
 
   jax.random.categorical draws V Gumbel variates per row; with threefry on
-  CPU that alone cost ~50 ms per decode step at B=64, V=49k. Inverting the
-  CDF needs B uniforms and a cumulative sum.
+  CPU that alone cost ~50 ms per decode step at N=64, V=49k. Inverting the
+  CDF needs N uniforms and a cumulative sum.
   """
-  cdf_bv = jnp.cumsum(jax.nn.softmax(logits_bv, axis=-1), axis=-1)
-  u_b1 = _row_uniforms(key, logits_bv.shape[0], row_offset,
-                       total_rows) * cdf_bv[:, -1:]
-  tokens = jnp.sum(cdf_bv < u_b1, axis=-1)
-  return jnp.minimum(tokens, logits_bv.shape[-1] - 1).astype(jnp.int32)
+  cdf_nv = jnp.cumsum(jax.nn.softmax(logits_nv, axis=-1), axis=-1)
+  u_n1 = _row_uniforms(key, logits_nv.shape[0], row_offset,
+                       total_rows) * cdf_nv[:, -1:]
+  tokens = jnp.sum(cdf_nv < u_n1, axis=-1)
+  return jnp.minimum(tokens, logits_nv.shape[-1] - 1).astype(jnp.int32)
 
 
-def choose_tokens(logits_bv: jax.Array, key: jax.Array, cfg: SamplingConfig,
+def choose_tokens(logits_nv: jax.Array, key: jax.Array, cfg: SamplingConfig,
                   row_offset=0, total_rows: int = 0
                   ) -> tuple[jax.Array, jax.Array]:
-  """Next token (B,) and its log-prob under softmax(logits / temperature).
-  row_offset / total_rows: these B rows are rows row_offset.. of a call
+  """Next token (N,) and its log-prob under softmax(logits / temperature).
+  row_offset / total_rows: these N rows are rows row_offset.. of a call
   over total_rows (0: just these), whose noise they then get."""
   if cfg.is_greedy:
-    tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    scaled = logits_bv
+    tokens = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
+    scaled = logits_nv
   else:
-    scaled = logits_bv / cfg.temperature
+    scaled = logits_nv / cfg.temperature
     filtered = _filter_logits(scaled, cfg.top_k, cfg.top_p)
     tokens = _inverse_cdf_sample(key, filtered, row_offset, total_rows)
   logp = jax.nn.log_softmax(scaled, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def _is_stop(tokens_b: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
+def _is_stop(tokens_n: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
   if not stop_ids:
-    return jnp.zeros(tokens_b.shape, bool)
-  return jnp.isin(tokens_b, jnp.asarray(stop_ids, jnp.int32))
+    return jnp.zeros(tokens_n.shape, bool)
+  return jnp.isin(tokens_n, jnp.asarray(stop_ids, jnp.int32))
 
 
 # ----------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class _Carry(NamedTuple):
   t: jax.Array                      # next column to fill
   tokens_nt: jax.Array
   logp_nt: jax.Array
-  done_b: jax.Array
+  done_n: jax.Array
   cache: transformer.KVCache
   key: jax.Array
 
@@ -187,9 +187,9 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   kv = lambda x: layout.constrain(x, _CACHE_AXES)
   cache = transformer.KVCache(
       tuple(map(kv, c.cache.k)), tuple(map(kv, c.cache.v)),
-      rows(c.cache.valid_bs), rows(c.cache.pos_bs))
+      rows(c.cache.valid_ns), rows(c.cache.pos_ns))
   return c._replace(tokens_nt=rows(c.tokens_nt), logp_nt=rows(c.logp_nt),
-                    done_b=rows(c.done_b), cache=cache)
+                    done_n=rows(c.done_n), cache=cache)
 
 
 def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
@@ -217,8 +217,8 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
   cache = transformer.KVCache(
       k=tuple(grow(k[i]) for i in range(config.num_layers)),
       v=tuple(grow(v[i]) for i in range(config.num_layers)),
-      valid_bs=jnp.pad(rep(valid_bp, 0), [(0, 0), (0, T)]),
-      pos_bs=jnp.pad(rep(pos_bp, 0), [(0, 0), (0, T)]))
+      valid_ns=jnp.pad(rep(valid_bp, 0), [(0, 0), (0, T)]),
+      pos_ns=jnp.pad(rep(pos_bp, 0), [(0, 0), (0, T)]))
   key, sub = jax.random.split(key)
   first, logp = choose_tokens(rep(logits_bv, 0), sub, cfg, row_offset,
                               total_rows)
@@ -233,14 +233,15 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
              layout: Layout = None, row_offset=0, total_rows: int = 0
              ) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
-  BG, T = carry.tokens_nt.shape
-  P = carry.cache.valid_bs.shape[1] - T
-  G = BG // prompt_len_b.shape[0]
+  N, T = carry.tokens_nt.shape
+  P = carry.cache.valid_ns.shape[1] - T
+  G = N // prompt_len_b.shape[0]
+
   len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
   layers = transformer.unstack_layers(params, config.num_layers)  # once
 
   def cond(c: _Carry):
-    return (c.t < T) & ~jnp.all(c.done_b)
+    return (c.t < T) & ~jnp.all(c.done_n)
 
   def body(c: _Carry):
     prev = jax.lax.dynamic_slice_in_dim(c.tokens_nt, c.t - 1, 1, axis=1)[:, 0]
@@ -249,11 +250,11 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
         layers)
     key, sub = jax.random.split(c.key)
     tok, logp = choose_tokens(logits, sub, cfg, row_offset, total_rows)
-    tok = jnp.where(c.done_b, cfg.pad_id, tok)
-    logp = jnp.where(c.done_b, 0.0, logp)
+    tok = jnp.where(c.done_n, cfg.pad_id, tok)
+    logp = jnp.where(c.done_n, 0.0, logp)
     tokens_nt = jax.lax.dynamic_update_slice(c.tokens_nt, tok[:, None], (0, c.t))
     logp_nt = jax.lax.dynamic_update_slice(c.logp_nt, logp[:, None], (0, c.t))
-    done = c.done_b | _is_stop(tok, cfg.stop_ids)
+    done = c.done_n | _is_stop(tok, cfg.stop_ids)
     return _pin_carry(layout,
                       _Carry(c.t + 1, tokens_nt, logp_nt, done, cache, key))
 

@@ -8,7 +8,7 @@
 An `SFTExample` is (prompt ids, completion ids). A row of S tokens holds one
 example, right-padded, or (`pack=True`) several examples back to back. Packed
 examples each get positions 0..n-1 and their own segment id, and the decoder
-attends only within a segment (`hidden_states(segment_bt=...)`), so a packed
+attends only within a segment (`hidden_states(segment_ns=...)`), so a packed
 row computes exactly what its examples would alone.
 
 The loss is the token-mean of -log p over the completion tokens of the WHOLE
@@ -146,7 +146,7 @@ def completion_nll_sum(params: Params, model_config: ModelConfig,
   params = cast(params, s.compute_dtype)
   h_nsd = transformer.hidden_states(
       model_config, params, batch.tokens_ns, batch.positions_ns,
-      batch.segments_ns > 0, remat=s.remat, segment_bt=batch.segments_ns)
+      batch.segments_ns > 0, remat=s.remat, segment_ns=batch.segments_ns)
   logp_ns, _ = logprobs_lib.token_logprobs(
       model_config, params, h_nsd[:, :-1], batch.tokens_ns[:, 1:],
       chunk_size=s.chunk)                                   # (N, S-1)

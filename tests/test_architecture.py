@@ -1,13 +1,18 @@
-"""The package's shape: no import cycles, the pure layer stays pure, and every
+"""The package's shape: no import cycles, the pure layer stays pure, every
 config in configs/ validates with every name it uses registered after a bare
-`import grpo_jax`."""
+`import grpo_jax`, and every shape suffix in grpo_jax/ uses the one table of
+shape letters in grpo_jax/__init__.py's docstring."""
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+import grpo_jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import import_graph  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -195,3 +200,116 @@ def test_names_exist_after_a_bare_import(kind):
   names = json.loads(proc.stdout)
   assert {"layout": "commonsenseqa", "method": "star",
           "final_answer": "multiple_choice"}[kind] in names
+
+
+# ----------------------------------------------------------------------------
+# One shape vocabulary: the table in grpo_jax/__init__.py's docstring.
+# ----------------------------------------------------------------------------
+
+VOWELS = set("aeiouy")
+# Suffixes that pass for shapes by the rule below but are words: backward,
+# forward, the MLP, TensorFlow Datasets.
+NOT_SHAPES = {"bwd", "fwd", "mlp", "tfds"}
+
+
+def shape_letters(doc: str) -> set[str]:
+  """The letters the docstring's table defines: each entry is a lone lower-
+  case letter, two spaces, then its meaning."""
+  table = doc[doc.index("Shape letters"):].split("\n\n")[1]
+  return set(re.findall(r"(?<!\S)([a-z])  (?=\S)", table))
+
+
+def never_after_b(doc: str) -> set[str]:
+  """The letters the docstring says never directly follow `b`."""
+  rule = re.search(r"never `b` followed by ([^(]*)\(", doc)
+  return set(re.findall(r"`([a-z])`", rule[1]))
+
+
+def shape_fault(name: str, letters: set[str], after_b: set[str]):
+  """Why `name`'s shape suffix breaks the table, or None.
+
+  The suffix is the part after the last `_`, less a trailing 1 (a kept axis
+  of size one); only suffixes of at least two lower-case letters count, so a
+  lone letter (`r_g`, `M_n`) and words with digits pass. A suffix made only
+  of table letters is a shape: it must not put `t`, `s` or `q` (per the
+  docstring) right after `b`, the model code's old "b = any batch" meaning
+  (`h_btd`, `positions_bt`). A suffix with a letter outside the table is a
+  shape with an unknown axis (`x_nbc`) when it has no vowel, at least two
+  table letters and is not in NOT_SHAPES; otherwise it is a word (`_id`,
+  `_ok`, `_fn`, `_mb`, `_hf`, `_dir`), and words made of table letters
+  (`_step`, `_end`, `_db`) pass as long as they keep the `b` rule.
+  """
+  parts = name.strip("_").rsplit("_", 1)
+  if len(parts) < 2:
+    return None
+  suffix = parts[1].removesuffix("1")
+  if len(suffix) < 2 or not (suffix.isalpha() and suffix.islower()):
+    return None
+  outside = set(suffix) - letters
+  if not outside:
+    bad = [f"b{c}" for c in after_b if f"b{c}" in suffix]
+    return f"`{bad[0]}`: b is prompts" if bad else None
+  known = sum(c in letters for c in suffix)
+  if set(suffix) & VOWELS or known < 2 or suffix in NOT_SHAPES:
+    return None
+  return f"letters {sorted(outside)} are not in the table"
+
+
+def bound_names(tree: ast.AST):
+  """(line, identifier) of every name the source binds: definitions,
+  arguments, assignment targets (names and attributes), `except ... as`."""
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      yield node.lineno, node.name
+    elif isinstance(node, ast.arg):
+      yield node.lineno, node.arg
+    elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(
+        node.ctx, ast.Store):
+      yield node.lineno, getattr(node, "id", None) or node.attr
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+      yield node.lineno, node.name
+
+
+def test_shape_table_is_read_from_the_package_docstring():
+  letters = shape_letters(grpo_jax.__doc__)
+  assert set("bgntpsvld") <= letters
+  assert never_after_b(grpo_jax.__doc__) == set("tsq")
+  assert not letters & (VOWELS - {"e"})   # else the unknown-letter rule misses
+
+
+@pytest.mark.parametrize("name,fault", [
+    # The model code's old vocabulary (b = any rows, t = their length).
+    ("positions_bt", "bt"), ("h_btd", "bt"), ("logits_btv", "bt"),
+    ("valid_bs", "bs"), ("q_bthd", "bt"), ("mask_bts", "bt"),
+    ("x_nbc", "not in the table"), ("logits_nxv", "not in the table"),
+    # Shapes of the table, and words that are not shapes.
+    ("tokens_ns", None), ("reward_bg", None), ("mask_bgt", None),
+    ("adv_n1", None), ("q_nqhe", None), ("k_lbkpe", None), ("h_last_bd", None),
+    ("memory_mb", None), ("grad_fn", None), ("step_end", None),
+    ("pad_id", None), ("exist_ok", None), ("x_db", None), ("x_tb", None),
+    ("_attend_bwd", None), ("r_g", None), ("format_r1", None)])
+def test_shape_fault_flags_the_old_and_unknown_letters(name, fault):
+  letters = shape_letters(grpo_jax.__doc__)
+  got = shape_fault(name, letters, never_after_b(grpo_jax.__doc__))
+  if fault is None:
+    assert got is None, got
+  else:
+    assert got is not None and fault in got
+
+
+def test_every_shape_suffix_in_grpo_jax_uses_the_table():
+  letters = shape_letters(grpo_jax.__doc__)
+  after_b = never_after_b(grpo_jax.__doc__)
+  faults = []
+  for dirpath, _, files in os.walk(os.path.join(ROOT, "grpo_jax")):
+    for file in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(dirpath, file)
+      with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+      for line, name in sorted(set(bound_names(tree))):
+        fault = shape_fault(name, letters, after_b)
+        if fault:
+          faults.append(f"{os.path.relpath(path, ROOT)}:{line} {name}: {fault}")
+  assert not faults, ("shape suffixes outside grpo_jax/__init__.py's table "
+                      "(rename, or add a word to NOT_SHAPES):\n"
+                      + "\n".join(faults))

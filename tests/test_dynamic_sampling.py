@@ -92,12 +92,12 @@ def test_accumulator_is_immutable():
 
 
 def test_overlong_filter_numpy_and_jax():
-  mask_bt = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0]], bool)
-  truncated_b = np.array([False, True, False])
+  mask_nt = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0]], bool)
+  truncated_n = np.array([False, True, False])
   expected = [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
-  np.testing.assert_array_equal(ds.overlong_filter(mask_bt, truncated_b),
+  np.testing.assert_array_equal(ds.overlong_filter(mask_nt, truncated_n),
                                 expected)
-  got = jax.jit(ds.overlong_filter)(jnp.asarray(mask_bt, jnp.float32),
-                                    jnp.asarray(truncated_b))
+  got = jax.jit(ds.overlong_filter)(jnp.asarray(mask_nt, jnp.float32),
+                                    jnp.asarray(truncated_n))
   np.testing.assert_array_equal(got, expected)
   assert got.dtype == jnp.float32

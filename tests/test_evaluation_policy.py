@@ -152,19 +152,19 @@ def test_metrics_agree_with_the_per_sample_verdicts(tiny_policy):
   result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
                                       examples)
   s, m = result.sampled, result.metrics
-  assert s.correct_pn.shape == (8, 4) and len(s.texts) == 8
-  assert 0 < s.correct_pn.mean() < 1, "the controlled reward should mix"
+  assert s.correct_bg.shape == (8, 4) and len(s.texts) == 8
+  assert 0 < s.correct_bg.mean() < 1, "the controlled reward should mix"
   # The verdicts belong to the texts reported next to them.
-  assert [[_parity(t) == "even" for t in row] for row in s.texts] == s.correct_pn.tolist()
+  assert [[_parity(t) == "even" for t in row] for row in s.texts] == s.correct_bg.tolist()
   assert s.answers == [[_parity(t) for t in row] for row in s.texts]
-  c_p = s.correct_pn.sum(axis=1)
-  assert m["eval/avg@4"] == pytest.approx(s.correct_pn.mean())
+  c_p = s.correct_bg.sum(axis=1)
+  assert m["eval/avg@4"] == pytest.approx(s.correct_bg.mean())
   for k in (1, 2, 4):
     want = np.mean([1 - math.comb(4 - c, k) / math.comb(4, k) for c in c_p])
     assert m[f"eval/pass@{k}"] == pytest.approx(want)
     assert m[f"eval/maj@{k}"] == pytest.approx(np.mean(
         [_majority_is_even(row[:k]) for row in s.answers]))
-  assert m["eval/greedy_accuracy"] == pytest.approx(result.greedy.correct_pn.mean())
+  assert m["eval/greedy_accuracy"] == pytest.approx(result.greedy.correct_bg.mean())
 
 
 def _majority_is_even(answers) -> bool:
@@ -180,10 +180,10 @@ def test_greedy_only_evaluation_scores_the_greedy_texts(tiny_policy):
                                       examples, n=0)
   assert result.sampled is None and len(result.greedy.texts) == len(examples)
   verdicts = [_parity(row[0]) == "even" for row in result.greedy.texts]
-  assert result.greedy.correct_pn[:, 0].tolist() == verdicts
+  assert result.greedy.correct_bg[:, 0].tolist() == verdicts
   assert result.metrics["eval/greedy_accuracy"] == pytest.approx(np.mean(verdicts))
   assert result.metrics["eval/response_length"] == pytest.approx(
-      result.greedy.length_pn.mean())
+      result.greedy.length_bg.mean())
 
 
 def test_temperature_zero_samples_are_the_greedy_completion(tiny_policy):

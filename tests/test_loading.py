@@ -64,14 +64,14 @@ def _tiny_model(arch, seed=0):
   return _randomize(transformers.AutoModelForCausalLM.from_config(config), seed)
 
 
-def _ref_logprobs(model, tokens_bt):
+def _ref_logprobs(model, tokens_ns):
   with torch.no_grad():
-    logits = model(torch.tensor(np.asarray(tokens_bt))).logits
+    logits = model(torch.tensor(np.asarray(tokens_ns))).logits
   return torch.log_softmax(logits.float(), -1).numpy()
 
 
-def _our_logprobs(config, params, tokens_bt):
-  logits = forward(config, params, jnp.asarray(tokens_bt, jnp.int32))
+def _our_logprobs(config, params, tokens_ns):
+  logits = forward(config, params, jnp.asarray(tokens_ns, jnp.int32))
   return np.asarray(jax.nn.log_softmax(logits, -1))
 
 

@@ -19,42 +19,42 @@ B, T = 2, 13  # 13 is prime: no chunk size below divides it
 def _setup():
   """Params, tokens, loss weights, final hidden states, and the reference."""
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
-  tokens_bt = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0,
+  tokens_ns = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0,
                                  CONFIG.vocab_size)
-  weights_bt = jax.random.normal(jax.random.PRNGKey(2), (B, T - 1))
-  h_btd = jax.jit(functools.partial(transformer.hidden_states, CONFIG))(
-      params, tokens_bt)[:, :-1]
-  return params, tokens_bt, weights_bt, h_btd
+  weights_ns = jax.random.normal(jax.random.PRNGKey(2), (B, T - 1))
+  h_nsd = jax.jit(functools.partial(transformer.hidden_states, CONFIG))(
+      params, tokens_ns)[:, :-1]
+  return params, tokens_ns, weights_ns, h_nsd
 
 
 @functools.partial(jax.jit, static_argnames="temperature")
-def _full_logits_reference(params, tokens_bt, temperature=1.0):
+def _full_logits_reference(params, tokens_ns, temperature=1.0):
   """log_softmax of the forward pass, gathered at the next token."""
-  logits_btv = transformer.forward(CONFIG, params, tokens_bt)[:, :-1]
-  logq_btv = jax.nn.log_softmax(logits_btv / temperature, axis=-1)
-  logp_bt = jnp.take_along_axis(logq_btv, tokens_bt[:, 1:, None], -1)[..., 0]
-  entropy_bt = -jnp.sum(jnp.exp(logq_btv) * logq_btv, axis=-1)
-  return logp_bt, entropy_bt
+  logits_nsv = transformer.forward(CONFIG, params, tokens_ns)[:, :-1]
+  logq_nsv = jax.nn.log_softmax(logits_nsv / temperature, axis=-1)
+  logp_ns = jnp.take_along_axis(logq_nsv, tokens_ns[:, 1:, None], -1)[..., 0]
+  entropy_ns = -jnp.sum(jnp.exp(logq_nsv) * logq_nsv, axis=-1)
+  return logp_ns, entropy_ns
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 5, 64])
 def test_chunked_values_equal_full_logits(chunk_size):
-  params, tokens_bt, _, h_btd = _setup()
+  params, tokens_ns, _, h_nsd = _setup()
   logp, entropy = jax.jit(functools.partial(
       logprobs.token_logprobs, CONFIG, chunk_size=chunk_size))(
-          params, h_btd, tokens_bt[:, 1:])
-  ref_logp, ref_entropy = _full_logits_reference(params, tokens_bt)
+          params, h_nsd, tokens_ns[:, 1:])
+  ref_logp, ref_entropy = _full_logits_reference(params, tokens_ns)
   assert logp.shape == entropy.shape == (B, T - 1)
   np.testing.assert_allclose(logp, ref_logp, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_gradients_equal_full_logits():
-  params, tokens_bt, w_bt, _ = _setup()
+  params, tokens_ns, w_ns, _ = _setup()
 
   def objective(params, fn):
-    logp, entropy = fn(params, tokens_bt)
-    return jnp.sum(w_bt * logp) + 0.1 * jnp.sum(w_bt * entropy)
+    logp, entropy = fn(params, tokens_ns)
+    return jnp.sum(w_ns * logp) + 0.1 * jnp.sum(w_ns * entropy)
 
   chunked = functools.partial(logprobs.sequence_logprobs, CONFIG, chunk_size=5)
   grad = jax.jit(jax.grad(lambda p: objective(p, chunked)))(params)
@@ -68,35 +68,35 @@ def test_chunked_gradients_equal_full_logits():
 
 
 def test_token_logprobs_gradient_wrt_hidden_states_and_temperature():
-  params, tokens_bt, w_bt, h_btd = _setup()
-  targets_bt = tokens_bt[:, 1:]
+  params, tokens_ns, w_ns, h_nsd = _setup()
+  targets_ns = tokens_ns[:, 1:]
 
   def objective(h, fn):
-    logp, entropy = fn(CONFIG, params, h, targets_bt, temperature=0.7)
-    return jnp.sum(w_bt * logp) - jnp.sum(entropy)
+    logp, entropy = fn(CONFIG, params, h, targets_ns, temperature=0.7)
+    return jnp.sum(w_ns * logp) - jnp.sum(entropy)
 
   chunked = functools.partial(logprobs.token_logprobs, chunk_size=3)
   value_and_grad = jax.jit(jax.value_and_grad(objective), static_argnums=1)
-  value, grad = value_and_grad(h_btd, chunked)
-  ref_value, ref_grad = value_and_grad(h_btd, logprobs.token_logprobs_naive)
+  value, grad = value_and_grad(h_nsd, chunked)
+  ref_value, ref_grad = value_and_grad(h_nsd, logprobs.token_logprobs_naive)
   assert float(value) == pytest.approx(float(ref_value), rel=1e-5)
   np.testing.assert_allclose(grad, ref_grad, atol=1e-5, rtol=1e-5)
   # the temperature is applied: it matches log_softmax(logits / 0.7)
-  ref_logp, _ = _full_logits_reference(params, tokens_bt, temperature=0.7)
+  ref_logp, _ = _full_logits_reference(params, tokens_ns, temperature=0.7)
   logp, _ = jax.jit(chunked, static_argnums=0, static_argnames="temperature")(
-      CONFIG, params, h_btd, targets_bt, temperature=0.7)
+      CONFIG, params, h_nsd, targets_ns, temperature=0.7)
   np.testing.assert_allclose(logp, ref_logp, atol=1e-5, rtol=1e-5)
 
 
 def test_completion_len_selects_the_last_tokens():
-  params, tokens_bt, _, _ = _setup()
+  params, tokens_ns, _, _ = _setup()
   logp, _ = jax.jit(functools.partial(
       logprobs.sequence_logprobs, CONFIG, completion_len=4, chunk_size=3))(
-          params, tokens_bt)
-  ref_logp, _ = _full_logits_reference(params, tokens_bt)
+          params, tokens_ns)
+  ref_logp, _ = _full_logits_reference(params, tokens_ns)
   np.testing.assert_allclose(logp, ref_logp[:, -4:], atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="completion_len"):
-    logprobs.sequence_logprobs(CONFIG, params, tokens_bt, completion_len=T)
+    logprobs.sequence_logprobs(CONFIG, params, tokens_ns, completion_len=T)
 
 
 def test_chunked_backward_never_holds_full_logits():

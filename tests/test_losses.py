@@ -18,21 +18,21 @@ EPS = dict(eps_low=0.2, eps_high=0.28)
 
 
 def golden_arrays():
-  """(logp_bt, old_logp_bt, mask_bt) with exp(logp - old) = RATIOS on valid
+  """(logp_nt, old_logp_nt, mask_nt) with exp(logp - old) = RATIOS on valid
   tokens; old log-probs are arbitrary negative numbers, padding is junk."""
-  ratio_bt = np.ones((4, T), np.float32)
-  mask_bt = np.zeros((4, T), np.float32)
+  ratio_nt = np.ones((4, T), np.float32)
+  mask_nt = np.zeros((4, T), np.float32)
   for i, row in enumerate(RATIOS):
-    ratio_bt[i, :len(row)] = row
-    mask_bt[i, :len(row)] = 1.0
-  old_bt = -np.linspace(0.5, 3.0, 4 * T, dtype=np.float32).reshape(4, T)
-  logp_bt = np.where(mask_bt > 0, old_bt + np.log(ratio_bt), 7.0)
-  return jnp.array(logp_bt), jnp.array(old_bt), jnp.array(mask_bt)
+    ratio_nt[i, :len(row)] = row
+    mask_nt[i, :len(row)] = 1.0
+  old_nt = -np.linspace(0.5, 3.0, 4 * T, dtype=np.float32).reshape(4, T)
+  logp_nt = np.where(mask_nt > 0, old_nt + np.log(ratio_nt), 7.0)
+  return jnp.array(logp_nt), jnp.array(old_nt), jnp.array(mask_nt)
 
 
-def golden_loss(adv_b, agg, dual_clip):
+def golden_loss(adv_n, agg, dual_clip):
   logp, old, mask = golden_arrays()
-  loss, _ = losses.policy_loss(logp, old, adv_b, mask, agg=agg,
+  loss, _ = losses.policy_loss(logp, old, adv_n, mask, agg=agg,
                                dual_clip=dual_clip, **EPS)
   return float(loss)
 
@@ -50,24 +50,24 @@ GOLDEN = [  # (δ, dual clip c, aggregation, REFERENCE value)
 
 @pytest.mark.parametrize("delta,dual_clip,agg,expected", GOLDEN)
 def test_golden_grpo_losses(delta, dual_clip, agg, expected):
-  adv_b = adv_lib.grpo_advantages(REWARD, eps=delta).reshape(-1)
-  assert golden_loss(adv_b, agg, dual_clip) == pytest.approx(expected,
+  adv_n = adv_lib.grpo_advantages(REWARD, eps=delta).reshape(-1)
+  assert golden_loss(adv_n, agg, dual_clip) == pytest.approx(expected,
                                                              abs=1e-6)
 
 
 def test_golden_sum_of_token_losses():
   # REFERENCE: Σ m·l = 0.467653 (δ = 1e-6, c = 10)
   logp, old, mask = golden_arrays()
-  adv_b = adv_lib.grpo_advantages(REWARD).reshape(-1)
-  l_bt = losses.clipped_surrogate(losses.ratio(logp, old), adv_b[:, None],
-                                  dual_clip=10.0, **EPS)
-  assert float((l_bt * mask).sum()) == pytest.approx(0.467653, abs=1e-6)
+  adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
+  loss_nt = losses.clipped_surrogate(losses.ratio(logp, old), adv_n[:, None],
+                                     dual_clip=10.0, **EPS)
+  assert float((loss_nt * mask).sum()) == pytest.approx(0.467653, abs=1e-6)
 
 
 def test_golden_dr_grpo_sum_norm():
   # REFERENCE: Dr. GRPO A, no dual clip: Σ m·l / (B·T) = 0.013500
-  adv_b = adv_lib.dr_grpo_advantages(REWARD).reshape(-1)
-  assert golden_loss(adv_b, "seq-mean-token-sum-norm", None) == pytest.approx(
+  adv_n = adv_lib.dr_grpo_advantages(REWARD).reshape(-1)
+  assert golden_loss(adv_n, "seq-mean-token-sum-norm", None) == pytest.approx(
       0.013500, abs=1e-6)
 
 
@@ -76,13 +76,13 @@ def test_golden_dr_grpo_sum_norm():
 def test_golden_kl(estimator, expected):
   # d = log ρ: the reference policy is the sampling policy of the golden vector
   logp, old, mask = golden_arrays()
-  kl_bt = registry.lookup("kl_estimator", estimator)(logp, old)
+  kl_nt = registry.lookup("kl_estimator", estimator)(logp, old)
   norm = losses.normalisers(mask)
-  assert float(losses.token_mean(kl_bt, mask, norm)) == pytest.approx(
+  assert float(losses.token_mean(kl_nt, mask, norm)) == pytest.approx(
       expected, abs=1e-6)
   # and through policy_loss: the metric, and loss = pg + β·KL
-  adv_b = adv_lib.grpo_advantages(REWARD).reshape(-1)
-  loss, metrics = losses.policy_loss(logp, old, adv_b, mask, old, agg=
+  adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
+  loss, metrics = losses.policy_loss(logp, old, adv_n, mask, old, agg=
                                      "token-mean", kl_beta=0.5,
                                      kl_estimator=estimator, **EPS)
   assert float(metrics["kl"]) == pytest.approx(expected, abs=1e-6)
@@ -91,10 +91,10 @@ def test_golden_kl(estimator, expected):
 
 def test_ratio_one_beta_zero_loss_is_zero_but_gradient_is_not():
   _, old, mask = golden_arrays()
-  adv_b = adv_lib.grpo_advantages(REWARD).reshape(-1)
+  adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
 
   def loss_fn(logp):
-    return losses.policy_loss(logp, old, adv_b, mask, agg="seq-mean-token-mean",
+    return losses.policy_loss(logp, old, adv_n, mask, agg="seq-mean-token-mean",
                               kl_beta=0.0, **EPS)[0]
 
   loss, grad = jax.value_and_grad(loss_fn)(old)  # logp = old: ρ ≡ 1
@@ -103,12 +103,12 @@ def test_ratio_one_beta_zero_loss_is_zero_but_gradient_is_not():
   assert abs(float(loss)) < 1e-7
   # ∂/∂lp_t = -A_i / (|o_i| · N) on valid tokens, 0 on padding
   lengths = np.array([2.0, 3.0, 1.0, 4.0])
-  expected = -np.asarray(adv_b)[:, None] / (lengths[:, None] * 4) * mask
+  expected = -np.asarray(adv_n)[:, None] / (lengths[:, None] * 4) * mask
   np.testing.assert_allclose(grad, expected, rtol=1e-6)
   assert float(jnp.abs(grad).sum()) > 0.1
   # on-policy: passing logp itself as old gives the same (old is a constant)
   on_policy = jax.grad(lambda lp: losses.policy_loss(
-      lp, lp, adv_b, mask, agg="seq-mean-token-mean", **EPS)[0])(old)
+      lp, lp, adv_n, mask, agg="seq-mean-token-mean", **EPS)[0])(old)
   np.testing.assert_allclose(on_policy, expected, rtol=1e-6)
 
 
@@ -123,8 +123,8 @@ def test_kl_gradient_flows_into_the_policy_only():
 
 def test_clip_metrics_on_golden_vector():
   logp, old, mask = golden_arrays()
-  adv_b = adv_lib.grpo_advantages(REWARD).reshape(-1)
-  _, m = losses.policy_loss(logp, old, adv_b, mask, dual_clip=3.0, **EPS)
+  adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
+  _, m = losses.policy_loss(logp, old, adv_n, mask, dual_clip=3.0, **EPS)
   # 10 valid tokens. low: A<0, ρ<0.8 -> seq1's 0.50. high: A>0, ρ>1.28 ->
   # seq0's 1.40 and seq3's 1.30. dual: A<0, ρ>3 -> seq1's 4.00.
   assert float(m["clip/low_frac"]) == pytest.approx(0.1)
@@ -137,12 +137,12 @@ def test_clip_metrics_on_golden_vector():
 
 
 def test_dual_clip_caps_negative_advantage_loss():
-  ratio_bt = jnp.array([[5.0, 5.0, 0.5]])
-  adv_bt = jnp.array([[-2.0, 2.0, -2.0]])
-  l_bt = losses.clipped_surrogate(ratio_bt, adv_bt, eps_low=0.2, eps_high=0.2,
-                                  dual_clip=3.0)
+  ratio_nt = jnp.array([[5.0, 5.0, 0.5]])
+  adv_nt = jnp.array([[-2.0, 2.0, -2.0]])
+  loss_nt = losses.clipped_surrogate(ratio_nt, adv_nt, eps_low=0.2,
+                                     eps_high=0.2, dual_clip=3.0)
   # A<0, ρ=5: min(10, 2·3) = 6. A>0, ρ=5: -1.2·2. A<0, ρ=0.5: -A·0.8 = 1.6
-  np.testing.assert_allclose(l_bt, [[6.0, -2.4, 1.6]], rtol=1e-6)
+  np.testing.assert_allclose(loss_nt, [[6.0, -2.4, 1.6]], rtol=1e-6)
 
 
 def test_clamps_keep_extreme_log_ratios_finite():
@@ -168,13 +168,13 @@ def test_kl_beta_schedule():
 
 def test_bad_arguments_fail_with_names():
   logp, old, mask = golden_arrays()
-  adv_b = jnp.zeros(4)
+  adv_n = jnp.zeros(4)
   with pytest.raises(KeyError, match="seq-mean-token-mean"):
-    losses.policy_loss(logp, old, adv_b, mask, agg="sequence-mean")
+    losses.policy_loss(logp, old, adv_n, mask, agg="sequence-mean")
   with pytest.raises(ValueError, match="ref_logp_nt"):
-    losses.policy_loss(logp, old, adv_b, mask, kl_beta=0.1)
+    losses.policy_loss(logp, old, adv_n, mask, kl_beta=0.1)
   with pytest.raises(ValueError, match="dual_clip"):
-    losses.policy_loss(logp, old, adv_b, mask, dual_clip=0.5)
+    losses.policy_loss(logp, old, adv_n, mask, dual_clip=0.5)
   with pytest.raises(ValueError, match="advantages"):
     losses.policy_loss(logp, old, jnp.zeros(3), mask)
 
@@ -190,21 +190,21 @@ def _microbatch_problem():
   """A tiny shared-weight 'policy': logp = log_softmax(x @ W)[target]."""
   k = jax.random.split(jax.random.PRNGKey(0), 6)
   w_dv = 0.5 * jax.random.normal(k[0], (D, V))
-  x_btd = jax.random.normal(k[1], (N, TT, D))
-  tgt_bt = jax.random.randint(k[2], (N, TT), 0, V)
-  old_bt = jnp.log(jax.random.uniform(k[3], (N, TT), minval=0.02, maxval=0.3))
-  ref_bt = old_bt + 0.1 * jax.random.normal(k[4], (N, TT))
+  x_ntd = jax.random.normal(k[1], (N, TT, D))
+  tgt_nt = jax.random.randint(k[2], (N, TT), 0, V)
+  old_nt = jnp.log(jax.random.uniform(k[3], (N, TT), minval=0.02, maxval=0.3))
+  ref_nt = old_nt + 0.1 * jax.random.normal(k[4], (N, TT))
   lengths = np.array([1, 6, 2, 5, 3, 6, 1, 4])  # ragged: splits differ
-  mask_bt = jnp.array(np.arange(TT)[None] < lengths[:, None], jnp.float32)
-  adv_b = jax.random.normal(k[5], (N,))
-  return w_dv, (x_btd, tgt_bt, old_bt, ref_bt, mask_bt, adv_b)
+  mask_nt = jnp.array(np.arange(TT)[None] < lengths[:, None], jnp.float32)
+  adv_n = jax.random.normal(k[5], (N,))
+  return w_dv, (x_ntd, tgt_nt, old_nt, ref_nt, mask_nt, adv_n)
 
 
 def _loss(w_dv, batch, norm, agg):
-  x_btd, tgt_bt, old_bt, ref_bt, mask_bt, adv_b = batch
-  logits = jax.nn.log_softmax(x_btd @ w_dv)
-  logp_bt = jnp.take_along_axis(logits, tgt_bt[..., None], -1)[..., 0]
-  return losses.policy_loss(logp_bt, old_bt, adv_b, mask_bt, ref_bt, agg=agg,
+  x_ntd, tgt_nt, old_nt, ref_nt, mask_nt, adv_n = batch
+  logits = jax.nn.log_softmax(x_ntd @ w_dv)
+  logp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
+  return losses.policy_loss(logp_nt, old_nt, adv_n, mask_nt, ref_nt, agg=agg,
                             kl_beta=0.1, norm=norm, dual_clip=3.0, **EPS)
 
 

@@ -473,9 +473,9 @@ N, T, D, V = 8, 6, 5, 11
 def _problem():
   k = jax.random.split(jax.random.PRNGKey(1), 6)
   w_dv = 0.5 * jax.random.normal(k[0], (D, V))
-  x_btd = jax.random.normal(k[1], (N, T, D))
+  x_ntd = jax.random.normal(k[1], (N, T, D))
   tgt_nt = jax.random.randint(k[2], (N, T), 0, V)
-  logits = jax.nn.log_softmax(x_btd @ w_dv)
+  logits = jax.nn.log_softmax(x_ntd @ w_dv)
   lp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
   # old within ±0.8 of the current log-probs: some clips bind
   old_nt = lp_nt + 0.8 * jax.random.uniform(k[3], (N, T), minval=-1, maxval=1)
@@ -483,12 +483,12 @@ def _problem():
   lengths = np.array([1, 6, 2, 5, 3, 6, 1, 4])
   mask_nt = jnp.array(np.arange(T)[None] < lengths[:, None], jnp.float32)
   adv_n = jax.random.normal(k[5], (N,))
-  return w_dv, (x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n)
+  return w_dv, (x_ntd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n)
 
 
 def _mb_loss(w_dv, part, weight_nt, norm, name, agg, bypass):
-  x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n = part
-  logits = jax.nn.log_softmax(x_btd @ w_dv)
+  x_ntd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n = part
+  logits = jax.nn.log_softmax(x_ntd @ w_dv)
   lp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
   if bypass is not None:      # π_old := π_rollout, corrected in the loss
     old_nt = roll_nt
@@ -514,12 +514,12 @@ MB_CASES = ([(name, agg, "plain") for name, agg in LOSS_AGGS]
 @pytest.mark.parametrize("name,agg,mode", MB_CASES)
 def test_loss_gradient_metrics_independent_of_microbatching(name, agg, mode):
   w_dv, batch = _problem()
-  x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n = batch
+  x_ntd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n = batch
   weight_nt, bypass = None, None
   if mode == "decoupled":   # once on the whole batch, before splitting
     weight_nt, mask_nt, _ = rc.correct(old_nt, roll_nt, mask_nt, DECOUPLED)
     assert 0 < float(mask_nt.sum()) < float(batch[4].sum())  # rows rejected
-    batch = (x_btd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n)
+    batch = (x_ntd, tgt_nt, old_nt, roll_nt, mask_nt, adv_n)
   if mode == "bypass":
     bypass = BYPASS
   norm = losses.normalisers(mask_nt)

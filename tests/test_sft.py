@@ -139,7 +139,7 @@ def test_segment_ids_isolate_examples_in_the_decoder(params):
   positions = jnp.asarray([list(range(len(seq_a))) + list(range(len(seq_b)))])
   segments = jnp.asarray([[1] * len(seq_a) + [2] * len(seq_b)])
   states = jax.jit(hidden_states, static_argnums=0)
-  packed = states(CONFIG, params, tokens, positions, segment_bt=segments)
+  packed = states(CONFIG, params, tokens, positions, segment_ns=segments)
   alone = states(CONFIG, params, jnp.asarray([seq_b], jnp.int32))
   np.testing.assert_allclose(packed[0, len(seq_a):], alone[0], atol=1e-5)
   # Without segment ids the second example attends to the first.

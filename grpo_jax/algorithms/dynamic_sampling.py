@@ -136,8 +136,8 @@ def sample_until_full(generate: Callable[[int], Batch], num_groups: int, *,
   return take_groups(acc, num_groups, on_cap=on_cap)
 
 
-def overlong_filter(mask_bt, truncated_b):
+def overlong_filter(mask_nt, truncated_n):
   """DAPO overlong filtering: completions cut at the length limit get mask 0
-  (no gradient). mask_bt [N, T] bool or float; truncated_b [N] bool or 0/1.
+  (no gradient). mask_nt [N, T] bool or float; truncated_n [N] bool or 0/1.
   Works on numpy and jax arrays alike (and under jit)."""
-  return mask_bt * (truncated_b[:, None] == 0)
+  return mask_nt * (truncated_n[:, None] == 0)

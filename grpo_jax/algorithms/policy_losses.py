@@ -63,8 +63,8 @@ def log_ratio(logp_nt: jax.Array, old_logp_nt: jax.Array) -> jax.Array:
 
 def _seq_mean(x_nt: jax.Array, mask_nt: jax.Array) -> jax.Array:
   """Masked mean over each row, [N, 1]; 0 for an all-masked row."""
-  n_b = jnp.maximum(mask_nt.sum(axis=1, keepdims=True), 1.0)
-  return (x_nt * mask_nt).sum(axis=1, keepdims=True) / n_b
+  count_n1 = jnp.maximum(mask_nt.sum(axis=1, keepdims=True), 1.0)
+  return (x_nt * mask_nt).sum(axis=1, keepdims=True) / count_n1
 
 
 def ratio(logp_nt: jax.Array, old_logp_nt: jax.Array) -> jax.Array:
@@ -105,15 +105,15 @@ def gspo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
   logp_nt = logp_nt.astype(jnp.float32)
   # GSPO eq. 7: log s_i = 1/|y_i| Σ_t (lp - old); the token form has value
   # s_i and the gradient s_i·∇lp_t (verl's "gspo" loss mode).
-  log_s_b1 = _seq_mean(logp_nt - jax.lax.stop_gradient(old_logp_nt), mask_nt)
+  log_s_n1 = _seq_mean(logp_nt - jax.lax.stop_gradient(old_logp_nt), mask_nt)
   log_s_nt = (logp_nt - jax.lax.stop_gradient(logp_nt)
-              + jax.lax.stop_gradient(log_s_b1))
+              + jax.lax.stop_gradient(log_s_n1))
   s_nt = jnp.exp(jnp.minimum(log_s_nt, GSPO_LOG_CLAMP))
   clipped_nt = jnp.clip(s_nt, 1.0 - p.eps_low, 1.0 + p.eps_high)
   loss_nt = jnp.maximum(-adv_nt * s_nt, -adv_nt * clipped_nt)
-  s_b1 = jax.lax.stop_gradient(s_nt[:, :1])
-  flags = {"clip/low_frac": (adv_nt < 0) & (s_b1 < 1.0 - p.eps_low),
-           "clip/high_frac": (adv_nt > 0) & (s_b1 > 1.0 + p.eps_high)}
+  s_n1 = jax.lax.stop_gradient(s_nt[:, :1])
+  flags = {"clip/low_frac": (adv_nt < 0) & (s_n1 < 1.0 - p.eps_low),
+           "clip/high_frac": (adv_nt > 0) & (s_n1 > 1.0 + p.eps_high)}
   return loss_nt, flags
 
 
@@ -148,9 +148,9 @@ def gmpo_loss(logp_nt, old_logp_nt, adv_nt, mask_nt, p: LossParams):
   x_clip_nt = sign_nt * jnp.minimum(sign_nt * x_nt,
                                     sign_nt * jnp.clip(x_nt, -p.gmpo_eps,
                                                        p.gmpo_eps))
-  ratio_b1 = jnp.exp(_seq_mean(x_clip_nt, mask_nt))   # geometric mean ratio
-  adv_b1 = _seq_mean(adv_nt, mask_nt)
-  loss_nt = jnp.broadcast_to(-adv_b1 * ratio_b1, adv_nt.shape)
+  ratio_n1 = jnp.exp(_seq_mean(x_clip_nt, mask_nt))   # geometric mean ratio
+  adv_n1 = _seq_mean(adv_nt, mask_nt)
+  loss_nt = jnp.broadcast_to(-adv_n1 * ratio_n1, adv_nt.shape)
   flags = {"clip/low_frac": (adv_nt < 0) & (x_nt < -p.gmpo_eps),
            "clip/high_frac": (adv_nt > 0) & (x_nt > p.gmpo_eps)}
   return loss_nt, flags

@@ -103,9 +103,9 @@ def is_weights(log_rho_nt: jax.Array, mask_nt: jax.Array,
   if s.is_level == "token":
     rho_nt = jnp.exp(log_rho_nt)
   else:   # sequence: ρ_seq = Π_t ρ_t, the same on every token of the row
-    log_seq_b1 = jnp.clip((log_rho_nt * mask_nt).sum(axis=1, keepdims=True),
+    log_seq_n1 = jnp.clip((log_rho_nt * mask_nt).sum(axis=1, keepdims=True),
                           -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho_nt = jnp.broadcast_to(jnp.exp(log_seq_b1), log_rho_nt.shape)
+    rho_nt = jnp.broadcast_to(jnp.exp(log_seq_n1), log_rho_nt.shape)
   bound_nt = rho_nt > s.is_threshold
   if s.is_mode == "truncate":
     return jnp.minimum(rho_nt, s.is_threshold), bound_nt
@@ -124,21 +124,21 @@ def correct(old_logp_nt: jax.Array, roll_logp_nt: jax.Array,
       old_logp_nt.astype(jnp.float32) - roll_logp_nt, -LOG_RATIO_CLAMP,
       LOG_RATIO_CLAMP))
   valid_nt = mask_nt > 0
-  row_b = mask_nt.sum(axis=1) > 0
+  nonempty_n = mask_nt.sum(axis=1) > 0
   if num_tokens is None:
     num_tokens = jnp.maximum(mask_nt.sum(), 1.0)
   if num_seqs is None:
-    num_seqs = jnp.maximum(row_b.sum(dtype=jnp.float32), 1.0)
+    num_seqs = jnp.maximum(nonempty_n.sum(dtype=jnp.float32), 1.0)
   rho_nt = jnp.exp(log_rho_nt)
-  log_seq_b = (log_rho_nt * mask_nt).sum(axis=1)
+  log_seq_n = (log_rho_nt * mask_nt).sum(axis=1)
   frac = lambda b: _token_mean(b.astype(jnp.float32), mask_nt, num_tokens)
   metrics = {
       "rollout_is/ratio/mean": _token_mean(rho_nt, mask_nt, num_tokens),
       "rollout_is/ratio/max": jnp.where(valid_nt, rho_nt, -jnp.inf).max(),
       "rollout_is/ratio/min": jnp.where(valid_nt, rho_nt, jnp.inf).min(),
-      "rollout_is/seq_log_ratio/max": jnp.where(row_b, log_seq_b,
+      "rollout_is/seq_log_ratio/max": jnp.where(nonempty_n, log_seq_n,
                                                 -jnp.inf).max(),
-      "rollout_is/seq_log_ratio/min": jnp.where(row_b, log_seq_b,
+      "rollout_is/seq_log_ratio/min": jnp.where(nonempty_n, log_seq_n,
                                                 jnp.inf).min(),
       "rollout_kl/k1": _token_mean(-log_rho_nt, mask_nt, num_tokens),
       "rollout_kl/k3": _token_mean(rho_nt - 1.0 - log_rho_nt, mask_nt,
@@ -157,11 +157,11 @@ def correct(old_logp_nt: jax.Array, roll_logp_nt: jax.Array,
     keep_nt = (rho_nt >= s.band[0]) & (rho_nt <= s.band[1])
     metrics["rollout_is/band_masked_frac"] = frac(~keep_nt)
   if s.reject != "none":
-    stat_b = sequence_statistic(s.reject, log_rho_nt, mask_nt)
-    ok_b = (stat_b >= s.reject_min) & (stat_b <= s.reject_max)
-    keep_nt = keep_nt & ok_b[:, None]
+    stat_n = sequence_statistic(s.reject, log_rho_nt, mask_nt)
+    ok_n = (stat_n >= s.reject_min) & (stat_n <= s.reject_max)
+    keep_nt = keep_nt & ok_n[:, None]
     metrics["rollout_is/rejected_seq_frac"] = (
-        (row_b & ~ok_b).sum(dtype=jnp.float32) / num_seqs)
+        (nonempty_n & ~ok_n).sum(dtype=jnp.float32) / num_seqs)
   keep = keep_nt.astype(jnp.float32)
   if s.denominator == "verl":
     mask_nt = mask_nt * keep

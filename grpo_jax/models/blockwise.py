@@ -1,10 +1,13 @@
-"""Blockwise (flash-style) attention in plain JAX: no [T, S] score tensor.
+"""Blockwise (flash-style) attention in plain JAX: no [Q, S] score tensor.
 
-`transformer.attention` builds the (B, K, G, T, S) float32 scores; at 20k
+`transformer.attention` builds the (N, K, R, Q, S) float32 scores; at 20k
 tokens that is ~16 GiB per row per layer. Here queries run in blocks of
 `block_q`, keys in blocks of `block_k`, with the online softmax (running
 max m, normaliser l, output accumulator) of Dao et al. 2022 (FlashAttention,
-Alg. 1): temporaries are O(block_q * block_k) per head.
+Alg. 1): temporaries are O(block_q * block_k) per head. Shapes as in
+`transformer`: N rows, Q query and S key columns, H query heads, K KV heads,
+R = H // K, E head width.
+
 
 The mask is computed per block from positions, validity and segment ids,
 exactly as `transformer.attention_mask` computes it. Blocks the causal mask
@@ -13,7 +16,7 @@ by query block i only if some key column in it is <= the block's last query
 column. This relies on what every caller here guarantees: within a segment,
 a later column holds a later position (left-padded rows, packed rows whose
 positions restart per segment, [prompt | completion] rows). Query row i is
-key column `q_offset + i` (q_offset = S - T: queries are the last T
+key column `q_offset + i` (q_offset = S - Q: queries are the last Q
 columns).
 
 Gradients: a `jax.custom_vjp` recomputes each block's probabilities from
@@ -34,7 +37,7 @@ _NEG_INF = -1e30
 
 
 class MaskInfo(NamedTuple):
-  """What the mask is computed from, per row: (B, T) queries, (B, S) keys."""
+  """What the mask is computed from, per row: (N, Q) queries, (N, S) keys."""
   q_pos: jax.Array
   k_pos: jax.Array
   k_valid: jax.Array
@@ -54,7 +57,7 @@ def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
 
 def _block_mask(info: MaskInfo, i, j, block_q: int, block_k: int,
                 window: Optional[int]) -> jax.Array:
-  """(B, bq, bk) mask of query block i against key block j."""
+  """(N, bq, bk) mask of query block i against key block j."""
   q_pos = jax.lax.dynamic_slice_in_dim(info.q_pos, i * block_q, block_q, 1)
   k_pos = jax.lax.dynamic_slice_in_dim(info.k_pos, j * block_k, block_k, 1)
   k_valid = jax.lax.dynamic_slice_in_dim(info.k_valid, j * block_k, block_k, 1)
@@ -89,18 +92,18 @@ class _Static(NamedTuple):
 
 
 def _scores(q_blk, k_blk, mask, scale):
-  """(B, K, G, bq, bk) float32 scores of one block pair, masked."""
-  s = jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk,
+  """(N, K, R, bq, bk) float32 scores of one block pair, masked."""
+  s = jnp.einsum("nkrqe,nkse->nkrqs", q_blk, k_blk,
                  preferred_element_type=jnp.float32) * scale
   return jnp.where(mask[:, None, None], s, _NEG_INF)
 
 
 def _forward(st: _Static, q, k, v, info: MaskInfo):
-  """q (B, K, G, Tp, hd), k/v (B, K, Sp, hd), padded to whole blocks.
-  Returns out (B, K, G, Tp, hd) float32 and log-normaliser (B, K, G, Tp)."""
-  B, K, G, Tp, hd = q.shape
-  nq, nk = Tp // st.block_q, k.shape[2] // st.block_k
-  scale = 1.0 / np.sqrt(hd)
+  """q (N, K, R, Qp, E), k/v (N, K, Sp, E), padded to whole blocks.
+  Returns out (N, K, R, Qp, E) float32 and log-normaliser (N, K, R, Qp)."""
+  N, K, R, Qp, E = q.shape
+  nq, nk = Qp // st.block_q, k.shape[2] // st.block_k
+  scale = 1.0 / np.sqrt(E)
 
   def q_block(i):
     q_blk = jax.lax.dynamic_slice_in_dim(q, i * st.block_q, st.block_q, 3)
@@ -116,29 +119,29 @@ def _forward(st: _Static, q, k, v, info: MaskInfo):
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       corr = jnp.exp(m - m_new)
-      pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v_blk,
+      pv = jnp.einsum("nkrqs,nkse->nkrqe", p.astype(v.dtype), v_blk,
                       preferred_element_type=jnp.float32)
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-    shape = (B, K, G, st.block_q)
+    shape = (N, K, R, st.block_q)
     init = (jnp.full(shape, -jnp.inf, jnp.float32),
             jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (hd,), jnp.float32))
+            jnp.zeros(shape + (E,), jnp.float32))
     m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
     return acc / l[..., None], m + jnp.log(l)
 
-  out, lse = jax.lax.map(q_block, jnp.arange(nq))   # (nq, B, K, G, bq, ...)
-  out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, hd)
-  lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
+  out, lse = jax.lax.map(q_block, jnp.arange(nq))   # (nq, N, K, R, bq, ...)
+  out = jnp.moveaxis(out, 0, 3).reshape(N, K, R, Qp, E)
+  lse = jnp.moveaxis(lse, 0, 3).reshape(N, K, R, Qp)
   return out, lse
 
 
 def _backward(st: _Static, q, k, v, info: MaskInfo, out, lse, dout):
   """FlashAttention-2 backward: per query block, recompute p from lse."""
-  B, K, G, Tp, hd = q.shape
-  nq, nk = Tp // st.block_q, k.shape[2] // st.block_k
-  scale = 1.0 / np.sqrt(hd)
-  delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)   # (B, K, G, Tp)
+  N, K, R, Qp, E = q.shape
+  nq, nk = Qp // st.block_q, k.shape[2] // st.block_k
+  scale = 1.0 / np.sqrt(E)
+  delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)   # (N, K, R, Qp)
 
   def q_block(carry, i):
     dk, dv = carry
@@ -155,15 +158,15 @@ def _backward(st: _Static, q, k, v, info: MaskInfo, out, lse, dout):
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, 2)
       s = _scores(q_blk, k_blk, _block_mask(info, i, j, st.block_q,
                                             st.block_k, st.window), scale)
-      p = jnp.exp(s - lse_blk[..., None])                    # (B,K,G,bq,bk)
-      dv_blk = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(dout.dtype), do_blk,
+      p = jnp.exp(s - lse_blk[..., None])                    # (N,K,R,bq,bk)
+      dv_blk = jnp.einsum("nkrqs,nkrqe->nkse", p.astype(dout.dtype), do_blk,
                           preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bkgqd,bksd->bkgqs", do_blk, v_blk,
+      dp = jnp.einsum("nkrqe,nkse->nkrqs", do_blk, v_blk,
                       preferred_element_type=jnp.float32)
       ds = p * (dp - delta_blk[..., None]) * scale
-      dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(k.dtype), k_blk,
+      dq = dq + jnp.einsum("nkrqs,nkse->nkrqe", ds.astype(k.dtype), k_blk,
                            preferred_element_type=jnp.float32)
-      dk_blk = jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(q.dtype), q_blk,
+      dk_blk = jnp.einsum("nkrqs,nkrqe->nkse", ds.astype(q.dtype), q_blk,
                           preferred_element_type=jnp.float32)
       add = lambda acc, blk: jax.lax.dynamic_update_slice_in_dim(
           acc, jax.lax.dynamic_slice_in_dim(acc, j * st.block_k, st.block_k,
@@ -176,7 +179,7 @@ def _backward(st: _Static, q, k, v, info: MaskInfo, out, lse, dout):
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), jnp.arange(nq))
-  dq = jnp.moveaxis(dq, 0, 3).reshape(B, K, G, Tp, hd)
+  dq = jnp.moveaxis(dq, 0, 3).reshape(N, K, R, Qp, E)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -201,29 +204,29 @@ def _attend_bwd(st: _Static, res, dout):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array,
-              q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Array,
-              q_seg_bt: Optional[jax.Array] = None,
-              k_seg_bs: Optional[jax.Array] = None, *,
+def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
+              q_pos_nq: jax.Array, k_pos_ns: jax.Array, k_valid_ns: jax.Array,
+              q_seg_nq: Optional[jax.Array] = None,
+              k_seg_ns: Optional[jax.Array] = None, *,
               sliding_window: Optional[int] = None, block_q: int = 512,
               block_k: int = 512) -> jax.Array:
   """`transformer.attention(q, k, v, transformer.attention_mask(...))` for
-  queries that are the last T of the S key columns. Returns (B, T, H, hd).
+  queries that are the last Q of the S key columns. Returns (N, Q, H, E).
 
-  q (B, T, H, hd); k, v (B, K, S, hd) as the dense path takes them; the
+  q (N, Q, H, E); k, v (N, K, S, E) as the dense path takes them; the
   mask's inputs as `transformer.attention_mask` takes them.
   """
-  B, T, H, hd = q_bthd.shape
-  K, S = k_bksd.shape[1], k_bksd.shape[2]
-  bq, bk = min(block_q, T), min(block_k, S)
-  q = jnp.moveaxis(q_bthd.reshape(B, T, K, H // K, hd), 1, 3)  # (B,K,G,T,hd)
+  N, Q, H, E = q_nqhe.shape
+  K, S = k_nkse.shape[1], k_nkse.shape[2]
+  bq, bk = min(block_q, Q), min(block_k, S)
+  q = jnp.moveaxis(q_nqhe.reshape(N, Q, K, H // K, E), 1, 3)  # (N,K,R,Q,E)
   q = _pad_to(q, 3, bq)
-  k, v = _pad_to(k_bksd, 2, bk), _pad_to(v_bksd, 2, bk)
+  k, v = _pad_to(k_nkse, 2, bk), _pad_to(v_nkse, 2, bk)
   # Padded queries sit after the last column; padded keys are invalid.
   seg = lambda x, n, m: None if x is None else _pad_to(x, 1, m, -1)
-  info = MaskInfo(_pad_to(q_pos_bt, 1, bq), _pad_to(k_pos_bs, 1, bk),
-                  _pad_to(k_valid_bs, 1, bk, False),
-                  seg(q_seg_bt, T, bq), seg(k_seg_bs, S, bk))
-  st = _Static(bq, bk, S - T, sliding_window)
-  out = _attend(st, q, k, v, info)[:, :, :, :T]
-  return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
+  info = MaskInfo(_pad_to(q_pos_nq, 1, bq), _pad_to(k_pos_ns, 1, bk),
+                  _pad_to(k_valid_ns, 1, bk, False),
+                  seg(q_seg_nq, Q, bq), seg(k_seg_ns, S, bk))
+  st = _Static(bq, bk, S - Q, sliding_window)
+  out = _attend(st, q, k, v, info)[:, :, :, :Q]
+  return jnp.moveaxis(out, 3, 1).reshape(N, Q, H, E)

@@ -7,8 +7,11 @@ returns the same tree with a tuple of logical axis names per leaf; the
 sharding module maps those names to mesh axes (MaxText-style), so nothing
 here knows about devices.
 
-Shapes: B batch, T query length, S key length (cache), D model dim,
-H query heads, K kv heads, G = H // K, hd head dim, F mlp dim, V vocab, L layers.
+Shapes use the letters of `grpo_jax` (upper case for a size): N rows, S a
+row's columns (the keys; the KV cache's length when decoding), Q query
+columns (the last Q of the S), D model width, H query heads, K KV heads,
+E head width (`head_dim`), V vocab, L layers; F is the MLP width and, in the
+einsums, r = H // K query heads per KV head.
 """
 from __future__ import annotations
 
@@ -133,47 +136,48 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled)
 
 
-def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array,
+def apply_rope(x_nqhe: jax.Array, positions_nq: jax.Array,
                inv_freq: np.ndarray) -> jax.Array:
-  """Rotary embedding, HF's rotate-half layout (first half / second half)."""
-  angles = positions_bt[..., None].astype(jnp.float32) * inv_freq  # (B, T, hd/2)
+  """Rotary embedding, HF's rotate-half layout (first half / second half).
+  x: (N, Q, H, E) queries, or keys with K heads."""
+  angles = positions_nq[..., None].astype(jnp.float32) * inv_freq  # (N, Q, E/2)
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
-  x = x_bthd.astype(jnp.float32)
+  x = x_nqhe.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_bthd.dtype)
+  return out.astype(x_nqhe.dtype)
 
 
-def attention(q_bthd: jax.Array, k_bksd: jax.Array, v_bksd: jax.Array,
-              mask_bts: jax.Array) -> jax.Array:
-  """Grouped-query attention; softmax in float32. Returns (B, T, H, hd).
+def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
+              mask_nqs: jax.Array) -> jax.Array:
+  """Grouped-query attention; softmax in float32. Returns (N, Q, H, E).
 
-  Keys and values are (B, K, S, hd): heads before positions, the KV cache's
+  Keys and values are (N, K, S, E): heads before positions, the KV cache's
   layout, so the decode step's dots need no transpose of the cache.
   """
-  B, T, H, hd = q_bthd.shape
-  K = k_bksd.shape[1]
-  q = q_bthd.reshape(B, T, K, H // K, hd)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q, k_bksd,
-                      preferred_element_type=jnp.float32) / np.sqrt(hd)
-  scores = jnp.where(mask_bts[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype)
-  # Heads-first output, then one transpose: asking the dot for (b, t, k, g, d)
-  # directly made XLA:CPU pick a (b, k)-batched dot with N = G (3 for
+  N, Q, H, E = q_nqhe.shape
+  K = k_nkse.shape[1]
+  q = q_nqhe.reshape(N, Q, K, H // K, E)
+  scores = jnp.einsum("nqkre,nkse->nkrqs", q, k_nkse,
+                      preferred_element_type=jnp.float32) / np.sqrt(E)
+  scores = jnp.where(mask_nqs[:, None, None], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_nkse.dtype)
+  # Heads-first output, then one transpose: asking the dot for (n, q, k, r, e)
+  # directly made XLA:CPU pick an (n, k)-batched dot whose N is H // K (3 for
   # SmolLM2), 3.5x slower for decode attention (benchmarks/sampler.py).
-  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd)
-  return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
+  out = jnp.einsum("nkrqs,nkse->nkrqe", probs, v_nkse)
+  return jnp.moveaxis(out, 3, 1).reshape(N, Q, H, E)
 
 
 # Logical axes of the activations a layer pins when given a `Constrain`:
 # rows split like a batch, features like the weight that makes them. Without
-# these, GSPMD may keep an FSDP weight sharded over its `embed` axis and
-# gather the rows instead (every chip computing the whole micro-batch).
-RESIDUAL_AXES = ("batch", None, None)                  # (B, T, D)
-Q_AXES = ("batch", None, "q_heads", None)              # (B, T, H, hd)
-KV_AXES = ("batch", None, "kv_heads", None)            # (B, T, K, hd)
-MLP_AXES = ("batch", None, "mlp")                      # (B, T, F)
+# these, GSPMD may keep an FSDP weight split over its `embed` axis and gather
+# the rows instead: every chip then computes the whole micro-batch.
+RESIDUAL_AXES = ("batch", None, None)                  # (N, Q, D)
+Q_AXES = ("batch", None, "q_heads", None)              # (N, Q, H, E)
+KV_AXES = ("batch", None, "kv_heads", None)            # (N, Q, K, E)
+MLP_AXES = ("batch", None, "mlp")                      # (N, Q, F)
 
 
 def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
@@ -181,89 +185,89 @@ def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
   return x
 
 
-def _qkv(config: ModelConfig, lp: Params, x_btd: jax.Array,
-         positions_bt: jax.Array, constrain: Constrain = no_constraint):
-  """Projects the normed input to rotated q (B,T,H,hd), k and v (B,K,T,hd)."""
-  h = rms_norm(x_btd, lp["attn_norm"], config.norm_eps)
-  q = constrain(jnp.einsum("btd,dhk->bthk", h, lp["wq"]), Q_AXES)
-  k = constrain(jnp.einsum("btd,dhk->bthk", h, lp["wk"]), KV_AXES)
-  v = constrain(jnp.einsum("btd,dhk->bthk", h, lp["wv"]), KV_AXES)
+def _qkv(config: ModelConfig, lp: Params, x_nqd: jax.Array,
+         positions_nq: jax.Array, constrain: Constrain = no_constraint):
+  """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
+  h = rms_norm(x_nqd, lp["attn_norm"], config.norm_eps)
+  q = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wq"]), Q_AXES)
+  k = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wk"]), KV_AXES)
+  v = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wv"]), KV_AXES)
   if config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   if config.qk_norm:
     q = rms_norm(q, lp["q_norm"], config.norm_eps)
     k = rms_norm(k, lp["k_norm"], config.norm_eps)
   inv_freq = rope_frequencies(config)
-  k = apply_rope(k, positions_bt, inv_freq)
-  to_bksd = lambda x: jnp.swapaxes(x, 1, 2)
-  return apply_rope(q, positions_bt, inv_freq), to_bksd(k), to_bksd(v)
+  k = apply_rope(k, positions_nq, inv_freq)
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  return apply_rope(q, positions_nq, inv_freq), heads_first(k), heads_first(v)
 
 
-def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_btd: jax.Array,
-                      attn_bthd: jax.Array,
+def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_nqd: jax.Array,
+                      attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
-  x = x_btd + jnp.einsum("bthk,hkd->btd", attn_bthd, lp["wo"])
-  x = constrain(x, RESIDUAL_AXES)
+  x = constrain(x_nqd + jnp.einsum("nqhe,hed->nqd", attn_nqhe, lp["wo"]),
+                RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], config.norm_eps)
-  gate = constrain(jnp.einsum("btd,df->btf", h, lp["w_gate"]), MLP_AXES)
-  up = constrain(jnp.einsum("btd,df->btf", h, lp["w_up"]), MLP_AXES)
+  gate = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_gate"]), MLP_AXES)
+  up = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_up"]), MLP_AXES)
   return constrain(
-      x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["w_down"]),
+      x + jnp.einsum("nqf,fd->nqd", jax.nn.silu(gate) * up, lp["w_down"]),
       RESIDUAL_AXES)
 
 
-def attention_mask(config: ModelConfig, q_pos_bt: jax.Array,
-                   k_pos_bs: jax.Array, k_valid_bs: jax.Array,
-                   q_seg_bt: Optional[jax.Array] = None,
-                   k_seg_bs: Optional[jax.Array] = None) -> jax.Array:
-  """Causal (+ sliding window) mask over positions, and padding. (B, T, S).
+def attention_mask(config: ModelConfig, q_pos_nq: jax.Array,
+                   k_pos_ns: jax.Array, k_valid_ns: jax.Array,
+                   q_seg_nq: Optional[jax.Array] = None,
+                   k_seg_ns: Optional[jax.Array] = None) -> jax.Array:
+  """Causal (+ sliding window) mask over positions, and padding. (N, Q, S).
 
   With segment ids (packed rows), a query sees only keys of its own segment.
   """
-  diff = q_pos_bt[:, :, None] - k_pos_bs[:, None, :]
-  mask = (diff >= 0) & k_valid_bs[:, None, :]
+  diff = q_pos_nq[:, :, None] - k_pos_ns[:, None, :]
+  mask = (diff >= 0) & k_valid_ns[:, None, :]
   if config.sliding_window is not None:
     mask &= diff < config.sliding_window
-  if q_seg_bt is not None:
-    mask &= q_seg_bt[:, :, None] == k_seg_bs[:, None, :]
+  if q_seg_nq is not None:
+    mask &= q_seg_nq[:, :, None] == k_seg_ns[:, None, :]
   return mask
 
 
-# hidden_states' attention: "dense" builds the (B, K, G, T, S) scores (the
+# hidden_states' attention: "dense" builds the (N, K, H // K, Q, S) scores (the
 # reference; fastest for short rows on CPU), "blockwise" never does
 # (models/blockwise.py), "auto" is blockwise from BLOCKWISE_FROM key columns.
 ATTENTION = ("auto", "dense", "blockwise")
 BLOCKWISE_FROM = 2048
 
 
-def attend_fn(config: ModelConfig, impl: str, q_pos_bt: jax.Array,
-              k_pos_bs: jax.Array, k_valid_bs: jax.Array,
-              q_seg_bt: Optional[jax.Array] = None,
-              k_seg_bs: Optional[jax.Array] = None):
+def attend_fn(config: ModelConfig, impl: str, q_pos_nq: jax.Array,
+              k_pos_ns: jax.Array, k_valid_ns: jax.Array,
+              q_seg_nq: Optional[jax.Array] = None,
+              k_seg_ns: Optional[jax.Array] = None):
   """(q, k, v) -> attention output under the mask these inputs define,
-  with the `impl` attention; queries are the last T of the S key columns."""
+  with the `impl` attention; queries are the last Q of the S key columns."""
   if impl not in ATTENTION:
     raise ValueError(f"attention={impl!r}; allowed: {ATTENTION}")
   if impl == "auto":
-    impl = "blockwise" if k_pos_bs.shape[1] >= BLOCKWISE_FROM else "dense"
+    impl = "blockwise" if k_pos_ns.shape[1] >= BLOCKWISE_FROM else "dense"
   if impl == "blockwise":
     return functools.partial(
-        blockwise.attention, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs,
-        k_valid_bs=k_valid_bs, q_seg_bt=q_seg_bt, k_seg_bs=k_seg_bs,
+        blockwise.attention, q_pos_nq=q_pos_nq, k_pos_ns=k_pos_ns,
+        k_valid_ns=k_valid_ns, q_seg_nq=q_seg_nq, k_seg_ns=k_seg_ns,
         sliding_window=config.sliding_window)
-  mask = attention_mask(config, q_pos_bt, k_pos_bs, k_valid_bs, q_seg_bt,
-                        k_seg_bs)
+  mask = attention_mask(config, q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
+                        k_seg_ns)
   return lambda q, k, v: attention(q, k, v, mask)
 
 
-def embed(params: Params, tokens_bt: jax.Array) -> jax.Array:
-  return jnp.take(params["embed"], tokens_bt, axis=0)
+def embed(params: Params, tokens_ns: jax.Array) -> jax.Array:
+  return jnp.take(params["embed"], tokens_ns, axis=0)
 
 
-def unembed(config: ModelConfig, params: Params, h_btd: jax.Array) -> jax.Array:
-  """Final norm output (B, T, D) -> float32 logits (B, T, V)."""
+def unembed(config: ModelConfig, params: Params, h_nsd: jax.Array) -> jax.Array:
+  """Final norm output (N, S, D) -> float32 logits (N, S, V)."""
   w = params["embed"].T if config.tie_embeddings else params["lm_head"]
-  return jnp.einsum("btd,dv->btv", h_btd, w,
+  return jnp.einsum("nsd,dv->nsv", h_nsd, w,
                     preferred_element_type=jnp.float32)
 
 
@@ -278,44 +282,45 @@ REMAT_POLICIES = {
 }
 
 
-def default_positions_and_valid(tokens_bt: jax.Array,
-                                positions_bt: Optional[jax.Array],
-                                valid_bt: Optional[jax.Array]):
-  """Positions 0..T-1 and every token valid, where not given."""
-  if positions_bt is None:
-    positions_bt = jnp.broadcast_to(
-        jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-  if valid_bt is None:
-    valid_bt = jnp.ones(tokens_bt.shape, bool)
-  return positions_bt, valid_bt
+def default_positions_and_valid(tokens_ns: jax.Array,
+                                positions_ns: Optional[jax.Array],
+                                valid_ns: Optional[jax.Array]):
+  """Positions 0..S-1 and every token valid, where not given."""
+  if positions_ns is None:
+    positions_ns = jnp.broadcast_to(
+        jnp.arange(tokens_ns.shape[1], dtype=jnp.int32), tokens_ns.shape)
+  if valid_ns is None:
+    valid_ns = jnp.ones(tokens_ns.shape, bool)
+  return positions_ns, valid_ns
 
 
-def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
-                  positions_bt: Optional[jax.Array] = None,
-                  valid_bt: Optional[jax.Array] = None,
+def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
+                  positions_ns: Optional[jax.Array] = None,
+                  valid_ns: Optional[jax.Array] = None,
                   remat: str = "none", return_kv: bool = False,
-                  segment_bt: Optional[jax.Array] = None,
+                  segment_ns: Optional[jax.Array] = None,
                   attention_impl: str = "auto",
                   constrain: Optional[Constrain] = None):
-  """Final-normed hidden states (B, T, D); optionally every layer's k, v.
+  """Final-normed hidden states (N, S, D); optionally every layer's k, v.
 
-  positions_bt defaults to 0..T-1; valid_bt marks real (non-padding) tokens,
-  which are the only keys attended to. segment_bt (int, optional) isolates
+  positions_ns defaults to 0..S-1; valid_ns marks real (non-padding) tokens,
+  which are the only keys attended to. segment_ns (int, optional) isolates
   examples packed into one row: a token attends only within its segment
   (positions then restart at 0 per segment). With return_kv, also returns k
-  and v stacked over layers, each (L, B, K, T, hd), for filling a KV cache.
+  and v stacked over layers, each (L, N, K, S, E), for filling a KV cache.
   attention_impl: one of ATTENTION (see `attend_fn`).
-  constrain: pins the activations' shardings (`RESIDUAL_AXES` ...); None:
-  left to the compiler. The values are the same either way.
+  constrain: pins the activations' shardings (`RESIDUAL_AXES` ...,
+  `sharding.Layout.constrain`); None leaves them to the compiler. The
+  values are the same either way.
   """
   constrain = constrain or no_constraint
-  positions_bt, valid_bt = default_positions_and_valid(tokens_bt, positions_bt,
-                                                       valid_bt)
-  attend = attend_fn(config, attention_impl, positions_bt, positions_bt,
-                     valid_bt, segment_bt, segment_bt)
+  positions_ns, valid_ns = default_positions_and_valid(tokens_ns, positions_ns,
+                                                       valid_ns)
+  attend = attend_fn(config, attention_impl, positions_ns, positions_ns,
+                     valid_ns, segment_ns, segment_ns)
 
   def layer(x, lp):
-    q, k, v = _qkv(config, lp, x, positions_bt, constrain)
+    q, k, v = _qkv(config, lp, x, positions_ns, constrain)
     x = _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain)
     return x, ((k, v) if return_kv else None)
 
@@ -323,7 +328,7 @@ def hidden_states(config: ModelConfig, params: Params, tokens_bt: jax.Array,
     raise ValueError(f"remat={remat!r}; allowed: {sorted(REMAT_POLICIES)}")
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x = constrain(embed(params, tokens_bt), RESIDUAL_AXES)
+  x = constrain(embed(params, tokens_ns), RESIDUAL_AXES)
   x, kv = jax.lax.scan(layer, x, params["layers"])
   h = rms_norm(x, params["final_norm"], config.norm_eps)
   return (h, kv) if return_kv else h
@@ -353,7 +358,7 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
     raise ValueError(f"{N} rows do not split into groups of {B} prompts")
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
   constrain = constrain or no_constraint
-  h_bpd, (k_lbksd, v_lbksd) = hidden_states(
+  h_bpd, (k_lbkpe, v_lbkpe) = hidden_states(
       config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
       return_kv=True, attention_impl=attention_impl, constrain=constrain)
   key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
@@ -371,16 +376,16 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
   x, _ = jax.lax.scan(layer, constrain(embed(params, tokens_nt), RESIDUAL_AXES),
-                      (params["layers"], k_lbksd, v_lbksd))
+                      (params["layers"], k_lbkpe, v_lbkpe))
   return h_bpd[:, -1], rms_norm(x, params["final_norm"], config.norm_eps)
 
 
-def forward(config: ModelConfig, params: Params, tokens_bt: jax.Array,
-            positions_bt: Optional[jax.Array] = None,
-            valid_bt: Optional[jax.Array] = None,
+def forward(config: ModelConfig, params: Params, tokens_ns: jax.Array,
+            positions_ns: Optional[jax.Array] = None,
+            valid_ns: Optional[jax.Array] = None,
             remat: str = "none") -> jax.Array:
-  """Causal logits (B, T, V) in float32 for int32 tokens (B, T)."""
-  h = hidden_states(config, params, tokens_bt, positions_bt, valid_bt, remat)
+  """Causal logits (N, S, V) in float32 for int32 tokens (N, S)."""
+  h = hidden_states(config, params, tokens_ns, positions_ns, valid_ns, remat)
   return unembed(config, params, h)
 
 
@@ -389,14 +394,14 @@ def forward(config: ModelConfig, params: Params, tokens_bt: jax.Array,
 # ----------------------------------------------------------------------------
 
 class KVCache(NamedTuple):
-  """Keys and values, one (B, K, S, hd) array per layer in a tuple of L;
-  `valid_bs` marks written, non-padding slots and `pos_bs` their rotary
+  """Keys and values, one (N, K, S, E) array per layer in a tuple of L;
+  `valid_ns` marks written, non-padding slots and `pos_ns` their rotary
   positions. Separate per-layer buffers let the decode loop update each in
   place without slicing a stacked (L, ...) array."""
   k: tuple
   v: tuple
-  valid_bs: jax.Array
-  pos_bs: jax.Array
+  valid_ns: jax.Array
+  pos_ns: jax.Array
 
 
 def init_cache(config: ModelConfig, batch: int, length: int,
@@ -416,12 +421,13 @@ def unstack_layers(params: Params, num_layers: int) -> list[Params]:
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache,
-                tokens_b: jax.Array, positions_b: jax.Array,
+                tokens_n: jax.Array, positions_n: jax.Array,
                 index: jax.Array, layers: Optional[list[Params]] = None
                 ) -> tuple[jax.Array, KVCache]:
   """One token per row: writes its k, v at cache slot `index` (the same slot
   for every row, so the write is one in-place dynamic_update_slice) and
-  returns float32 logits (B, V) and the updated cache.
+  returns float32 logits (N, V) and the updated cache.
+
 
   The layers are unrolled rather than scanned. Inside the sampler's while
   loop, a scan slices each layer's weights and cache out of the stacked
@@ -433,15 +439,16 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache,
   """
   if layers is None:
     layers = unstack_layers(params, config.num_layers)
-  pos_bt = positions_b[:, None]
+  pos_nq = positions_n[:, None]                      # Q = 1 query column
+
   valid = jax.lax.dynamic_update_slice(
-      cache.valid_bs, jnp.ones((tokens_b.shape[0], 1), bool), (0, index))
-  kpos = jax.lax.dynamic_update_slice(cache.pos_bs, pos_bt, (0, index))
-  mask = attention_mask(config, pos_bt, kpos, valid)
-  x = embed(params, tokens_b[:, None])
+      cache.valid_ns, jnp.ones((tokens_n.shape[0], 1), bool), (0, index))
+  kpos = jax.lax.dynamic_update_slice(cache.pos_ns, pos_nq, (0, index))
+  mask = attention_mask(config, pos_nq, kpos, valid)
+  x = embed(params, tokens_n[:, None])
   ks, vs = list(cache.k), list(cache.v)
   for i, lp in enumerate(layers):
-    q, k, v = _qkv(config, lp, x, pos_bt)
+    q, k, v = _qkv(config, lp, x, pos_nq)
     ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
                                          (0, 0, index, 0))
     vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
