@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import (RESIDUAL_AXES, Constrain, Params,
+from grpo_jax.models.transformer import (Constrain, Params,
                                          default_positions_and_valid,
                                          hidden_states,
                                          hidden_states_shared_prompt)
@@ -160,7 +160,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
     h_ntd = hidden_states(config, params, tokens_ns, positions_ns, valid_ns,
                           remat=remat, attention_impl=attention,
                           constrain=constrain)[:, S - 1 - T:S - 1]
-  if constrain is not None:
-    h_ntd = constrain(h_ntd, RESIDUAL_AXES)
+  if constrain is not None:     # the head reads whole rows' columns
+    h_ntd = constrain(h_ntd, ("batch", None, None))
   return token_logprobs(config, params, h_ntd, tokens_ns[:, S - T:],
                         chunk_size=chunk_size, temperature=temperature)

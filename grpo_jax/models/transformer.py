@@ -174,7 +174,9 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
 # rows split like a batch, features like the weight that makes them. Without
 # these, GSPMD may keep an FSDP weight split over its `embed` axis and gather
 # the rows instead: every chip then computes the whole micro-batch.
-RESIDUAL_AXES = ("batch", None, None)                  # (N, Q, D)
+# The residual stream between layers (what remat keeps per layer) may also
+# split its columns ("length": config.mesh.sequence_parallel).
+RESIDUAL_AXES = ("batch", "length", None)              # (N, Q, D)
 Q_AXES = ("batch", None, "q_heads", None)              # (N, Q, H, E)
 KV_AXES = ("batch", None, "kv_heads", None)            # (N, Q, K, E)
 MLP_AXES = ("batch", None, "mlp")                      # (N, Q, F)
