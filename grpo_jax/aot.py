@@ -305,7 +305,7 @@ class Plan:
         self.state.params)
     lower = lambda: update.score_logprobs.lower(
         self.state.params, *cols, self.model_config, T, self.settings, group,
-        rows // micro_rows)
+        rows // micro_rows, self.layout)
     return compile_program("score", micro_rows, lower, resident)
 
   def micro_rows(self) -> int:

@@ -174,7 +174,11 @@ def base_config() -> ConfigDict:
       # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
       distributed=False, coordinator_address="", num_processes=0,
       process_id=-1,
-      init_timeout_s=300))   # how long start-up waits for every process
+      init_timeout_s=300,    # how long start-up waits for every process
+      # Split the update's residual stream (and the per-layer remat
+      # checkpoints) over `tensor` along the sequence as well: long rows on
+      # small chips (README, v6e:16x16).
+      sequence_parallel=False))
   return c
 
 

@@ -54,6 +54,7 @@ Params = Any
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 BATCH = "batch"   # the logical name of the leading (row) axis of a batch
+LENGTH = "length"  # a row's columns in the residual stream (activations)
 
 
 # ----------------------------------------------------------------------------
@@ -188,12 +189,24 @@ def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
 
 def _known_logical_axes() -> set[str]:
   axes = set(transformer._AXES.values())  # pylint: disable=protected-access
-  return {a for names in axes for a in names} | {BATCH}
+  return {a for names in axes for a in names} | {BATCH, LENGTH}
 
 
 def logical_rules(mesh_cfg) -> Rules:
-  """config.mesh.rules as ((logical, (mesh axes...)), ...), checked."""
+  """config.mesh.rules as ((logical, (mesh axes...)), ...), checked; with
+  mesh.sequence_parallel, `length` (the residual stream's columns between
+  layers) split over `tensor` (Megatron-style sequence parallelism)."""
   rules = []
+  if mesh_cfg.get("sequence_parallel", False):
+    if "tensor" not in mesh_cfg.axes:
+      raise ConfigError("config field 'mesh.sequence_parallel' splits a "
+                        "row's columns over the 'tensor' mesh axis, which "
+                        f"mesh.axes {tuple(mesh_cfg.axes)} lacks")
+    if any(pair[0] == LENGTH for pair in mesh_cfg.rules):
+      raise ConfigError("config fields 'mesh.sequence_parallel' and a "
+                        "'length' entry in 'mesh.rules' both place the "
+                        "sequence: set one")
+    rules.append((LENGTH, ("tensor",)))
   for pair in mesh_cfg.rules:
     if len(pair) != 2:
       raise ConfigError(f"config field 'mesh.rules': {pair!r} is not a "

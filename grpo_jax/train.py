@@ -133,7 +133,8 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
                                         num_micro, n)
   else:
     score = lambda params: score_logprobs(params, *cols, model_config, T,
-                                          settings, whole, n // micro)
+                                          settings, whole, n // micro,
+                                          layout)
   if rl.old_logp == "recompute":
     old = score(state.params)
   ref = jnp.zeros_like(old)

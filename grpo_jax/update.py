@@ -198,24 +198,27 @@ def cast(params: Params, dtype: str) -> Params:
 
 def completion_logprobs(model_config: ModelConfig, params: Params,
                         tokens_ns, positions_ns, valid_ns, num_completion: int,
-                        s: LossSettings, group_size: int = 1):
+                        s: LossSettings, group_size: int = 1, layout=None):
   """log π(token) and entropy over the last `num_completion` columns, (N, T),
   temperature-scaled exactly as the sampler's log-probs. group_size > 1:
-  rows come in groups of that many sharing one prompt, run once per group."""
+  rows come in groups of that many sharing one prompt, run once per group.
+  With a `sharding.Layout`, the decoder's activations are pinned to it (rows
+  over the batch axes), so each chip computes only its rows."""
   return logprobs_lib.sequence_logprobs(
       model_config, cast(params, s.compute_dtype), tokens_ns, positions_ns,
       valid_ns, completion_len=num_completion, chunk_size=s.chunk,
       temperature=s.temperature, remat=s.remat, group_size=group_size,
-      attention=s.attention)
+      attention=s.attention,
+      constrain=None if layout is None else layout.constrain)
 
 
 def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
             norm: losses.Normalisers, kl_beta, s: LossSettings,
-            group_size: int = 1):
+            group_size: int = 1, layout=None):
   T = batch.mask_nt.shape[1]
   logp, entropy = completion_logprobs(model_config, params, batch.tokens_ns,
                                       batch.positions_ns, batch.valid_ns, T, s,
-                                      group_size)
+                                      group_size, layout)
   return policy_loss(logp, entropy, batch, norm, kl_beta, s)
 
 
@@ -238,13 +241,19 @@ def global_normalisers(mask_nt: jax.Array, s: LossSettings
   return losses.normalisers(mask_nt, s.max_len_norm or None)
 
 
-def micro_group_size(group_size: int, num_micro: int) -> int:
+def micro_group_size(group_size: int, num_micro: int, rows: int = 0,
+                     layout=None) -> int:
   """Rows per prompt inside each strided micro-batch (1: no sharing).
 
   Micro-batch i takes rows i, i+M, ... of a batch of groups of `group_size`
   consecutive rows; when M divides the group size, it holds group_size / M
-  consecutive rows of every group, which still share their prompt."""
+  consecutive rows of every group, which still share their prompt.
+  With a `sharding.Layout`, sharing also needs the `rows` / group_size
+  prompts to split over its batch shards: otherwise every chip would run
+  every prompt (and keep their activations) instead of its own rows'."""
   if group_size > 1 and group_size % num_micro == 0:
+    if layout is not None and (rows // group_size) % layout.batch_shards:
+      return 1
     return group_size // num_micro
   return 1
 
@@ -294,16 +303,19 @@ def apply_gradients(state: TrainState, grads, optimizer, model_config,
 
 def accumulate_gradients(params, model_config, batch: UpdateBatch,
                          num_micro: int, kl_beta, s: LossSettings,
-                         group_size: int = 1):
+                         group_size: int = 1, layout=None):
   """Sum of micro-batch gradients of the loss normalised by the whole batch:
   exactly the gradient of the full batch's loss (REFERENCE: token-mean).
   group_size: the batch's rows come in groups of that many consecutive rows
-  with one prompt (1: no such structure); see `micro_group_size`."""
+  with one prompt (1: no such structure); see `micro_group_size`.
+  layout: see `completion_logprobs`."""
   norm = global_normalisers(batch.mask_nt, s)
+  group = micro_group_size(group_size, num_micro, batch.mask_nt.shape[0],
+                           layout)
   grad_fn = jax.value_and_grad(
       functools.partial(loss_fn, model_config=model_config, norm=norm,
-                        kl_beta=kl_beta, s=s,
-                        group_size=micro_group_size(group_size, num_micro)),
+                        kl_beta=kl_beta, s=s, group_size=group,
+                        layout=layout),
       has_aux=True)
   loss, metrics, grads = micro_batch_sum(
       lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
@@ -335,7 +347,8 @@ def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
         state.params, model_config, batch, num_micro, kl_beta, s)
   else:
     grads, loss, metrics = accumulate_gradients(
-        state.params, model_config, batch, num_micro, kl_beta, s, group_size)
+        state.params, model_config, batch, num_micro, kl_beta, s, group_size,
+        layout)
   metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
              "kl_beta": kl_beta}
   return apply_gradients(state, grads, optimizer, model_config,
@@ -407,21 +420,23 @@ def _join_micro_batches(x):
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "num_completion",
-                                             "s", "group_size", "num_micro"))
+                                             "s", "group_size", "num_micro",
+                                             "layout"))
 def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
                    model_config: ModelConfig, num_completion: int,
                    s: LossSettings, group_size: int = 1,
-                   num_micro: int = 1) -> jax.Array:
+                   num_micro: int = 1, layout=None) -> jax.Array:
   """Token log-probs of given completions (π_ref, or π_old recomputed),
-  `num_micro` strided micro-batches at a time (as the update splits rows)."""
+  `num_micro` strided micro-batches at a time (as the update splits rows).
+  layout: see `completion_logprobs`."""
   params = cast(params, s.compute_dtype)     # once, not per micro-batch
+  group = micro_group_size(group_size, num_micro, tokens_ns.shape[0], layout)
   if num_micro == 1:
     return completion_logprobs(model_config, params, tokens_ns, positions_ns,
-                               valid_ns, num_completion, s, group_size)[0]
-  group = micro_group_size(group_size, num_micro)
+                               valid_ns, num_completion, s, group, layout)[0]
   cols = micro_batches((tokens_ns, positions_ns, valid_ns), num_micro)
   logp = jax.lax.map(lambda xs: completion_logprobs(
-      model_config, params, *xs, num_completion, s, group)[0], cols)
+      model_config, params, *xs, num_completion, s, group, layout)[0], cols)
   return _join_micro_batches(logp)
 
 

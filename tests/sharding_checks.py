@@ -13,7 +13,8 @@ the tiny model and the default `config.mesh.rules`:
     with a prompt count that needs padding too,
   - the loss and the gradient (micro-batched, KL on) match one device,
   - one `update_step` (donated, sharded state) gives the same params and keeps
-    every leaf's sharding.
+    every leaf's sharding; on the meshes in SEQUENCE_PARALLEL with
+    `mesh.sequence_parallel` (the residual stream split over tensor too).
 
 It prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
@@ -47,6 +48,7 @@ GREEDY = sampling.SamplingConfig(max_new_tokens=6, greedy=True)
 OPTIM = config_lib.base_config().optim
 OPTIM.update(learning_rate=1e-2, eps=1e-3)
 PROMPTS = [[5, 9, 17, 3], [40, 2], [7, 7, 100, 31, 64, 8], [1, 250, 99]]
+SEQUENCE_PARALLEL = {(1, 2, 4)}
 
 # Expected specs, written out by hand from the default rules (not computed
 # by the code under test). Size-1 mesh axes never appear in a spec.
@@ -197,7 +199,10 @@ def check_close(name, got, want, rtol=2e-5, atol=2e-6) -> None:
 def check_mesh(shape, params, batch, optimizer, ref) -> None:
   config = config_lib.base_config()
   config.mesh.shape = shape
+  config.mesh.sequence_parallel = shape in SEQUENCE_PARALLEL
   layout = sharding.Layout.from_config(config)
+  assert (("length", ("tensor",)) in layout.rules) == (
+      shape in SEQUENCE_PARALLEL), layout.rules
   sharded = layout.shard_params(MODEL, params)
   check_specs(shape, sharded)
   placed_batch = jax.tree.map(layout.rows, batch)

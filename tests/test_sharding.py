@@ -47,6 +47,19 @@ def test_mesh_shape_errors_name_the_field(shape, n):
     sharding.mesh_shape(shape, n)
 
 
+def test_sequence_parallel_rule_and_its_errors():
+  assert sharding.logical_rules(_mesh_config(sequence_parallel=True))[0] == (
+      "length", ("tensor",))
+  assert "length" not in dict(sharding.logical_rules(_mesh_config()))
+  with pytest.raises(config_lib.ConfigError, match="lacks"):
+    sharding.logical_rules(_mesh_config(sequence_parallel=True,
+                                        axes=("data", "fsdp", "model")))
+  both = _mesh_config(sequence_parallel=True)
+  both.rules = both.rules + (("length", "fsdp"),)
+  with pytest.raises(config_lib.ConfigError, match="set one"):
+    sharding.logical_rules(both)
+
+
 def test_make_mesh_checks_the_device_count():
   mesh = sharding.make_mesh(_mesh_config())
   assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,12 @@ def test_micro_group_size_and_group_minibatches():
   assert [update.micro_group_size(8, m) for m in (1, 2, 4, 8, 16)] == [
       8, 4, 2, 1, 1]
   assert update.micro_group_size(6, 4) == 1 and update.micro_group_size(1, 1) == 1
+  # With a layout, the prompts (rows / group size) must split over its
+  # batch shards: 512 rows in groups of 16 are 32 prompts, which 64 batch
+  # shards cannot split (every chip would run all 32), 32 shards can.
+  shards = lambda n: types.SimpleNamespace(batch_shards=n)
+  assert update.micro_group_size(16, 8, 512, shards(64)) == 1
+  assert update.micro_group_size(16, 8, 512, shards(32)) == 2
   rl = config_lib.base_config().rl
   rl.num_generations = 4
   assert train.update_group_size(rl, 8) == 4

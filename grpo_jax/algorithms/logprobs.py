@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import (Params, default_positions_and_valid,
+from grpo_jax.models.transformer import (Constrain, Params,
+                                         default_positions_and_valid,
                                          hidden_states,
                                          hidden_states_shared_prompt)
 
@@ -123,7 +124,8 @@ def sequence_logprobs(config: ModelConfig, params: Params,
                       completion_len: Optional[int] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE,
                       temperature: float = 1.0, remat: str = "none",
-                      group_size: int = 1, attention: str = "auto"):
+                      group_size: int = 1, attention: str = "auto",
+                      constrain: Optional[Constrain] = None):
   """Runs the decoder, then the chunked head: log-probs and entropies of the
   last T = completion_len tokens of tokens_ns (default T = S - 1, every token
   but the first), float32 (N, T). Entry j is log p(tokens[:, S-T+j] | the
@@ -135,6 +137,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
   each group's prompt then runs through the decoder once
   (`hidden_states_shared_prompt`), with the same result.
   attention: the decoder's attention (`transformer.ATTENTION`).
+  constrain: pins the activations' shardings (`transformer.hidden_states`).
   """
   S = tokens_ns.shape[1]
   T = S - 1 if completion_len is None else completion_len
@@ -148,14 +151,16 @@ def sequence_logprobs(config: ModelConfig, params: Params,
     h_last_bd, h_ntd = hidden_states_shared_prompt(
         config, params, tokens_ns[first, :P], positions_ns[first, :P],
         valid_ns[first, :P], tokens_ns[:, P:], positions_ns[:, P:],
-        valid_ns[:, P:], remat=remat, attention_impl=attention)
+        valid_ns[:, P:], remat=remat, attention_impl=attention,
+        constrain=constrain)
     h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
     # Column j predicts completion token j: the prompt's last, then T - 1.
     h_ntd = jnp.concatenate([h_last_nd[:, None], h_ntd[:, :T - 1]], axis=1)
   else:
     h_ntd = hidden_states(config, params, tokens_ns, positions_ns, valid_ns,
-                          remat=remat, attention_impl=attention
-                          )[:, S - 1 - T:S - 1]
+                          remat=remat, attention_impl=attention,
+                          constrain=constrain)[:, S - 1 - T:S - 1]
+  if constrain is not None:     # the head reads whole rows' columns
+    h_ntd = constrain(h_ntd, ("batch", None, None))
   return token_logprobs(config, params, h_ntd, tokens_ns[:, S - T:],
-
                         chunk_size=chunk_size, temperature=temperature)

@@ -16,7 +16,7 @@ einsums, r = H // K query heads per KV head.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ from grpo_jax.models import blockwise
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
+# (array, logical axes) -> the array pinned to the sharding those axes get
+# (`sharding.Layout.constrain` inside jit); the model only names the axes.
+Constrain = Callable[[jax.Array, tuple], jax.Array]
 _NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 SEGMENT_MEMBERS = blockwise.SEGMENT_MEMBERS
 
@@ -168,13 +171,30 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   return jnp.moveaxis(out, 3, 1).reshape(N, Q, H, E)
 
 
+# Logical axes of the activations a layer pins when given a `Constrain`:
+# rows split like a batch, features like the weight that makes them. Without
+# these, GSPMD may keep an FSDP weight split over its `embed` axis and gather
+# the rows instead: every chip then computes the whole micro-batch.
+# The residual stream between layers (what remat keeps per layer) may also
+# split its columns ("length": config.mesh.sequence_parallel).
+RESIDUAL_AXES = ("batch", "length", None)              # (N, Q, D)
+Q_AXES = ("batch", None, "q_heads", None)              # (N, Q, H, E)
+KV_AXES = ("batch", None, "kv_heads", None)            # (N, Q, K, E)
+MLP_AXES = ("batch", None, "mlp")                      # (N, Q, F)
+
+
+def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
+  del logical_axes
+  return x
+
+
 def _qkv(config: ModelConfig, lp: Params, x_nqd: jax.Array,
-         positions_nq: jax.Array):
+         positions_nq: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
   h = rms_norm(x_nqd, lp["attn_norm"], config.norm_eps)
-  q = jnp.einsum("nqd,dhe->nqhe", h, lp["wq"])
-  k = jnp.einsum("nqd,dhe->nqhe", h, lp["wk"])
-  v = jnp.einsum("nqd,dhe->nqhe", h, lp["wv"])
+  q = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wq"]), Q_AXES)
+  k = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wk"]), KV_AXES)
+  v = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wv"]), KV_AXES)
   if config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   if config.qk_norm:
@@ -187,12 +207,16 @@ def _qkv(config: ModelConfig, lp: Params, x_nqd: jax.Array,
 
 
 def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_nqd: jax.Array,
-                      attn_nqhe: jax.Array) -> jax.Array:
-  x = x_nqd + jnp.einsum("nqhe,hed->nqd", attn_nqhe, lp["wo"])
+                      attn_nqhe: jax.Array,
+                      constrain: Constrain = no_constraint) -> jax.Array:
+  x = constrain(x_nqd + jnp.einsum("nqhe,hed->nqd", attn_nqhe, lp["wo"]),
+                RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], config.norm_eps)
-  gate = jnp.einsum("nqd,df->nqf", h, lp["w_gate"])
-  up = jnp.einsum("nqd,df->nqf", h, lp["w_up"])
-  return x + jnp.einsum("nqf,fd->nqd", jax.nn.silu(gate) * up, lp["w_down"])
+  gate = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_gate"]), MLP_AXES)
+  up = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_up"]), MLP_AXES)
+  return constrain(
+      x + jnp.einsum("nqf,fd->nqd", jax.nn.silu(gate) * up, lp["w_down"]),
+      RESIDUAL_AXES)
 
 
 def attention_mask(config: ModelConfig, q_pos_nq: jax.Array,
@@ -279,7 +303,8 @@ def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
                   valid_ns: Optional[jax.Array] = None,
                   remat: str = "none", return_kv: bool = False,
                   segment_ns: Optional[jax.Array] = None,
-                  attention_impl: str = "auto"):
+                  attention_impl: str = "auto",
+                  constrain: Optional[Constrain] = None):
   """Final-normed hidden states (N, S, D); optionally every layer's k, v.
 
   positions_ns defaults to 0..S-1; valid_ns marks real (non-padding) tokens,
@@ -289,22 +314,26 @@ def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
   restart per example). With return_kv, also returns k and v stacked over
   layers, each (L, N, K, S, E), for filling a KV cache.
   attention_impl: one of ATTENTION (see `attend_fn`).
+  constrain: pins the activations' shardings (`RESIDUAL_AXES` ...,
+  `sharding.Layout.constrain`); None leaves them to the compiler. The
+  values are the same either way.
   """
+  constrain = constrain or no_constraint
   positions_ns, valid_ns = default_positions_and_valid(tokens_ns, positions_ns,
                                                        valid_ns)
   attend = attend_fn(config, attention_impl, positions_ns, positions_ns,
                      valid_ns, segment_ns, segment_ns)
 
   def layer(x, lp):
-    q, k, v = _qkv(config, lp, x, positions_ns)
-    x = _attn_out_and_mlp(config, lp, x, attend(q, k, v))
+    q, k, v = _qkv(config, lp, x, positions_ns, constrain)
+    x = _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain)
     return x, ((k, v) if return_kv else None)
 
   if REMAT_POLICIES.get(remat, "bad") == "bad":
     raise ValueError(f"remat={remat!r}; allowed: {sorted(REMAT_POLICIES)}")
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x = embed(params, tokens_ns)
+  x = constrain(embed(params, tokens_ns), RESIDUAL_AXES)
   x, kv = jax.lax.scan(layer, x, params["layers"])
   h = rms_norm(x, params["final_norm"], config.norm_eps)
   return (h, kv) if return_kv else h
@@ -315,7 +344,8 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
                                 prompt_valid_bp: jax.Array,
                                 tokens_nt: jax.Array, positions_nt: jax.Array,
                                 valid_nt: jax.Array, remat: str = "none",
-                                attention_impl: str = "auto"):
+                                attention_impl: str = "auto",
+                                constrain: Optional[Constrain] = None):
   """`hidden_states` of N = B*G rows [prompt b | continuation n], with each
   of the B prompts run through the decoder ONCE instead of G times.
 
@@ -332,9 +362,10 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
   if N % B:
     raise ValueError(f"{N} rows do not split into groups of {B} prompts")
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
+  constrain = constrain or no_constraint
   h_bpd, (k_lbkpe, v_lbkpe) = hidden_states(
       config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
-      return_kv=True, attention_impl=attention_impl)
+      return_kv=True, attention_impl=attention_impl, constrain=constrain)
   key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
   key_valid_ns = jnp.concatenate([rep(prompt_valid_bp), valid_nt], axis=1)
   attend = attend_fn(config, attention_impl, positions_nt, key_pos_ns,
@@ -342,14 +373,14 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
 
   def layer(x, xs):
     lp, k_prompt, v_prompt = xs
-    q, k, v = _qkv(config, lp, x, positions_nt)
+    q, k, v = _qkv(config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return _attn_out_and_mlp(config, lp, x, attend(q, k, v)), None
+    return _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain), None
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x, _ = jax.lax.scan(layer, embed(params, tokens_nt),
+  x, _ = jax.lax.scan(layer, constrain(embed(params, tokens_nt), RESIDUAL_AXES),
                       (params["layers"], k_lbkpe, v_lbkpe))
   return h_bpd[:, -1], rms_norm(x, params["final_norm"], config.norm_eps)
 
