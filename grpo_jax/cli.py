@@ -229,5 +229,9 @@ def user_errors(workdir: Optional[str] = None) -> Iterator[None]:
       raise
     from grpo_jax import interrupts  # pylint: disable=import-outside-toplevel
     stopped = isinstance(e, (interrupts.Preempted, interrupts.Aborted))
+    # A failed asynchronous save leaves asyncio tasks whose errors asyncio
+    # logs when they are collected at exit ("Task exception was never
+    # retrieved"), after this message; the message already says what failed.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     print(message if stopped else f"error: {message}", file=sys.stderr)
     sys.exit(e.exit_code if stopped else 1)
