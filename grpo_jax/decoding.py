@@ -136,16 +136,40 @@ def token_uniforms(key: jax.Array, row_n: jax.Array, t_n: jax.Array
   return jax.vmap(one)(row_n, jnp.broadcast_to(t_n, row_n.shape))
 
 
+# Vocabulary columns per block of the two-level inverse CDF.
+CDF_BLOCK = 256
+
+
 def _inverse_cdf_sample(logits_nv: jax.Array, u_n: jax.Array) -> jax.Array:
   """Exact categorical sampling with ONE uniform per row.
 
   jax.random.categorical draws V Gumbel variates per row; with threefry on
   CPU that alone cost ~50 ms per decode step at N=64, V=49k. Inverting the
-  CDF needs N uniforms and a cumulative sum.
+  CDF needs N uniforms. It is done in two levels so that no cumulative sum
+  runs over the whole vocabulary (a (64, 49152) cumsum took 8 ms on CPU,
+  this 2 ms): the running mass of blocks of CDF_BLOCK tokens picks the
+  block where u falls, then a cumulative sum inside that block alone picks
+  the token, the first whose running mass reaches u times the total.
   """
-  cdf_nv = jnp.cumsum(jax.nn.softmax(logits_nv, axis=-1), axis=-1)
-  tokens = jnp.sum(cdf_nv < u_n[:, None] * cdf_nv[:, -1:], axis=-1)
-  return jnp.minimum(tokens, logits_nv.shape[-1] - 1).astype(jnp.int32)
+  N, V = logits_nv.shape
+  C = CDF_BLOCK
+  nb = -(-V // C)
+  probs_nv = jax.nn.softmax(logits_nv, axis=-1)
+  probs_nkc = jnp.pad(probs_nv, [(0, 0), (0, nb * C - V)]).reshape(N, nb, C)
+  cdf_nk = jnp.cumsum(probs_nkc.sum(-1), axis=-1)
+  target_n = u_n * cdf_nk[:, -1]
+  block_n = jnp.minimum(jnp.sum(cdf_nk < target_n[:, None], axis=-1), nb - 1)
+  probs_nc = jnp.take_along_axis(probs_nkc, block_n[:, None, None], axis=1)[:, 0]
+  before_n = jnp.take_along_axis(cdf_nk, jnp.maximum(block_n - 1, 0)[:, None],
+                                 axis=1)[:, 0]
+  before_n = jnp.where(block_n > 0, before_n, 0.0)
+  cdf_nc = before_n[:, None] + jnp.cumsum(probs_nc, axis=-1)
+  col_n = jnp.sum(cdf_nc < target_n[:, None], axis=-1)
+  # Rounding can leave u past the block's last running mass: take its last
+  # token of non-zero probability (the block holds some: it was chosen).
+  last_n = C - 1 - jnp.argmax((probs_nc > 0)[:, ::-1], axis=-1)
+  tokens = block_n * C + jnp.minimum(col_n, last_n)
+  return jnp.minimum(tokens, V - 1).astype(jnp.int32)
 
 
 def choose_tokens(logits_nv: jax.Array, key: jax.Array, cfg: SamplingConfig,

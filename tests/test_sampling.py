@@ -259,3 +259,29 @@ def test_automatic_chunks_follow_free_memory(params, monkeypatch):
   assert calls == [2, 2]
   np.testing.assert_array_equal(np.asarray(a.tokens_nt),
                                 np.asarray(b.tokens_nt))
+
+
+@pytest.mark.parametrize("vocab", [256, 1000])
+def test_two_level_inverse_cdf_equals_one_cumsum(vocab):
+  """The token is the first whose running mass (float64, one cumulative sum
+  over the vocabulary) reaches u times the total, whatever block it is in,
+  with vocabularies a multiple of the block and not; tokens masked to -inf
+  (top-k / top-p) are never chosen, u = 1 included."""
+  from grpo_jax import decoding  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(64, vocab)) * 3
+  logits[:, rng.random(vocab) < 0.5] = -np.inf   # truncated columns
+  u = np.concatenate([rng.random(62), [1.0, 1e-7]])
+  got = np.asarray(decoding._inverse_cdf_sample(  # pylint: disable=protected-access
+      jnp.asarray(logits, jnp.float32), jnp.asarray(u, jnp.float32)))
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)
+  want = np.array([np.searchsorted(c, x * c[-1]) for c, x in zip(cdf, u)])
+  assert np.isfinite(logits[np.arange(64), got]).all()
+  # Float32 rounding may move a row's pick only where u * total lies within
+  # rounding of a running-mass boundary of the pick.
+  for i in np.flatnonzero(got != want):
+    target = u[i] * cdf[i, -1]
+    lo = cdf[i, got[i] - 1] if got[i] else 0.0
+    assert min(abs(cdf[i, got[i]] - target), abs(lo - target)) < 1e-5, i
+  assert (got == want).mean() >= 0.95
