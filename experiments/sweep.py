@@ -59,10 +59,9 @@ def main(argv):
       print(sweeps.run_command(spec, overrides, sweeps.sweep_workdir(base, index, overrides),
                                overrides_cli))
     return
-  from grpo_jax import train   # the trainer (and JAX) only for a real sweep
   store = runs.RunStore(root)
   try:
-    ids = sweeps.run_sweep(_CONFIG.value, sweep, train.run, store, name=name,
+    ids = sweeps.run_sweep(_CONFIG.value, sweep, sweeps.run_method, store, name=name,
                            sweep_name=Path(_SWEEP.value).stem, base_workdir=base,
                            validate=config_lib.validate)
   except interrupts.Preempted as e:

@@ -116,6 +116,14 @@ def check_points(config, sweep: Sequence[Overrides],
   return configs
 
 
+def run_method(config, workdir: str) -> dict:
+  """Runs one point with its config's method (the "method" registry: rl is
+  train.run, star is star_loop.run), as experiments/run.py does."""
+  import grpo_jax  # pylint: disable=g-import-not-at-top,unused-import  (registers the methods)
+  from grpo_jax import registry  # pylint: disable=g-import-not-at-top
+  return registry.lookup("method", config.method)(config, workdir)
+
+
 def run_sweep(config, sweep: Sequence[Overrides], run_fn: RunFn, store: runs.RunStore,
               *, name: str, sweep_name: str, base_workdir: os.PathLike,
               log: Callable[[str], None] = print,

@@ -254,14 +254,12 @@ def test_sweep_command_dry_run_prints_one_run_command_per_point(tmp_path):
 
 
 _FAKE_TRAINER = '''\
-import runpy, sys, types
-import grpo_jax
-train = types.ModuleType("grpo_jax.train")
+import runpy, sys
+from grpo_jax import registry
 def run(config, workdir):
   print(f"training {config.description} eps_high={config.rl.eps_high} in {workdir}")
   return {"accuracy": 10 * config.rl.eps_high}
-train.run = run
-sys.modules["grpo_jax.train"] = grpo_jax.train = train
+registry._REGISTRY["method"]["rl"] = run   # the "rl" method: train.run
 sys.argv = ["experiments/sweep.py"] + sys.argv[1:]
 runpy.run_path("experiments/sweep.py", run_name="__main__")
 '''
@@ -282,3 +280,18 @@ def test_sweep_command_runs_points_records_them_and_prints_the_table(tmp_path):
       ("toy:small[rl.eps_high=0.2]", "finished", {"accuracy": 2.0}),
       ("toy:small[rl.eps_high=0.28]", "finished", {"accuracy": 2.8000000000000003})]
   assert out.stdout.endswith(runs.compare_runs(recorded) + "\n")
+
+
+def test_sweep_points_run_their_configs_method(monkeypatch):
+  """A STaR config's sweep point runs the STaR loop, an RL one the trainer
+  (experiments/sweep.py runs every point through sweeps.run_method)."""
+  from grpo_jax import registry  # pylint: disable=g-import-not-at-top
+  calls = []
+  for method in ("rl", "star"):
+    monkeypatch.setitem(registry._REGISTRY["method"], method,  # pylint: disable=protected-access
+                        lambda c, w, m=method: calls.append((m, c.method, w)) or {})
+  for method in ("star", "rl"):
+    sweeps.run_method(ml_collections.ConfigDict({"method": method}), f"/wd/{method}")
+  assert calls == [("star", "star", "/wd/star"), ("rl", "rl", "/wd/rl")]
+  with pytest.raises(KeyError, match="unknown method 'ppo'"):
+    sweeps.run_method(ml_collections.ConfigDict({"method": "ppo"}), "/wd")
