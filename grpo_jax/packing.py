@@ -216,20 +216,35 @@ def packed_tokens(rows: PackedRows) -> int:
 
 def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
                     chunk_size: int, temperature: float = 1.0,
-                    remat: str = "none", attention: str = "auto"):
+                    remat: str = "none", attention: str = "auto",
+                    constrain=None):
   """log π and entropy of each slot's completion tokens, float32 [N, T],
   from ONE micro-batch of packed rows ([R, S] arrays, `src_nt` [N, T]).
   Entries past a slot's packed length (and empty slots) are garbage that
-  the loss mask removes, as the padded path's are."""
+  the loss mask removes, as the padded path's are.
+  constrain: pins the activations' shardings as the padded path does
+  (`transformer.hidden_states`; `sharding.Layout.constrain`): packed rows
+  over the batch axes, and so the predicting states (same row) and the
+  slots' log-probs. Only the [R, S] scalar log-probs cross chips (a slot's
+  row may live on another), never hidden states."""
   h_rsd = transformer.hidden_states(
       config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
-      remat=remat, segment_ns=rows.segments_rs, attention_impl=attention)
+      remat=remat, segment_ns=rows.segments_rs, attention_impl=attention,
+      constrain=constrain)
+  if constrain is not None:     # the gather and the head read whole rows
+    h_rsd = constrain(h_rsd, ("batch", None, None))
   h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)
+  if constrain is not None:
+    h_pred = constrain(h_pred, ("batch", None, None))
   logp_rs, entropy_rs = logprobs_lib.token_logprobs(
       config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
       temperature=temperature)
   take = lambda x: jnp.take(x.reshape(-1), rows.src_nt, axis=0)
-  return take(logp_rs), take(entropy_rs)
+  logp_nt, entropy_nt = take(logp_rs), take(entropy_rs)
+  if constrain is not None:
+    logp_nt = constrain(logp_nt, ("batch", None))
+    entropy_nt = constrain(entropy_nt, ("batch", None))
+  return logp_nt, entropy_nt
 
 
 def gather_slots(x_n: jax.Array, row_n: jax.Array) -> jax.Array:

@@ -130,7 +130,7 @@ def train_step(config, model_config, state, optimizer, packed, adv_n,
   if scored is not None:
     rows, num_micro = jax.tree.map(put, scored[0]), scored[1]
     score = lambda params: score_packed(params, rows, model_config, settings,
-                                        num_micro, n)
+                                        num_micro, n, layout)
   else:
     score = lambda params: score_logprobs(params, *cols, model_config, T,
                                           settings, whole, n // micro,

@@ -344,7 +344,7 @@ def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
                                     ramp_steps=s.kl_ramp_steps)
   if isinstance(batch, PackedUpdateBatch):
     grads, loss, metrics = accumulate_packed_gradients(
-        state.params, model_config, batch, num_micro, kl_beta, s)
+        state.params, model_config, batch, num_micro, kl_beta, s, layout)
   else:
     grads, loss, metrics = accumulate_gradients(
         state.params, model_config, batch, num_micro, kl_beta, s, group_size,
@@ -372,29 +372,32 @@ def pack_update_batch(batch: UpdateBatch, rows: packing.PackedRows
 
 
 def packed_logprobs(model_config: ModelConfig, params: Params,
-                    rows: packing.PackedRows, s: LossSettings):
-  """`packing.packed_logprobs` with the loss settings' dtype and head."""
+                    rows: packing.PackedRows, s: LossSettings, layout=None):
+  """`packing.packed_logprobs` with the loss settings' dtype and head.
+  layout: see `completion_logprobs`."""
   return packing.packed_logprobs(
       model_config, cast(params, s.compute_dtype), rows, chunk_size=s.chunk,
-      temperature=s.temperature, remat=s.remat, attention=s.attention)
+      temperature=s.temperature, remat=s.remat, attention=s.attention,
+      constrain=None if layout is None else layout.constrain)
 
 
 def packed_loss_fn(params: Params, model_config: ModelConfig,
                    batch: PackedUpdateBatch, norm: losses.Normalisers,
-                   kl_beta, s: LossSettings):
-  logp, entropy = packed_logprobs(model_config, params, batch.rows, s)
+                   kl_beta, s: LossSettings, layout=None):
+  logp, entropy = packed_logprobs(model_config, params, batch.rows, s, layout)
   return policy_loss(logp, entropy, batch, norm, kl_beta, s)
 
 
 def accumulate_packed_gradients(params, model_config,
                                 batch: PackedUpdateBatch, num_micro: int,
-                                kl_beta, s: LossSettings):
+                                kl_beta, s: LossSettings, layout=None):
   """`accumulate_gradients` of a packed mini-batch: the normalisers of all
-  its slots (empty ones count nothing), the micro-batches summed."""
+  its slots (empty ones count nothing), the micro-batches summed.
+  layout: see `completion_logprobs`."""
   norm = global_normalisers(batch.mask_nt, s)
   grad_fn = jax.value_and_grad(
       functools.partial(packed_loss_fn, model_config=model_config, norm=norm,
-                        kl_beta=kl_beta, s=s), has_aux=True)
+                        kl_beta=kl_beta, s=s, layout=layout), has_aux=True)
   loss, metrics, grads = micro_batch_sum(
       lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
       losses.accumulate_metrics)
@@ -441,15 +444,19 @@ def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "s", "num_micro",
-                                             "num_rows"))
+                                             "num_rows", "layout"))
 def score_packed(params: Params, rows: packing.PackedRows,
                  model_config: ModelConfig, s: LossSettings, num_micro: int,
-                 num_rows: int) -> jax.Array:
+                 num_rows: int, layout=None) -> jax.Array:
   """`score_logprobs` of packed sequences: token log-probs [num_rows, T] in
-  the padded rows' layout, 0 in rows and columns that were not packed."""
+  the padded rows' layout, 0 in rows and columns that were not packed.
+  layout: see `completion_logprobs`; the result's rows are split as the
+  padded rows are."""
   params = cast(params, s.compute_dtype)
   logp = jax.lax.map(
-      lambda r: packed_logprobs(model_config, params, r, s)[0],
+      lambda r: packed_logprobs(model_config, params, r, s, layout)[0],
       micro_batches(rows, num_micro))
-  return packing.scatter_slots(_join_micro_batches(logp), rows.row_n,
-                               num_rows)
+  logp_nt = packing.scatter_slots(_join_micro_batches(logp), rows.row_n,
+                                  num_rows)
+  return logp_nt if layout is None else layout.constrain(logp_nt,
+                                                         ("batch", None))

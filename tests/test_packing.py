@@ -2,6 +2,10 @@
 the same loss, gradient and metrics for every aggregation and policy loss,
 the same scored log-probs, on ragged lengths with EOS, in micro-batches."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -242,3 +246,29 @@ def test_auto_packs_only_when_packed_rows_cost_fewer_tokens():
     assert packing.wins(rows, B * G, P, T, G) == want
   assert packing.padded_cost(8, 5, 3, 4) == 2 * 5 + 8 * 3
   assert packing.padded_cost(8, 5, 3, 1) == 8 * 8
+
+
+# 8 row shards; 4 row shards x tensor 2; 2 row shards x tensor 4 with the
+# residual's length over tensor (mesh.sequence_parallel).
+SHARDED_MESHES = ["1,8,1", "2,2,2", "1,2,4"]
+
+
+def test_packed_update_and_scoring_on_eight_fake_devices():
+  """tests/packing_sharding_checks.py in a subprocess (the device count is
+  fixed before JAX starts): the packed update and scoring with a layout give
+  one device's loss, metrics, gradient and log-probs, keep the state's
+  shardings, and hold the residual stream per device."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "tests",
+                                    "packing_sharding_checks.py"),
+       *SHARDED_MESHES], env=env, cwd=root, capture_output=True, text=True,
+      timeout=600, check=False)
+  results = [json.loads(line) for line in proc.stdout.splitlines()
+             if line.startswith("{")]
+  assert [r["mesh"] for r in results] == [
+      [int(v) for v in m.split(",")] for m in SHARDED_MESHES], proc.stderr[-4000:]
+  for r in results:
+    assert r["ok"], r["error"]
+  assert proc.returncode == 0
