@@ -17,6 +17,13 @@ step and its evaluation run:
              most the chip's free memory holds, `sampling.auto_slots`)
   update     `update.update_step` on one mini-batch split in micro-batches
   score      `update.score_logprobs` (π_ref, or π_old recomputed) when used
+  update packed, score packed
+             the same on packed rows (`rl.packing` on, or auto: a run picks
+             per mini-batch, so both paths are compiled; off: padded only),
+             shaped by `packed_shape`: R = the micro-batch's rows of
+             s = prompt + max_new_tokens tokens (the most a packed row
+             holds; the decoder's worst case, one completion at the cap per
+             row), PACKED_SEQUENCES_PER_ROW x R sequence slots
   eval       the evaluation's sampler calls (greedy, and n samples if set)
 
 Per chip it reports argument, output, temporary and peak bytes plus what
@@ -40,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import continuous
 from grpo_jax import flops as flops_lib
-from grpo_jax import sampling, sharding, update
+from grpo_jax import packing, sampling, sharding, update
 from grpo_jax.config import ConfigError
 from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import hf, transformer
@@ -291,6 +298,48 @@ class Plan:
         self.settings, self.layout, group)
     return compile_program("update", micro_rows, lower, resident)
 
+  def packed_rows(self, rows: int, micro_rows: int) -> packing.PackedRows:
+    """Abstract `packing.pack_rows` output for `rows` sequences at
+    `micro_rows` rows per micro-batch (see `PACKED_SEQUENCES_PER_ROW`)."""
+    R, M, N = packed_shape(rows, micro_rows, self.layout.batch_shards)
+    S, T = self.seq_len, self.config.sampling.max_new_tokens
+    row = lambda dtype: _rows(self.layout, (R * M, S), dtype)
+    return packing.PackedRows(
+        row(jnp.int32), row(jnp.int32), row(jnp.bool_), row(jnp.int32),
+        row(jnp.int32), _rows(self.layout, (N * M, T), jnp.int32),
+        _rows(self.layout, (N * M,), jnp.int32))
+
+  def packed_update(self, micro_rows: int) -> Program:
+    """update_step on one mini-batch packed (`rl.packing`): rows of
+    s = prompt + max_new_tokens tokens, `micro_rows` per micro-batch."""
+    n, T = self.mini, self.config.sampling.max_new_tokens
+    rows = self.packed_rows(n, micro_rows)
+    slots = rows.src_nt.shape[0]
+    batch = update.PackedUpdateBatch(
+        rows, _rows(self.layout, (slots, T), jnp.bool_),
+        _rows(self.layout, (slots, T), jnp.float32),
+        _rows(self.layout, (slots, T), jnp.float32),
+        _rows(self.layout, (slots,), jnp.float32))
+    num_micro = packed_shape(n, micro_rows, self.layout.batch_shards)[1]
+    lower = lambda: update.update_step.lower(
+        self.state, batch, self.model_config, self.optimizer, num_micro,
+        self.settings, self.layout)
+    return compile_program("update packed", rows.tokens_rs.shape[0] // (
+        num_micro), lower, self.reference_bytes())
+
+  def packed_score(self, micro_rows: int) -> Program:
+    """score_packed on the step's rows packed (as `packed_update`)."""
+    rows = self.packed_rows(self.rows, micro_rows)
+    num_micro = packed_shape(self.rows, micro_rows,
+                             self.layout.batch_shards)[1]
+    resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
+        self.state.params)
+    lower = lambda: update.score_packed.lower(
+        self.state.params, rows, self.model_config, self.settings, num_micro,
+        self.rows, self.layout)
+    return compile_program("score packed", rows.tokens_rs.shape[0] // (
+        num_micro), lower, resident)
+
   def reference_bytes(self) -> int:
     """The reference model's params, alive all run when β > 0."""
     return per_chip_bytes(self.state.params) if self.settings.use_kl else 0
@@ -316,6 +365,30 @@ class Plan:
   @property
   def uses_scoring(self) -> bool:
     return self.settings.use_kl or self.config.rl.old_logp == "recompute"
+
+
+# Sequences per packed row that aot.py assumes when it sizes the slot arrays
+# ([N, T] per micro-batch, N = this x R): completions of a quarter of
+# max_new_tokens on average (issue 15's long-tailed workload has a mean of at
+# most 0.35). Only the loss's [N, T] float32 arrays depend on it; the
+# decoder's activations are the R rows' whatever they hold.
+PACKED_SEQUENCES_PER_ROW = 4
+
+
+def packed_shape(rows: int, micro_rows: int, shards: int
+                 ) -> tuple[int, int, int]:
+  """(R rows per micro-batch, M micro-batches, N slots per micro-batch) of
+  `rows` sequences packed as `train.train_step` packs them
+  (`packing.pack_rows(..., micro_rows, shards)`), in its worst case for the
+  decoder: every completion at max_new_tokens, so one sequence per row of
+  s = prompt + max_new_tokens tokens and as many rows as the padded path
+  (R = micro_rows rounded up to the batch shards, M = rows / micro_rows).
+  N: `PACKED_SEQUENCES_PER_ROW` per row, a power of two as pack_rows
+  buckets it, a multiple of the shards."""
+  R = -(-micro_rows // shards) * shards
+  M = max(1, -(-rows // R))
+  N = 1 << (PACKED_SEQUENCES_PER_ROW * R - 1).bit_length()
+  return R, M, -(-N // shards) * shards
 
 
 def update_group_size(rl, rows: int) -> int:
@@ -438,6 +511,13 @@ def validate(config) -> None:
   config_lib.validate(config)
 
 
+def update_paths(mode: str) -> tuple[bool, bool]:
+  """(padded, packed): which update / scoring programs a run with
+  `rl.packing = mode` may execute. auto decides per mini-batch from its
+  lengths (`packing.wins`): either can run, so both must fit."""
+  return mode != "on", mode != "off"
+
+
 def check(config, topology: str, prompt_len: int,
           log: Callable[[str], None] = print, search: bool = True) -> Report:
   """Compiles every program of `config` for `topology`; see module doc.
@@ -491,11 +571,21 @@ def check(config, topology: str, prompt_len: int,
     run(build(b_call), lambda: largest_fitting(
         halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
   micro = plan.micro_rows()
-  run(plan.update(micro), lambda: largest_fitting(
-      halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)")
-  if plan.uses_scoring:
+  padded, packed = update_paths(rl.packing)
+  if padded:
+    run(plan.update(micro), lambda: largest_fitting(
+        halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)")
+  if packed:
+    run(plan.packed_update(micro), lambda: largest_fitting(
+        halvings(micro)[1:], plan.packed_update, hbm),
+        "packed micro-batch (rows)")
+  if plan.uses_scoring and padded:
     run(plan.score(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.score, hbm), "scoring micro-batch (rows)")
+  if plan.uses_scoring and packed:
+    run(plan.packed_score(micro), lambda: largest_fitting(
+        halvings(micro)[1:], plan.packed_score, hbm),
+        "packed scoring micro-batch (rows)")
   for prompts, g, greedy in _eval_calls(config, plan):
     name = "eval greedy" if greedy else f"eval n={g}"
     build_eval = lambda b, g=g, greedy=greedy, name=name: plan.sampler(

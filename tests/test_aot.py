@@ -35,13 +35,47 @@ def _row(out: str, name: str) -> str:
   return next(line for line in out.splitlines() if line.startswith(name))
 
 
+def _names(out: str) -> list:
+  """The program column of the table's rows."""
+  rows = [line for line in out.splitlines()
+          if line.endswith(("yes", "NO")) and not line.startswith("  ->")]
+  return [line[:14].strip() for line in rows]
+
+
 def test_tiny_fits():
+  """rl.packing = auto (the default): a run may take either path per
+  mini-batch, so both updates are compiled."""
   rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16")
   assert rc == 0, out
   assert "4 chips (TPU v5 lite), 15.75 GiB each" in out
-  for name in ("sampler", "update", "eval greedy"):
+  assert _names(out) == ["sampler", "update", "update packed", "eval greedy"]
+  for name in ("sampler", "update", "update packed", "eval greedy"):
     assert _row(out, name).endswith("yes"), out
   assert "fits: every program leaves >= 5%" in out
+
+
+def test_packed_update_and_scoring_compile_and_fit():
+  """rl.packing = on: only the packed update and packed scoring (π_old
+  recomputed), 4 rows of 16 + 8 tokens per micro-batch on 4 row shards."""
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 "--config.rl.packing=on", "--config.rl.old_logp=recompute")
+  assert rc == 0, out
+  assert _names(out) == ["sampler", "update packed", "score packed",
+                         "eval greedy"], out
+  for name in ("update packed", "score packed"):
+    row = _row(out, name)
+    assert row.split()[2] == "4" and row.endswith("yes"), row
+
+
+def test_packed_shape_is_the_padded_rows_worst_case():
+  """R: the micro-batch rounded up to the row shards; M: the padded
+  path's micro-batch count; N: 4 slots per row, a power of two."""
+  assert aot.packed_shape(512, 64, 64) == (64, 8, 256)
+  assert aot.packed_shape(16, 2, 4) == (4, 4, 16)
+  assert aot.packed_shape(8192, 64, 8) == (64, 128, 256)
+  assert aot.update_paths("auto") == (True, True)
+  assert aot.update_paths("on") == (False, True)
+  assert aot.update_paths("off") == (True, False)
 
 
 def test_continuous_batching_sampler_compiles_and_fits():
