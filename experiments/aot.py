@@ -5,9 +5,11 @@
 
 Needs libtpu (pip install -r requirements-tpu.txt), no TPU, no weights, no
 tokenizer and no data: model.source is a preset name or a directory with
-only config.json. Compiles the training sampler call, an update
-mini-batch in its micro-batches, reference / old-log-prob scoring when the
-config uses them, and the evaluation sampler for the topology's chips, and
+only config.json. Compiles the training sampler call (continuous batching
+with sampling.continuous_batching), an update mini-batch in its
+micro-batches, reference / old-log-prob scoring when the config uses them
+(padded, packed with rl.packing=on, both with auto), and the evaluation
+sampler for the topology's chips, and
 prints per-chip memory against the chip's HBM, then the step's analytic
 FLOPs and roofline time (grpo_jax/aot.py). Exit status 0 only when every
 program fits with 5% to spare; otherwise it names what does not and the
