@@ -279,14 +279,17 @@ class Plan:
         max_new_tokens=s.max_new_tokens, temperature=s.temperature,
         top_p=s.top_p, top_k=s.top_k, greedy=greedy, stop_ids=(0,))
 
+  def sequence_columns(self, n: int) -> tuple:
+    """Abstract (tokens, positions, valid) [n, s] of n padded rows, split
+    over the batch shards: the update's and scoring's decoder inputs."""
+    return tuple(_rows(self.layout, (n, self.seq_len), dtype)
+                 for dtype in (jnp.int32, jnp.int32, jnp.bool_))
+
   def update(self, micro_rows: int) -> Program:
     """update_step on one mini-batch in micro-batches of `micro_rows`."""
     n, T = self.mini, self.config.sampling.max_new_tokens
-    S = self.seq_len
     batch = update.UpdateBatch(
-        _rows(self.layout, (n, S), jnp.int32),
-        _rows(self.layout, (n, S), jnp.int32),
-        _rows(self.layout, (n, S), jnp.bool_),
+        *self.sequence_columns(n),
         _rows(self.layout, (n, T), jnp.bool_),
         _rows(self.layout, (n, T), jnp.float32),
         _rows(self.layout, (n, T), jnp.float32),
@@ -346,9 +349,8 @@ class Plan:
 
   def score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows in micro-batches of `micro_rows`."""
-    S, T, rows = self.seq_len, self.config.sampling.max_new_tokens, self.rows
-    cols = [_rows(self.layout, (rows, S), d)
-            for d in (jnp.int32, jnp.int32, jnp.bool_)]
+    T, rows = self.config.sampling.max_new_tokens, self.rows
+    cols = self.sequence_columns(rows)
     group = update_group_size(self.config.rl, rows)
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
