@@ -111,7 +111,8 @@ def test_qwen_half_b_fits_with_scoring(tmp_path):
                  "--config.rl.num_generations=4",
                  "--config.rl.mini_batch_size=16",
                  "--config.rl.micro_batch_size=8",
-                 "--config.train.eval_examples=4")
+                 "--config.train.eval_examples=4",
+                 "--config.rl.packing=off")   # packed: the tiny tests
   assert rc == 0, out
   assert "0.20B params" in out
   for name in ("sampler", "update", "score", "eval greedy"):
@@ -125,7 +126,7 @@ def test_oversized_micro_batch_is_reported():
           "--config.sampling.max_new_tokens=12272",
           "--config.rl.prompts_per_step=4", "--config.rl.num_generations=4",
           "--config.rl.micro_batch_size=16", "--config.train.eval_examples=1",
-          "--config.sampling.chunk_rows=4"]
+          "--config.sampling.chunk_rows=4", "--config.rl.packing=off"]
   rc, out = _aot(*long, "--config.model.attention=dense")
   assert rc == 1, out
   found = re.search(r"DOES NOT FIT: update does not fit with 16 rows; "
