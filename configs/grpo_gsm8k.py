@@ -31,7 +31,7 @@ def get_config(arg=None):
   c.sampling.max_new_tokens = 1024             # DeepSeekMath: max length 1024
   c.sampling.temperature = 1.0
   # 1,024 rows of long-tailed length per step: continuous batching decodes
-  # them in slots that stay busy (benchmarks/continuous_batching.py).
+  # them in slots that stay busy (benchmarks/ragged.py).
   c.sampling.continuous_batching = True
   # GRPO (DeepSeekMath §4.1): z-scored group advantage, per-sequence mean,
   # symmetric clip, k3 KL to the reference with β = 0.04; no DAPO additions.

@@ -104,21 +104,34 @@ def generate_groups(model_config, params, tokenizer, examples, key,
       model_config, params, prompt_ids, key, cfg, num_generations=G,
       batch_multiple=batch_multiple, layout=layout))
   t1 = time.perf_counter()
-  reward_n, correct_n, metrics = score(
-      spec, np.repeat(texts, G).tolist(), completion_texts(tokenizer, out.tokens_nt, out.length_n,
-                                     out.truncated_n),
-      [e.answer for e in examples for _ in range(G)], out.length_n)
+  groups, metrics = score_samples(spec, texts, prompt_ids,
+                                  [e.answer for e in examples], out,
+                                  tokenizer, G)
   t2 = time.perf_counter()
-  T = cfg.max_new_tokens
+  metrics.update({"time/sample": t1 - t0, "time/score": t2 - t1,
+                  "sample/decode_steps": int(out.steps),
+                  "sample/tokens": int(out.length_n.sum())})
+  return groups, metrics
+
+
+def score_samples(spec: RewardSpec, texts: Sequence[str],
+                  prompt_ids: Sequence[Sequence[int]], answers: Sequence[str],
+                  out: sampling.Samples, tokenizer, num_generations: int
+                  ) -> tuple[Groups, dict[str, float]]:
+  """The host-side Samples of B prompts' G rows (prompt-major), scored and
+  shaped into Groups; the reward metrics."""
+  B, G = len(prompt_ids), num_generations
+  reward_n, correct_n, metrics = score(
+      spec, np.repeat(texts, G).tolist(), completion_texts(
+          tokenizer, out.tokens_nt, out.length_n, out.truncated_n),
+      [a for a in answers for _ in range(G)], out.length_n)
+  T = out.tokens_nt.shape[1]
   prompts_b = np.empty((B,), object)
   prompts_b[:] = [tuple(p) for p in prompt_ids]
   groups = Groups(prompts_b, out.tokens_nt.reshape(B, G, T),
                   out.logp_nt.reshape(B, G, T), out.mask_nt.reshape(B, G, T),
                   out.length_n.reshape(B, G), out.truncated_n.reshape(B, G),
                   reward_n.reshape(B, G), correct_n.reshape(B, G))
-  metrics.update({"time/sample": t1 - t0, "time/score": t2 - t1,
-                  "sample/decode_steps": int(out.steps),
-                  "sample/tokens": int(out.length_n.sum())})
   return groups, metrics
 
 
