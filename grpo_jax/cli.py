@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import traceback
 from typing import Any, Iterator, Optional, Sequence
 
@@ -229,9 +230,14 @@ def user_errors(workdir: Optional[str] = None) -> Iterator[None]:
       raise
     from grpo_jax import interrupts  # pylint: disable=import-outside-toplevel
     stopped = isinstance(e, (interrupts.Preempted, interrupts.Aborted))
-    # A failed asynchronous save leaves asyncio tasks whose errors asyncio
-    # logs when they are collected at exit ("Task exception was never
-    # retrieved"), after this message; the message already says what failed.
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    # The message closes the run: a failed asynchronous save leaves
+    # background threads (orbax's metadata writer) and asyncio tasks
+    # (collected at exit: "Task exception was never retrieved") that report
+    # the same failure after it, with tracebacks; the message already says
+    # what failed, so nothing is logged or printed for threads after it. (A
+    # stop by signal has no failed save behind it: left as it is.)
+    if not stopped:
+      logging.disable(logging.CRITICAL)
+      threading.excepthook = lambda args: None
     print(message if stopped else f"error: {message}", file=sys.stderr)
     sys.exit(e.exit_code if stopped else 1)

@@ -154,20 +154,20 @@ def _inverse_cdf_sample(logits_nv: jax.Array, u_n: jax.Array) -> jax.Array:
   N, V = logits_nv.shape
   C = CDF_BLOCK
   nb = -(-V // C)
-  probs_nv = jax.nn.softmax(logits_nv, axis=-1)
-  probs_nkc = jnp.pad(probs_nv, [(0, 0), (0, nb * C - V)]).reshape(N, nb, C)
-  cdf_nk = jnp.cumsum(probs_nkc.sum(-1), axis=-1)
-  target_n = u_n * cdf_nk[:, -1]
-  block_n = jnp.minimum(jnp.sum(cdf_nk < target_n[:, None], axis=-1), nb - 1)
-  probs_nc = jnp.take_along_axis(probs_nkc, block_n[:, None, None], axis=1)[:, 0]
-  before_n = jnp.take_along_axis(cdf_nk, jnp.maximum(block_n - 1, 0)[:, None],
+  probs = jax.nn.softmax(logits_nv, axis=-1)
+  block_probs = jnp.pad(probs, [(0, 0), (0, nb * C - V)]).reshape(N, nb, C)
+  block_cdf = jnp.cumsum(block_probs.sum(-1), axis=-1)
+  target_n = u_n * block_cdf[:, -1]
+  block_n = jnp.minimum(jnp.sum(block_cdf < target_n[:, None], axis=-1), nb - 1)
+  probs_in_block = jnp.take_along_axis(block_probs, block_n[:, None, None], axis=1)[:, 0]
+  before_n = jnp.take_along_axis(block_cdf, jnp.maximum(block_n - 1, 0)[:, None],
                                  axis=1)[:, 0]
   before_n = jnp.where(block_n > 0, before_n, 0.0)
-  cdf_nc = before_n[:, None] + jnp.cumsum(probs_nc, axis=-1)
-  col_n = jnp.sum(cdf_nc < target_n[:, None], axis=-1)
+  cdf_in_block = before_n[:, None] + jnp.cumsum(probs_in_block, axis=-1)
+  col_n = jnp.sum(cdf_in_block < target_n[:, None], axis=-1)
   # Rounding can leave u past the block's last running mass: take its last
   # token of non-zero probability (the block holds some: it was chosen).
-  last_n = C - 1 - jnp.argmax((probs_nc > 0)[:, ::-1], axis=-1)
+  last_n = C - 1 - jnp.argmax((probs_in_block > 0)[:, ::-1], axis=-1)
   tokens = block_n * C + jnp.minimum(col_n, last_n)
   return jnp.minimum(tokens, V - 1).astype(jnp.int32)
 
