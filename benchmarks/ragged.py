@@ -2,7 +2,7 @@
 
     python benchmarks/ragged.py [--prompts 8] [--generations 8]
         [--new-tokens 256] [--slots 0] [--micro-batch 16] [--threads N]
-        [--skip-trl] [--quick]
+        [--skip-trl] [--samplers-only] [--quick]
 
 SmolLM2-135M-Instruct in float32, EOS on, temperature 1: completion lengths
 are the model's own on chat-templated arithmetic prompts of mixed
@@ -95,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=os.cpu_count(),
                  help="torch intra-op threads (default: all cores)")
   p.add_argument("--skip-trl", action="store_true")
+  p.add_argument("--samplers-only", action="store_true",
+                 help="part 1's grpo_jax samplers alone (no transformers, "
+                      "update or GRPO step): continuous batching at larger "
+                      "sizes; the last line is then `ratios: sampler <x>`")
   p.add_argument("--quick", action="store_true",
                  help="smoke check: 2 prompts x 4 generations x 32 tokens")
   args = p.parse_args(argv)
@@ -174,6 +178,8 @@ def time_samplers(args, step, hf_model, prompt_ids, clock) -> dict:
                     "useful_tps": float(lengths.sum()) / best[name]}
     print(f"sampler {name}: best {best[name]:.1f} s, {lengths.sum()} useful "
           f"tokens, {int(samples.steps)} decode steps")
+  if hf_model is None:
+    return result
   cfg = step.sample_cfg
   hf_run = lambda n: sampler_bench.hf_runner(
       hf_model, prompt_ids, G, n, cfg.pad_id, cfg.stop_ids, args.seed,
@@ -298,10 +304,23 @@ def main(argv=None) -> int:
   if _common.hf_prompt_ids(hf_tok, messages) != prompt_ids:
     raise RuntimeError("grpo_jax and transformers render the prompts to "
                        "different token ids")
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-      directory, dtype=torch.float32).eval()
+  hf_model = None if args.samplers_only else (
+      transformers.AutoModelForCausalLM.from_pretrained(
+          directory, dtype=torch.float32).eval())
   clock = step.clock
   samplers = time_samplers(args, step, hf_model, prompt_ids, clock)
+  if args.samplers_only:
+    d = distribution(samplers["static"]["lengths"])
+    print(f"lengths (static sampler): mean {d['mean']:.1f} ({d['mean'] / T:.2f}"
+          f" of the cap), p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, max "
+          f"{d['max']:.0f}")
+    base = samplers["static"]["useful_tps"]
+    for name, r in samplers.items():
+      print(f"{name}: {r['seconds']:.1f} s, {r['steps']} decode steps, "
+            f"{r['useful_tps']:.1f} useful tok/s, {r['useful_tps'] / base:.2f}x")
+    best = max(r["useful_tps"] for n, r in samplers.items() if n != "static")
+    print(f"ratios: sampler {best / base:.2f}")
+    return 0
   del hf_model
   updates = time_updates(args, step, texts,
                          samplers["static"].pop("samples"))
