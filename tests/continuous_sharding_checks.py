@@ -18,9 +18,7 @@ if __name__ == "__main__":  # before JAX starts a backend
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
-import json
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ import numpy as np
 from grpo_jax import config as config_lib
 from grpo_jax import continuous, sampling, sharding
 from grpo_jax.models import get_preset, init_params, ragged
+from sharding_checks import parse_meshes, run_meshes
 
 MODEL = get_preset("tiny")   # H=4, K=2, E=16, L=2
 STATIC = sampling.SamplingConfig(max_new_tokens=10, temperature=1.0,
@@ -83,17 +82,8 @@ def main(argv) -> int:
   ref = jax.device_get(sampling.sample(MODEL, params, PROMPTS,
                                        jax.random.key(3), STATIC, G))
   assert len(set(np.asarray(ref.length_n))) > 2, ref.length_n   # ragged
-  failed = False
-  for arg in argv[1:]:
-    shape = tuple(int(v) for v in arg.split(","))
-    try:
-      check_mesh(shape, params, ref)
-      result = {"mesh": shape, "ok": True, "error": ""}
-    except Exception:  # pylint: disable=broad-except
-      result = {"mesh": shape, "ok": False, "error": traceback.format_exc()}
-      failed = True
-    print(json.dumps(result), flush=True)
-  return int(failed)
+  return run_meshes(parse_meshes(argv),
+                    lambda shape: check_mesh(shape, params, ref))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ if __name__ == "__main__":  # before JAX starts a backend; importers keep theirs
                              " --xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import json
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +38,7 @@ import optax
 from grpo_jax import config as config_lib
 from grpo_jax import packing, sharding, update
 from grpo_jax.models import get_preset, init_params
+from sharding_checks import check_close, parse_meshes, run_meshes
 
 MODEL = get_preset("tiny")   # D = 64
 SETTINGS = update.LossSettings(chunk=4, agg="seq-mean-token-mean",
@@ -100,14 +99,6 @@ def run(params, batch, layout=None):
               batch=pb)
 
 
-def check_close(name, got, want, rtol=2e-5, atol=2e-6) -> None:
-  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0],
-                          jax.tree.leaves(want)):
-    np.testing.assert_allclose(
-        g, w, rtol=rtol, atol=atol,
-        err_msg=f"{name} {jax.tree_util.keystr(path)}")
-
-
 def check_mesh(shape, params, batch, ref) -> None:
   config = config_lib.base_config()
   config.mesh.shape = shape
@@ -141,22 +132,14 @@ def check_mesh(shape, params, batch, ref) -> None:
 
 
 def main(argv) -> int:
-  shapes = [tuple(int(v) for v in a.split(",")) for a in argv[1:]]
+  shapes = parse_meshes(argv)
   assert jax.device_count() == 8, jax.devices()
   params = init_params(MODEL, jax.random.key(0))
   batch = grouped_batch()
   ref = run(params, batch)
   assert ref["num_micro"] > 1, ref["num_micro"]   # micro-batches exercised
-  failed = False
-  for shape in shapes:
-    try:
-      check_mesh(shape, params, batch, ref)
-      result = {"mesh": shape, "ok": True, "error": ""}
-    except Exception:  # pylint: disable=broad-except
-      result = {"mesh": shape, "ok": False, "error": traceback.format_exc()}
-      failed = True
-    print(json.dumps(result), flush=True)
-  return int(failed)
+  return run_meshes(shapes,
+                    lambda shape: check_mesh(shape, params, batch, ref))
 
 
 if __name__ == "__main__":

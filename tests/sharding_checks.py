@@ -225,7 +225,7 @@ def check_mesh(shape, params, batch, optimizer, ref) -> None:
 
 
 def main(argv) -> int:
-  shapes = [tuple(int(v) for v in a.split(",")) for a in argv[1:]]
+  shapes = parse_meshes(argv)
   assert jax.device_count() == 8, jax.devices()
   params = init_params(MODEL, jax.random.key(0))
   batch = make_batch()
@@ -233,11 +233,20 @@ def main(argv) -> int:
   t0 = time.perf_counter()
   ref = run_all(params, jax.tree.map(jnp.asarray, batch), optimizer)
   print(f"# reference {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+  return run_meshes(
+      shapes, lambda shape: check_mesh(shape, params, batch, optimizer, ref))
+
+
+def run_meshes(shapes, check) -> int:
+  """The checking scripts' loop: check(shape) for each mesh shape, one JSON
+  line {"mesh": [...], "ok": bool, "error": str} each (the traceback of a
+  failure), the seconds on stderr. Returns the exit status (1: a failure).
+  """
   failed = False
   for shape in shapes:
     t0 = time.perf_counter()
     try:
-      check_mesh(shape, params, batch, optimizer, ref)
+      check(shape)
       result = {"mesh": shape, "ok": True, "error": ""}
     except Exception:  # pylint: disable=broad-except
       result = {"mesh": shape, "ok": False, "error": traceback.format_exc()}
@@ -246,6 +255,10 @@ def main(argv) -> int:
     print(f"# {shape} {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   return int(failed)
 
+
+def parse_meshes(argv) -> list[tuple[int, ...]]:
+  """The command line's "data,fsdp,tensor" mesh shapes."""
+  return [tuple(int(v) for v in a.split(",")) for a in argv[1:]]
 
 if __name__ == "__main__":
   sys.exit(main(sys.argv))

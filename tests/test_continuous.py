@@ -2,10 +2,6 @@
 sampler's guarantees, tested the same way (tests/test_sampling.py), with
 fewer slots than rows so that rows take over slots mid-call."""
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -217,21 +213,8 @@ def test_config_fields_are_validated():
 SHARDED_MESHES = ["8,1,1", "2,2,2"]   # 8 row shards; 4 row shards x tensor 2
 
 
-def test_sharded_rows_on_eight_fake_devices():
+def test_sharded_rows_on_eight_fake_devices(run_sharding_checks):
   """tests/continuous_sharding_checks.py in a subprocess (the device count is
   fixed before JAX starts): sharded continuous batching gives one device's
   static samples, rows split over the row shards, the slot cache sliced."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run(
-      [sys.executable, os.path.join(root, "tests",
-                                    "continuous_sharding_checks.py"),
-       *SHARDED_MESHES], env=env, cwd=root, capture_output=True, text=True,
-      timeout=600, check=False)
-  results = [json.loads(line) for line in proc.stdout.splitlines()
-             if line.startswith("{")]
-  assert [r["mesh"] for r in results] == [
-      [int(v) for v in m.split(",")] for m in SHARDED_MESHES], proc.stderr
-  for r in results:
-    assert r["ok"], r["error"]
-  assert proc.returncode == 0
+  run_sharding_checks("continuous_sharding_checks.py", SHARDED_MESHES)
