@@ -384,11 +384,9 @@ def packed_shape(rows: int, micro_rows: int, shards: int
   (`packing.pack_rows(..., micro_rows, shards)`), in its worst case for the
   decoder: every completion at max_new_tokens, so one sequence per row of
   s = prompt + max_new_tokens tokens and as many rows as the padded path
-  (R = micro_rows rounded up to the batch shards, M = rows / micro_rows).
-  N: `PACKED_SEQUENCES_PER_ROW` per row, a power of two as pack_rows
-  buckets it, a multiple of the shards."""
-  R = -(-micro_rows // shards) * shards
-  M = max(1, -(-rows // R))
+  (`packing.micro_batch_shape`). N: `PACKED_SEQUENCES_PER_ROW` per row, a
+  power of two as pack_rows buckets it, a multiple of the shards."""
+  R, M = packing.micro_batch_shape(rows, micro_rows, shards)
   N = 1 << (PACKED_SEQUENCES_PER_ROW * R - 1).bit_length()
   return R, M, -(-N // shards) * shards
 

@@ -4,8 +4,8 @@ segment ids, for the RL update and scoring (`rl.packing`) and SFT.
 Padded rows [prompt | completion] cost s = p + t tokens each whatever the
 completion's length; on long-tailed reasoning lengths most of that is
 padding. Packing lays the sequences back to back in rows of s tokens
-(`assign_rows`, next-fit in order, SFT's rule), so the decoder runs over
-about the tokens that exist.
+(`assign_rows`: first fit, a group's longest completions first; SFT packs
+by the same rule), so the decoder runs over about the tokens that exist.
 
 Prompts once per group (`group_size` G > 1, `rl.shared_prompt`): a row
 holds, for each group in it, the prompt ONCE and then those of its
@@ -31,8 +31,10 @@ run on those as on padded rows (empty slots have mask 0). Only rows with a
 loss token are packed, each through its last one: what a masked token's
 log-prob would be is never read.
 
-Micro-batches: R packed rows of s tokens each, the padded path's token
-budget per micro-batch (`update.micro_batch_rows`). Host arrays are laid out
+Micro-batches: at most the padded path's rows per micro-batch
+(`update.micro_batch_rows`), the packed rows spread evenly over the fewest
+micro-batches (`micro_batch_shape`: R rows of s tokens each, rounded to a
+few steps so shapes, and compilations, stay few). Host arrays are laid out
 strided as the padded path's (`update.micro_batches`: micro-batch m holds
 rows m, m+M, ...), so the same scan and the same row sharding apply.
 """
@@ -54,24 +56,51 @@ SEGMENT_MEMBERS = transformer.SEGMENT_MEMBERS
 def assign_rows(group_n: Sequence[int], prompt_n: Sequence[int],
                 completion_n: Sequence[int], row_len: int,
                 pack: bool = True) -> list[list[int]]:
-  """Sequences (indices, in order) grouped into rows of at most `row_len`
-  tokens: one per row, or (pack) each appended to the current row while it
-  fits (next-fit). A sequence costs its prompt and completion, or only its
-  completion when the row's last sequence is of the same group (its prompt
-  is already there)."""
+  """Sequences (indices) grouped into rows of at most `row_len` tokens: one
+  per row, or (pack) first fit. A sequence costs its prompt and completion,
+  or only its completion in a row that already holds its group's prompt;
+  it goes to the first row holding that prompt with room for the
+  completion, else the first row with room for both, else a new row. The
+  sequences of a group are placed longest first (a group is contiguous
+  in the input, as rollouts are laid out); singleton groups (SFT) keep
+  their order. Within a row, a group's sequences are adjacent, after the
+  group's first appearance (so its prompt is written once)."""
+  group_n, prompt_n = np.asarray(group_n), np.asarray(prompt_n, np.int64)
+  completion_n = np.asarray(completion_n, np.int64)
+  n = len(group_n)
+  too_long = np.flatnonzero(prompt_n + completion_n > row_len)
+  if too_long.size:
+    i = too_long[0]
+    raise ValueError(f"a sequence of {prompt_n[i] + completion_n[i]} tokens "
+                     f"does not fit a row of {row_len}; drop it or raise the "
+                     "row length")
+  if not pack:
+    return [[i] for i in range(n)]
+  # Group order (first appearance), longest first inside a group.
+  first_seen = {}
+  for i in range(n):
+    first_seen.setdefault(group_n[i], i)
+  order = sorted(range(n), key=lambda i: (first_seen[group_n[i]],
+                                          -completion_n[i], i))
+  used = np.zeros(n, np.int64)                 # tokens used per row (<= n)
   rows: list[list[int]] = []
-  used, last_group = row_len, None
-  for i, (g, p, c) in enumerate(zip(group_n, prompt_n, completion_n)):
-    if p + c > row_len:
-      raise ValueError(f"a sequence of {p + c} tokens does not fit a row of "
-                       f"{row_len}; drop it or raise the row length")
-    cost = c if g == last_group else p + c
-    if not pack or used + cost > row_len:
-      rows.append([])
-      used, cost = 0, p + c
-    rows[-1].append(i)
-    used, last_group = used + cost, g
-  return rows
+  rows_of_group: dict[int, list[int]] = {}
+  for i in order:
+    g, p, c = group_n[i], prompt_n[i], completion_n[i]
+    row = next((r for r in rows_of_group.get(g, ())
+                if used[r] + c <= row_len), None)
+    if row is None:
+      fits = np.flatnonzero(used[:len(rows)] + p + c <= row_len)
+      row = int(fits[0]) if fits.size else len(rows)
+      if row == len(rows):
+        rows.append([])
+      rows_of_group.setdefault(g, []).append(row)
+      c = p + c
+    rows[row].append(int(i))
+    used[row] += c
+  # A group's sequences adjacent within each row, in order of appearance.
+  return [sorted(row, key=lambda i: (first_seen[group_n[i]], i))
+          for row in rows]
 
 
 class PackedRows(NamedTuple):
@@ -98,6 +127,23 @@ def _bucket(n: int) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
+
+
+ROW_STEPS = 8   # row counts a micro-batch may take: few shapes, few compiles
+
+
+def micro_batch_shape(rows: int, rows_per_micro: int, row_multiple: int = 1
+                      ) -> tuple[int, int]:
+  """(R rows per micro-batch, M micro-batches) for `rows` packed rows: the
+  fewest micro-batches of at most `rows_per_micro` rows (rounded up to
+  `row_multiple`), the rows spread evenly over them, R rounded up to a step
+  of rows_per_micro / ROW_STEPS (a multiple of row_multiple). So fewer
+  than one step of empty rows per micro-batch is paid for, and a run
+  compiles for at most ROW_STEPS row counts per micro-batch count."""
+  most = _round_up(max(rows_per_micro, 1), row_multiple)
+  step = _round_up(max(1, most // ROW_STEPS), row_multiple)
+  M = max(1, -(-rows // most))
+  return _round_up(max(1, -(-rows // M)), step), M
 
 
 def sequence_lengths(valid_ns: np.ndarray, need_nt: np.ndarray
@@ -134,10 +180,7 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   group_n = np.arange(n) // group_size if group_size > 1 else np.arange(n)
   rows = [[int(keep[j]) for j in row] for row in assign_rows(
       group_n[keep], prompt_n[keep], comp_n[keep], S)]
-  # R rows per micro-batch (a power of two when one micro-batch holds all).
-  R = min(rows_per_micro, _bucket(len(rows)))
-  R = _round_up(max(R, 1), row_multiple)
-  M = max(1, -(-len(rows) // R))
+  R, M = micro_batch_shape(len(rows), rows_per_micro, row_multiple)
   per_micro = [rows[m * R:(m + 1) * R] for m in range(M)]
   N = _round_up(_bucket(max([sum(map(len, rs)) for rs in per_micro] + [1])),
                 row_multiple)

@@ -76,9 +76,9 @@ def example_length(example: SFTExample) -> int:
 
 def group_rows(examples: Sequence[SFTExample], row_len: int,
                pack: bool) -> list[list[SFTExample]]:
-  """Examples grouped into rows of at most `row_len` tokens, in order: one
-  per row, or (pack) each appended to the current row while it fits
-  (`packing.assign_rows`, as the RL update packs)."""
+  """Examples grouped into rows of at most `row_len` tokens: one per row,
+  or (pack) each in the first row with room for it (`packing.assign_rows`,
+  as the RL update packs)."""
   rows = packing.assign_rows(
       range(len(examples)), [len(e.prompt_ids) for e in examples],
       [len(e.completion_ids) for e in examples], row_len, pack)

@@ -2,10 +2,6 @@
 the same loss, gradient and metrics for every aggregation and policy loss,
 the same scored log-probs, on ragged lengths with EOS, in micro-batches."""
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +228,36 @@ def test_sft_rows_use_the_same_assignment():
     packing.assign_rows([0], [4], [2], 5)
 
 
+def test_first_fit_goes_back_to_a_row_holding_the_prompt():
+  """Group 0 (prompt 3; completions 4, 1, 2) and group 1 (prompt 2;
+  completions 3, 3) in rows of 8: longest first, the 2 opens row 1 (row 0
+  has 7 used), the 1 goes back to row 0 after its prompt (next fit would
+  have copied the prompt again), group 1 needs a row of its own."""
+  rows = packing.assign_rows([0, 0, 0, 1, 1], [3, 3, 3, 2, 2],
+                             [4, 1, 2, 3, 3], 8)
+  assert rows == [[0, 1], [2], [3, 4]]
+  # every row within budget, each prompt paid once per row it is in
+  for row in rows:
+    cost = sum([3, 3, 3, 2, 2][i] for i in {[0, 0, 0, 1, 1][i]: i
+                                             for i in row}.values())
+    assert cost + sum([4, 1, 2, 3, 3][i] for i in row) <= 8
+
+
+@pytest.mark.parametrize("rows, micro, multiple", [
+    (20, 16, 1), (25, 16, 1), (5, 16, 1), (33, 16, 1), (16, 2, 4),
+    (512, 64, 64), (8192, 64, 8), (3, 2, 1), (1, 1, 1), (100, 64, 8)])
+def test_micro_batch_shape_spreads_rows_over_the_fewest_micro_batches(
+    rows, micro, multiple):
+  R, M = packing.micro_batch_shape(rows, micro, multiple)
+  most = -(-micro // multiple) * multiple
+  step = -(-max(1, most // packing.ROW_STEPS) // multiple) * multiple
+  assert R % multiple == 0 and R <= most
+  assert M == -(-rows // most)                           # fewest
+  assert rows <= R * M < rows + M * step                 # little padding
+  if (rows, micro) == (20, 16):                          # 2 x 10, not 2 x 16
+    assert (R, M) == (10, 2)
+
+
 def test_auto_packs_only_when_packed_rows_cost_fewer_tokens():
   """rl.packing = auto: long-tailed lengths pack; every completion at the
   cap (one per row) stays padded, where the prompt runs once per group."""
@@ -253,22 +279,10 @@ def test_auto_packs_only_when_packed_rows_cost_fewer_tokens():
 SHARDED_MESHES = ["1,8,1", "2,2,2", "1,2,4"]
 
 
-def test_packed_update_and_scoring_on_eight_fake_devices():
+def test_packed_update_and_scoring_on_eight_fake_devices(
+    run_sharding_checks):
   """tests/packing_sharding_checks.py in a subprocess (the device count is
   fixed before JAX starts): the packed update and scoring with a layout give
   one device's loss, metrics, gradient and log-probs, keep the state's
   shardings, and hold the residual stream per device."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run(
-      [sys.executable, os.path.join(root, "tests",
-                                    "packing_sharding_checks.py"),
-       *SHARDED_MESHES], env=env, cwd=root, capture_output=True, text=True,
-      timeout=600, check=False)
-  results = [json.loads(line) for line in proc.stdout.splitlines()
-             if line.startswith("{")]
-  assert [r["mesh"] for r in results] == [
-      [int(v) for v in m.split(",")] for m in SHARDED_MESHES], proc.stderr[-4000:]
-  for r in results:
-    assert r["ok"], r["error"]
-  assert proc.returncode == 0
+  run_sharding_checks("packing_sharding_checks.py", SHARDED_MESHES)
