@@ -561,8 +561,9 @@ def check(config, topology: str, prompt_len: int,
   b_call = sampler_prompts(config, plan, hbm)
   cfg = plan.sampling_config()
   G = rl.num_generations
+  rows_per_call = b_call * G
   if config.sampling.continuous_batching:
-    slots = auto_slots(config, plan, hbm)
+    slots = rows_per_call = auto_slots(config, plan, hbm)
     build = lambda m: continuous_sampler(plan, m)
     run(build(slots), lambda: largest_fitting(
         halvings(slots, plan.layout.batch_shards)[1:], build, hbm), "slots")
@@ -592,17 +593,21 @@ def check(config, topology: str, prompt_len: int,
         b, g, plan.sampling_config(greedy), name)
     run(build_eval(prompts), lambda: largest_fitting(
         halvings(prompts)[1:], build_eval, hbm), "eval batch (prompts x g)")
-  step = step_roofline(plan, spec, len(devices), b_call)
+  step = step_roofline(plan, spec, len(devices), rows_per_call)
   return Report(topology, len(devices), spec["kind"], hbm,
                 dict(layout.mesh.shape), programs, advice, step)
 
 
-def step_roofline(plan: Plan, spec: dict, chips: int, b_call: int) -> dict:
-  """Analytic FLOPs and roofline seconds of one training step's stages."""
+def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int
+                  ) -> dict:
+  """Analytic FLOPs and roofline seconds of one training step's stages.
+  The sampler decodes `rows_per_call` rows at a time (a static call's
+  prompts x G, or continuous batching's slots), every row to the cap: the
+  b·g rows take ceil(b·g / rows_per_call) waves of t decode steps."""
   c, config = plan.model_config, plan.config
   rl, p, t = config.rl, plan.prompt_len, config.sampling.max_new_tokens
   b, g = rl.prompts_per_step, rl.num_generations
-  calls = -(-b // b_call)
+  calls = -(-(b * g) // rows_per_call)
   compute_item = jnp.dtype(config.model.compute_dtype).itemsize
   weights = per_chip_bytes(plan.state.params) * compute_item / jnp.dtype(
       config.model.param_dtype).itemsize
@@ -610,7 +615,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, b_call: int) -> dict:
   kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads",
                                                  c.num_kv_heads)
   read = calls * flops_lib.decode_bytes_per_chip(
-      c, b_call * g / shards, kv_heads, p, t, weights, compute_item)
+      c, rows_per_call / shards, kv_heads, p, t, weights, compute_item)
   out = {"sampler": flops_lib.roofline(
       flops_lib.sampler_flops(c, b, g, p, t), chips, spec["flops"], read,
       spec["bandwidth"])}

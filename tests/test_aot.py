@@ -8,9 +8,11 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from grpo_jax import aot, flops, sampling
+from grpo_jax import aot, flops, sampling, sharding
 from grpo_jax.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +78,33 @@ def test_packed_shape_is_the_padded_rows_worst_case():
   assert aot.update_paths("auto") == (True, True)
   assert aot.update_paths("on") == (False, True)
   assert aot.update_paths("off") == (True, False)
+
+
+def test_sampler_roofline_counts_waves_of_rows_per_call():
+  """The step's sampler roofline: b·g rows decoded rows_per_call at a time
+  (a static call's prompts x G, or continuous batching's slots), each wave
+  t steps reading the weights and its rows' caches."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec_ = importlib.util.spec_from_file_location(
+      "tiny_config", os.path.join(ROOT, "configs", "tiny.py"))
+  module = importlib.util.module_from_spec(spec_)
+  spec_.loader.exec_module(module)
+  config = module.get_config()
+  config.mesh.shape = (1, 1, 1)
+  layout = sharding.Layout.from_config(config, jax.devices()[:1])
+  model = get_preset(config.model.source)
+  plan = aot.Plan(config, model, layout, 16)
+  chip = {"flops": 1e30, "bandwidth": 1.0}        # bytes only
+  rows = config.rl.prompts_per_step * config.rl.num_generations   # 8
+  t = config.sampling.max_new_tokens
+  item = jnp.dtype(config.model.compute_dtype).itemsize
+  weights = aot.per_chip_bytes(plan.state.params) * item / jnp.dtype(
+      config.model.param_dtype).itemsize
+  kv = lambda n: flops.decode_bytes_per_chip(
+      model, n, model.num_kv_heads, 16, t, weights, item) - t * weights
+  for per_call, waves in ((rows, 1), (rows // 4, 4), (3, 3)):
+    got = aot.step_roofline(plan, chip, 1, per_call)["sampler"].seconds
+    assert got == pytest.approx(waves * (t * weights + kv(per_call)))
 
 
 def test_continuous_batching_sampler_compiles_and_fits():
