@@ -301,47 +301,44 @@ class Plan:
         self.settings, self.layout, group)
     return compile_program("update", micro_rows, lower, resident)
 
-  def packed_rows(self, rows: int, micro_rows: int) -> packing.PackedRows:
+  def packed_rows(self, rows: int, micro_rows: int
+                  ) -> tuple[packing.PackedRows, int, int]:
     """Abstract `packing.pack_rows` output for `rows` sequences at
-    `micro_rows` rows per micro-batch (see `PACKED_SEQUENCES_PER_ROW`)."""
+    `micro_rows` rows per micro-batch (see `PACKED_SEQUENCES_PER_ROW`),
+    with R rows per micro-batch and M micro-batches."""
     R, M, N = packed_shape(rows, micro_rows, self.layout.batch_shards)
     S, T = self.seq_len, self.config.sampling.max_new_tokens
     row = lambda dtype: _rows(self.layout, (R * M, S), dtype)
     return packing.PackedRows(
         row(jnp.int32), row(jnp.int32), row(jnp.bool_), row(jnp.int32),
         row(jnp.int32), _rows(self.layout, (N * M, T), jnp.int32),
-        _rows(self.layout, (N * M,), jnp.int32))
+        _rows(self.layout, (N * M,), jnp.int32)), R, M
 
   def packed_update(self, micro_rows: int) -> Program:
     """update_step on one mini-batch packed (`rl.packing`): rows of
     s = prompt + max_new_tokens tokens, `micro_rows` per micro-batch."""
     n, T = self.mini, self.config.sampling.max_new_tokens
-    rows = self.packed_rows(n, micro_rows)
+    rows, R, num_micro = self.packed_rows(n, micro_rows)
     slots = rows.src_nt.shape[0]
     batch = update.PackedUpdateBatch(
         rows, _rows(self.layout, (slots, T), jnp.bool_),
         _rows(self.layout, (slots, T), jnp.float32),
         _rows(self.layout, (slots, T), jnp.float32),
         _rows(self.layout, (slots,), jnp.float32))
-    num_micro = packed_shape(n, micro_rows, self.layout.batch_shards)[1]
     lower = lambda: update.update_step.lower(
         self.state, batch, self.model_config, self.optimizer, num_micro,
         self.settings, self.layout)
-    return compile_program("update packed", rows.tokens_rs.shape[0] // (
-        num_micro), lower, self.reference_bytes())
+    return compile_program("update packed", R, lower, self.reference_bytes())
 
   def packed_score(self, micro_rows: int) -> Program:
     """score_packed on the step's rows packed (as `packed_update`)."""
-    rows = self.packed_rows(self.rows, micro_rows)
-    num_micro = packed_shape(self.rows, micro_rows,
-                             self.layout.batch_shards)[1]
+    rows, R, num_micro = self.packed_rows(self.rows, micro_rows)
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
     lower = lambda: update.score_packed.lower(
         self.state.params, rows, self.model_config, self.settings, num_micro,
         self.rows, self.layout)
-    return compile_program("score packed", rows.tokens_rs.shape[0] // (
-        num_micro), lower, resident)
+    return compile_program("score packed", R, lower, resident)
 
   def reference_bytes(self) -> int:
     """The reference model's params, alive all run when β > 0."""
@@ -387,8 +384,7 @@ def packed_shape(rows: int, micro_rows: int, shards: int
   (`packing.micro_batch_shape`). N: `PACKED_SEQUENCES_PER_ROW` per row, a
   power of two as pack_rows buckets it, a multiple of the shards."""
   R, M = packing.micro_batch_shape(rows, micro_rows, shards)
-  N = 1 << (PACKED_SEQUENCES_PER_ROW * R - 1).bit_length()
-  return R, M, -(-N // shards) * shards
+  return R, M, packing.slot_count(PACKED_SEQUENCES_PER_ROW * R, shards)
 
 
 def update_group_size(rl, rows: int) -> int:

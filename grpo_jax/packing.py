@@ -146,6 +146,12 @@ def micro_batch_shape(rows: int, rows_per_micro: int, row_multiple: int = 1
   return _round_up(max(1, -(-rows // M)), step), M
 
 
+def slot_count(sequences: int, row_multiple: int = 1) -> int:
+  """N, the sequence slots of a micro-batch holding at most `sequences`:
+  the next power of two (few shapes), a multiple of row_multiple."""
+  return _round_up(_bucket(sequences), row_multiple)
+
+
 def sequence_lengths(valid_ns: np.ndarray, need_nt: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
   """(prompt tokens [n], completion tokens to pack [n]) of padded rows
@@ -182,8 +188,8 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
       group_n[keep], prompt_n[keep], comp_n[keep], S)]
   R, M = micro_batch_shape(len(rows), rows_per_micro, row_multiple)
   per_micro = [rows[m * R:(m + 1) * R] for m in range(M)]
-  N = _round_up(_bucket(max([sum(map(len, rs)) for rs in per_micro] + [1])),
-                row_multiple)
+  N = slot_count(max([sum(map(len, rs)) for rs in per_micro] + [1]),
+                 row_multiple)
   out = _empty(M, R, S, N, T, n)
   for m, micro_rows in enumerate(per_micro):
     slot = 0
