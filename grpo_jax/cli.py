@@ -31,7 +31,7 @@ from absl import flags
 from absl import logging as absl_logging
 
 
-def _load_config(spec: str) -> Any:
+def load_config(spec: str) -> Any:
   """`get_config(arg)` of a `file.py[:arg]` config spec, as config_flags does."""
   path, _, arg = spec.partition(":")
   module_spec = importlib.util.spec_from_file_location("_grpo_jax_cli_config", path)
@@ -78,7 +78,7 @@ def _describe_flag_error(argv: Sequence[str], error: Exception) -> str:
   spec = _config_spec(argv)
   if spec is not None:
     try:
-      config = _load_config(spec)
+      config = load_config(spec)
     except Exception as e:   # pylint: disable=broad-except
       return f"--config={spec}: {e}"
     for arg in argv:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from grpo_jax import aot, flops, sampling, sharding
+from grpo_jax import aot, cli, flops, sampling, sharding
 from grpo_jax.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,12 +84,7 @@ def test_sampler_roofline_counts_waves_of_rows_per_call():
   """The step's sampler roofline: b·g rows decoded rows_per_call at a time
   (a static call's prompts x G, or continuous batching's slots), each wave
   t steps reading the weights and its rows' caches."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec_ = importlib.util.spec_from_file_location(
-      "tiny_config", os.path.join(ROOT, "configs", "tiny.py"))
-  module = importlib.util.module_from_spec(spec_)
-  spec_.loader.exec_module(module)
-  config = module.get_config()
+  config = cli.load_config(os.path.join(ROOT, "configs", "tiny.py"))
   config.mesh.shape = (1, 1, 1)
   layout = sharding.Layout.from_config(config, jax.devices()[:1])
   model = get_preset(config.model.source)
