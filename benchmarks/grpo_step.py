@@ -58,7 +58,9 @@ import trl
 
 import _common
 from grpo_jax import config as config_lib
-from grpo_jax import experiment, rollout, train, update
+from grpo_jax.harness import experiment
+from grpo_jax.generate import rollout
+from grpo_jax.rl import train, update
 from grpo_jax.models import loading
 from grpo_jax.rewards import last_number
 # pylint: enable=g-import-not-at-top,wrong-import-position

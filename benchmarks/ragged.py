@@ -65,7 +65,8 @@ import transformers
 import _common
 import grpo_step
 import sampler as sampler_bench
-from grpo_jax import rollout, train
+from grpo_jax.generate import rollout
+from grpo_jax.rl import train
 from grpo_jax.models import loading
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import dapo_aime
-from grpo_jax import experiment, rollout, update
+from grpo_jax.harness import experiment
+from grpo_jax.generate import rollout
+from grpo_jax.rl import update
 from grpo_jax.algorithms import rollout_correction
 
 PAIRS = (("float32", "float32"), ("bfloat16", "float32"),

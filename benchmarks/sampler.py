@@ -41,8 +41,9 @@ import torch
 import transformers
 
 import _common
-from grpo_jax import models, sampling
-from grpo_jax import tokenizer as tok_lib
+from grpo_jax import models
+from grpo_jax.generate import sampling
+from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models import loading
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

@@ -11,7 +11,7 @@ micro-batches, reference / old-log-prob scoring when the config uses them
 (padded, packed with rl.packing=on, both with auto), and the evaluation
 sampler for the topology's chips, and
 prints per-chip memory against the chip's HBM, then the step's analytic
-FLOPs and roofline time (grpo_jax/aot.py). Exit status 0 only when every
+FLOPs and roofline time (grpo_jax/aot/check.py). Exit status 0 only when every
 program fits with 5% to spare; otherwise it names what does not and the
 largest micro-batch / sampler chunk that would.
 """
@@ -43,7 +43,7 @@ def main(argv):
   del argv
   if _CONFIG.value is None or _TOPOLOGY.value is None:
     raise app.UsageError("--config and --topology are required")
-  from grpo_jax import aot  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import check as aot  # pylint: disable=import-outside-toplevel
   report = aot.check(_CONFIG.value, _TOPOLOGY.value, _PROMPT_LEN.value,
                      search=_SEARCH.value)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "

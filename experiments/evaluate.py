@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
-from grpo_jax import cli
+from grpo_jax.harness import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Run workdir, checkpoints "
@@ -63,7 +63,8 @@ def _evaluate(config):
   # pylint: disable=import-outside-toplevel
   from grpo_jax import checkpoint as ckpt_lib
   from grpo_jax import config as config_lib
-  from grpo_jax import evaluation, experiment, preflight
+  from grpo_jax import evaluation
+  from grpo_jax.harness import experiment, preflight
   config = config_lib.validate(config)
   if _CHECKPOINT.value:   # the run's own config must fit this one
     preflight.check_eval_config(

@@ -18,7 +18,8 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 
-from grpo_jax import checkpoint, cli, outdir
+from grpo_jax import checkpoint
+from grpo_jax.harness import cli, outdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run workdir (or checkpoint dir).",
                                required=True)

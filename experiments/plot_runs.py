@@ -18,7 +18,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
   sys.path.insert(0, REPO_ROOT)
 
-from grpo_jax import metrics as metrics_lib  # pylint: disable=wrong-import-position
+from grpo_jax.harness import metrics as metrics_lib  # pylint: disable=wrong-import-position
 
 _OUT = flags.DEFINE_string("out", "", "PNG to write (none: table only).")
 _KEYS = flags.DEFINE_list("keys", ["reward/mean", "eval/greedy_accuracy"],

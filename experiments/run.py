@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
-from grpo_jax import cli, interrupts
+from grpo_jax import errors
+from grpo_jax.harness import cli, interrupts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: "
@@ -27,7 +28,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}: every argument is a "
                          "--flag=value (a forgotten '--' or '='?)")
   if _LIST.value:
-    from grpo_jax import runs  # pylint: disable=import-outside-toplevel
+    from grpo_jax.harness import runs  # pylint: disable=import-outside-toplevel
     configs_dir = os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "configs")
     for name, description in runs.list_experiments(configs_dir):
@@ -37,7 +38,7 @@ def main(argv):
     raise app.UsageError("--config is required (or --list)")
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join("workdirs", config.name)
-  # SIGTERM / Ctrl-C: see grpo_jax/interrupts.py (installed before the slow
+  # SIGTERM / Ctrl-C: see grpo_jax/harness/interrupts.py (installed before the slow
   # imports, so a signal during start-up is recorded too).
   with cli.user_errors(workdir), interrupts.handle_signals(
       install=not _distributed(config)):
@@ -54,7 +55,8 @@ def _distributed(config) -> bool:
 
 def _run(config, workdir: str) -> dict:
   # pylint: disable=import-outside-toplevel
-  from grpo_jax import checkpoint, config as config_lib, registry, runs
+  from grpo_jax import checkpoint, config as config_lib, registry
+  from grpo_jax.harness import runs
   config_lib.validate(config)   # before a run is recorded
   logging.info("config:\n%s", config)
   run = registry.lookup("method", config.method)  # rl: train.run, star: star_loop.run
@@ -72,14 +74,15 @@ def _record(config, workdir: str):
   record that goes nowhere on the other processes of a multi-host run, or
   when the store is unreadable (a warning says how to fix it: training goes
   on)."""
-  from grpo_jax import metrics, runs, sharding  # pylint: disable=import-outside-toplevel
+  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
+  from grpo_jax.harness import metrics, runs
   sharding.initialize_distributed(config)  # before jax.process_index()
   nowhere = contextlib.nullcontext(runs.RunRecord(id=-1))
   if not metrics.is_primary():
     return nowhere
   try:
     return runs.RunStore().record(config.name, config, workdir)
-  except runs.RunStoreError as e:
+  except errors.RunStoreError as e:
     logging.warning("%s", e)
     return nowhere
 

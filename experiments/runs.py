@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
-from grpo_jax import runs
+from grpo_jax import errors
+from grpo_jax.harness import runs
 
 _ROOT = flags.DEFINE_string("root", None, "Run store directory "
                             "(default $GRPO_JAX_RUNS, else ./runs).")
@@ -37,7 +38,7 @@ def main(argv):
   command, args = (argv[1], argv[2:]) if len(argv) > 1 else ("list", [])
   try:
     store = runs.RunStore(_ROOT.value, create=False)   # reading: never make one
-  except runs.RunStoreError as e:
+  except errors.RunStoreError as e:
     sys.exit(f"error: {e}")
   selected = lambda: store.list(name=_NAME.value, sweep=_SWEEP.value, status=_STATUS.value)
   if command == "list" and not args:

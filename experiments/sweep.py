@@ -20,11 +20,11 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
-from grpo_jax import cli
+from grpo_jax.harness import cli
 from grpo_jax import config as config_lib
-from grpo_jax import interrupts
-from grpo_jax import runs
-from grpo_jax import sweeps
+from grpo_jax.harness import interrupts
+from grpo_jax.harness import runs
+from grpo_jax.harness import sweeps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config: file.py[:arg].")
 _SWEEP = flags.DEFINE_string("sweep", None, "Sweep file defining get_sweep().",

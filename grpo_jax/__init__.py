@@ -30,5 +30,6 @@ never `b` followed by `t`, `s` or `q` (tests/test_architecture.py checks).
 __version__ = "0.1.0"
 
 # pylint: disable=wrong-import-position,unused-import
-from grpo_jax import algorithms, data, models, rewards
-from grpo_jax import evaluation, star_loop, train
+from grpo_jax import algorithms, data, evaluation, models, rewards
+import grpo_jax.rl.train     # the method "rl"
+import grpo_jax.star.loop    # the method "star"

@@ -15,10 +15,12 @@ import inspect
 from flax import traverse_util
 import ml_collections
 
-from grpo_jax import packing, registry, update
+from grpo_jax import registry
 from grpo_jax.algorithms import (dynamic_sampling, losses, policy_losses,
                                  rollout_correction)
 from grpo_jax.models import transformer
+from grpo_jax.errors import ConfigError
+
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -59,7 +61,7 @@ def base_config() -> ConfigDict:
       chunk_rows=0,                    # rows per sampler call; 0: as many as
                                        # the device memory holds (CPU: all)
       continuous_batching=False,       # rows take turns in `slots` cache
-                                       # slots (grpo_jax/continuous.py);
+                                       # slots (grpo_jax/generate/continuous.py);
                                        # chunk_rows is then not used
       slots=0,                         # 0: automatic (sampling.auto_slots)
       compute_dtype=""))               # the sampler's dtype ("" = model's)
@@ -200,16 +202,19 @@ def pick_variant(variants: dict, arg: Any, default: str, config_file: str):
   return variant
 
 
-# Each list lives with the code that reads the field.
+# The allowed values of the fields whose values are fixed strings (the
+# registry lists the open sets: losses, rewards, data sets, ...).
+DTYPES = ("float32", "bfloat16")
+
 _CHOICES = {
-    "model.param_dtype": update.DTYPES,
-    "model.compute_dtype": update.DTYPES,
+    "model.param_dtype": DTYPES,
+    "model.compute_dtype": DTYPES,
     "model.remat": tuple(transformer.REMAT_POLICIES),
-    "sampling.compute_dtype": update.SAMPLING_DTYPES,
-    "rl.old_logp": update.OLD_LOGP,
+    "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
+    "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
-    "rl.packing": packing.MODES,
-    "optim.schedule": update.SCHEDULES,
+    "rl.packing": ("auto", "on", "off"),
+    "optim.schedule": ("constant", "cosine"),
     "model.attention": transformer.ATTENTION,
 }
 # rl.num_generations may be 1: no group baseline (a batch baseline or none).
@@ -232,10 +237,6 @@ _REGISTRY_FIELDS = {
     "rl.process_reward": "process_reward",
     "rl.kl_estimator": "kl_estimator",
 }
-
-
-class ConfigError(ValueError):
-  pass
 
 
 def flat_fields(tree: Mapping[str, Any]) -> dict[str, Any]:

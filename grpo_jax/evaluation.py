@@ -24,10 +24,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from grpo_jax import registry, rollout, sampling, sharding
+from grpo_jax import registry, sharding
+from grpo_jax.generate import rollout, sampling
 from grpo_jax.rewards import choice, extract, last_number, minerva
 from grpo_jax.rewards import math as math_rewards
-from grpo_jax.update import cast
+from grpo_jax.rl.update import cast
 
 Equivalent = Callable[[str, str], bool]
 

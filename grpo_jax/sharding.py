@@ -45,7 +45,7 @@ import numpy as np
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from grpo_jax.config import ConfigError
+from grpo_jax.errors import ConfigError
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
 

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import config as config_lib
-from grpo_jax import continuous, sampling, sharding
+from grpo_jax import sharding
+from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import get_preset, init_params, ragged
 from sharding_checks import parse_meshes, run_meshes
 

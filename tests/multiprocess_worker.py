@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from configs import tiny
-from grpo_jax import train
+from grpo_jax.rl import train
 from grpo_jax.registry import register
 
 

@@ -36,7 +36,8 @@ import numpy as np
 import optax
 
 from grpo_jax import config as config_lib
-from grpo_jax import packing, sharding, update
+from grpo_jax import sharding
+from grpo_jax.rl import packing, update
 from grpo_jax.models import get_preset, init_params
 from sharding_checks import check_close, parse_meshes, run_meshes
 

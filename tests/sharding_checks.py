@@ -35,7 +35,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import config as config_lib
-from grpo_jax import sampling, sharding, update
+from grpo_jax import sharding
+from grpo_jax.generate import sampling
+from grpo_jax.rl import update
 from grpo_jax.models import get_preset, init_params
 
 MODEL = get_preset("tiny")   # H=4, K=2, hd=16, D=64, F=128, V=256, L=2

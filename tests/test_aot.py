@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from grpo_jax import aot, cli, flops, sampling, sharding
+from grpo_jax import sharding
+from grpo_jax.aot import check as aot, flops
+from grpo_jax.harness import cli
+from grpo_jax.generate import sampling
 from grpo_jax.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -119,6 +119,7 @@ def test_readme_layout_names_every_module_in_import_order():
 _CHECK_CONFIGS = r'''
 import importlib.util, json, os, re, sys
 import grpo_jax
+from grpo_jax import errors
 from grpo_jax import config as config_lib, registry
 
 # Fields a config may leave for the user to set (validation names them).
@@ -157,7 +158,7 @@ for path in sys.argv[1:]:
       try:
         config_lib.validate(c)
         break
-      except config_lib.ConfigError as e:
+      except errors.ConfigError as e:
         field = re.match(r"config field '([\w.]+)' is unset", str(e))
         if not field or field[1] not in USER_FIELDS or field[1] in unset:
           raise

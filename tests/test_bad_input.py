@@ -19,9 +19,12 @@ from pathlib import Path
 import pytest
 
 from configs import tiny
-from grpo_jax import checkpoint, cli, interrupts, metrics, outdir, runs, sweeps
+from grpo_jax import errors
+from grpo_jax import checkpoint
+from grpo_jax.harness import cli, interrupts, metrics, outdir, runs, sweeps
 from grpo_jax import config as config_lib
-from grpo_jax import train, workdir_lock
+from grpo_jax.rl import train
+from grpo_jax.harness import workdir_lock
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.py")
@@ -110,7 +113,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
       env=dict(os.environ, PYTHONPATH=str(REPO)))
   try:
     assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(workdir_lock.WorkdirLockedError) as error:
+    with pytest.raises(errors.WorkdirLockedError) as error:
       train.run(quiet_tiny(), str(tmp_path))
     message = str(error.value)
     assert f"pid {holder.pid}" in message and "host" in message and "--workdir" in message
@@ -129,7 +132,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
 
 def _tokenizer_with(tmp_path, extra_tokens: int) -> str:
   """A byte tokenizer with `extra_tokens` more entries, saved as a directory."""
-  from grpo_jax.tiny_tokenizer import byte_tokenizer
+  from grpo_jax.models.byte_tokenizer import byte_tokenizer
   tok = byte_tokenizer()
   tok.backend.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
   directory = tmp_path / f"tokenizer_{tok.vocab_size}"
@@ -140,7 +143,7 @@ def _tokenizer_with(tmp_path, extra_tokens: int) -> str:
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
   config = quiet_tiny()
   config.model.tokenizer = _tokenizer_with(tmp_path, 44)   # 300 ids, model: 256
-  with pytest.raises(config_lib.ConfigError, match=r"300 tokens.*vocabulary of 256"):
+  with pytest.raises(errors.ConfigError, match=r"300 tokens.*vocabulary of 256"):
     train.run(config, str(tmp_path / "run"))
   assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -187,7 +190,7 @@ def test_resume_with_changed_data_arguments_lists_the_fields(finished_run, tmp_p
   workdir = copy_run(finished_run, tmp_path)
   config = quiet_tiny(steps=5)
   config.data.kwargs = dict(num_examples=64, levels=3, seed=7)   # same count
-  with pytest.raises(checkpoint.UnsafeResumeError) as error:
+  with pytest.raises(errors.UnsafeResumeError) as error:
     train.run(config, str(workdir))
   assert "data.kwargs.levels: 1 in the checkpoint, 3 now" in str(error.value)
   assert "data.kwargs.seed: 0 in the checkpoint, 7 now" in str(error.value)
@@ -195,7 +198,7 @@ def test_resume_with_changed_data_arguments_lists_the_fields(finished_run, tmp_p
 
 def test_train_steps_below_the_checkpoint_step_is_refused(finished_run, tmp_path):
   workdir = copy_run(finished_run, tmp_path)
-  with pytest.raises(config_lib.ConfigError, match=r"'train.steps' = 2 is below the step 3"):
+  with pytest.raises(errors.ConfigError, match=r"'train.steps' = 2 is below the step 3"):
     train.run(quiet_tiny(steps=2), str(workdir))
 
 
@@ -213,14 +216,14 @@ def test_rerunning_a_finished_run_writes_no_duplicate_rows(finished_run, tmp_pat
 def test_max_new_tokens_beyond_the_models_context_is_refused(tmp_path):
   config = quiet_tiny()
   config.sampling.max_new_tokens = 600   # the tiny model's context: 512
-  with pytest.raises(config_lib.ConfigError, match=r"'sampling.max_new_tokens' = 600.*512"):
+  with pytest.raises(errors.ConfigError, match=r"'sampling.max_new_tokens' = 600.*512"):
     train.run(config, str(tmp_path))
 
 
 def _no_weights(monkeypatch):
   """Makes loading any model's weights fail: a check that passes must have
   run before them."""
-  from grpo_jax import experiment
+  from grpo_jax.harness import experiment
 
   def load_model(config):
     raise AssertionError("the weights were loaded before the check")
@@ -251,7 +254,7 @@ def test_a_prompt_plus_completion_beyond_the_context_is_refused_before_the_weigh
     config.data.eval_source, config.data.eval_kwargs = "jsonl", dict(path=long,
                                                                      layout="gsm8k")
     source = r"the held-out data \(data.eval_source = 'jsonl', data.eval_kwargs\)"
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(errors.ConfigError,
                      match=rf"prompt 1 of {source} has 47\d tokens \(through data.template = "
                            r"'last_number'\); with sampling.max_new_tokens = 64 it needs 5\d\d "
                            r"positions, beyond the model's context of 512 tokens.*Lower "
@@ -267,9 +270,9 @@ def test_star_checks_its_few_shot_prompts_against_the_context(tmp_path, monkeypa
   config = star_tiny.get_config()
   config.star.few_shot = 4   # four worked exemplars before each question
   config.sampling.max_new_tokens = 250   # the held-out prompts (no exemplars) fit
-  with pytest.raises(config_lib.ConfigError, match=r"prompt \d+ of the training data .*"
+  with pytest.raises(errors.ConfigError, match=r"prompt \d+ of the training data .*"
                                                    r"star.few_shot exemplars"):
-    train_star = __import__("grpo_jax.star_loop", fromlist=["run"]).run
+    train_star = __import__("grpo_jax.star.loop", fromlist=["run"]).run
     train_star(config, str(tmp_path / "run"))
   config.sampling.max_new_tokens, config.star.few_shot = 8, 0   # fits: loads the weights
   with pytest.raises(AssertionError, match="weights were loaded"):
@@ -309,7 +312,7 @@ def test_evaluate_checks_the_held_out_prompts_against_the_checkpoints_context(
 ])
 def test_impossible_values_are_refused_naming_the_field(field, value, message):
   config = sweeps.apply_overrides(tiny.get_config(), {field: value})
-  with pytest.raises(config_lib.ConfigError, match=message):
+  with pytest.raises(errors.ConfigError, match=message):
     config_lib.validate(config)
 
 
@@ -323,7 +326,7 @@ def test_zero_means_off_or_all_for_the_other_divisors(field):
 def test_a_run_with_log_every_0_stops_before_the_model_loads(tmp_path):
   config = quiet_tiny(log_every=0)
   config.model.source = str(tmp_path / "no_such_model.gguf")   # never reached
-  with pytest.raises(config_lib.ConfigError, match="'train.log_every' = 0"):
+  with pytest.raises(errors.ConfigError, match="'train.log_every' = 0"):
     train.run(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 
@@ -346,7 +349,7 @@ def test_an_empty_eval_file_is_refused_before_the_model_loads(tmp_path):
   config.model.source = str(tmp_path / "no_such_model.gguf")   # never reached
   config.data.eval_source = "jsonl"
   config.data.eval_kwargs = dict(path=str(empty), layout="gsm8k")
-  with pytest.raises(config_lib.ConfigError, match=r"data.eval_kwargs.*gave no examples"):
+  with pytest.raises(errors.ConfigError, match=r"data.eval_kwargs.*gave no examples"):
     train.run(config, str(tmp_path / "run"))
 
 
@@ -373,7 +376,7 @@ def test_a_data_path_typo_is_reported_before_the_model_loads(tmp_path):
 def test_a_sweep_validates_every_point_before_running_the_first(tmp_path):
   calls = []
   points = [{"rl.eps_high": 0.2}, {"optim.learning_rate": -1.0}]
-  with pytest.raises(config_lib.ConfigError, match=r"sweep point 1 \(optim.learning_rate=-1.0\)"):
+  with pytest.raises(errors.ConfigError, match=r"sweep point 1 \(optim.learning_rate=-1.0\)"):
     sweeps.run_sweep(tiny.get_config(), points, lambda c, w: calls.append(w),
                      runs.RunStore(tmp_path), name="tiny", sweep_name="s",
                      base_workdir=tmp_path, validate=config_lib.validate)
@@ -563,7 +566,7 @@ def test_the_fix_a_missing_data_path_error_suggests_works(tmp_path):
 def test_validate_names_the_nearest_field_for_a_misspelt_nested_one():
   config = tiny.get_config()
   config.optim.weight_decy = 0.1
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(errors.ConfigError,
                      match=r"^unknown config field 'optim.weight_decy': did you mean "
                            r"'optim.weight_decay'\?$"):
     config_lib.validate(config)
@@ -606,7 +609,7 @@ def test_a_corrupt_run_store_is_named_and_does_not_block_training(tmp_path):
   store = tmp_path / "store"
   store.mkdir()
   (store / "runs.sqlite").write_text("this is not a database\n" * 100)
-  with pytest.raises(runs.RunStoreError, match=str(store / "runs.sqlite")):
+  with pytest.raises(errors.RunStoreError, match=str(store / "runs.sqlite")):
     runs.RunStore(store)
   out = command("run.py", f"--config={TINY}", f"--workdir={tmp_path / 'run'}",
                 "--config.train.steps=1", env={"GRPO_JAX_RUNS": str(store)})
@@ -668,7 +671,7 @@ def test_disk_full_names_the_last_good_checkpoint(tmp_path):
 
 _CLOSED_LOOP = """
 import asyncio, threading, tensorstore
-from grpo_jax import cli
+from grpo_jax.harness import cli
 cli.hide_library_tracebacks()
 # What a failed orbax save leaves: a tensorstore write awaited in an event
 # loop that orbax closed after a sibling write failed; the write completes

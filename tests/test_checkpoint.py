@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 
+from grpo_jax import errors
 from grpo_jax import checkpoint as ckpt_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,7 +300,7 @@ def test_damaged_checkpoint_fails_clearly_and_is_left_alone(tmp_path, damage):
   damage(largest)
   before = fingerprint(directory)
   with new_checkpointer(tmp_path) as ckpt:
-    with pytest.raises(ckpt_lib.CorruptCheckpointError) as error:
+    with pytest.raises(errors.CorruptCheckpointError) as error:
       ckpt.restore(state)
     message = str(error.value)
     assert f"step 2 at {directory / '2'}" in message
@@ -318,14 +319,14 @@ def test_flipped_data_byte_is_caught_by_the_checksum_naming_the_array(tmp_path):
   _flip_a_byte(max((p for p in state_dir.rglob("*") if p.is_file()),
                    key=lambda p: p.stat().st_size))
   with new_checkpointer(tmp_path) as ckpt:
-    with pytest.raises(ckpt_lib.CorruptCheckpointError, match="array big does not match"):
+    with pytest.raises(errors.CorruptCheckpointError, match="array big does not match"):
       ckpt.restore(params)
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
   with new_checkpointer(tmp_path) as ckpt:
     ckpt.save(1, make_state(shape=(64, 48)), {})
-    with pytest.raises(ckpt_lib.IncompatibleCheckpointError) as error:
+    with pytest.raises(errors.IncompatibleCheckpointError) as error:
       ckpt.restore(make_state(shape=(64, 32)))
   message = str(error.value)
   assert "params/w: checkpoint (64, 48), current state (64, 32)" in message
@@ -337,7 +338,7 @@ def test_missing_parameter_is_named(tmp_path):
   with new_checkpointer(tmp_path) as ckpt:
     ckpt.save(1, {"params": state.params}, {})
     bigger = {"params": {**state.params, "lm_head": jnp.zeros((3, 3))}}
-    with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
+    with pytest.raises(errors.IncompatibleCheckpointError,
                        match="params/lm_head: missing from the checkpoint"):
       ckpt.restore(bigger)
 
@@ -355,7 +356,7 @@ def test_unsafe_config_change_names_the_fields(tmp_path):
   new_checkpointer(tmp_path, config=safe, model_config=tiny).close()
   unsafe = base_config()
   unsafe.optim.learning_rate, unsafe.rl.num_generations = 1e-5, 16
-  with pytest.raises(ckpt_lib.UnsafeResumeError) as error:
+  with pytest.raises(errors.UnsafeResumeError) as error:
     new_checkpointer(tmp_path, config=unsafe, model_config=tiny.replace(dim=128))
   message = str(error.value)
   for field in ("optim.learning_rate: 1e-06 in the checkpoint, 1e-05 now",
@@ -379,7 +380,7 @@ def test_unwritable_workdir_fails_before_anything_is_written(tmp_path):
   blocker = tmp_path / "not_a_directory"
   blocker.write_text("keep me")
   workdir = blocker / "run"
-  with pytest.raises(ckpt_lib.UnwritableDirectoryError, match=f"cannot write to {workdir}"):
+  with pytest.raises(errors.UnwritableDirectoryError, match=f"cannot write to {workdir}"):
     new_checkpointer(workdir)
   assert blocker.read_text() == "keep me"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_directory"]
@@ -400,7 +401,7 @@ def test_resolve_init_follows_the_resume_order(tmp_path):
   with new_checkpointer(own) as ckpt:
     ckpt.save(3, state, {})
   assert ckpt_lib.resolve_init(own, other, "tiny") == ("resume", 3)
-  with pytest.raises(ckpt_lib.CheckpointError, match="no complete checkpoint"):
+  with pytest.raises(errors.CheckpointError, match="no complete checkpoint"):
     ckpt_lib.resolve_init(tmp_path / "fresh", tmp_path / "missing", "tiny")
   with pytest.raises(ValueError, match="nothing to start from"):
     ckpt_lib.resolve_init(tmp_path / "fresh", None, None)

@@ -1,4 +1,4 @@
-"""The continuous-batching sampler (grpo_jax/continuous.py): the static
+"""The continuous-batching sampler (grpo_jax/generate/continuous.py): the static
 sampler's guarantees, tested the same way (tests/test_sampling.py), with
 fewer slots than rows so that rows take over slots mid-call."""
 import dataclasses
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import continuous, sampling
+from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import forward, get_preset, init_params, ragged
 from grpo_jax.models import transformer
 
@@ -204,7 +205,7 @@ def test_auto_slots():
 def test_config_fields_are_validated():
   c = config_lib.base_config()
   c.sampling.slots = -1
-  with pytest.raises(config_lib.ConfigError, match="sampling.slots"):
+  with pytest.raises(errors.ConfigError, match="sampling.slots"):
     config_lib.validate(c)
   with pytest.raises(ValueError, match="slots"):
     sampling.SamplingConfig(slots=-2)

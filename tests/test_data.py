@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 
+from grpo_jax import errors
 from grpo_jax import data
 from grpo_jax.data import arithmetic, commonsense, generated, layouts
 from grpo_jax.registry import lookup, names
@@ -92,7 +93,7 @@ def test_aime_lowercase_fields_and_integer_answers(tmp_path):
                                                {"problem": "p2", "answer": 204.0}])
   assert [e.answer for e in data.read_jsonl(path, layout="aime")] == ["33", "204"]
   bad = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "p", "answer": "1/2"}])
-  with pytest.raises(data.DataError, match=r"bad\.jsonl line 1: field 'answer' should be an integer"):
+  with pytest.raises(errors.DataError, match=r"bad\.jsonl line 1: field 'answer' should be an integer"):
     data.read_jsonl(bad, layout="aime")
 
 
@@ -118,13 +119,13 @@ def test_last_boxed_handles_nested_braces(text, boxed):
 
 def test_missing_field_error_names_file_line_and_field(tmp_path):
   path = write_jsonl(tmp_path / "gsm.jsonl", [ROWS["gsm8k"][0], {"question": "no answer here"}])
-  with pytest.raises(data.DataError, match=r"gsm\.jsonl line 2: missing field 'answer'"):
+  with pytest.raises(errors.DataError, match=r"gsm\.jsonl line 2: missing field 'answer'"):
     data.read_jsonl(path, layout="gsm8k")
 
 
 def test_missing_column_error_names_file_and_column(tmp_path):
   path = write_parquet(tmp_path / "dapo.parquet", [{"prompt": "p", "data_source": "x"}])
-  with pytest.raises(data.DataError, match=r"dapo\.parquet: missing column 'reward_model'"):
+  with pytest.raises(errors.DataError, match=r"dapo\.parquet: missing column 'reward_model'"):
     data.read_parquet(path, layout="dapo_math")
 
 
@@ -137,22 +138,22 @@ def test_missing_column_error_names_file_and_column(tmp_path):
 def test_bad_jsonl_files_fail_clearly(tmp_path, lines, message):
   path = tmp_path / "bad.jsonl"
   path.write_text("\n".join(lines) + "\n")
-  with pytest.raises(data.DataError, match=message):
+  with pytest.raises(errors.DataError, match=message):
     data.read_jsonl(str(path))
 
 
 def test_math_without_boxed_answer_fails_clearly(tmp_path):
   path = write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "solution": "it is 4"}])
-  with pytest.raises(data.DataError, match=r"m\.jsonl line 1: field 'solution' has no complete"):
+  with pytest.raises(errors.DataError, match=r"m\.jsonl line 1: field 'solution' has no complete"):
     data.read_jsonl(path)
 
 
 def test_unreadable_inputs_fail_clearly(tmp_path):
-  with pytest.raises(data.DataError, match="no such file"):
+  with pytest.raises(errors.DataError, match="no such file"):
     data.read_jsonl(str(tmp_path / "absent.jsonl"))
   not_parquet = tmp_path / "x.parquet"
   not_parquet.write_text("plain text")
-  with pytest.raises(data.DataError, match=r"x\.parquet: not a readable Parquet file"):
+  with pytest.raises(errors.DataError, match=r"x\.parquet: not a readable Parquet file"):
     data.read_parquet(str(not_parquet))
   with pytest.raises(KeyError, match="known layouts"):
     data.read_jsonl(write_jsonl(tmp_path / "g.jsonl", [ROWS["gsm8k"][0]]), layout="gsm9k")
@@ -220,9 +221,9 @@ def test_tfds_math_dataset_reads_question_answer(tfds_data_dir):
 
 
 def test_tfds_missing_copy_says_how_to_prepare(tmp_path):
-  with pytest.raises(data.DataError, match=r"tfds build gsm8k --file_format=array_record"):
+  with pytest.raises(errors.DataError, match=r"tfds build gsm8k --file_format=array_record"):
     data.read_tfds("gsm8k", data_dir=str(tmp_path))
-  with pytest.raises(data.DataError, match="no default layout"):
+  with pytest.raises(errors.DataError, match="no default layout"):
     data.read_tfds("mnist", data_dir=str(tmp_path))
 
 
@@ -234,7 +235,7 @@ def test_tfds_tfrecord_copy_is_refused_with_a_reason(tfds_data_dir, tmp_path):
   info = json.loads(info_path.read_text())
   info["fileFormat"] = "tfrecord"
   info_path.write_text(json.dumps(info))
-  with pytest.raises(data.DataError, match="Re-prepare it with --file_format=array_record"):
+  with pytest.raises(errors.DataError, match="Re-prepare it with --file_format=array_record"):
     data.read_tfds("gsm8k", split="test", data_dir=str(copy))
 
 
@@ -392,7 +393,7 @@ def test_hint_only_when_asked():
 
 
 class _ChatTokenizer:
-  """grpo_jax.tokenizer's interface."""
+  """grpo_jax.models.tokenizer's interface."""
 
   def apply_chat_template(self, messages, add_generation_prompt=True):
     turns = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)

@@ -16,9 +16,11 @@ import jax
 import numpy as np
 import pytest
 
+from grpo_jax import errors
 from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, experiment, models, registry
+from grpo_jax import evaluation, models, registry
+from grpo_jax.harness import experiment
 from grpo_jax.evaluation import Completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,11 +199,11 @@ def test_temperature_zero_samples_are_the_greedy_completion(tiny_policy):
 
 
 def test_eval_config_is_validated():
-  with pytest.raises(config_lib.ConfigError, match="eval.ks"):
+  with pytest.raises(errors.ConfigError, match="eval.ks"):
     parity_config(n=4, ks=(1, 8))
-  with pytest.raises(config_lib.ConfigError, match="eval.top_p"):
+  with pytest.raises(errors.ConfigError, match="eval.top_p"):
     parity_config(top_p=0.0)
-  with pytest.raises(config_lib.ConfigError, match="eval.n"):
+  with pytest.raises(errors.ConfigError, match="eval.n"):
     parity_config(n=-1)
 
 

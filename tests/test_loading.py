@@ -26,8 +26,8 @@ from grpo_jax.models import (ModelConfig, RopeScaling, forward, get_preset,
                              init_params, load_pretrained, save_pretrained)
 from grpo_jax.models import hf, hf_write, loading
 from grpo_jax.models.gguf_loader import gguf_name_map, permute_qk
-from grpo_jax import weights
-from grpo_jax.tokenizer import load_tokenizer
+from grpo_jax.models import weights
+from grpo_jax.models.tokenizer import load_tokenizer
 
 # One thread: torch's OpenMP pool spins against JAX's on a 2-core machine
 # (a 135M forward takes 10x longer with two).
@@ -152,7 +152,7 @@ def test_qwen_sliding_window_spellings():
                            ) == windowed
   assert hf.config_from_hf(dict(base, use_sliding_window=False)
                            ).sliding_window is None
-  with pytest.raises(hf.CheckpointError, match="mix of sliding"):
+  with pytest.raises(errors.WeightsError, match="mix of sliding"):
     hf.config_from_hf(dict(base, use_sliding_window=True, max_window_layers=1))
 
 
@@ -423,7 +423,7 @@ def test_gguf_rope_freqs_of_llama31_become_llama3_scaling(tmp_path):
   config, _ = load_pretrained(write_gguf(model, "llama", tmp_path / "a.gguf",
                                          rope_freqs=good))
   assert config.rope_scaling == RopeScaling()
-  with pytest.raises(hf.CheckpointError, match="rope_freqs"):
+  with pytest.raises(errors.WeightsError, match="rope_freqs"):
     load_pretrained(write_gguf(model, "llama", tmp_path / "b.gguf",
                                rope_freqs=good * 1.5))
 
@@ -449,7 +449,7 @@ def test_unknown_architecture_names_file_and_supported(checkpoints,
   config = json.loads((directory / "config.json").read_text())
   config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
   (directory / "config.json").write_text(json.dumps(config))
-  with pytest.raises(hf.CheckpointError) as e:
+  with pytest.raises(errors.WeightsError) as e:
     load_pretrained(directory)
   assert str(directory / "config.json") in str(e.value)
   assert "GPT2LMHeadModel" in str(e.value)
@@ -462,7 +462,7 @@ def test_unsupported_rope_type(checkpoints, tmp_path):
   config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0,
                                "rope_theta": 1e4}
   (directory / "config.json").write_text(json.dumps(config))
-  with pytest.raises(hf.CheckpointError, match="rope type 'yarn'"):
+  with pytest.raises(errors.WeightsError, match="rope type 'yarn'"):
     load_pretrained(directory)
 
 
@@ -472,7 +472,7 @@ def test_truncated_safetensors_names_the_file(checkpoints, arch, tmp_path):
   victim = sorted(directory.glob("*.safetensors"))[-1]
   data = victim.read_bytes()
   victim.write_bytes(data[:len(data) - 100])
-  with pytest.raises(hf.CheckpointError, match=re.escape(str(victim))):
+  with pytest.raises(errors.WeightsError, match=re.escape(str(victim))):
     load_pretrained(directory)
 
 
@@ -498,7 +498,7 @@ def test_wrong_tensor_shape_names_tensor_and_file(checkpoints, tmp_path):
   name = "model.layers.2.mlp.down_proj.weight"
   path = _rewrite_tensor(directory, name, lambda t, n: t.update(
       {n: t[n][:, :90].copy()}))
-  with pytest.raises(hf.CheckpointError) as e:
+  with pytest.raises(errors.WeightsError) as e:
     load_pretrained(directory)
   assert name in str(e.value) and str(path) in str(e.value)
   assert "(64, 90)" in str(e.value) and "(64, 96)" in str(e.value)
@@ -509,7 +509,7 @@ def test_unexpected_tensor_is_an_error(checkpoints, tmp_path):
   name = "model.layers.0.self_attn.o_proj.bias"
   _rewrite_tensor(directory, name, lambda t, n: t.update(
       {n: np.zeros(64, np.float32)}))
-  with pytest.raises(hf.CheckpointError, match=re.escape(name)):
+  with pytest.raises(errors.WeightsError, match=re.escape(name)):
     load_pretrained(directory)
 
 
@@ -518,7 +518,7 @@ def test_truncated_gguf_names_the_file(tiny_llama_gguf, tmp_path, keep):
   data = tiny_llama_gguf[1].read_bytes()
   path = tmp_path / "cut.gguf"
   path.write_bytes(data[:int(len(data) * keep)])
-  with pytest.raises(hf.CheckpointError, match=re.escape(str(path))):
+  with pytest.raises(errors.WeightsError, match=re.escape(str(path))):
     load_pretrained(path)
 
 
@@ -529,7 +529,7 @@ def test_unknown_gguf_architecture(tmp_path):
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  with pytest.raises(hf.CheckpointError, match=r"x\.gguf.*'gpt2'.*llama"):
+  with pytest.raises(errors.WeightsError, match=r"x\.gguf.*'gpt2'.*llama"):
     load_pretrained(tmp_path / "x.gguf")
 
 

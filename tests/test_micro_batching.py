@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import update
+from grpo_jax.rl import update
 from grpo_jax.models import get_preset, init_params
 
 CONFIG = get_preset("tiny")

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import metrics
+from grpo_jax.harness import metrics
 from grpo_jax.models import get_preset, init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

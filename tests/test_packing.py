@@ -1,4 +1,4 @@
-"""Packed sequences (grpo_jax/packing.py) compute what padded rows compute:
+"""Packed sequences (grpo_jax/rl/packing.py) compute what padded rows compute:
 the same loss, gradient and metrics for every aggregation and policy loss,
 the same scored log-probs, on ragged lengths with EOS, in micro-batches."""
 import dataclasses
@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import packing, sft, update
+from grpo_jax.rl import packing, update
+from grpo_jax.star import sft
 from grpo_jax.algorithms import losses, policy_losses, rollout_correction
 from grpo_jax.models import get_preset, init_params, transformer
 

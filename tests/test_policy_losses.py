@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_jax import errors
 from grpo_jax import registry
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.algorithms import losses
@@ -590,29 +591,29 @@ def test_config_validation_of_losses_and_correction():
   from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   c = tiny.get_config()
   c.rl.policy_loss = "gspo"                   # loss_agg is token-mean
-  with pytest.raises(config_lib.ConfigError, match="seq-mean-token-mean"):
+  with pytest.raises(errors.ConfigError, match="seq-mean-token-mean"):
     config_lib.validate(c)
   c.rl.loss_agg = "seq-mean-token-mean"
   config_lib.validate(c)
   c.rl.dual_clip = 3.0
-  with pytest.raises(config_lib.ConfigError, match="dual_clip"):
+  with pytest.raises(errors.ConfigError, match="dual_clip"):
     config_lib.validate(c)
   c = tiny.get_config()
   c.rl.policy_loss = "cispo_trl"
-  with pytest.raises(config_lib.ConfigError, match="cispo_cap"):
+  with pytest.raises(errors.ConfigError, match="cispo_cap"):
     config_lib.validate(c)
   c = tiny.get_config()
   c.rl.rollout_correction.reject = "k3_mean"  # bypass (old_logp = sampler)
-  with pytest.raises(config_lib.ConfigError, match="denominator"):
+  with pytest.raises(errors.ConfigError, match="denominator"):
     config_lib.validate(c)
   c.rl.old_logp = "recompute"
   config_lib.validate(c)
   c.rl.rollout_correction.is_mode = "clip"
-  with pytest.raises(config_lib.ConfigError, match="is_mode"):
+  with pytest.raises(errors.ConfigError, match="is_mode"):
     config_lib.validate(c)
   c = tiny.get_config()
   c.sampling.compute_dtype = "float16"
-  with pytest.raises(config_lib.ConfigError, match="sampling.compute_dtype"):
+  with pytest.raises(errors.ConfigError, match="sampling.compute_dtype"):
     config_lib.validate(c)
   for variant in ("local_gspo", "local_cispo", "local_cispo_cap",
                   "local_gmpo", "local_sapo", "local_bf16", "local_bf16_tis"):
@@ -623,7 +624,7 @@ def test_config_validation_of_losses_and_correction():
 def test_bf16_sampler_run_logs_the_mismatch(tmp_path, old_logp):
   import json  # pylint: disable=import-outside-toplevel
   from configs import tiny  # pylint: disable=import-outside-toplevel
-  from grpo_jax import train  # pylint: disable=import-outside-toplevel
+  from grpo_jax.rl import train  # pylint: disable=import-outside-toplevel
   c = tiny.get_config()
   c.train.steps = 1
   c.train.eval_at_start = c.train.eval_at_end = False
@@ -648,7 +649,7 @@ def test_bf16_sampler_run_logs_the_mismatch(tmp_path, old_logp):
 
 
 def test_run_list_names_each_loss_variant():
-  from grpo_jax import runs  # pylint: disable=import-outside-toplevel
+  from grpo_jax.harness import runs  # pylint: disable=import-outside-toplevel
   listed = dict(runs.list_experiments("configs"))
   for variant in ("local_gspo", "local_cispo", "local_cispo_cap",
                   "local_gmpo", "local_sapo", "local_bf16", "local_bf16_tis"):

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from configs import grpo_process, tiny
+from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import registry, train, update
+from grpo_jax import registry
+from grpo_jax.rl import train, update
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.models import get_preset, init_params
 from grpo_jax.rewards import equations, process
-from grpo_jax.tiny_tokenizer import byte_tokenizer
+from grpo_jax.models.byte_tokenizer import byte_tokenizer
 
 
 def test_equation_steps_reward_true_equations_and_the_answer():
@@ -101,7 +103,7 @@ def test_registered_and_validated():
   c = grpo_process.get_config("local")
   config_lib.validate(c)
   c.rl.process_reward = "equation"
-  with pytest.raises(config_lib.ConfigError, match="equations"):
+  with pytest.raises(errors.ConfigError, match="equations"):
     config_lib.validate(c)
   config_lib.validate(grpo_process.get_config("local_outcome"))
 

@@ -74,7 +74,7 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
 
 
 def _tensorboard(workdir):
-  from grpo_jax import metrics  # pylint: disable=import-outside-toplevel
+  from grpo_jax.harness import metrics  # pylint: disable=import-outside-toplevel
   return sorted((step, tag) for step, tag, _ in
                 metrics.read_tensorboard(os.path.join(workdir, "tensorboard")))
 

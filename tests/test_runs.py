@@ -1,5 +1,5 @@
-"""Tests for the run store (grpo_jax.runs), named experiments, sweeps
-(grpo_jax.sweeps) and the experiments/runs.py and sweep.py commands."""
+"""Tests for the run store (grpo_jax.harness.runs), named experiments, sweeps
+(grpo_jax.harness.sweeps) and the experiments/runs.py and sweep.py commands."""
 import os
 import shlex
 import subprocess
@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from grpo_jax import runs
-from grpo_jax import sweeps
+from grpo_jax.harness import runs
+from grpo_jax.harness import sweeps
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from grpo_jax import sampling
+from grpo_jax.generate import sampling
 from grpo_jax.models import forward, get_preset, init_params
 
 CONFIG = get_preset("tiny")
@@ -203,7 +203,7 @@ def test_bad_settings_are_named():
 
 def test_greedy_equals_uncached_argmax_on_bundled_smollm2():
   from grpo_jax.models import load_pretrained  # pylint: disable=import-outside-toplevel
-  from grpo_jax.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
   config, params = load_pretrained("smollm2-135m-instruct")
   tok = load_tokenizer("smollm2-135m-instruct")
   prompts = [tok.encode(tok.apply_chat_template(
@@ -267,7 +267,7 @@ def test_two_level_inverse_cdf_equals_one_cumsum(vocab):
   over the vocabulary) reaches u times the total, whatever block it is in,
   with vocabularies a multiple of the block and not; tokens masked to -inf
   (top-k / top-p) are never chosen, u = 1 included."""
-  from grpo_jax import decoding  # pylint: disable=g-import-not-at-top
+  from grpo_jax.generate import decoding  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(64, vocab)) * 3
   logits[:, rng.random(vocab) < 0.5] = -np.inf   # truncated columns

@@ -9,9 +9,10 @@ import optax
 import pytest
 
 from grpo_jax import config as config_lib
-from grpo_jax import sft, update
+from grpo_jax.star import sft
+from grpo_jax.rl import update
 from grpo_jax.models import forward, get_preset, hidden_states, init_params
-from grpo_jax.update import init_state
+from grpo_jax.rl.update import init_state
 
 CONFIG = get_preset("tiny")
 S = sft.SFTSettings(chunk=8)

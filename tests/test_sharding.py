@@ -15,8 +15,11 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import sharding_checks as checks
+from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import metrics, sharding, update
+from grpo_jax import sharding
+from grpo_jax.harness import metrics
+from grpo_jax.rl import update
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +46,7 @@ def test_mesh_shape_fills_minus_one(shape, n, want):
 @pytest.mark.parametrize("shape,n", [((2, 2, 2), 4), ((-1, 3, 1), 8),
                                      ((-1, -1, 1), 8), ((0, 1, 1), 8)])
 def test_mesh_shape_errors_name_the_field(shape, n):
-  with pytest.raises(config_lib.ConfigError, match="'mesh.shape'"):
+  with pytest.raises(errors.ConfigError, match="'mesh.shape'"):
     sharding.mesh_shape(shape, n)
 
 
@@ -51,19 +54,19 @@ def test_sequence_parallel_rule_and_its_errors():
   assert sharding.logical_rules(_mesh_config(sequence_parallel=True))[0] == (
       "length", ("tensor",))
   assert "length" not in dict(sharding.logical_rules(_mesh_config()))
-  with pytest.raises(config_lib.ConfigError, match="lacks"):
+  with pytest.raises(errors.ConfigError, match="lacks"):
     sharding.logical_rules(_mesh_config(sequence_parallel=True,
                                         axes=("data", "fsdp", "model")))
   both = _mesh_config(sequence_parallel=True)
   both.rules = both.rules + (("length", "fsdp"),)
-  with pytest.raises(config_lib.ConfigError, match="set one"):
+  with pytest.raises(errors.ConfigError, match="set one"):
     sharding.logical_rules(both)
 
 
 def test_make_mesh_checks_the_device_count():
   mesh = sharding.make_mesh(_mesh_config())
   assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(errors.ConfigError,
                      match=r"'mesh.shape' = \(2, 1, 1\) needs 2 devices; "
                            r"there are 1"):
     sharding.make_mesh(_mesh_config(shape=(2, 1, 1)))
@@ -74,7 +77,7 @@ def test_make_mesh_checks_the_device_count():
     ((("embed", "model"),), "'model' is not one of mesh.axes"),
     ((("embed",),), "not a .* pair")])
 def test_bad_rules_are_named(rules, match):
-  with pytest.raises(config_lib.ConfigError, match=match):
+  with pytest.raises(errors.ConfigError, match=match):
     sharding.logical_rules(_mesh_config(rules=rules))
 
 

@@ -14,13 +14,15 @@ import jax
 import numpy as np
 import pytest
 
+from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import rollout, sampling, star_collect, star_loop
+from grpo_jax.generate import rollout, sampling
+from grpo_jax.star import collect as star_collect, loop as star_loop
 from grpo_jax.algorithms import star
 from grpo_jax.data import commonsenseqa
 from grpo_jax.data import Example, answer_hint
 from grpo_jax.rewards import equations
-from grpo_jax.tiny_tokenizer import byte_tokenizer
+from grpo_jax.models.byte_tokenizer import byte_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = byte_tokenizer()
@@ -97,7 +99,7 @@ def _problems(n=12):
 
 
 def _collect(config, problems, shots=()):
-  from grpo_jax.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
+  from grpo_jax.harness.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   model_config, params, tokenizer = load_model_and_tokenizer(config)
   return star_collect.collect_examples(config, model_config, params, tokenizer,
                                problems, shots, jax.random.key(0),
@@ -219,7 +221,7 @@ def test_each_iteration_finetunes_the_original_weights(scripted, monkeypatch,
   star_loop.run(config, str(tmp_path))
   config.star.iterations = 2
   summary = star_loop.run(config, str(tmp_path))
-  from grpo_jax.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
+  from grpo_jax.harness.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   original = jax.tree.map(np.array, load_model_and_tokenizer(config)[1])
   same = lambda a, b: all(np.array_equal(x, y) for x, y in
                           zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -291,17 +293,17 @@ def test_config_errors_name_the_field():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   for arg in ("commonsenseqa", "gsm8k", "gsm8k_tfds"):
-    with pytest.raises(config_lib.ConfigError, match=r"data\.(eval_)?kwargs"):
+    with pytest.raises(errors.ConfigError, match=r"data\.(eval_)?kwargs"):
       config_lib.validate(module.get_config(arg))
   c = module.get_config("commonsenseqa")
   c.data.kwargs.path = c.data.eval_kwargs.path = "/data/cqa.jsonl"
   config_lib.validate(c)
   c.star.micro_batch_size = 3
-  with pytest.raises(config_lib.ConfigError, match="star.micro_batch_size"):
+  with pytest.raises(errors.ConfigError, match="star.micro_batch_size"):
     config_lib.validate(c)
   c = _config()
   c.method = "dpo"
-  with pytest.raises(config_lib.ConfigError, match="'method'"):
+  with pytest.raises(errors.ConfigError, match="'method'"):
     config_lib.validate(c)
 
 

@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from grpo_jax.models import loading
-from grpo_jax.tokenizer import Tokenizer, from_gguf, load_tokenizer
+from grpo_jax.models.tokenizer import Tokenizer, from_gguf, load_tokenizer
 
 TEXTS = {
     "english": (

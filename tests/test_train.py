@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import rollout, train, update
+from grpo_jax.generate import rollout
+from grpo_jax.rl import train, update
 from grpo_jax.models import get_preset, init_params
 
 
@@ -172,26 +174,26 @@ def test_dynamic_sampling_returns_exactly_b_groups_with_signal():
 def test_config_errors_name_the_field():
   config = tiny.get_config()
   config.rl.eps_hihg = 0.3
-  with pytest.raises(config_lib.ConfigError, match="rl.eps_hihg"):
+  with pytest.raises(errors.ConfigError, match="rl.eps_hihg"):
     config_lib.validate(config)
   config = tiny.get_config()
   config.rl.loss_agg = "token-sum"
-  with pytest.raises(config_lib.ConfigError, match="token-mean"):
+  with pytest.raises(errors.ConfigError, match="token-mean"):
     config_lib.validate(config)
   config = tiny.get_config()
   config.rewards = {"lastnumber": 1.0}
-  with pytest.raises(config_lib.ConfigError, match="last_number"):
+  with pytest.raises(errors.ConfigError, match="last_number"):
     config_lib.validate(config)
   config = tiny.get_config()
   config.rl.micro_batch_size = 3
-  with pytest.raises(config_lib.ConfigError, match="micro_batch_size"):
+  with pytest.raises(errors.ConfigError, match="micro_batch_size"):
     config_lib.validate(config)
 
 
 def test_configs_that_cannot_run_fail_validation_with_the_reason():
   config = tiny.get_config()
   config.rl.advantage = "grpo_process"      # needs per-step rewards
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(errors.ConfigError,
                      match=r"per-step rewards.*'grpo', 'rloo'|'grpo'.*'rloo'"):
     config_lib.validate(config)
   config.rl.process_reward = "equations"    # a process reward: it runs
@@ -199,16 +201,16 @@ def test_configs_that_cannot_run_fail_validation_with_the_reason():
   config_lib.validate(config)
   config = tiny.get_config()
   config.rl.eps_low = 1.5                   # the loss's own clip check
-  with pytest.raises(config_lib.ConfigError, match="rl.eps_low.*eps_low < 1"):
+  with pytest.raises(errors.ConfigError, match="rl.eps_low.*eps_low < 1"):
     config_lib.validate(config)
   config = tiny.get_config()
   config.rl.dual_clip = 0.5
-  with pytest.raises(config_lib.ConfigError, match="dual_clip.*> 1"):
+  with pytest.raises(errors.ConfigError, match="dual_clip.*> 1"):
     config_lib.validate(config)
   config = tiny.get_config()
   config.rewards = {"countdown": 1.0}       # no final_answer to evaluate with
   config.accuracy_reward = "countdown"
-  with pytest.raises(config_lib.ConfigError, match="final_answer.*last_number"):
+  with pytest.raises(errors.ConfigError, match="final_answer.*last_number"):
     config_lib.validate(config)
   config.train.eval_at_start = config.train.eval_at_end = False
   config_lib.validate(config)               # a run that never evaluates
@@ -216,10 +218,10 @@ def test_configs_that_cannot_run_fail_validation_with_the_reason():
   config.data.source = "jsonl"
   config.data.kwargs = {"path": "/data/x.jsonl", "layout": "cqa"}
   config.data.eval_kwargs = {"path": "/data/x.jsonl"}
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(errors.ConfigError,
                      match=r"data.kwargs.layout.*'commonsenseqa'"):
     config_lib.validate(config)
   config = tiny.get_config()
   config.rl.on_cap = "drop"
-  with pytest.raises(config_lib.ConfigError, match="'fill', 'fewer', 'raise'"):
+  with pytest.raises(errors.ConfigError, match="'fill', 'fewer', 'raise'"):
     config_lib.validate(config)

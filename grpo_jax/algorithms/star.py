@@ -1,7 +1,7 @@
 """STaR's pure pieces (Zelikman et al. 2022): the checks a rationale must pass
 to be kept (its arithmetic is checked by `grpo_jax/rewards/equations.py`,
 which the process reward shares), the fine-tuning schedule and the few-shot
-split. The loop that uses them is `grpo_jax/star_loop.py`.
+split. The loop that uses them is `grpo_jax/star/loop.py`.
 """
 from __future__ import annotations
 

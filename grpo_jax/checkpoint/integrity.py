@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.checkpoint.paths import IncompatibleCheckpointError
+from grpo_jax.errors import IncompatibleCheckpointError
 from grpo_jax.config import flat_fields
 from grpo_jax.models.config import ModelConfig, RopeScaling
 

@@ -13,26 +13,13 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax.errors import (CheckpointError, CorruptCheckpointError,  # pylint: disable=unused-import
+                             IncompatibleCheckpointError, UnsafeResumeError,
+                             UnwritableDirectoryError)
+
+
 PathLike = str | os.PathLike
 CHECKPOINT_SUBDIR = "checkpoints"
-class CheckpointError(RuntimeError):
-  """A checkpoint cannot be written or used; the message says what to do."""
-
-
-class CorruptCheckpointError(CheckpointError):
-  """A finalised checkpoint whose files are damaged or truncated."""
-
-
-class IncompatibleCheckpointError(CheckpointError):
-  """A checkpoint whose arrays do not match the state being restored."""
-
-
-class UnsafeResumeError(CheckpointError):
-  """The config changed since the checkpoint in fields that make resuming unsafe."""
-
-
-class UnwritableDirectoryError(CheckpointError):
-  """A workdir or checkpoint directory this process cannot write."""
 
 
 # ----------------------------------------------------------------------------

@@ -4,9 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-class DataError(ValueError):
-  """A data file or dataset is unusable; the message names the file and field."""
+from grpo_jax.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True)

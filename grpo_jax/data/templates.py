@@ -83,7 +83,7 @@ def render_prompt(messages: Messages, tokenizer: Any) -> str:
   assistant's generation prompt.
 
   `tokenizer` has `apply_chat_template(messages, add_generation_prompt=True) -> str`
-  (grpo_jax.tokenizer); a Hugging Face tokenizer works too (asked for text, not ids).
+  (grpo_jax.models.tokenizer); a Hugging Face tokenizer works too (asked for text, not ids).
   """
   kwargs: dict[str, Any] = {"add_generation_prompt": True}
   if "tokenize" in inspect.signature(tokenizer.apply_chat_template).parameters:

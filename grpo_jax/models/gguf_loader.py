@@ -14,9 +14,10 @@ import numpy as np
 from gguf.quants import dequantize
 
 from grpo_jax.models.config import ModelConfig, RopeScaling
-from grpo_jax.models.hf import CheckpointError, TensorSpec, tensor_specs
+from grpo_jax.errors import WeightsError
+from grpo_jax.models.hf import TensorSpec, tensor_specs
 from grpo_jax.models.transformer import rope_frequencies
-from grpo_jax.weights import field, open_reader
+from grpo_jax.models.weights import field, open_reader
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Architectures whose converter permutes Q/K (Llama's rotate-half -> GPT-J's
@@ -72,7 +73,7 @@ class GGUFCheckpoint:
     known = set(self._names.values()) | set(_NOT_PARAMS)
     extra = sorted(set(self._tensors) - known)
     if extra:
-      raise CheckpointError(f"{self.source}: tensors that a {self._arch} model "
+      raise WeightsError(f"{self.source}: tensors that a {self._arch} model "
                             f"as configured does not have: {extra[:8]}")
 
   def names(self) -> list[str]:
@@ -92,7 +93,7 @@ class GGUFCheckpoint:
     try:
       w = dequantize(t.data, t.tensor_type).reshape(self.shape(name))
     except NotImplementedError as e:
-      raise CheckpointError(f"{self.where(name)}: cannot dequantise "
+      raise WeightsError(f"{self.where(name)}: cannot dequantise "
                             f"{t.tensor_type.name}: {e}") from e
     w = w.astype(np.float32, copy=False)
     if self._arch in _PERMUTED and name.endswith(("q_proj.weight",
@@ -132,23 +133,23 @@ def config_from_gguf(reader, tensors: dict[str, Any], source: str
   """The ModelConfig that the `{arch}.*` metadata and tensor set describe."""
   arch = field(reader, "general.architecture")
   if arch not in GGUF_ARCHITECTURES:
-    raise CheckpointError(f"{source}: unknown architecture {arch!r}; "
+    raise WeightsError(f"{source}: unknown architecture {arch!r}; "
                           f"supported: {list(GGUF_ARCHITECTURES)}")
 
   def meta(key, default=None):
     value = field(reader, f"{arch}.{key}", default)
     if value is None:
-      raise CheckpointError(f"{source}: metadata {arch}.{key} is missing")
+      raise WeightsError(f"{source}: metadata {arch}.{key} is missing")
     return value
 
   heads, dim = meta("attention.head_count"), meta("embedding_length")
   head_dim = meta("attention.key_length", dim // heads)
   if meta("rope.dimension_count", head_dim) != head_dim:
-    raise CheckpointError(f"{source}: partial rotary embeddings "
+    raise WeightsError(f"{source}: partial rotary embeddings "
                           f"({arch}.rope.dimension_count) are not supported")
   scaling_type = field(reader, f"{arch}.rope.scaling.type", "none")
   if scaling_type != "none":
-    raise CheckpointError(f"{source}: rope scaling {scaling_type!r} is not "
+    raise WeightsError(f"{source}: rope scaling {scaling_type!r} is not "
                           "supported")
   vocab = field(reader, f"{arch}.vocab_size") or int(
       tensors["token_embd.weight"].shape[1])
@@ -186,7 +187,7 @@ def _llama3_scaling(config: ModelConfig, rope_freqs, source: str
   expected = rope_frequencies(config) / rope_frequencies(scaled)
   if factors.shape != expected.shape or not np.allclose(factors, expected,
                                                         rtol=1e-4):
-    raise CheckpointError(f"{source}: rope_freqs.weight does not match "
+    raise WeightsError(f"{source}: rope_freqs.weight does not match "
                           "Llama-3 rope scaling (factor 8, low 1, high 4, "
                           "original context 8192); not supported")
   return RopeScaling()

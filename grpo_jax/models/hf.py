@@ -20,9 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.transformer import param_shapes
-from grpo_jax.weights import CheckpointError  # re-exported: hf.CheckpointError
-
-
+from grpo_jax.errors import WeightsError
 # transformers class name -> our architecture (its `model_type` is the same).
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -48,7 +46,7 @@ def read_config(path: Path) -> ModelConfig:
   try:
     hf = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    raise WeightsError(f"{path} is not valid JSON: {e}") from e
   return config_from_hf(hf, source=str(path))
 
 
@@ -62,7 +60,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
   arch = _architecture(hf, source)
 
   def unsupported(what):
-    return CheckpointError(f"{source}: {what} is not supported by grpo_jax")
+    return WeightsError(f"{source}: {what} is not supported by grpo_jax")
 
   if hf.get("hidden_act", "silu") != "silu":
     raise unsupported(f"hidden_act={hf['hidden_act']!r}")
@@ -70,7 +68,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
     raise unsupported("attention_bias/mlp_bias=true")
   missing = [k for k in _REQUIRED_KEYS if k not in hf]
   if missing:
-    raise CheckpointError(f"{source} lacks {', '.join(missing)}, which a "
+    raise WeightsError(f"{source} lacks {', '.join(missing)}, which a "
                           f"{arch} config.json must give: is it complete?")
   heads = hf["num_attention_heads"]
   theta, scaling = _rope(hf, unsupported)
@@ -95,7 +93,7 @@ def _architecture(hf: dict[str, Any], source: str) -> str:
   if not classes and hf.get("model_type") in _HF_CLASS:
     return hf["model_type"]
   found = classes or hf.get("model_type")
-  raise CheckpointError(
+  raise WeightsError(
       f"{source}: unknown architecture {found!r}; supported: "
       f"{sorted(HF_ARCHITECTURES)} (model_type {sorted(_HF_CLASS)})")
 
@@ -278,7 +276,7 @@ def check_names(config: ModelConfig, names: Iterable[str], source: str):
   extra = sorted(n for n in names if n not in expected
                  and not n.endswith(_IGNORED_SUFFIXES))
   if extra:
-    raise CheckpointError(f"{source}: tensors that a {config.architecture} "
+    raise WeightsError(f"{source}: tensors that a {config.architecture} "
                           f"model as configured does not have: {extra[:8]}")
 
 
@@ -313,7 +311,7 @@ class SafetensorsCheckpoint:
       try:
         weight_map = json.loads(index.read_text())["weight_map"]
       except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+        raise WeightsError(f"{index}: not a safetensors index ({e})") from e
       files = [self.directory / f for f in sorted(set(weight_map.values()))]
     else:
       files = sorted(self.directory.glob("*.safetensors"))
@@ -330,7 +328,7 @@ class SafetensorsCheckpoint:
     try:
       return self._stack.enter_context(safe_open(str(path), framework="numpy"))
     except SafetensorError as e:
-      raise CheckpointError(f"{path}: unreadable safetensors file "
+      raise WeightsError(f"{path}: unreadable safetensors file "
                             f"(truncated or corrupt?): {e}") from e
 
   def names(self) -> list[str]:

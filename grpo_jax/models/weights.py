@@ -17,13 +17,11 @@ from typing import Any, Union
 import gguf
 
 from grpo_jax.registry import lookup, names, register
+from grpo_jax.errors import WeightsError
+
 
 Source = Union[str, os.PathLike]
 _CACHE_VERSION = "v1"  # bump when the cached layout changes
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be loaded; the message names the file/tensor."""
 
 
 # ----------------------------------------------------------------------------
@@ -37,11 +35,11 @@ def open_reader(path: Path):
     raise FileNotFoundError(f"{path} not found")
   with open(path, "rb") as f:
     if f.read(4) != b"GGUF":
-      raise CheckpointError(f"{path} is not a GGUF file (no GGUF magic)")
+      raise WeightsError(f"{path} is not a GGUF file (no GGUF magic)")
   try:
     return gguf.GGUFReader(path)
   except (ValueError, IndexError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{path}: unreadable GGUF file ({path.stat().st_size}"
+    raise WeightsError(f"{path}: unreadable GGUF file ({path.stat().st_size}"
                           f" bytes; truncated or corrupt?): {e}") from e
 
 

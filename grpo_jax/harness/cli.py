@@ -7,12 +7,11 @@ field, and user errors printed as one message instead of a traceback.
       with cli.user_errors(workdir):
         ...
 
-A user error is a bad config (config.ConfigError), a checkpoint that cannot
-be used (checkpoint.CheckpointError), a bad model or data file
-(weights.CheckpointError, data.DataError), a workdir another run holds
-(workdir_lock.WorkdirLockedError), an unreadable run store, an output
-directory that is not empty, a full disk, or a run stopped by a signal
-(interrupts.Preempted, interrupts.Aborted: the message says how to resume).
+A user error is an `errors.UserError` (a bad config, a checkpoint that
+cannot be used, a bad model or data file, a workdir another run holds, an
+unreadable run store, an output directory that is not empty), a full disk,
+or a run stopped by a signal (interrupts.Preempted, interrupts.Aborted: the
+message says how to resume).
 Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
@@ -29,6 +28,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from absl import flags
 from absl import logging as absl_logging
+
+from grpo_jax import errors
 
 
 def load_config(spec: str) -> Any:
@@ -135,18 +136,6 @@ def _last_good(workdir: Optional[str]) -> str:
           "there is no complete checkpoint yet")
 
 
-# Errors of bad input that name their field, file or process: (module,
-# class), looked up only where the module is loaded.
-_USER_ERRORS = (("grpo_jax.config", "ConfigError"),
-                ("grpo_jax.workdir_lock", "WorkdirLockedError"),
-                ("grpo_jax.runs", "RunStoreError"),
-                ("grpo_jax.interrupts", "Preempted"),
-                ("grpo_jax.outdir", "OutputExistsError"),
-                ("grpo_jax.checkpoint", "CheckpointError"),   # a run's
-                ("grpo_jax.weights", "CheckpointError"),      # a model file
-                ("grpo_jax.data.example", "DataError"))       # a data file
-
-
 def describe(error: BaseException, workdir: Optional[str] = None) -> Optional[str]:
   """The message for a user error, None for anything else."""
   if disk_full(error):
@@ -155,13 +144,12 @@ def describe(error: BaseException, workdir: Optional[str] = None) -> Optional[st
             f"{_last_good(workdir)}. Free space (old checkpoints: "
             "--config.train.keep_checkpoints) and run the same command again "
             "to resume.")
-  interrupts = sys.modules.get("grpo_jax.interrupts")
+  interrupts = sys.modules.get("grpo_jax.harness.interrupts")
   if interrupts and isinstance(error, interrupts.Aborted):
     return (f"stopped by {error}; {_last_good(workdir)}: run the same command "
             "again to resume from it.")
-  known = tuple(getattr(sys.modules[module], name)
-                for module, name in _USER_ERRORS if module in sys.modules)
-  if isinstance(error, known):
+  if isinstance(error, errors.UserError) or (
+      interrupts and isinstance(error, interrupts.Preempted)):
     return str(error)
   return None
 
@@ -228,7 +216,7 @@ def user_errors(workdir: Optional[str] = None) -> Iterator[None]:
     message = describe(e, workdir)
     if message is None:
       raise
-    from grpo_jax import interrupts  # pylint: disable=import-outside-toplevel
+    from grpo_jax.harness import interrupts  # pylint: disable=import-outside-toplevel
     stopped = isinstance(e, (interrupts.Preempted, interrupts.Aborted))
     # The message closes the run: a failed asynchronous save leaves
     # background threads (orbax's metadata writer) and asyncio tasks

@@ -22,7 +22,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from grpo_jax import runs
+from grpo_jax.harness import runs
 
 Overrides = Mapping[str, Any]
 

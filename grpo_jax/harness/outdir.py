@@ -15,9 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-
-class OutputExistsError(FileExistsError):
-  """The output directory is not empty and overwriting was not asked for."""
+from grpo_jax.errors import OutputExistsError
 
 
 def check_empty(out: os.PathLike, overwrite: bool, flag: str = "--overwrite") -> None:

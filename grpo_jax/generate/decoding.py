@@ -34,7 +34,7 @@ class SamplingConfig:
   """How to pick each token. temperature 0 (or greedy=True) is argmax.
 
   continuous_batching: decode with `slots` cache slots that rows take in
-  turn (`grpo_jax.continuous`) instead of all rows of a call in lockstep;
+  turn (`grpo_jax.generate.continuous`) instead of all rows of a call in lockstep;
   slots 0 is automatic (`sampling.auto_slots`); chunk_rows is then not used
   (the slots bound the cache)."""
   max_new_tokens: int = 64

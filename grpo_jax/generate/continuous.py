@@ -44,7 +44,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import decoding, sharding
+from grpo_jax import sharding
+from grpo_jax.generate import decoding
 from grpo_jax.models import ragged, transformer
 from grpo_jax.models.config import ModelConfig
 

@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from grpo_jax import registry, rewards, sampling, sharding
+from grpo_jax import registry, rewards, sharding
+from grpo_jax.generate import sampling
 from grpo_jax.algorithms import dynamic_sampling
 
 

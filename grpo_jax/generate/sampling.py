@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import continuous, decoding, sharding
+from grpo_jax import sharding
+from grpo_jax.generate import continuous, decoding
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
 
@@ -343,7 +344,7 @@ def sample(config: ModelConfig, params: Params,
 
 
 # ----------------------------------------------------------------------------
-# Continuous batching (grpo_jax/continuous.py): the host side.
+# Continuous batching (grpo_jax/generate/continuous.py): the host side.
 # ----------------------------------------------------------------------------
 
 # Automatic slots where the device does not report its memory (CPU): this

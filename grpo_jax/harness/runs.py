@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from grpo_jax import interrupts
+from grpo_jax.harness import interrupts
 from grpo_jax.config import flat_fields
+from grpo_jax.errors import RunStoreError
+
 
 STATUSES = ("running", "finished", "failed", "killed", "preempted")
 DB_NAME = "runs.sqlite"
@@ -112,10 +114,6 @@ class RunRecord:
   metrics: dict = dataclasses.field(default_factory=dict)
   checkpoint: Optional[str] = None
   status: str = "finished"
-
-
-class RunStoreError(RuntimeError):
-  """The store is missing (when reading) or is not a SQLite database."""
 
 
 class RunStore:

@@ -23,15 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, experiment, registry, rollout, sampling
-from grpo_jax import interrupts, packing, preflight
-from grpo_jax import metrics as metrics_lib
+from grpo_jax import evaluation, registry
+from grpo_jax.harness import experiment
+from grpo_jax.generate import rollout, sampling
+from grpo_jax.harness import interrupts, preflight
+from grpo_jax.rl import packing
+from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.algorithms import rollout_correction
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.rewards import process
-from grpo_jax.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
+from grpo_jax.rl.update import (LossSettings, OptimizerSpec, UpdateBatch, cast,
                              init_state, learning_rate_schedule,
                              micro_batch_rows, pack_update_batch,
                              score_logprobs, score_packed, update_step)

@@ -45,10 +45,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import continuous
-from grpo_jax import flops as flops_lib
-from grpo_jax import packing, sampling, sharding, update
-from grpo_jax.config import ConfigError
+from grpo_jax.generate import continuous
+from grpo_jax.aot import flops as flops_lib
+from grpo_jax import sharding
+from grpo_jax.rl import packing, update
+from grpo_jax.generate import sampling
+from grpo_jax.errors import ConfigError
 from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import hf, transformer
 from grpo_jax.models.config import ModelConfig

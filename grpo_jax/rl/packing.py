@@ -232,7 +232,6 @@ def _put(out: PackedRows, m, M, r, col, tokens, positions, segment, S):
   out.segments_rs[row, col:end] = segment
 
 
-MODES = ("auto", "on", "off")   # rl.packing
 
 
 def padded_cost(n: int, prompt_len: int, completion_len: int,

@@ -27,17 +27,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import errors
 from grpo_jax import checkpoint
 from grpo_jax import config as config_lib
-from grpo_jax import evaluation, experiment, interrupts, preflight, registry
-from grpo_jax import sampling, sft
-from grpo_jax import metrics as metrics_lib
-from grpo_jax import rollout
+from grpo_jax import evaluation, registry
+from grpo_jax.harness import experiment, interrupts, preflight
+from grpo_jax.generate import sampling
+from grpo_jax.star import sft
+from grpo_jax.harness import metrics as metrics_lib
+from grpo_jax.generate import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
-from grpo_jax.star_collect import Kept, collect_examples, sampling_prompts
-from grpo_jax.update import OptimizerSpec, cast, init_state
+from grpo_jax.star.collect import Kept, collect_examples, sampling_prompts
+from grpo_jax.rl.update import OptimizerSpec, cast, init_state
 
 Params = Any
 CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
@@ -138,7 +141,7 @@ def run(config, workdir: str) -> dict:
   final params."""
   config_lib.validate(config)
   if config.method != "star":
-    raise config_lib.ConfigError(f"star.run needs method='star', got "
+    raise errors.ConfigError(f"star.run needs method='star', got "
                                  f"{config.method!r}")
   sharding_lib.initialize_distributed(config)  # before any device is used
   st = config.star

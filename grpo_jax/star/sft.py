@@ -32,8 +32,8 @@ import optax
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
-from grpo_jax import packing, update
-from grpo_jax.update import TrainState, cast
+from grpo_jax.rl import packing, update
+from grpo_jax.rl.update import TrainState, cast
 
 Params = transformer.Params
 

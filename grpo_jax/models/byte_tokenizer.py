@@ -8,7 +8,7 @@ from __future__ import annotations
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.models.tokenizer import Tokenizer
 
 _CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                   "{% endfor %}{% if add_generation_prompt %}assistant: "

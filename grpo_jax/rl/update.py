@@ -22,16 +22,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax import packing
+from grpo_jax.rl import packing
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses, policy_losses, rollout_correction
 from grpo_jax.models.config import ModelConfig
 
 Params = Any
-DTYPES = ("float32", "bfloat16")       # model.param_dtype, compute_dtype
-SAMPLING_DTYPES = ("",) + DTYPES  # sampling.compute_dtype ("": the model's)
-SCHEDULES = ("constant", "cosine")     # optim.schedule
-OLD_LOGP = ("sampler", "recompute")    # rl.old_logp: where π_old comes from
 
 
 class TrainState(NamedTuple):
