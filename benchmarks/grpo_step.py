@@ -14,7 +14,7 @@ token-mean loss, clip 0.2 / 0.28, AdamW lr 1e-6, grad-norm clip 1.
 grpo_jax: configs/dapo_aime.py:local with the sizes above, dynamic
 sampling off (one generation batch, as TRL) and only the last_number reward;
 the step is `train.run`'s loop body: rollout.collect (SAMPLE + SCORE),
-pack, advantages, train.train_step (REFERENCE + UPDATE).
+pack, advantages, step_lib.train_step (REFERENCE + UPDATE).
 
 TRL: GRPOTrainer on an in-memory Dataset of the 8 prompts, one generation
 of B*G rows per optimizer step (per_device_train_batch_size = --micro-batch,
@@ -57,9 +57,10 @@ import transformers
 import trl
 
 import _common
-from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.harness import experiment
 from grpo_jax.generate import rollout
+from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train, update
 from grpo_jax.models import loading
 from grpo_jax.rewards import last_number
@@ -126,7 +127,7 @@ def ours_config(args):
   c.accuracy_reward = "last_number"
   c.optim.learning_rate, c.optim.warmup_steps = args.lr, 0
   c.train.progress = False
-  config_lib.validate(c)
+  validation.validate(c)
   return c
 
 
@@ -171,7 +172,7 @@ class OursStep:
     # ADVANTAGE
     adv_n = train.advantages(c, packed.reward_bg, packed.mask_nt)
     # REFERENCE + UPDATE
-    self.state, um = train.train_step(c, self.model_config, self.state,
+    self.state, um = step_lib.train_step(c, self.model_config, self.state,
                                       self.optimizer, packed, adv_n, None,
                                       self.settings, self.rng)
     jax.block_until_ready(self.state.params)

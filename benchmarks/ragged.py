@@ -26,7 +26,7 @@ Side by side, in one process:
      near-tie) are counted. transformers: a 2-token warm-up call, then one
      timed call (nothing to compile; a full warm-up would double the
      longest part of the run).
-  2. the update (train.train_step, beta = 0, mu = 1) on the static sampler's
+  2. the update (step_lib.train_step, beta = 0, mu = 1) on the static sampler's
      rollout from part 1 (scored by rollout.score_samples, no new sampling):
      padded rows (rl.packing = "off"; each group's prompt once,
      rl.shared_prompt) vs packed rows (rl.packing = "on"), the same
@@ -66,6 +66,7 @@ import _common
 import grpo_step
 import sampler as sampler_bench
 from grpo_jax.generate import rollout
+from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train
 from grpo_jax.models import loading
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -219,7 +220,7 @@ def impose_lengths(groups: rollout.Groups, seed: int) -> rollout.Groups:
 
 
 def time_updates(args, step, texts, samples, repeats: int = 1) -> dict:
-  """time/update of train.train_step on the static sampler's rollout,
+  """time/update of step_lib.train_step on the static sampler's rollout,
   padded and packed: each compiled by a first call, then timed
   alternately."""
   c = step.config
@@ -242,7 +243,7 @@ def time_updates(args, step, texts, samples, repeats: int = 1) -> dict:
   extra = {}
   for i in range(repeats + 1):
     for name, cfg in configs.items():
-      step.state, m = train.train_step(
+      step.state, m = step_lib.train_step(
           cfg, step.model_config, step.state, step.optimizer, batch, adv_n,
           None, step.settings, np.random.default_rng(i))
       if i:

@@ -16,6 +16,7 @@ sequences with ρ_seq > 2 and with mean k3 > 0.01 (rejected by that rule).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -93,8 +94,7 @@ def main() -> None:
   for sampler_dtype, trainer_dtype in PAIRS:
     packed = samples[sampler_dtype]
     settings = update.LossSettings.from_config(config)
-    settings = update.LossSettings(**{**settings.__dict__,
-                                      "compute_dtype": trainer_dtype})
+    settings = dataclasses.replace(settings, compute_dtype=trainer_dtype)
     T = packed.mask_nt.shape[1]
     trainer_nt = update.score_logprobs(
         params, jnp.asarray(packed.tokens_ns), jnp.asarray(packed.positions_ns),

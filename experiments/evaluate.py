@@ -62,10 +62,10 @@ def main(argv):
 def _evaluate(config):
   # pylint: disable=import-outside-toplevel
   from grpo_jax import checkpoint as ckpt_lib
-  from grpo_jax import config as config_lib
+  from grpo_jax import validation
   from grpo_jax import evaluation
   from grpo_jax.harness import experiment, preflight
-  config = config_lib.validate(config)
+  config = validation.validate(config)
   if _CHECKPOINT.value:   # the run's own config must fit this one
     preflight.check_eval_config(
         config, ckpt_lib.load_config(_CHECKPOINT.value, _STEP.value),
@@ -79,8 +79,10 @@ def _evaluate(config):
       where=_CHECKPOINT.value or "config.model")
   model_config, params, tokenizer, step = experiment.load_policy(
       config, _CHECKPOINT.value, _STEP.value)
-  result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
-                                      examples)
+  settings = evaluation.EvalSettings.from_config(
+      config, experiment.sampling_config(config, tokenizer))
+  result = evaluation.evaluate_policy(settings, model_config, params,
+                                      tokenizer, examples)
   workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)
   path = os.path.join(workdir, "eval",
                       "pretrained.json" if step is None else f"step_{step}.json")

@@ -55,17 +55,19 @@ def _distributed(config) -> bool:
 
 def _run(config, workdir: str) -> dict:
   # pylint: disable=import-outside-toplevel
-  from grpo_jax import checkpoint, config as config_lib, registry
-  from grpo_jax.harness import runs
-  config_lib.validate(config)   # before a run is recorded
-  logging.info("config:\n%s", config)
-  run = registry.lookup("method", config.method)  # rl: train.run, star: star_loop.run
-  # Every run is recorded (name, config, commit, times, status, metrics,
-  # workdir, checkpoint) in the run store: experiments/runs.py list|show|compare.
-  with _record(config, workdir) as record:
-    summary = run(config, workdir)
-    record.metrics = runs.scalar_metrics(summary)
-    record.checkpoint = checkpoint.latest_checkpoint(workdir)
+  from grpo_jax import checkpoint, registry
+  from grpo_jax.harness import experiment, runs
+  # Validation, joining the processes, the workdir lock and signal handling
+  # happen once, here: the method's own guard finds the run entered.
+  with experiment.entered(config, workdir):
+    logging.info("config:\n%s", config)
+    run = registry.lookup("method", config.method)  # rl.train.run, star.loop.run
+    # Every run is recorded (name, config, commit, times, status, metrics,
+    # workdir, checkpoint) in the run store: experiments/runs.py list|show.
+    with _record(config, workdir) as record:
+      summary = run(config, workdir)
+      record.metrics = runs.scalar_metrics(summary)
+      record.checkpoint = checkpoint.latest_checkpoint(workdir)
   return summary
 
 
@@ -74,9 +76,7 @@ def _record(config, workdir: str):
   record that goes nowhere on the other processes of a multi-host run, or
   when the store is unreadable (a warning says how to fix it: training goes
   on)."""
-  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
-  from grpo_jax.harness import metrics, runs
-  sharding.initialize_distributed(config)  # before jax.process_index()
+  from grpo_jax.harness import metrics, runs  # pylint: disable=import-outside-toplevel
   nowhere = contextlib.nullcontext(runs.RunRecord(id=-1))
   if not metrics.is_primary():
     return nowhere

@@ -237,17 +237,46 @@ class PolicyEval:
     return {"metrics": self.metrics, "problems": problems}
 
 
-def eval_sampling_config(config, tokenizer, *, greedy: bool,
-                         temperature: float = 1.0, top_p: float = 1.0
-                         ) -> sampling.SamplingConfig:
-  """The sampler settings of an evaluation: the run's completion budget and
-  stop ids, the evaluation's own temperature and top-p, no top-k."""
-  return sampling.SamplingConfig(
-      max_new_tokens=config.sampling.max_new_tokens, temperature=temperature,
-      top_p=top_p, greedy=greedy, stop_ids=tuple(tokenizer.stop_ids),
-      pad_id=tokenizer.pad_id or 0, chunk_rows=config.sampling.chunk_rows,
-      continuous_batching=config.sampling.continuous_batching,
-      slots=config.sampling.slots)
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+  """What evaluating a policy reads, built once per run from the settings
+  the loop already has (`from_config`): the run's sampler settings (its
+  completion budget, stop and pad ids, chunking and continuous batching;
+  an evaluation sets its own temperature and top-p, and no top-k), the
+  rewards and the one that decides correctness, the prompt template, the
+  trainer's compute dtype, and config.eval's defaults."""
+  sampling: sampling.SamplingConfig
+  rewards: rollout.RewardSpec
+  accuracy_reward: str
+  template: str
+  system_prompt: str
+  compute_dtype: str
+  seed: int
+  n: int
+  ks: tuple[int, ...]
+  temperature: float
+  top_p: float
+  batch_size: int
+
+  @classmethod
+  def from_config(cls, config, sample_cfg: sampling.SamplingConfig,
+                  rewards: rollout.RewardSpec | None = None) -> "EvalSettings":
+    e = config.eval
+    return cls(sampling=sample_cfg,
+               rewards=rewards or rollout.RewardSpec.from_config(config),
+               accuracy_reward=config.accuracy_reward,
+               template=config.data.template,
+               system_prompt=config.data.system_prompt,
+               compute_dtype=config.model.compute_dtype, seed=config.seed,
+               n=e.n, ks=tuple(e.ks), temperature=e.temperature,
+               top_p=e.top_p, batch_size=e.batch_size)
+
+  def sampler(self, greedy: bool, temperature: float = 1.0,
+              top_p: float = 1.0) -> sampling.SamplingConfig:
+    """The sampler settings of an evaluation (greedy, or at `temperature`
+    and `top_p`)."""
+    return dataclasses.replace(self.sampling, temperature=temperature,
+                               top_p=top_p, top_k=0, greedy=greedy)
 
 
 def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
@@ -260,23 +289,23 @@ def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
   return [texts_n[b * G:(b + 1) * G] for b in range(B)]
 
 
-def sample_completions(config, model_config, params, tokenizer, examples,
-                       key: jax.Array, cfg: sampling.SamplingConfig, n: int,
-                       batch_size: int,
+def sample_completions(settings: EvalSettings, model_config, params,
+                       tokenizer, examples, key: jax.Array,
+                       cfg: sampling.SamplingConfig, n: int, batch_size: int,
                        layout: sharding.Layout | None = None) -> Completions:
   """n completions per example through the group sampler (G = n), scored by
-  the config's rewards; correct = the accuracy reward > 0. With a layout the
+  the run's rewards; correct = the accuracy reward > 0. With a layout the
   sampler's rows are split over the mesh."""
-  spec = rollout.RewardSpec.from_config(config)
-  answer = final_answer(config.accuracy_reward).extract
+  answer = final_answer(settings.accuracy_reward).extract
   # One padded chunk shape for the whole set: the sampler compiles once.
   size = min(batch_size, len(examples))
   texts, correct, lengths = [], [], []
   for start in range(0, len(examples), size):
     batch, _ = rollout.generate_groups(
         model_config, params, tokenizer, examples[start:start + size],
-        jax.random.fold_in(key, start), cfg, n, spec, config.data.template,
-        config.data.system_prompt, batch_multiple=size, layout=layout)
+        jax.random.fold_in(key, start), cfg, n, settings.rewards,
+        settings.template, settings.system_prompt, batch_multiple=size,
+        layout=layout)
     texts += completion_texts(tokenizer, batch)
     correct.append(batch.correct_bg)
     lengths.append(batch.length_bg)
@@ -300,8 +329,9 @@ def summarise(sampled: Completions | None, greedy: Completions | None,
   return {f"eval/{k}": v for k, v in metrics.items()}
 
 
-def evaluate_policy(config, model_config, params, tokenizer, examples, *,
-                    n: int | None = None, ks: Sequence[int] | None = None,
+def evaluate_policy(settings: EvalSettings, model_config, params, tokenizer,
+                    examples, *, n: int | None = None,
+                    ks: Sequence[int] | None = None,
                     temperature: float | None = None,
                     top_p: float | None = None, greedy: bool = True,
                     batch_size: int | None = None,
@@ -310,11 +340,12 @@ def evaluate_policy(config, model_config, params, tokenizer, examples, *,
   """Samples n completions per problem (and one greedy), scores and summarises.
 
   Args:
-    config: the run config; `config.eval` gives the defaults of n, ks,
-      temperature, top_p and batch_size, `config.accuracy_reward` decides
-      correctness and (via `final_answer`) the answers maj@k votes on.
-    model_config, params, tokenizer: the policy; params are cast to
-      `config.model.compute_dtype` here.
+    settings: the run's `EvalSettings`; they give the defaults of n, ks,
+      temperature, top_p and batch_size (config.eval), and the accuracy
+      reward decides correctness and (via `final_answer`) the answers maj@k
+      votes on.
+    model_config, params, tokenizer: the policy; params are cast to the
+      trainer's compute dtype here.
     examples: the problems (`grpo_jax.data.Example`).
     n: samples per problem; 0 samples none (greedy accuracy only).
     ks: the k of pass@k and maj@k, each in [1, n].
@@ -330,33 +361,31 @@ def evaluate_policy(config, model_config, params, tokenizer, examples, *,
     "eval/maj@<k>", "eval/sampled_response_length", "eval/num_examples" and
     "eval/seconds".
   """
-  e = config.eval
-  n = e.n if n is None else n
-  ks = tuple(e.ks if ks is None else ks)
-  batch_size = batch_size or e.batch_size
+  s = settings
+  n = s.n if n is None else n
+  ks = tuple(s.ks if ks is None else ks)
+  batch_size = batch_size or s.batch_size
   if not examples or not (n or greedy):
     raise ValueError(f"nothing to evaluate: {len(examples)} examples, n={n}, "
                      f"greedy={greedy}")
-  key = jax.random.key(config.seed) if key is None else key
+  key = jax.random.key(s.seed) if key is None else key
   t0 = time.perf_counter()
-  params = cast(params, config.model.compute_dtype)
+  params = cast(params, s.compute_dtype)
 
   def sample(cfg, g):
-    return sample_completions(config, model_config, params, tokenizer,
-                              examples, key, cfg, g, batch_size, layout)
+    return sample_completions(s, model_config, params, tokenizer, examples,
+                              key, cfg, g, batch_size, layout)
 
   greedy_done = sampled = None
   if greedy:
-    greedy_done = sample(eval_sampling_config(config, tokenizer, greedy=True),
-                         1)
+    greedy_done = sample(s.sampler(greedy=True), 1)
   if n:
-    sampled = sample(eval_sampling_config(
-        config, tokenizer, greedy=False,
-        temperature=e.temperature if temperature is None else temperature,
-        top_p=e.top_p if top_p is None else top_p), n)
+    sampled = sample(s.sampler(
+        greedy=False, temperature=s.temperature if temperature is None
+        else temperature, top_p=s.top_p if top_p is None else top_p), n)
   golds = [str(x.answer) for x in examples]
   metrics = summarise(sampled, greedy_done, golds, ks,
-                      final_answer(config.accuracy_reward).equivalent)
+                      final_answer(s.accuracy_reward).equivalent)
   metrics["eval/seconds"] = time.perf_counter() - t0
   return PolicyEval(metrics, [x.question for x in examples], golds, sampled,
                     greedy_done)

@@ -37,13 +37,15 @@ import optax
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
+from grpo_jax.algorithms import losses
 from grpo_jax.rl import packing, update
 from grpo_jax.models import get_preset, init_params
 from sharding_checks import check_close, parse_meshes, run_meshes
 
 MODEL = get_preset("tiny")   # D = 64
-SETTINGS = update.LossSettings(chunk=4, agg="seq-mean-token-mean",
-                               use_kl=True, kl_beta=0.05)
+SETTINGS = update.LossSettings(
+    chunk=4, loss=losses.PolicyLossSpec(agg="seq-mean-token-mean"),
+    kl_beta=0.05)
 SGD = optax.sgd(1.0)
 N, P, T, G = 32, 8, 12, 4
 ROWS_PER_MICRO = 8

@@ -41,7 +41,7 @@ from grpo_jax.rl import update
 from grpo_jax.models import get_preset, init_params
 
 MODEL = get_preset("tiny")   # H=4, K=2, hd=16, D=64, F=128, V=256, L=2
-SETTINGS = update.LossSettings(chunk=4, use_kl=True, kl_beta=0.05)
+SETTINGS = update.LossSettings(chunk=4, kl_beta=0.05)
 NUM_MICRO = 2
 GREEDY = sampling.SamplingConfig(max_new_tokens=6, greedy=True)
 # A step large enough to see (lr 1e-2), and eps large enough that Adam's

@@ -121,6 +121,7 @@ import importlib.util, json, os, re, sys
 import grpo_jax
 from grpo_jax import errors
 from grpo_jax import config as config_lib, registry
+from grpo_jax import validation
 
 # Fields a config may leave for the user to set (validation names them).
 USER_FIELDS = ("model.source", "data.kwargs.path", "data.eval_kwargs.path",
@@ -156,7 +157,7 @@ for path in sys.argv[1:]:
     unset = []   # fields validation asked for, in the order it named them
     while True:
       try:
-        config_lib.validate(c)
+        validation.validate(c)
         break
       except errors.ConfigError as e:
         field = re.match(r"config field '([\w.]+)' is unset", str(e))

@@ -23,6 +23,7 @@ from grpo_jax import errors
 from grpo_jax import checkpoint
 from grpo_jax.harness import cli, interrupts, metrics, outdir, runs, sweeps
 from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.rl import train
 from grpo_jax.harness import workdir_lock
 
@@ -107,7 +108,7 @@ def test_staged_output_leaves_the_old_directory_when_writing_fails(tmp_path):
 
 def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
   holder = subprocess.Popen(
-      [sys.executable, "-c", "import sys, time; from grpo_jax import workdir_lock\n"
+      [sys.executable, "-c", "import sys, time; from grpo_jax.harness import workdir_lock\n"
        "with workdir_lock.hold(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)",
        str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True,
       env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -313,14 +314,14 @@ def test_evaluate_checks_the_held_out_prompts_against_the_checkpoints_context(
 def test_impossible_values_are_refused_naming_the_field(field, value, message):
   config = sweeps.apply_overrides(tiny.get_config(), {field: value})
   with pytest.raises(errors.ConfigError, match=message):
-    config_lib.validate(config)
+    validation.validate(config)
 
 
 @pytest.mark.parametrize("field", ["train.eval_every", "train.checkpoint_every",
                                    "rl.mini_batch_size", "rl.micro_batch_size"])
 def test_zero_means_off_or_all_for_the_other_divisors(field):
   """The loops test these before dividing: 0 is 'never' or 'the whole batch'."""
-  config_lib.validate(sweeps.apply_overrides(tiny.get_config(), {field: 0}))
+  validation.validate(sweeps.apply_overrides(tiny.get_config(), {field: 0}))
 
 
 def test_a_run_with_log_every_0_stops_before_the_model_loads(tmp_path):
@@ -569,7 +570,7 @@ def test_validate_names_the_nearest_field_for_a_misspelt_nested_one():
   with pytest.raises(errors.ConfigError,
                      match=r"^unknown config field 'optim.weight_decy': did you mean "
                            r"'optim.weight_decay'\?$"):
-    config_lib.validate(config)
+    validation.validate(config)
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):

@@ -11,6 +11,7 @@ from scipy import stats
 
 from grpo_jax import errors
 from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import forward, get_preset, init_params, ragged
 from grpo_jax.models import transformer
@@ -206,7 +207,7 @@ def test_config_fields_are_validated():
   c = config_lib.base_config()
   c.sampling.slots = -1
   with pytest.raises(errors.ConfigError, match="sampling.slots"):
-    config_lib.validate(c)
+    validation.validate(c)
   with pytest.raises(ValueError, match="slots"):
     sampling.SamplingConfig(slots=-2)
 

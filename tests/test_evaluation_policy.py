@@ -18,7 +18,7 @@ import pytest
 
 from grpo_jax import errors
 from grpo_jax import checkpoint as ckpt_lib
-from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax import evaluation, models, registry
 from grpo_jax.harness import experiment
 from grpo_jax.evaluation import Completions
@@ -49,7 +49,7 @@ def parity_config(**eval_fields):
   c.rewards = {"test_first_byte_even": 1.0}
   c.accuracy_reward = "test_first_byte_even"
   c.eval.update(eval_fields)
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 def even_examples(config):
@@ -142,6 +142,11 @@ def test_a_reward_without_a_final_answer_fails_naming_the_known_ones():
 # The tiny model under the controlled reward.
 # ----------------------------------------------------------------------------
 
+def _settings(config, tokenizer) -> evaluation.EvalSettings:
+  return evaluation.EvalSettings.from_config(
+      config, experiment.sampling_config(config, tokenizer))
+
+
 @pytest.fixture(scope="module")
 def tiny_policy():
   config = parity_config(n=4, ks=(1, 2, 4), batch_size=3)
@@ -151,7 +156,7 @@ def tiny_policy():
 
 def test_metrics_agree_with_the_per_sample_verdicts(tiny_policy):
   config, model_config, params, tokenizer, examples = tiny_policy
-  result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
+  result = evaluation.evaluate_policy(_settings(config, tokenizer), model_config, params, tokenizer,
                                       examples)
   s, m = result.sampled, result.metrics
   assert s.correct_bg.shape == (8, 4) and len(s.texts) == 8
@@ -178,7 +183,7 @@ def _majority_is_even(answers) -> bool:
 
 def test_greedy_only_evaluation_scores_the_greedy_texts(tiny_policy):
   config, model_config, params, tokenizer, examples = tiny_policy
-  result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
+  result = evaluation.evaluate_policy(_settings(config, tokenizer), model_config, params, tokenizer,
                                       examples, n=0)
   assert result.sampled is None and len(result.greedy.texts) == len(examples)
   verdicts = [_parity(row[0]) == "even" for row in result.greedy.texts]
@@ -190,7 +195,7 @@ def test_greedy_only_evaluation_scores_the_greedy_texts(tiny_policy):
 
 def test_temperature_zero_samples_are_the_greedy_completion(tiny_policy):
   config, model_config, params, tokenizer, examples = tiny_policy
-  result = evaluation.evaluate_policy(config, model_config, params, tokenizer,
+  result = evaluation.evaluate_policy(_settings(config, tokenizer), model_config, params, tokenizer,
                                       examples, temperature=0.0)
   for greedy, samples in zip(result.greedy.texts, result.sampled.texts):
     assert samples == greedy * 4
@@ -245,7 +250,7 @@ def test_cli_evaluates_a_checkpoint_and_writes_json(tmp_path, tiny_policy):
   tiny_config.eval.update(n=4, ks=(1, 4), batch_size=3)
   examples = experiment.load_examples(tiny_config)[1]
   samples = lambda p: evaluation.evaluate_policy(
-      tiny_config, model_config, p, tokenizer, examples,
+      _settings(tiny_config, tokenizer), model_config, p, tokenizer, examples,
       greedy=False).sampled.texts
   got = [[s["completion"] for s in p["samples"]] for p in problems]
   assert got == samples(params)

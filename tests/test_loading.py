@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from grpo_jax.models import (ModelConfig, RopeScaling, forward, get_preset,
                              init_params, load_pretrained, save_pretrained)
+from grpo_jax import errors
 from grpo_jax.models import hf, hf_write, loading
 from grpo_jax.models.gguf_loader import gguf_name_map, permute_qk
 from grpo_jax.models import weights

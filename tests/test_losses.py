@@ -8,7 +8,7 @@ import pytest
 
 from grpo_jax import registry
 from grpo_jax.algorithms import advantages as adv_lib
-from grpo_jax.algorithms import losses
+from grpo_jax.algorithms import losses, policy_losses
 
 # REFERENCE.md golden vector: one group of G = 4, T = 5.
 REWARD = jnp.array([[1.0, 0.0, 0.0, 1.0]])
@@ -32,8 +32,9 @@ def golden_arrays():
 
 def golden_loss(adv_n, agg, dual_clip):
   logp, old, mask = golden_arrays()
-  loss, _ = losses.policy_loss(logp, old, adv_n, mask, agg=agg,
-                               dual_clip=dual_clip, **EPS)
+  loss, _ = losses.policy_loss(
+      logp, old, adv_n, mask, spec=losses.PolicyLossSpec(
+          agg=agg, params=policy_losses.LossParams(**EPS, dual_clip=dual_clip)))
   return float(loss)
 
 
@@ -82,9 +83,11 @@ def test_golden_kl(estimator, expected):
       expected, abs=1e-6)
   # and through policy_loss: the metric, and loss = pg + β·KL
   adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
-  loss, metrics = losses.policy_loss(logp, old, adv_n, mask, old, agg=
-                                     "token-mean", kl_beta=0.5,
-                                     kl_estimator=estimator, **EPS)
+  loss, metrics = losses.policy_loss(
+      logp, old, adv_n, mask, old,
+      spec=losses.PolicyLossSpec(agg="token-mean", kl_estimator=estimator,
+                                 params=policy_losses.LossParams(**EPS)),
+      kl_beta=0.5)
   assert float(metrics["kl"]) == pytest.approx(expected, abs=1e-6)
   assert float(loss) == pytest.approx(0.046765 + 0.5 * expected, abs=2e-6)
 
@@ -94,8 +97,11 @@ def test_ratio_one_beta_zero_loss_is_zero_but_gradient_is_not():
   adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
 
   def loss_fn(logp):
-    return losses.policy_loss(logp, old, adv_n, mask, agg="seq-mean-token-mean",
-                              kl_beta=0.0, **EPS)[0]
+    return losses.policy_loss(
+        logp, old, adv_n, mask,
+        spec=losses.PolicyLossSpec(agg="seq-mean-token-mean",
+                                   params=policy_losses.LossParams(**EPS)),
+        kl_beta=0.0)[0]
 
   loss, grad = jax.value_and_grad(loss_fn)(old)  # logp = old: ρ ≡ 1
   # 0 because the advantages sum to 0 in the group; up to float32 rounding of
@@ -108,7 +114,9 @@ def test_ratio_one_beta_zero_loss_is_zero_but_gradient_is_not():
   assert float(jnp.abs(grad).sum()) > 0.1
   # on-policy: passing logp itself as old gives the same (old is a constant)
   on_policy = jax.grad(lambda lp: losses.policy_loss(
-      lp, lp, adv_n, mask, agg="seq-mean-token-mean", **EPS)[0])(old)
+      lp, lp, adv_n, mask, spec=losses.PolicyLossSpec(
+          agg="seq-mean-token-mean", params=policy_losses.LossParams(**EPS)))[0]
+                      )(old)
   np.testing.assert_allclose(on_policy, expected, rtol=1e-6)
 
 
@@ -124,7 +132,9 @@ def test_kl_gradient_flows_into_the_policy_only():
 def test_clip_metrics_on_golden_vector():
   logp, old, mask = golden_arrays()
   adv_n = adv_lib.grpo_advantages(REWARD).reshape(-1)
-  _, m = losses.policy_loss(logp, old, adv_n, mask, dual_clip=3.0, **EPS)
+  _, m = losses.policy_loss(
+      logp, old, adv_n, mask, spec=losses.PolicyLossSpec(
+          params=policy_losses.LossParams(**EPS, dual_clip=3.0)))
   # 10 valid tokens. low: A<0, ρ<0.8 -> seq1's 0.50. high: A>0, ρ>1.28 ->
   # seq0's 1.40 and seq3's 1.30. dual: A<0, ρ>3 -> seq1's 4.00.
   assert float(m["clip/low_frac"]) == pytest.approx(0.1)
@@ -170,11 +180,14 @@ def test_bad_arguments_fail_with_names():
   logp, old, mask = golden_arrays()
   adv_n = jnp.zeros(4)
   with pytest.raises(KeyError, match="seq-mean-token-mean"):
-    losses.policy_loss(logp, old, adv_n, mask, agg="sequence-mean")
+    losses.policy_loss(logp, old, adv_n, mask,
+                       spec=losses.PolicyLossSpec(agg="sequence-mean"))
   with pytest.raises(ValueError, match="ref_logp_nt"):
     losses.policy_loss(logp, old, adv_n, mask, kl_beta=0.1)
   with pytest.raises(ValueError, match="dual_clip"):
-    losses.policy_loss(logp, old, adv_n, mask, dual_clip=0.5)
+    losses.policy_loss(
+        logp, old, adv_n, mask, spec=losses.PolicyLossSpec(
+            params=policy_losses.LossParams(dual_clip=0.5)))
   with pytest.raises(ValueError, match="advantages"):
     losses.policy_loss(logp, old, jnp.zeros(3), mask)
 
@@ -204,8 +217,10 @@ def _loss(w_dv, batch, norm, agg):
   x_ntd, tgt_nt, old_nt, ref_nt, mask_nt, adv_n = batch
   logits = jax.nn.log_softmax(x_ntd @ w_dv)
   logp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
-  return losses.policy_loss(logp_nt, old_nt, adv_n, mask_nt, ref_nt, agg=agg,
-                            kl_beta=0.1, norm=norm, dual_clip=3.0, **EPS)
+  return losses.policy_loss(
+      logp_nt, old_nt, adv_n, mask_nt, ref_nt, spec=losses.PolicyLossSpec(
+          agg=agg, params=policy_losses.LossParams(**EPS, dual_clip=3.0)),
+      kl_beta=0.1, norm=norm)
 
 
 SPLITS = (1, 2, 4)

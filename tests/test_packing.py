@@ -66,8 +66,9 @@ def _assert_metrics(got, want):
 def test_packed_update_step_equals_padded_step():
   """The jitted step end to end (model, loss, micro-batches, optimizer):
   with SGD at lr 1 the parameter change is the gradient itself."""
-  s = update.LossSettings(chunk=4, agg="seq-mean-token-mean", use_kl=True,
-                          kl_beta=0.1)
+  s = update.LossSettings(
+      chunk=4, loss=losses.PolicyLossSpec(agg="seq-mean-token-mean"),
+      kl_beta=0.1)
   opt = optax.sgd(1.0)
   batch = _ragged_batch(seed=5, weights=True)
   params = init_params(CONFIG, jax.random.key(0))
@@ -86,21 +87,21 @@ def test_packed_update_step_equals_padded_step():
 
 CASES = {
     "ppo token-mean, dual clip, KL, decoupled weights": dict(
-        agg="token-mean", use_kl=True, kl_beta=0.1, weights=True,
-        loss_params=policy_losses.LossParams(eps_low=0.2, eps_high=0.28,
+        agg="token-mean", kl_beta=0.1, weights=True,
+        params=policy_losses.LossParams(eps_low=0.2, eps_high=0.28,
                                              dual_clip=1.5)),
     "ppo seq-mean-token-mean": dict(agg="seq-mean-token-mean"),
     "ppo seq-mean-token-sum": dict(agg="seq-mean-token-sum"),
     "dr-grpo constant normaliser": dict(agg="seq-mean-token-sum-norm",
                                         max_len_norm=12),
-    "gspo": dict(agg="seq-mean-token-mean", policy_loss="gspo",
-                 loss_params=policy_losses.LossParams(eps_low=3e-4,
+    "gspo": dict(agg="seq-mean-token-mean", name="gspo",
+                 params=policy_losses.LossParams(eps_low=3e-4,
                                                       eps_high=4e-4)),
-    "gmpo": dict(agg="seq-mean-token-mean", policy_loss="gmpo"),
-    "sapo": dict(agg="seq-mean-token-mean", policy_loss="sapo"),
-    "cispo": dict(policy_loss="cispo"),
-    "cispo_cap": dict(policy_loss="cispo_cap",
-                      loss_params=policy_losses.LossParams(cispo_cap=1.2)),
+    "gmpo": dict(agg="seq-mean-token-mean", name="gmpo"),
+    "sapo": dict(agg="seq-mean-token-mean", name="sapo"),
+    "cispo": dict(name="cispo"),
+    "cispo_cap": dict(name="cispo_cap",
+                      params=policy_losses.LossParams(cispo_cap=1.2)),
     "bypass correction: token TIS, IcePop band, k1 rejection": dict(
         bypass_correction=rollout_correction.CorrectionSettings(
             is_level="token", is_threshold=1.1, band=(0.9, 1.3),
@@ -135,7 +136,9 @@ def test_every_loss_is_exact_on_packed_slots(case):
   packed slots, over micro-batches. Caps, clips and masks bind here."""
   kwargs = dict(CASES[case])
   weights = kwargs.pop("weights", False)
-  s = update.LossSettings(chunk=4, **kwargs)
+  spec = {k: kwargs.pop(k) for k in ("agg", "name", "params",
+                                     "bypass_correction") if k in kwargs}
+  s = update.LossSettings(chunk=4, loss=losses.PolicyLossSpec(**spec), **kwargs)
   batch = _ragged_batch(seed=11, weights=weights)
   rng = np.random.RandomState(2)
   logp = batch.old_logp_nt + jnp.asarray(

@@ -83,8 +83,9 @@ GOLDEN2 = [  # (policy loss, aggregation, advantage, params, expected)
 def test_golden2_losses(name, agg, adv, params, expected):
   adv_n = registry.lookup("advantage", adv)(jnp.asarray(REWARD)).reshape(-1)
   loss, metrics = losses.policy_loss(
-      jnp.asarray(LOGP), jnp.asarray(OLD), adv_n, jnp.asarray(MASK), agg=agg,
-      loss=name, params=pl.LossParams(**params))
+      jnp.asarray(LOGP), jnp.asarray(OLD), adv_n, jnp.asarray(MASK),
+      spec=losses.PolicyLossSpec(agg=agg, name=name,
+                                 params=pl.LossParams(**params)))
   assert float(loss) == pytest.approx(expected, abs=1e-5)
   assert float(metrics["loss/pg"]) == pytest.approx(expected, abs=1e-5)
 
@@ -97,8 +98,9 @@ def test_golden2_losses(name, agg, adv, params, expected):
 def test_golden2_rollout_correction(settings, expected):
   weight, mask, _ = rc.correct(jnp.asarray(OLD), jnp.asarray(ROLL),
                                jnp.asarray(MASK), settings)
-  loss, _ = losses.policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD),
-                               grpo_adv(), mask, agg="token-mean",
+  loss, _ = losses.policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), grpo_adv(),
+                               mask,
+                               spec=losses.PolicyLossSpec(agg="token-mean"),
                                is_weight_nt=weight)
   assert float(loss) == pytest.approx(expected, abs=1e-5)
 
@@ -218,19 +220,23 @@ def _bind_case():
 def test_every_clip_binds_in_the_bind_case():
   lp, old, adv_nt, mask = _bind_case()
   for name in ("ppo", "gspo", "cispo", "gmpo"):
-    _, m = losses.policy_loss(jnp.asarray(lp), jnp.asarray(old),
-                              jnp.asarray(BIND_ADV), jnp.asarray(mask),
-                              loss=name, params=BIND_PARAMS[name],
-                              agg="seq-mean-token-mean")
+    _, m = losses.policy_loss(
+        jnp.asarray(lp), jnp.asarray(old), jnp.asarray(BIND_ADV),
+        jnp.asarray(mask),
+        spec=losses.PolicyLossSpec(name=name, params=BIND_PARAMS[name],
+                                   agg="seq-mean-token-mean"))
     assert float(m["clip/low_frac"]) > 0 and float(m["clip/high_frac"]) > 0, (
         name)
-  _, m = losses.policy_loss(jnp.asarray(lp), jnp.asarray(old),
-                            jnp.asarray(BIND_ADV), jnp.asarray(mask),
-                            loss="ppo", params=BIND_PARAMS["ppo"])
+  _, m = losses.policy_loss(
+      jnp.asarray(lp), jnp.asarray(old), jnp.asarray(BIND_ADV),
+      jnp.asarray(mask), spec=losses.PolicyLossSpec(name="ppo",
+                                                    params=BIND_PARAMS["ppo"]))
   assert float(m["clip/dual_frac"]) == pytest.approx(1 / 14)
-  _, m = losses.policy_loss(jnp.asarray(lp), jnp.asarray(old),
-                            jnp.asarray(BIND_ADV), jnp.asarray(mask),
-                            loss="cispo_cap", params=BIND_PARAMS["cispo_cap"])
+  _, m = losses.policy_loss(
+      jnp.asarray(lp), jnp.asarray(old), jnp.asarray(BIND_ADV),
+      jnp.asarray(mask),
+      spec=losses.PolicyLossSpec(name="cispo_cap",
+                                 params=BIND_PARAMS["cispo_cap"]))
   assert float(m["clip/high_frac"]) == pytest.approx(2 / 14)  # ρ 4.5 > 2
 
 
@@ -241,9 +247,10 @@ def test_binding_case_matches_per_token_loops(name, agg):
   expected = ref_aggregate(
       ref_token_losses(name, lp.tolist(), old.tolist(), adv_nt.tolist(),
                        mask.tolist(), p), mask.tolist(), agg)
-  loss, _ = losses.policy_loss(jnp.asarray(lp), jnp.asarray(old),
-                               jnp.asarray(BIND_ADV), jnp.asarray(mask),
-                               loss=name, params=p, agg=agg)
+  loss, _ = losses.policy_loss(
+      jnp.asarray(lp), jnp.asarray(old), jnp.asarray(BIND_ADV),
+      jnp.asarray(mask), spec=losses.PolicyLossSpec(name=name, params=p,
+                                                    agg=agg))
   assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
@@ -375,8 +382,7 @@ def test_correction_rejection_denominators_differ():
                               reject_max=1.0, denominator=den)
     w, m, metrics = rc.correct(jnp.asarray(old), jnp.asarray(roll),
                                jnp.asarray(CORR_MASK), s)
-    out[den] = float(losses.policy_loss(jnp.asarray(old), jnp.asarray(old),
-                                        adv, m, is_weight_nt=w)[0])
+    out[den] = float(losses.policy_loss(jnp.asarray(old), jnp.asarray(old), adv, m, is_weight_nt=w)[0])
     # rows 0 (Σk1 = -1.2) and 2 (-1.7) are rejected
     assert float(metrics["rollout_is/rejected_seq_frac"]) == 0.5
   # ρ = 1 so l = -A per token: kept rows 1 (3 tokens, A -0.5), 3 (4, A -1)
@@ -455,10 +461,10 @@ def test_gradient_matches_finite_differences(name, agg, weighted):
   expected = _fd_grad(ref_loss, lp0)
   grad = jax.grad(lambda lp: losses.policy_loss(
       lp, jnp.asarray(old, jnp.float32), jnp.asarray(FD_ADV, jnp.float32),
-      jnp.asarray(FD_MASK, jnp.float32), loss=name, params=p, agg=agg,
-      is_weight_nt=None if weight is None else jnp.asarray(weight,
-                                                           jnp.float32))[0])(
-          jnp.asarray(lp0, jnp.float32))
+      jnp.asarray(FD_MASK, jnp.float32), spec=losses.PolicyLossSpec(
+          name=name, params=p, agg=agg), is_weight_nt=None
+      if weight is None else jnp.asarray(weight, jnp.float32))[0])(jnp.asarray(
+          lp0, jnp.float32))
   np.testing.assert_allclose(grad, expected, rtol=1e-3, atol=2e-5)
   assert np.abs(expected).sum() > 1e-2      # the check is not vacuous
   assert np.all(np.asarray(grad)[FD_MASK == 0] == 0)
@@ -493,9 +499,11 @@ def _mb_loss(w_dv, part, weight_nt, norm, name, agg, bypass):
   lp_nt = jnp.take_along_axis(logits, tgt_nt[..., None], -1)[..., 0]
   if bypass is not None:      # π_old := π_rollout, corrected in the loss
     old_nt = roll_nt
-  return losses.policy_loss(lp_nt, old_nt, adv_n, mask_nt, agg=agg, loss=name,
-                            params=BIND_PARAMS[name], norm=norm,
-                            is_weight_nt=weight_nt, bypass_correction=bypass)
+  return losses.policy_loss(
+      lp_nt, old_nt, adv_n, mask_nt,
+      spec=losses.PolicyLossSpec(agg=agg, name=name, params=BIND_PARAMS[name],
+                                 bypass_correction=bypass), norm=norm,
+      is_weight_nt=weight_nt)
 
 
 DECOUPLED = rc.CorrectionSettings(is_level="token", is_threshold=1.5,
@@ -579,45 +587,47 @@ def test_reinforce_pp_whitens_rewards_over_tokens():
 def test_fixed_aggregation_is_enforced():
   for name in ("gspo", "gmpo", "sapo"):
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-      losses.policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), grpo_adv(),
-                         jnp.asarray(MASK), loss=name, agg="token-mean")
+      losses.policy_loss(
+          jnp.asarray(LOGP), jnp.asarray(OLD), grpo_adv(), jnp.asarray(MASK),
+          spec=losses.PolicyLossSpec(name=name, agg="token-mean"))
   with pytest.raises(KeyError, match="cispo_cap"):
     losses.policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), grpo_adv(),
-                       jnp.asarray(MASK), loss="cispo-trl")
+                       jnp.asarray(MASK),
+                       spec=losses.PolicyLossSpec(name="cispo-trl"))
 
 
 def test_config_validation_of_losses_and_correction():
   from configs import dapo_aime, tiny  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax import validation
   c = tiny.get_config()
   c.rl.policy_loss = "gspo"                   # loss_agg is token-mean
   with pytest.raises(errors.ConfigError, match="seq-mean-token-mean"):
-    config_lib.validate(c)
+    validation.validate(c)
   c.rl.loss_agg = "seq-mean-token-mean"
-  config_lib.validate(c)
+  validation.validate(c)
   c.rl.dual_clip = 3.0
   with pytest.raises(errors.ConfigError, match="dual_clip"):
-    config_lib.validate(c)
+    validation.validate(c)
   c = tiny.get_config()
   c.rl.policy_loss = "cispo_trl"
   with pytest.raises(errors.ConfigError, match="cispo_cap"):
-    config_lib.validate(c)
+    validation.validate(c)
   c = tiny.get_config()
   c.rl.rollout_correction.reject = "k3_mean"  # bypass (old_logp = sampler)
   with pytest.raises(errors.ConfigError, match="denominator"):
-    config_lib.validate(c)
+    validation.validate(c)
   c.rl.old_logp = "recompute"
-  config_lib.validate(c)
+  validation.validate(c)
   c.rl.rollout_correction.is_mode = "clip"
   with pytest.raises(errors.ConfigError, match="is_mode"):
-    config_lib.validate(c)
+    validation.validate(c)
   c = tiny.get_config()
   c.sampling.compute_dtype = "float16"
   with pytest.raises(errors.ConfigError, match="sampling.compute_dtype"):
-    config_lib.validate(c)
+    validation.validate(c)
   for variant in ("local_gspo", "local_cispo", "local_cispo_cap",
                   "local_gmpo", "local_sapo", "local_bf16", "local_bf16_tis"):
-    config_lib.validate(dapo_aime.get_config(variant))
+    validation.validate(dapo_aime.get_config(variant))
 
 
 @pytest.mark.parametrize("old_logp", ["recompute", "sampler"])

@@ -9,8 +9,9 @@ import pytest
 
 from configs import grpo_process, tiny
 from grpo_jax import errors
-from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax import registry
+from grpo_jax.algorithms import losses
 from grpo_jax.rl import train, update
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.models import get_preset, init_params
@@ -101,11 +102,11 @@ def test_step_rewards_arrays_and_the_process_advantage():
 def test_registered_and_validated():
   assert "equations" in registry.names("process_reward")
   c = grpo_process.get_config("local")
-  config_lib.validate(c)
+  validation.validate(c)
   c.rl.process_reward = "equation"
   with pytest.raises(errors.ConfigError, match="equations"):
-    config_lib.validate(c)
-  config_lib.validate(grpo_process.get_config("local_outcome"))
+    validation.validate(c)
+  validation.validate(grpo_process.get_config("local_outcome"))
 
 
 @pytest.mark.parametrize("advantage", ["grpo_process", "grpo"])
@@ -142,7 +143,8 @@ def test_per_token_advantages_are_exact_under_micro_batching():
       jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
       jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
       jnp.zeros((n, comp)), jnp.asarray(adv_nt))
-  s = update.LossSettings(agg="seq-mean-token-mean", chunk=4)
+  s = update.LossSettings(
+      loss=losses.PolicyLossSpec(agg="seq-mean-token-mean"), chunk=4)
   step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
   results = [step(params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
   assert abs(float(results[0][1])) > 1e-3

@@ -16,6 +16,7 @@ import pytest
 
 from grpo_jax import errors
 from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.generate import rollout, sampling
 from grpo_jax.star import collect as star_collect, loop as star_loop
 from grpo_jax.algorithms import star
@@ -294,17 +295,17 @@ def test_config_errors_name_the_field():
   spec.loader.exec_module(module)
   for arg in ("commonsenseqa", "gsm8k", "gsm8k_tfds"):
     with pytest.raises(errors.ConfigError, match=r"data\.(eval_)?kwargs"):
-      config_lib.validate(module.get_config(arg))
+      validation.validate(module.get_config(arg))
   c = module.get_config("commonsenseqa")
   c.data.kwargs.path = c.data.eval_kwargs.path = "/data/cqa.jsonl"
-  config_lib.validate(c)
+  validation.validate(c)
   c.star.micro_batch_size = 3
   with pytest.raises(errors.ConfigError, match="star.micro_batch_size"):
-    config_lib.validate(c)
+    validation.validate(c)
   c = _config()
   c.method = "dpo"
   with pytest.raises(errors.ConfigError, match="'method'"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_commonsenseqa_layout_reads_both_record_shapes(tmp_path):

@@ -12,8 +12,10 @@ import pytest
 from configs import tiny
 from grpo_jax import errors
 from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.generate import rollout
-from grpo_jax.rl import train, update
+from grpo_jax.algorithms import losses
+from grpo_jax.rl import step, train, update
 from grpo_jax.models import get_preset, init_params
 
 
@@ -68,7 +70,7 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0))
   batch = _random_batch()
-  s = update.LossSettings(agg=agg, chunk=4)
+  s = update.LossSettings(loss=losses.PolicyLossSpec(agg=agg), chunk=4)
   results = [jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))(
       params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
   for grads, loss, _ in results[1:]:
@@ -138,11 +140,11 @@ def test_micro_group_size_and_group_minibatches():
   assert update.micro_group_size(16, 8, 512, shards(32)) == 2
   rl = config_lib.base_config().rl
   rl.num_generations = 4
-  assert train.update_group_size(rl, 8) == 4
-  assert train.update_group_size(rl, 6) == 1     # mini-batch splits a group
+  assert step.update_group_size(rl, 8) == 4
+  assert step.update_group_size(rl, 6) == 1     # mini-batch splits a group
   rl.shared_prompt = False
-  assert train.update_group_size(rl, 8) == 1
-  batches = train._minibatches(12, 8 // 2, np.random.default_rng(0), 4)
+  assert step.update_group_size(rl, 8) == 1
+  batches = step._minibatches(12, 8 // 2, np.random.default_rng(0), 4)
   for idx in batches:                           # whole groups, in order
     assert len(idx) == 4 and idx[0] % 4 == 0
     assert list(idx) == list(range(idx[0], idx[0] + 4))
@@ -175,19 +177,19 @@ def test_config_errors_name_the_field():
   config = tiny.get_config()
   config.rl.eps_hihg = 0.3
   with pytest.raises(errors.ConfigError, match="rl.eps_hihg"):
-    config_lib.validate(config)
+    validation.validate(config)
   config = tiny.get_config()
   config.rl.loss_agg = "token-sum"
   with pytest.raises(errors.ConfigError, match="token-mean"):
-    config_lib.validate(config)
+    validation.validate(config)
   config = tiny.get_config()
   config.rewards = {"lastnumber": 1.0}
   with pytest.raises(errors.ConfigError, match="last_number"):
-    config_lib.validate(config)
+    validation.validate(config)
   config = tiny.get_config()
   config.rl.micro_batch_size = 3
   with pytest.raises(errors.ConfigError, match="micro_batch_size"):
-    config_lib.validate(config)
+    validation.validate(config)
 
 
 def test_configs_that_cannot_run_fail_validation_with_the_reason():
@@ -195,33 +197,33 @@ def test_configs_that_cannot_run_fail_validation_with_the_reason():
   config.rl.advantage = "grpo_process"      # needs per-step rewards
   with pytest.raises(errors.ConfigError,
                      match=r"per-step rewards.*'grpo', 'rloo'|'grpo'.*'rloo'"):
-    config_lib.validate(config)
+    validation.validate(config)
   config.rl.process_reward = "equations"    # a process reward: it runs
   config.rl.loss_agg = "seq-mean-token-mean"
-  config_lib.validate(config)
+  validation.validate(config)
   config = tiny.get_config()
   config.rl.eps_low = 1.5                   # the loss's own clip check
   with pytest.raises(errors.ConfigError, match="rl.eps_low.*eps_low < 1"):
-    config_lib.validate(config)
+    validation.validate(config)
   config = tiny.get_config()
   config.rl.dual_clip = 0.5
   with pytest.raises(errors.ConfigError, match="dual_clip.*> 1"):
-    config_lib.validate(config)
+    validation.validate(config)
   config = tiny.get_config()
   config.rewards = {"countdown": 1.0}       # no final_answer to evaluate with
   config.accuracy_reward = "countdown"
   with pytest.raises(errors.ConfigError, match="final_answer.*last_number"):
-    config_lib.validate(config)
+    validation.validate(config)
   config.train.eval_at_start = config.train.eval_at_end = False
-  config_lib.validate(config)               # a run that never evaluates
+  validation.validate(config)               # a run that never evaluates
   config = tiny.get_config()
   config.data.source = "jsonl"
   config.data.kwargs = {"path": "/data/x.jsonl", "layout": "cqa"}
   config.data.eval_kwargs = {"path": "/data/x.jsonl"}
   with pytest.raises(errors.ConfigError,
                      match=r"data.kwargs.layout.*'commonsenseqa'"):
-    config_lib.validate(config)
+    validation.validate(config)
   config = tiny.get_config()
   config.rl.on_cap = "drop"
   with pytest.raises(errors.ConfigError, match="'fill', 'fewer', 'raise'"):
-    config_lib.validate(config)
+    validation.validate(config)

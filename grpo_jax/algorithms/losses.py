@@ -30,6 +30,7 @@ normalisers) and combines by addition: `accumulate_metrics`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
@@ -49,17 +50,6 @@ K3_CLAMP = 10.0          # verl: low_var_kl clamped to [-10, 10]
 # The PPO pieces live with the other registered losses; the names stay here.
 ratio = policy_losses.ratio
 clipped_surrogate = policy_losses.clipped_surrogate
-
-
-def validate_clip(eps_low: float, eps_high: float,
-                  dual_clip: Optional[float]) -> None:
-  """The allowed clip ranges (config validation uses this too)."""
-  if not 0.0 <= eps_low < 1.0:
-    raise ValueError(f"eps_low={eps_low}; allowed: 0 <= eps_low < 1")
-  if eps_high < 0.0:
-    raise ValueError(f"eps_high={eps_high}; allowed: eps_high >= 0")
-  if dual_clip is not None and dual_clip <= 1.0:
-    raise ValueError(f"dual_clip={dual_clip}; allowed: None or > 1")
 
 
 # ----------------------------------------------------------------------------
@@ -192,51 +182,75 @@ def _token_advantages(adv: jax.Array, shape: tuple[int, int]) -> jax.Array:
   return jnp.broadcast_to(adv, shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSpec:
+  """The static settings of `policy_loss`, each value once, checked here.
+
+  name: a "policy_loss" (policy_losses.py); params: its hyper-parameters
+  (clip ranges, caps, temperatures); agg: a "loss_agg" name, applied to the
+  policy and the KL terms alike (a loss with a fixed aggregation must be
+  given it); kl_estimator: a "kl_estimator" name; bypass_correction:
+  rollout correction with π_old = π_rollout (rl.old_logp = sampler),
+  ρ = exp(sg(lp) - old) computed inside the loss.
+  """
+  name: str = "ppo"
+  params: policy_losses.LossParams = policy_losses.LossParams()
+  agg: str = "token-mean"
+  kl_estimator: str = "k3"
+  bypass_correction: Optional[rollout_correction.CorrectionSettings] = None
+
+  def __post_init__(self):
+    policy_losses.validate_params(self.name, self.params)
+    fixed = lookup("policy_loss", self.name).fixed_agg
+    if fixed is not None and self.agg != fixed:
+      raise ValueError(f"policy loss {self.name!r} aggregates {fixed!r} "
+                       f"only; got agg={self.agg!r}")
+    lookup("loss_agg", self.agg)
+    lookup("kl_estimator", self.kl_estimator)
+
+  @classmethod
+  def from_config(cls, rl) -> "PolicyLossSpec":
+    """config.rl's policy loss (ValueError naming the bad parameter)."""
+    return cls(
+        name=rl.policy_loss, agg=rl.loss_agg, kl_estimator=rl.kl_estimator,
+        params=policy_losses.LossParams(
+            eps_low=rl.eps_low, eps_high=rl.eps_high,
+            dual_clip=rl.dual_clip or None, cispo_cap=rl.cispo_cap,
+            gmpo_eps=rl.gmpo_eps, sapo_tau_pos=rl.sapo_tau_pos,
+            sapo_tau_neg=rl.sapo_tau_neg),
+        bypass_correction=(
+            rollout_correction.CorrectionSettings.from_config(
+                rl.rollout_correction)
+            if rl.old_logp == "sampler" else None))
+
+
 def policy_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, adv: jax.Array,
                 mask_nt: jax.Array, ref_logp_nt: Optional[jax.Array] = None,
-                *, eps_low: float = 0.2, eps_high: float = 0.2,
-                dual_clip: Optional[float] = None, agg: str = "token-mean",
-                kl_beta=0.0, kl_estimator: str = "k3",
+                *, spec: PolicyLossSpec = PolicyLossSpec(), kl_beta=0.0,
                 norm: Optional[Normalisers] = None,
                 entropy_nt: Optional[jax.Array] = None,
-                loss: str = "ppo",
-                params: Optional[policy_losses.LossParams] = None,
-                is_weight_nt: Optional[jax.Array] = None,
-                bypass_correction: Optional[
-                    rollout_correction.CorrectionSettings] = None):
-  """A registered policy loss (+ β·KL), and its metrics.
+                is_weight_nt: Optional[jax.Array] = None):
+  """The policy loss `spec` names (+ β·KL), and its metrics.
 
   logp_nt, old_logp_nt, ref_logp_nt: [N, T] token log-probs under the current,
   sampling and reference policies (ref None: no KL term, β must be 0).
   adv: [N] (outcome) or [N, T] (process) advantages. mask_nt: [N, T].
-  loss: a "policy_loss" name (policy_losses.py); params: its
-  hyper-parameters (None: eps_low / eps_high / dual_clip given here and the
-  defaults of the others). agg: a "loss_agg" name, applied to the policy and
-  the KL terms alike; a loss with a fixed aggregation must be given it.
   kl_beta: a float or a traced scalar (e.g. kl_beta_schedule(step, ...)).
   norm: normalisers of the whole batch for micro-batching (module docstring);
   None computes them from this batch. entropy_nt: [N, T], a metric only.
   is_weight_nt: [N, T] rollout-correction weights (constants) multiplying the
   per-token policy loss (rollout_correction.correct, decoupled mode).
-  bypass_correction: rollout correction with π_old = π_rollout
-  (rl.old_logp = sampler): ρ = exp(sg(lp) - old) computed here.
   Returns (loss scalar, metrics dict of scalars).
   """
-  if params is None:
-    params = policy_losses.LossParams(eps_low=eps_low, eps_high=eps_high,
-                                      dual_clip=dual_clip)
-  policy_losses.validate_params(loss, params)
-  spec = lookup("policy_loss", loss)
-  if spec.fixed_agg is not None and agg != spec.fixed_agg:
-    raise ValueError(f"policy loss {loss!r} aggregates {spec.fixed_agg!r} "
-                     f"only; got agg={agg!r}")
   if ref_logp_nt is None and isinstance(kl_beta, (int, float)) and kl_beta:
     raise ValueError(f"kl_beta={kl_beta} needs ref_logp_nt")
+  loss_fn = lookup("policy_loss", spec.name).fn
+  bypass_correction = spec.bypass_correction
   mask_nt = jnp.asarray(mask_nt, jnp.float32)
   norm = normalisers(mask_nt) if norm is None else norm
-  aggregate = lookup("loss_agg", agg)
+  aggregate = lookup("loss_agg", spec.agg)
   adv_nt = _token_advantages(adv, logp_nt.shape)
-  pg_nt, flags = spec.fn(logp_nt, old_logp_nt, adv_nt, mask_nt, params)
+  pg_nt, flags = loss_fn(logp_nt, old_logp_nt, adv_nt, mask_nt, spec.params)
   metrics = {}
   if bypass_correction is not None:   # metrics always, weights when active
     weight_nt, _, corr = rollout_correction.correct(
@@ -256,7 +270,7 @@ def policy_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, adv: jax.Array,
                   **ratio_metrics(ratio(logp_nt, old_logp_nt), mask_nt, norm)})
   total = pg_loss
   if ref_logp_nt is not None:
-    kl_nt = lookup("kl_estimator", kl_estimator)(logp_nt, ref_logp_nt)
+    kl_nt = lookup("kl_estimator", spec.kl_estimator)(logp_nt, ref_logp_nt)
     kl_loss = aggregate(kl_nt, mask_nt, norm)
     total = total + kl_beta * kl_loss
     metrics.update({"loss/kl": kl_loss, "kl": token_mean(kl_nt, mask_nt, norm)})

@@ -47,8 +47,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax.generate import continuous
 from grpo_jax.aot import flops as flops_lib
-from grpo_jax import sharding
+from grpo_jax import sharding, validation
 from grpo_jax.rl import packing, update
+from grpo_jax.rl.step import update_group_size
 from grpo_jax.generate import sampling
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import config as model_config_lib
@@ -379,7 +380,7 @@ PACKED_SEQUENCES_PER_ROW = 4
 def packed_shape(rows: int, micro_rows: int, shards: int
                  ) -> tuple[int, int, int]:
   """(R rows per micro-batch, M micro-batches, N slots per micro-batch) of
-  `rows` sequences packed as `train.train_step` packs them
+  `rows` sequences packed as `step.train_step` packs them
   (`packing.pack_rows(..., micro_rows, shards)`), in its worst case for the
   decoder: every completion at max_new_tokens, so one sequence per row of
   s = prompt + max_new_tokens tokens and as many rows as the padded path
@@ -387,12 +388,6 @@ def packed_shape(rows: int, micro_rows: int, shards: int
   power of two as pack_rows buckets it, a multiple of the shards."""
   R, M = packing.micro_batch_shape(rows, micro_rows, shards)
   return R, M, packing.slot_count(PACKED_SEQUENCES_PER_ROW * R, shards)
-
-
-def update_group_size(rl, rows: int) -> int:
-  """As train.update_group_size: whole groups share their prompt."""
-  G = rl.num_generations
-  return G if rl.shared_prompt and G > 1 and rows % G == 0 else 1
 
 
 def halvings(n: int, floor: int = 1) -> list[int]:
@@ -489,26 +484,6 @@ def _eval_calls(config, plan: Plan):
   return calls
 
 
-_UNREAD = "<not read by aot.py>"
-
-
-def validate(config) -> None:
-  """config_lib.validate, with the data files (which this tool never reads)
-  allowed to be unset."""
-  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  config = config.copy_and_resolve_references()
-  data = config.data
-  needs = config_lib._DATA_LOCATION  # pylint: disable=protected-access
-  for source, group in ((data.source, data.kwargs),
-                        (data.eval_source or data.source, data.eval_kwargs)):
-    wanted = needs.get(source, ()) + tuple(k for k in ("path", "data_dir")
-                                           if k in group)
-    for key in wanted:
-      if not group.get(key):
-        group[key] = _UNREAD
-  config_lib.validate(config)
-
-
 def update_paths(mode: str) -> tuple[bool, bool]:
   """(padded, packed): which update / scoring programs a run with
   `rl.packing = mode` may execute. auto decides per mini-batch from its
@@ -521,7 +496,7 @@ def check(config, topology: str, prompt_len: int,
   """Compiles every program of `config` for `topology`; see module doc.
   search: when a program does not fit, compile smaller sizes to name the
   largest that does (each one more compile)."""
-  validate(config)
+  validation.validate(config, data_files=False)
   devices = topology_devices(topology)
   spec = chip_spec(devices)
   hbm = chip_memory(devices)

@@ -38,9 +38,7 @@ from grpo_jax.checkpoint.integrity import (UNSAFE_FIELDS, check_shapes,
                                            model_config_from_json,
                                            tree_checksums, unsafe_changes)
 from grpo_jax.checkpoint.paths import (
-    CHECKPOINT_SUBDIR, CheckpointError, CorruptCheckpointError,
-    IncompatibleCheckpointError, PathLike, UnsafeResumeError,
-    UnwritableDirectoryError, check_writable, checkpoint_dir,
+    CHECKPOINT_SUBDIR, PathLike, check_writable, checkpoint_dir,
     finalized_steps, find_step, latest_checkpoint, latest_step, locate,
     resolve_init)
 from grpo_jax.checkpoint.storage import (export_checkpoint, load_config,

@@ -17,8 +17,8 @@ from grpo_jax.checkpoint.integrity import (UNSAFE_FIELDS, abstract_target,
                                            check_shapes, config_to_json,
                                            to_json, tree_checksums,
                                            unsafe_changes)
-from grpo_jax.checkpoint.paths import (CheckpointError, PathLike,
-                                       UnsafeResumeError, check_writable)
+from grpo_jax.checkpoint.paths import PathLike, check_writable
+from grpo_jax.errors import CheckpointError, UnsafeResumeError
 from grpo_jax.checkpoint.storage import (FORMAT, READ_ERRORS, damaged,
                                          manager, read_meta, saved_tree,
                                          verify)

@@ -13,9 +13,7 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
-from grpo_jax.errors import (CheckpointError, CorruptCheckpointError,  # pylint: disable=unused-import
-                             IncompatibleCheckpointError, UnsafeResumeError,
-                             UnwritableDirectoryError)
+from grpo_jax.errors import CheckpointError, UnwritableDirectoryError
 
 
 PathLike = str | os.PathLike

@@ -12,10 +12,9 @@ import orbax.checkpoint as ocp
 from grpo_jax.checkpoint.integrity import (abstract_target, check_shapes,
                                            model_config_from_json,
                                            tree_checksums)
-from grpo_jax.checkpoint.paths import (CheckpointError,
-                                       CorruptCheckpointError,
-                                       IncompatibleCheckpointError, PathLike,
-                                       finalized_steps, find_step)
+from grpo_jax.checkpoint.paths import PathLike, finalized_steps, find_step
+from grpo_jax.errors import (CheckpointError, CorruptCheckpointError,
+                             IncompatibleCheckpointError)
 from grpo_jax.models import save_pretrained
 
 FORMAT = 1

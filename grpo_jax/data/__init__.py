@@ -18,7 +18,7 @@ Everything chosen by name in a config is registered (see grpo_jax.registry):
 from grpo_jax.data.arithmetic import arithmetic_spec, countdown_check, countdown_spec
 from grpo_jax.data.commonsense import ATTRIBUTE_TABLES, format_choices
 from grpo_jax.data.commonsenseqa import commonsenseqa_example
-from grpo_jax.data.example import DataError, Example
+from grpo_jax.data.example import Example
 from grpo_jax.data.files import read_jsonl, read_parquet
 from grpo_jax.data.generated import generated_examples
 from grpo_jax.data.iterator import BatchIterator

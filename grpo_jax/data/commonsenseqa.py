@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from grpo_jax.data.commonsense import format_choices
-from grpo_jax.data.example import DataError, Example
+from grpo_jax.data.example import Example
+from grpo_jax.errors import DataError
 from grpo_jax.registry import register
 
 

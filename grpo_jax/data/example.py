@@ -1,10 +1,8 @@
-"""The record every data source yields, and the error every reader raises."""
+"""The record every data source yields (readers raise `errors.DataError`)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-from grpo_jax.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True)

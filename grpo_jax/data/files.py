@@ -12,7 +12,8 @@ import json
 import os
 from typing import Any, Iterator, Mapping
 
-from grpo_jax.data.example import DataError, Example
+from grpo_jax.data.example import Example
+from grpo_jax.errors import DataError
 from grpo_jax.data.layouts import detect_layout, missing_fields
 from grpo_jax.registry import lookup, register
 

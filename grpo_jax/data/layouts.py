@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from grpo_jax.data.example import DataError, Example
+from grpo_jax.data.example import Example
+from grpo_jax.errors import DataError
 from grpo_jax.registry import register
 
 # Fields that identify each layout, checked in this order by `detect_layout`

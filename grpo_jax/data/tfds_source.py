@@ -21,7 +21,8 @@ import collections.abc
 import importlib
 from typing import Any, Callable, Mapping
 
-from grpo_jax.data.example import DataError, Example
+from grpo_jax.data.example import Example
+from grpo_jax.errors import DataError
 from grpo_jax.registry import lookup, register
 
 # The layout of each TFDS data set (by the name before any "/config").

@@ -44,7 +44,7 @@ def load_config(spec: str) -> Any:
 def override_error(config: Any, path: str) -> Optional[str]:
   """Why `--config.<path>=...` cannot be applied to `config` (None: it can):
   the first unknown part and the nearest field names."""
-  from grpo_jax.config import unknown_field  # pylint: disable=import-outside-toplevel
+  from grpo_jax.validation import unknown_field  # pylint: disable=import-outside-toplevel
   node, parts = config, path.split(".")
   for depth, part in enumerate(parts):
     where = ".".join(parts[:depth])

@@ -19,10 +19,11 @@ entry point (`experiments/evaluate.py`) all start here:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
 
@@ -30,7 +31,7 @@ from grpo_jax import errors
 from grpo_jax import checkpoint, models, registry
 from grpo_jax.harness import interrupts
 from grpo_jax.generate import sampling
-from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax import sharding
 from grpo_jax.harness import workdir_lock
@@ -214,16 +215,36 @@ def metric_writer(workdir: str, last_step: int | None, final: bool = False
 # One writer per workdir; signals.
 # ----------------------------------------------------------------------------
 
-def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
-  """Wraps a loop's `run(config, workdir)`: validates the config, joins the
+_ENTERED: str | None = None   # the workdir of the run being entered
+
+
+@contextlib.contextmanager
+def entered(config, workdir: str) -> Iterator[None]:
+  """A run's entry work, done once: validates the config, joins the
   processes of a multi-host run, locks the workdir on process 0 and handles
   SIGTERM / Ctrl-C as interrupts.py says (on one process; several hosts
-  agree on the step through the checkpointer's pre-emption notice)."""
+  agree on the step through the checkpointer's pre-emption notice). Inside
+  it, entering the same workdir again (a method's `guarded` run called by
+  experiments/run.py, which entered first to record the run) does nothing."""
+  global _ENTERED
+  if _ENTERED == workdir:
+    yield
+    return
+  validation.validate(config)   # a bad field fails before the processes join
+  sharding.initialize_distributed(config)   # before jax.process_index()
+  with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
+      interrupts.handle_signals(install=jax.process_count() == 1):
+    outer, _ENTERED = _ENTERED, workdir
+    try:
+      yield
+    finally:
+      _ENTERED = outer
+
+
+def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps a loop's `run(config, workdir)` in `entered`."""
   @functools.wraps(run)
   def wrapper(config, workdir: str, *args, **kwargs):
-    config_lib.validate(config)   # a bad field fails before the processes join
-    sharding.initialize_distributed(config)   # before jax.process_index()
-    with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
-        interrupts.handle_signals(install=jax.process_count() == 1):
+    with entered(config, workdir):
       return run(config, workdir, *args, **kwargs)
   return wrapper

@@ -24,7 +24,7 @@ import optax
 
 from grpo_jax.rl import packing
 from grpo_jax.algorithms import logprobs as logprobs_lib
-from grpo_jax.algorithms import losses, policy_losses, rollout_correction
+from grpo_jax.algorithms import losses
 from grpo_jax.models.config import ModelConfig
 
 Params = Any
@@ -39,13 +39,13 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-  """The static (hashable) part of the loss; from config.rl / config.model."""
-  eps_low: float = 0.2
-  eps_high: float = 0.28
-  dual_clip: Optional[float] = None
-  agg: str = "token-mean"
-  kl_estimator: str = "k3"
-  use_kl: bool = False
+  """The static (hashable) part of the update; from config.rl / config.model.
+
+  loss: the policy loss and what it reads (losses.PolicyLossSpec); the KL
+  schedule (β = 0: no KL term and no reference model); the Dr. GRPO length
+  normaliser; and how the trainer's forward runs (temperature, log-prob
+  chunk, remat, dtype, attention)."""
+  loss: losses.PolicyLossSpec = losses.PolicyLossSpec()
   kl_beta: float = 0.0
   kl_start_step: int = 0
   kl_ramp_steps: int = 0
@@ -55,33 +55,21 @@ class LossSettings:
   remat: str = "none"
   compute_dtype: str = "float32"
   attention: str = "auto"
-  policy_loss: str = "ppo"
-  loss_params: policy_losses.LossParams = policy_losses.LossParams()
-  # rl.old_logp = sampler: the correction ρ = π_θ/π_rollout, inside the loss
-  bypass_correction: Optional[rollout_correction.CorrectionSettings] = None
+
+  @property
+  def use_kl(self) -> bool:
+    return self.kl_beta > 0
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
     rl = config.rl
-    return cls(eps_low=rl.eps_low, eps_high=rl.eps_high,
-               dual_clip=rl.dual_clip or None, agg=rl.loss_agg,
-               kl_estimator=rl.kl_estimator, use_kl=rl.kl_beta > 0,
+    return cls(loss=losses.PolicyLossSpec.from_config(rl),
                kl_beta=rl.kl_beta, kl_start_step=rl.kl_start_step,
                kl_ramp_steps=rl.kl_ramp_steps, max_len_norm=rl.max_len_norm,
                temperature=config.sampling.temperature or 1.0,
                chunk=config.model.logprob_chunk, remat=config.model.remat,
                compute_dtype=config.model.compute_dtype,
-               attention=config.model.attention,
-               policy_loss=rl.policy_loss,
-               loss_params=policy_losses.LossParams(
-                   eps_low=rl.eps_low, eps_high=rl.eps_high,
-                   dual_clip=rl.dual_clip or None, cispo_cap=rl.cispo_cap,
-                   gmpo_eps=rl.gmpo_eps, sapo_tau_pos=rl.sapo_tau_pos,
-                   sapo_tau_neg=rl.sapo_tau_neg),
-               bypass_correction=(
-                   rollout_correction.CorrectionSettings.from_config(
-                       rl.rollout_correction)
-                   if rl.old_logp == "sampler" else None))
+               attention=config.model.attention)
 
 
 class PackedUpdateBatch(NamedTuple):
@@ -224,12 +212,8 @@ def policy_loss(logp_nt, entropy_nt, batch, norm: losses.Normalisers,
   PackedUpdateBatch (its per-token fields are [N, T] either way)."""
   return losses.policy_loss(
       logp_nt, batch.old_logp_nt, batch.adv_n, batch.mask_nt,
-      batch.ref_logp_nt if s.use_kl else None, eps_low=s.eps_low,
-      eps_high=s.eps_high, dual_clip=s.dual_clip, agg=s.agg,
-      kl_beta=kl_beta, kl_estimator=s.kl_estimator, norm=norm,
-      entropy_nt=entropy_nt, loss=s.policy_loss, params=s.loss_params,
-      is_weight_nt=batch.is_weight_nt,
-      bypass_correction=s.bypass_correction)
+      batch.ref_logp_nt if s.use_kl else None, spec=s.loss, kl_beta=kl_beta,
+      norm=norm, entropy_nt=entropy_nt, is_weight_nt=batch.is_weight_nt)
 
 
 def global_normalisers(mask_nt: jax.Array, s: LossSettings

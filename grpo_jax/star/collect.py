@@ -139,7 +139,8 @@ def collect_examples(config, model_config, params, tokenizer,
   st, d = config.star, config.data
   cfg = experiment.sampling_config(config, tokenizer)
   if cfg.is_greedy:  # the evaluation's greedy program: compiled once for both
-    cfg = evaluation.eval_sampling_config(config, tokenizer, greedy=True)
+    cfg = evaluation.EvalSettings.from_config(config, cfg, spec).sampler(
+        greedy=True)
   questions = [p.question for p in problems]
   answers = [p.answer for p in problems]
   stored = rollout.render_prompts(tokenizer, d.template, questions,

@@ -29,7 +29,6 @@ import numpy as np
 
 from grpo_jax import errors
 from grpo_jax import checkpoint
-from grpo_jax import config as config_lib
 from grpo_jax import evaluation, registry
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.generate import sampling
@@ -139,11 +138,9 @@ def run(config, workdir: str) -> dict:
   the same workdir resumes there) under `workdir`. Returns eval_before /
   eval_after (held-out greedy accuracy), the per-iteration history and the
   final params."""
-  config_lib.validate(config)
   if config.method != "star":
     raise errors.ConfigError(f"star.run needs method='star', got "
                                  f"{config.method!r}")
-  sharding_lib.initialize_distributed(config)  # before any device is used
   st = config.star
   os.makedirs(os.path.join(workdir, "star"), exist_ok=True)
   problems, held_out = experiment.load_examples(config)   # cheap first
@@ -159,6 +156,8 @@ def run(config, workdir: str) -> dict:
                         prompts)   # before the weights load
   model_config, original = experiment.load_model(config)
   spec = rollout.RewardSpec.from_config(config)
+  eval_settings = evaluation.EvalSettings.from_config(
+      config, experiment.sampling_config(config, tokenizer), spec)
   layout = sharding_lib.Layout.from_config(config)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
   original, params, history = _start(
@@ -168,7 +167,7 @@ def run(config, workdir: str) -> dict:
 
   def evaluate(n: int, params, metrics: dict) -> None:
     metrics = {**evaluation.evaluate_policy(
-        config, model_config, params, tokenizer, held_out,
+        eval_settings, model_config, params, tokenizer, held_out,
         layout=layout).metrics, **metrics}
     history.append({"step": n, **writer.write(n, metrics)})
     logging.info("STaR iteration %d: %s", n, history[-1])

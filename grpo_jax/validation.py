@@ -1,0 +1,355 @@
+"""Config validation, once at start: every field's name and kind, the
+allowed values, registry names, ranges and the fields that must agree.
+
+`validate(config)` fails with an `errors.ConfigError` naming the field and
+what is allowed, before any compile or data load.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
+
+import ml_collections
+
+from grpo_jax import registry
+from grpo_jax.algorithms import dynamic_sampling, losses, rollout_correction
+from grpo_jax.config import base_config
+from grpo_jax.errors import ConfigError
+from grpo_jax.models import transformer
+
+ConfigDict = ml_collections.ConfigDict
+
+
+# The allowed values of the fields whose values are fixed strings (the
+# registry lists the open sets: losses, rewards, data sets, ...).
+DTYPES = ("float32", "bfloat16")
+
+_CHOICES = {
+    "model.param_dtype": DTYPES,
+    "model.compute_dtype": DTYPES,
+    "model.remat": tuple(transformer.REMAT_POLICIES),
+    "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
+    "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
+    "rl.on_cap": dynamic_sampling.ON_CAP,
+    "rl.packing": ("auto", "on", "off"),
+    "optim.schedule": ("constant", "cosine"),
+    "model.attention": transformer.ATTENTION,
+}
+# rl.num_generations may be 1: no group baseline (a batch baseline or none).
+_NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
+# Advantages that divide by the std of a group's G rewards (G > ddof).
+_STD_ADVANTAGES = ("grpo",)
+# Advantages the loop feeds per-step rewards (train.process_advantages).
+_PROCESS_ADVANTAGES = ("grpo_process",)
+# Policy losses whose ratio is PPO-clipped to [1 - eps_low, 1 + eps_high].
+# Registry fields that may be "" (none).
+_OPTIONAL_REGISTRY_FIELDS = ("rl.process_reward",)
+_REGISTRY_FIELDS = {
+    "method": "method",
+    "data.source": "dataset",
+    "data.template": "template",
+    "rl.advantage": "advantage",
+    "rl.loss_agg": "loss_agg",
+    "rl.policy_loss": "policy_loss",
+    "rl.process_reward": "process_reward",
+    "rl.kl_estimator": "kl_estimator",
+}
+
+
+def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
+                  open_fields: tuple[str, ...]) -> None:
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    if key not in base:
+      raise ConfigError(unknown_field(path, sorted(base.keys())))
+    ref = base[key]
+    if isinstance(ref, ConfigDict):
+      if path in open_fields:
+        continue
+      if not isinstance(value, ConfigDict):
+        raise ConfigError(f"config field {path!r} must be a group")
+      _check_fields(value, ref, path + ".", open_fields)
+    elif ref is not None and value is not None and not _same_kind(ref, value):
+      raise ConfigError(f"config field {path!r} = {value!r} should be a "
+                        f"{type(ref).__name__}")
+
+
+def unknown_field(path: str, names: list[str]) -> str:
+  """"unknown config field 'rl.eps_hihg': did you mean 'rl.eps_high'?" (the
+  nearest names in spelling, else every name there)."""
+  prefix, _, key = path.rpartition(".")
+  close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+  if close:
+    return (f"unknown config field {path!r}: did you mean "
+            f"{' or '.join(repr(f'{prefix}.{c}' if prefix else c) for c in close)}?")
+  return (f"unknown config field {path!r}; fields "
+          f"{'of ' + repr(prefix) if prefix else 'at the top level'}: {names}")
+
+
+def _same_kind(ref: Any, value: Any) -> bool:
+  if isinstance(ref, bool) or isinstance(value, bool):
+    return isinstance(ref, bool) and isinstance(value, bool)
+  if isinstance(ref, (int, float)):
+    return isinstance(value, (int, float))
+  if isinstance(ref, (tuple, list)):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(ref))
+
+
+def _get(config: ConfigDict, path: str) -> Any:
+  for part in path.split("."):
+    config = config[part]
+  return config
+
+
+def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
+  """Checks names, types, choices and ranges; returns the config unchanged.
+  data_files=False: the data sets' files may be unset (experiments/aot.py
+  compiles without reading them)."""
+  _check_fields(config, base_config(), "",
+                ("rewards", "reward_kwargs", "data.kwargs", "data.eval_kwargs"))
+  for path, allowed in _CHOICES.items():
+    if _get(config, path) not in allowed:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
+                        f"allowed: {allowed}")
+  for path, kind in _REGISTRY_FIELDS.items():
+    if path in _OPTIONAL_REGISTRY_FIELDS and not _get(config, path):
+      continue
+    if _get(config, path) not in registry.names(kind):
+      raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
+                        f"allowed: {registry.names(kind)}")
+  for name in list(config.rewards.keys()) + list(config.reward_kwargs.keys()):
+    if name not in registry.names("reward"):
+      raise ConfigError(f"config field 'rewards.{name}': unknown reward; "
+                        f"allowed: {registry.names('reward')}")
+  if config.accuracy_reward not in config.rewards:
+    raise ConfigError(f"config field 'accuracy_reward' = "
+                      f"{config.accuracy_reward!r} must be one of the rewards "
+                      f"{list(config.rewards.keys())}")
+  _check_ranges(config)
+  _check_final_answer(config)
+  _check_eval(config.eval)
+  if data_files:
+    _check_data_paths(config.data)
+  _check_layouts(config.data)
+  if not config.model.source:
+    raise ConfigError("config field 'model.source' is unset: give a preset "
+                      "name (e.g. smollm2-135m-instruct), a Hugging Face model "
+                      "directory or a .gguf file, e.g. "
+                      "--config.model.source=/ckpt/Qwen2.5-32B")
+  if config.method == "star":
+    _check_star(config.star)
+  return config
+
+
+# Keywords that locate the data of a file-backed dataset; "path" and
+# "data_dir" are also required non-empty wherever a config lists them.
+_DATA_LOCATION = {"jsonl": ("path",), "parquet": ("path",), "tfds": ("name",)}
+
+
+def _check_data_paths(data: ConfigDict) -> None:
+  sources = (("data.source", data.source, "data.kwargs", data.kwargs),
+             ("data.eval_source", data.eval_source or data.source,
+              "data.eval_kwargs", data.eval_kwargs))
+  for field, source, group, kwargs in sources:
+    listed = tuple(k for k in ("path", "data_dir") if k in kwargs)
+    for key in _DATA_LOCATION.get(source, ()) + listed:
+      if not kwargs.get(key):
+        # A key the dict lacks cannot be set as --config.<group>.<key>.
+        fix = (f"--config.{group}.{key}=..." if key in kwargs else
+               f"--config.{group}='{{\"{key}\": \"...\"}}' (the whole dict)")
+        raise ConfigError(f"config field '{group}.{key}' is unset but "
+                          f"{field} = {source!r} needs it: pass {fix}")
+
+
+def _check_layouts(data: ConfigDict) -> None:
+  """A file or TFDS data set's `layout` keyword names a registered layout
+  (or "auto"), checked here rather than when the data loads."""
+  for group in ("kwargs", "eval_kwargs"):
+    layout = data[group].get("layout")
+    if layout not in (None, "auto") and layout not in registry.names("layout"):
+      raise ConfigError(f"config field 'data.{group}.layout' = {layout!r}; "
+                        f"allowed: 'auto' or {registry.names('layout')}")
+
+
+def _check_star(star: ConfigDict) -> None:
+  positive = ("iterations", "samples_per_problem", "sample_batch",
+              "sft_steps", "batch_size")
+  for name in positive:
+    if star[name] < 1:
+      raise ConfigError(f"config field 'star.{name}' = {star[name]} must be "
+                        f">= 1")
+  for name in ("problems_per_iteration", "few_shot", "micro_batch_size",
+               "row_length"):
+    if star[name] < 0:
+      raise ConfigError(f"config field 'star.{name}' = {star[name]} must be "
+                        f">= 0")
+  if star.sft_growth <= 0:
+    raise ConfigError(f"config field 'star.sft_growth' = {star.sft_growth} "
+                      f"must be > 0")
+  if star.micro_batch_size and star.batch_size % star.micro_batch_size:
+    raise ConfigError(f"config field 'star.micro_batch_size' = "
+                      f"{star.micro_batch_size} must divide star.batch_size "
+                      f"= {star.batch_size}")
+
+
+# Fields that must be >= 1: counts, sizes, and the divisors of the loops
+# (a step is logged when step % train.log_every == 0), with why where it is
+# not plain.
+_AT_LEAST_1 = {
+    "rl.prompts_per_step": "", "rl.num_generations": "",
+    "rl.num_updates": "", "rl.max_gen_batches": "", "train.steps": "",
+    "train.log_every": " (metrics are written every train.log_every steps)",
+    "train.keep_checkpoints": " (the run resumes from the newest checkpoint "
+                              "it keeps)",
+    "sampling.max_new_tokens": "", "model.logprob_chunk": "",
+    "mesh.init_timeout_s": ""}
+# Fields that must be >= 0; 0 means "off" or "all" for the *_every and
+# *_batch_size fields (the loops test them before dividing).
+_AT_LEAST_0 = (
+    "optim.learning_rate", "optim.weight_decay", "optim.warmup_steps",
+    "rl.kl_beta", "rl.kl_start_step", "rl.kl_ramp_steps", "rl.adv_ddof",
+    "rl.adv_eps", "rl.max_len_norm", "rl.mini_batch_size",
+    "rl.micro_batch_size", "train.checkpoint_every", "train.eval_every",
+    "train.eval_examples", "sampling.temperature", "sampling.top_k")
+
+
+def _check_ranges(config: ConfigDict) -> None:
+  rl = config.rl
+  for path, why in _AT_LEAST_1.items():
+    if _get(config, path) < 1:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        f"be >= 1{why}")
+  for path in _AT_LEAST_0:
+    if _get(config, path) < 0:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        "be >= 0")
+  for path in ("sampling.chunk_rows", "sampling.slots"):
+    if _get(config, path) < 0:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        f"be >= 0 (0: automatic)")
+  if not 0 < config.sampling.top_p <= 1:
+    raise ConfigError(f"config field 'sampling.top_p' = "
+                      f"{config.sampling.top_p} must be in (0, 1]")
+  if config.method == "rl" and config.sampling.temperature == 0:
+    raise ConfigError(
+        "config field 'sampling.temperature' = 0: RL compares the "
+        f"{rl.num_generations} completions of a group, which at temperature 0 "
+        "are identical, so every advantage is 0 and nothing is learnt; use a "
+        "temperature > 0 (e.g. 1.0)")
+  if rl.advantage in _STD_ADVANTAGES and rl.num_generations <= rl.adv_ddof:
+    raise ConfigError(f"config field 'rl.adv_ddof' = {rl.adv_ddof} must be "
+                      f"below rl.num_generations = {rl.num_generations}: "
+                      f"rl.advantage = {rl.advantage!r} divides by the "
+                      f"group's std with G - ddof degrees of freedom")
+  if rl.num_generations < 2 and rl.advantage not in _NO_GROUP_ADVANTAGES:
+    raise ConfigError(f"config field 'rl.num_generations' must be >= 2 for "
+                      f"group-relative advantages (rl.advantage = "
+                      f"{rl.advantage!r}; G = 1 works with "
+                      f"{list(_NO_GROUP_ADVANTAGES)})")
+  _check_policy_loss(rl)
+  _check_advantage(rl)
+  if rl.micro_batch_tokens < 0:
+    raise ConfigError(f"config field 'rl.micro_batch_tokens' = "
+                      f"{rl.micro_batch_tokens} must be >= 0 (0: off)")
+  rows = rl.prompts_per_step * rl.num_generations
+  for path in ("rl.mini_batch_size", "rl.micro_batch_size"):
+    size = _get(config, path)
+    if size and rows % size:
+      raise ConfigError(f"config field {path!r} = {size} must divide the "
+                        f"{rows} completions of a step")
+  mini = rl.mini_batch_size or rows
+  if rl.micro_batch_size and mini % rl.micro_batch_size:
+    raise ConfigError(f"config field 'rl.micro_batch_size' = "
+                      f"{rl.micro_batch_size} must divide rl.mini_batch_size "
+                      f"= {mini}")
+
+
+def _check_policy_loss(rl: ConfigDict) -> None:
+  """A loss with its own aggregation (GSPO, GMPO, SAPO) must be given it;
+  the rollout correction's fields (rollout_correction.validate)."""
+  fixed = registry.lookup("policy_loss", rl.policy_loss).fixed_agg
+  if fixed is not None and rl.loss_agg != fixed:
+    raise ConfigError(f"config field 'rl.loss_agg' = {rl.loss_agg!r}: "
+                      f"rl.policy_loss = {rl.policy_loss!r} aggregates "
+                      f"{fixed!r} only (as verl); set --config.rl.loss_agg="
+                      f"{fixed}")
+  if rl.dual_clip and rl.policy_loss != "ppo":
+    raise ConfigError(f"config field 'rl.dual_clip' = {rl.dual_clip}: only "
+                      f"rl.policy_loss = 'ppo' has a dual clip")
+  try:
+    losses.PolicyLossSpec.from_config(rl)
+  except ValueError as e:   # the parameter's range (policy_losses.py)
+    raise ConfigError(f"config field rl.{e}") from e
+  try:
+    rollout_correction.validate(rollout_correction.CorrectionSettings
+                                .from_config(rl.rollout_correction),
+                                rl.old_logp)
+  except ValueError as e:
+    raise ConfigError(f"config group 'rl': {e}") from e
+
+
+def _takes_outcome_rewards(name: str) -> bool:
+  """Whether the advantage runs as the RL loop calls it on outcome rewards
+  (train.advantages): fn(reward_bg, ddof=, eps=, length_bg=) with reward_bg
+  [b, g] and length_bg [b, g] the valid tokens of each completion."""
+  try:
+    inspect.signature(registry.lookup("advantage", name)).bind(
+        None, ddof=1, eps=1e-6, length_bg=None)
+  except TypeError:
+    return False
+  return True
+
+
+def _check_advantage(rl: ConfigDict) -> None:
+  """The advantage must run as the loop calls it: outcome rewards
+  (train.advantages), or step rewards from rl.process_reward for
+  grpo_process (train.process_advantages)."""
+  name = rl.advantage
+  outcome = [n for n in registry.names("advantage")
+             if _takes_outcome_rewards(n)]
+  if name in _PROCESS_ADVANTAGES:
+    if rl.process_reward not in registry.names("process_reward"):
+      raise ConfigError(
+          f"config field 'rl.advantage' = {name!r} needs per-step rewards, "
+          f"but 'rl.process_reward' = {rl.process_reward!r} gives none: set "
+          f"one of {registry.names('process_reward')} (as "
+          f"configs/grpo_process.py does), or use an outcome advantage "
+          f"{outcome}")
+    return
+  if not _takes_outcome_rewards(name):
+    params = list(inspect.signature(
+        registry.lookup("advantage", name)).parameters)
+    raise ConfigError(
+        f"config field 'rl.advantage' = {name!r} takes {params}, but the RL "
+        f"loop gives it only outcome rewards reward_bg [b, g] and token "
+        f"counts length_bg (or, with rl.process_reward, per-step rewards to "
+        f"{list(_PROCESS_ADVANTAGES)}); allowed: {outcome}")
+
+
+def _check_final_answer(config: ConfigDict) -> None:
+  """Evaluation reads answers (maj@k) with the accuracy reward's registered
+  FinalAnswer; a run that evaluates needs one."""
+  t = config.train
+  evaluates = (config.method == "star" or t.eval_at_start or t.eval_at_end
+               or t.eval_every)
+  if evaluates and config.accuracy_reward not in registry.names("final_answer"):
+    raise ConfigError(
+        f"config field 'accuracy_reward' = {config.accuracy_reward!r} has no "
+        f"registered final_answer (how evaluation reads an answer); known: "
+        f"{registry.names('final_answer')}; or set train.eval_at_start, "
+        f"train.eval_at_end and train.eval_every off")
+
+
+def _check_eval(e: ConfigDict) -> None:
+  if e.n < 0 or e.batch_size < 1:
+    raise ConfigError(f"config fields 'eval.n'/'eval.batch_size' = "
+                      f"{e.n}/{e.batch_size}: need n >= 0, batch_size >= 1")
+  if e.n and not (e.ks and all(1 <= k <= e.n for k in e.ks)):
+    raise ConfigError(f"config field 'eval.ks' = {tuple(e.ks)}: each k of "
+                      f"pass@k / maj@k must be in [1, eval.n = {e.n}]")
+  if e.temperature < 0 or not 0 < e.top_p <= 1:
+    raise ConfigError(f"config fields 'eval.temperature'/'eval.top_p' = "
+                      f"{e.temperature}/{e.top_p}: need temperature >= 0, "
+                      f"0 < top_p <= 1")
