@@ -1,8 +1,10 @@
 """Runs one experiment: python experiments/run.py --config=configs/X.py[:arg].
 
   --config.rl.num_generations=16   overrides any field (ml-collections)
-  --workdir=DIR                    where metrics, TensorBoard logs,
-                                   checkpoints and plots go
+  --workdir=DIR                    where the resolved config (config.yaml),
+                                   metrics, TensorBoard logs, checkpoints
+                                   and plots go
+  --verbosity=1                    also the libraries' INFO logs (orbax)
   --list                           lists the named experiments in configs/
 """
 import contextlib
@@ -58,7 +60,6 @@ def _run(config, workdir: str) -> dict:
   from grpo_jax import checkpoint, config as config_lib, registry
   from grpo_jax.harness import runs
   config_lib.validate(config)   # before a run is recorded
-  logging.info("config:\n%s", config)
   run = registry.lookup("method", config.method)  # rl: train.run, star: star_loop.run
   # Every run is recorded (name, config, commit, times, status, metrics,
   # workdir, checkpoint) in the run store: experiments/runs.py list|show|compare.

@@ -74,3 +74,42 @@ def test_verbosity_1_brings_orbax_info_back(tmp_path):
     return proc.stderr
   assert "checkpoint_manager.py" not in run()
   assert "checkpoint_manager.py" in run("--verbosity=1")
+
+
+# ----------------------------------------------------------------------------
+# The resolved config: <workdir>/config.yaml.
+# ----------------------------------------------------------------------------
+
+def _listify(value):
+  if isinstance(value, dict):
+    return {k: _listify(v) for k, v in value.items()}
+  if isinstance(value, (tuple, list)):
+    return [_listify(v) for v in value]
+  return value
+
+
+def test_write_config_round_trips_as_plain_yaml(tmp_path):
+  config = tiny.get_config()
+  config.rl.num_generations = 6   # an override is what is written
+  path = experiment.write_config(config, str(tmp_path))
+  assert path == str(tmp_path / "config.yaml")
+  loaded = yaml.safe_load(Path(path).read_text())
+  assert loaded == _listify(config.to_dict())
+  assert loaded["rl"]["num_generations"] == 6
+  assert loaded["mesh"]["shape"] == [-1, 1, 1]
+  assert loaded["mesh"]["rules"][0] == ["batch", ["data", "fsdp"]]
+  assert os.listdir(tmp_path) == ["config.yaml"]
+
+
+def test_a_failed_config_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
+  config = tiny.get_config()
+  experiment.write_config(config, str(tmp_path))
+  before = (tmp_path / "config.yaml").read_text()
+  def killed(*args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(os, "replace", killed)
+  config.rl.num_generations = 6
+  with pytest.raises(KeyboardInterrupt):
+    experiment.write_config(config, str(tmp_path))
+  assert (tmp_path / "config.yaml").read_text() == before
+  assert os.listdir(tmp_path) == ["config.yaml"]
