@@ -24,6 +24,45 @@ ABSL_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ ([^:\]]+):\d+\] ")
 
 
 # ----------------------------------------------------------------------------
+# One line per step.
+# ----------------------------------------------------------------------------
+
+RL_METRICS = {"reward/mean": 0.125, "accuracy": 0.25, "response_length/mean": 7.75,
+              "kl": 0.00123, "entropy": 5.5273, "time/sample": 0.414,
+              "time/update": 0.2, "time/reference": 0.03, "time/step": 0.6349,
+              "loss": 1.0}
+
+
+def test_step_line_shows_the_rl_fields_in_order_and_the_seconds_split():
+  assert metrics.step_line(2, 3, RL_METRICS) == (
+      "step 2/3  reward 0.125  acc 0.250  len 7.8  kl 0.0012  entropy 5.527"
+      "  |  sample 0.41s  update 0.20s  total 0.63s")
+
+
+def test_step_line_leaves_missing_keys_out_and_prints_nan():
+  line = metrics.step_line(1, 10, {"reward/mean": math.nan, "accuracy": 1,
+                                   "time/update": 2.0})
+  assert line == "step 1/10  reward nan  acc 1.000  |  update 2.00s"
+  assert metrics.step_line(5, 5, {}) == "step 5/5"
+
+
+def test_step_line_of_a_star_iteration_and_an_evaluation():
+  star = {"eval/greedy_accuracy": 0.5, "star/train_accuracy": 0.375,
+          "star/kept_direct": 3, "star/kept_rationalized": 2, "sft/steps": 40,
+          "sft/loss_last": 0.71234, "time/sample": 1.0, "time/finetune": 2.5,
+          "eval/seconds": 0.25}
+  assert metrics.step_line(1, 3, star, metrics.STAR_LINE, metrics.STAR_TIMES,
+                           unit="STaR iteration") == (
+      "STaR iteration 1/3  eval greedy acc 0.500  train acc 0.375  kept 3"
+      "  rationalized 2  sft steps 40  sft loss 0.7123"
+      "  |  sample 1.00s  finetune 2.50s  eval 0.25s")
+  assert metrics.step_line(0, 3, {"eval/greedy_accuracy": 0.0, "eval/response_length": 8.0,
+                                  "eval/seconds": 4.62, "eval/num_examples": 8},
+                           metrics.EVAL_LINE, metrics.EVAL_TIMES) == (
+      "step 0/3  eval greedy acc 0.000  len 8.0  |  eval 4.62s")
+
+
+# ----------------------------------------------------------------------------
 # No library INFO below --verbosity=1.
 # ----------------------------------------------------------------------------
 
@@ -113,3 +152,51 @@ def test_a_failed_config_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     experiment.write_config(config, str(tmp_path))
   assert (tmp_path / "config.yaml").read_text() == before
   assert os.listdir(tmp_path) == ["config.yaml"]
+
+
+# ----------------------------------------------------------------------------
+# The progress bar.
+# ----------------------------------------------------------------------------
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_no_bar_without_a_terminal(monkeypatch):
+  stream = io.StringIO()
+  monkeypatch.setattr(sys, "stderr", stream)
+  bar = metrics.progress_bar(3, enabled=True)
+  bar.update(1)
+  bar.set_postfix(reward="0.5")
+  bar.close()
+  assert stream.getvalue() == ""
+  monkeypatch.setattr(sys, "stderr", _Terminal())
+  bar = metrics.progress_bar(3, enabled=False)
+  bar.update(1)
+  bar.close()
+  assert sys.stderr.getvalue() == ""
+
+
+def test_log_lines_are_printed_above_the_bar_not_into_it(monkeypatch):
+  terminal = _Terminal()
+  monkeypatch.setattr(sys, "stderr", terminal)
+  handler = logging.StreamHandler(terminal)
+  root = logging.getLogger()
+  root.addHandler(handler)
+  level = root.level
+  root.setLevel(logging.INFO)
+  try:
+    bar = metrics.progress_bar(3, enabled=True)
+    bar.update(1)
+    logging.info("a log line")
+    bar.update(1)
+    bar.close()
+    assert "emit" not in vars(handler)   # the handler is as it was
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+  out = terminal.getvalue()
+  assert "1/3" in out and "2/3" in out
+  # on a line of its own: not glued to the bar's text
+  assert "a log line" in re.split(r"[\r\n]", out), repr(out)
