@@ -200,3 +200,27 @@ def test_log_lines_are_printed_above_the_bar_not_into_it(monkeypatch):
   assert "1/3" in out and "2/3" in out
   # on a line of its own: not glued to the bar's text
   assert "a log line" in re.split(r"[\r\n]", out), repr(out)
+
+
+# ----------------------------------------------------------------------------
+# The tiny run, end to end.
+# ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_tiny_run_prints_a_few_lines_none_from_a_library(tmp_path):
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "experiments/run.py", "--config=configs/tiny.py",
+       f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+      env=dict(ENV, GRPO_JAX_RUNS=str(tmp_path / "store")))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = (proc.stdout + proc.stderr).splitlines()
+  assert len(lines) <= 40, "\n".join(lines)
+  assert "orbax" not in proc.stdout + proc.stderr
+  ours = {p.name for d in ("grpo_jax", "experiments") for p in (REPO / d).rglob("*.py")}
+  for line in lines:
+    match = ABSL_LINE.match(line)
+    assert match is None or match.group(1) in ours, line
+  assert f"config: {workdir / 'config.yaml'}" in proc.stderr
+  loaded = yaml.safe_load((workdir / "config.yaml").read_text())
+  assert loaded == _listify(tiny.get_config().to_dict())
