@@ -1,8 +1,10 @@
 """Runs one experiment: python experiments/run.py --config=configs/X.py[:arg].
 
   --config.rl.num_generations=16   overrides any field (ml-collections)
-  --workdir=DIR                    where metrics, TensorBoard logs,
-                                   checkpoints and plots go
+  --workdir=DIR                    where the resolved config (config.yaml),
+                                   metrics, TensorBoard logs, checkpoints
+                                   and plots go
+  --verbosity=1                    also the libraries' INFO logs (orbax)
   --list                           lists the named experiments in configs/
 """
 import contextlib
@@ -60,7 +62,6 @@ def _run(config, workdir: str) -> dict:
   # Validation, joining the processes, the workdir lock and signal handling
   # happen once, here: the method's own guard finds the run entered.
   with experiment.entered(config, workdir):
-    logging.info("config:\n%s", config)
     run = registry.lookup("method", config.method)  # rl.train.run, star.loop.run
     # Every run is recorded (name, config, commit, times, status, metrics,
     # workdir, checkpoint) in the run store: experiments/runs.py list|show.

@@ -1,5 +1,6 @@
 """What the experiments/*.py commands share: flag errors that name the config
-field, and user errors printed as one message instead of a traceback.
+field, user errors printed as one message instead of a traceback, and quiet
+logs (below --verbosity=1 no library INFO: orbax logs ~50 lines a checkpoint).
 
     app.run(main, flags_parser=cli.parse_flags)
 
@@ -160,14 +161,37 @@ class _NoLibraryTracebacks(logging.Filter):
   user error that follows says what happened. --verbosity=1 keeps them."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.exc_info and not record.pathname.startswith(_REPO):
+    if record.exc_info and not ours(record.pathname):
       if absl_logging.get_verbosity() < absl_logging.DEBUG:
         record.exc_info, record.exc_text = None, None
         record.msg = f"{record.msg} (traceback hidden: --verbosity=1 shows it)"
     return True
 
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+class _NoLibraryInfo(logging.Filter):
+  """Drops the INFO and DEBUG records of libraries (orbax logs ~50 lines
+  per checkpoint: its options, handler registrations, each thread's
+  progress); this project's own lines and every library's warnings and
+  errors stay. --verbosity=1 keeps them all."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return (record.levelno >= logging.WARNING or ours(record.pathname)
+            or absl_logging.get_verbosity() >= absl_logging.DEBUG)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(_PACKAGE)
+
+
+def ours(pathname: str) -> bool:
+  """Whether a log record's source file is this project's (grpo_jax/,
+  experiments/, benchmarks/), not an installed library's. (orbax logs
+  through absl, so the logger's name does not tell.)"""
+  path = os.path.abspath(pathname)
+  if path.startswith(_PACKAGE + os.sep):
+    return True
+  installed = {"site-packages", "dist-packages"} & set(path.split(os.sep))
+  return path.startswith(_ROOT + os.sep) and not installed
 
 
 def _closed_loop_callback(unraisable) -> bool:
@@ -193,14 +217,24 @@ def _quiet_unraisablehook(previous):
   return hook
 
 
+def _add_filter(kind: type[logging.Filter]) -> None:
+  for handler in logging.getLogger().handlers:
+    if not any(isinstance(f, kind) for f in handler.filters):
+      handler.addFilter(kind())
+
+
+def hide_library_info() -> None:
+  """Installs `_NoLibraryInfo` on the root logger's handlers (absl's among
+  them): no library INFO below --verbosity=1."""
+  _add_filter(_NoLibraryInfo)
+
+
 def hide_library_tracebacks() -> None:
   """Installs `_NoLibraryTracebacks` on the root logger's handlers, and an
   unraisable-exception hook that drops the "Event loop is closed" tracebacks
   a failed asynchronous checkpoint leaves behind (one per write still in
   flight; a full disk printed up to 35)."""
-  for handler in logging.getLogger().handlers:
-    if not any(isinstance(f, _NoLibraryTracebacks) for f in handler.filters):
-      handler.addFilter(_NoLibraryTracebacks())
+  _add_filter(_NoLibraryTracebacks)
   if not getattr(sys.unraisablehook, "grpo_jax_quiet", False):
     sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
 
@@ -208,7 +242,9 @@ def hide_library_tracebacks() -> None:
 @contextlib.contextmanager
 def user_errors(workdir: Optional[str] = None) -> Iterator[None]:
   """Exits with the message of a user error (status 1; a pre-empted run
-  128 + the signal) and no traceback; anything else propagates."""
+  128 + the signal) and no traceback; anything else propagates. Library
+  INFO lines and tracebacks are hidden below --verbosity=1."""
+  hide_library_info()
   hide_library_tracebacks()
   try:
     yield

@@ -15,7 +15,8 @@ entry point (`experiments/evaluate.py`) all start here:
 - `metric_writer`: metrics.jsonl and TensorBoard continued after a resume
   as if the run had never stopped;
 - `guarded`: a loop's `run` holding the workdir lock (workdir_lock.py), with
-  SIGTERM / Ctrl-C saving at the next step boundary (interrupts.py).
+  SIGTERM / Ctrl-C saving at the next step boundary (interrupts.py), and the
+  resolved config written to `<workdir>/config.yaml` (`write_config`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
+import yaml
 
 from grpo_jax import errors
 from grpo_jax import checkpoint, models, registry
@@ -234,6 +236,8 @@ def entered(config, workdir: str) -> Iterator[None]:
   sharding.initialize_distributed(config)   # before jax.process_index()
   with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
       interrupts.handle_signals(install=jax.process_count() == 1):
+    if metrics_lib.is_primary():   # under the lock: never another run's file
+      logging.info("config: %s", write_config(config, workdir))
     outer, _ENTERED = _ENTERED, workdir
     try:
       yield
@@ -248,3 +252,38 @@ def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
     with entered(config, workdir):
       return run(config, workdir, *args, **kwargs)
   return wrapper
+
+
+# ----------------------------------------------------------------------------
+# The resolved config.
+# ----------------------------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+  """`value` as plain YAML data: tuples as lists, anything unusual as text."""
+  if isinstance(value, Mapping):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (tuple, list)):
+    return [_plain(v) for v in value]
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  return str(value)
+
+
+def write_config(config, workdir: str) -> str:
+  """Writes the resolved config (overrides applied) to `<workdir>/config.yaml`
+  and returns its path. Plain YAML (`yaml.safe_load` reads it; tuples are
+  lists), written to a temporary file and renamed, so a killed run leaves
+  the old file or the new one, never half of one."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "config.yaml")
+  text = yaml.safe_dump(_plain(config.to_dict()), sort_keys=False,
+                        default_flow_style=None, width=100)
+  tmp = f"{path}.tmp.{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return path

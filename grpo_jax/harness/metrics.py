@@ -1,18 +1,21 @@
-"""Metrics out: JSONL and TensorBoard in the workdir, a progress bar, a PNG.
+"""Metrics out: JSONL and TensorBoard in the workdir, one log line per step
+(`step_line`), a progress bar on a terminal (`progress_bar`), a PNG.
 
 In a multi-process run every host runs the same loop; only process 0 writes
 (`is_primary`), so each file has one writer and each row appears once.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
 import math
 import os
 import struct
+import sys
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -75,6 +78,107 @@ class MetricWriter:
       self._file.close()
     if self._tb is not None:
       self._tb.close()
+
+
+# ----------------------------------------------------------------------------
+# The per-step log line and the progress bar.
+# ----------------------------------------------------------------------------
+
+# (metric key, label, format) of a step's log line, in order; a key the
+# step's metrics lack is left out of the line.
+RL_LINE = (("reward/mean", "reward", ".3f"), ("accuracy", "acc", ".3f"),
+           ("response_length/mean", "len", ".1f"), ("kl", "kl", ".4f"),
+           ("entropy", "entropy", ".3f"))
+# (metric key, label): where the step's seconds went.
+RL_TIMES = (("time/sample", "sample"), ("time/update", "update"),
+            ("time/step", "total"))
+EVAL_LINE = (("eval/greedy_accuracy", "eval greedy acc", ".3f"),
+             ("eval/response_length", "len", ".1f"))
+EVAL_TIMES = (("eval/seconds", "eval"),)
+STAR_LINE = (("eval/greedy_accuracy", "eval greedy acc", ".3f"),
+             ("star/train_accuracy", "train acc", ".3f"),
+             ("star/kept_direct", "kept", "g"),
+             ("star/kept_rationalized", "rationalized", "g"),
+             ("sft/steps", "sft steps", "g"),
+             ("sft/loss_last", "sft loss", ".4f"))
+STAR_TIMES = (("time/sample", "sample"), ("time/finetune", "finetune"),
+              ("eval/seconds", "eval"))
+
+
+def step_line(step: int, total: int, metrics: Mapping[str, Any],
+              fields: Sequence[tuple[str, str, str]] = RL_LINE,
+              times: Sequence[tuple[str, str]] = RL_TIMES,
+              unit: str = "step") -> str:
+  """One log line for a step's metrics, e.g.
+
+      step 2/3  reward 0.125  acc 0.250  len 7.8  entropy 5.527
+        |  sample 0.41s  update 0.20s  total 0.63s      (on one line)
+
+  `fields` and `times` name the keys shown (RL_LINE / RL_TIMES: the RL
+  loop's; EVAL_*: a held-out evaluation's; STAR_*: a STaR iteration's); a key
+  missing from `metrics` is left out, a NaN prints as nan."""
+  parts = [f"{unit} {step}/{total}"]
+  parts += [f"{label} {float(metrics[key]):{spec}}"
+            for key, label, spec in fields if key in metrics]
+  seconds = [f"{label} {float(metrics[key]):.2f}s"
+             for key, label in times if key in metrics]
+  return "  ".join(parts + (["|", *seconds] if seconds else []))
+
+
+class _NoBar:
+  """What `progress_bar` gives where there is no terminal: does nothing."""
+
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def set_postfix(self, **kwargs) -> None:
+    del kwargs
+
+  def close(self) -> None:
+    pass
+
+
+class _Bar:
+  """tqdm's bar on stderr; while it is open, log records are written above
+  it (the bar is cleared before each record and redrawn after), so a log
+  line never runs into the bar."""
+
+  def __init__(self, **kwargs):
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    self._tqdm = tqdm(file=sys.stderr, **kwargs)
+    self._handlers = [h for h in logging.getLogger().handlers
+                      if "emit" not in vars(h)]
+    for handler in self._handlers:
+      handler.emit = functools.partial(_emit_above, tqdm, handler.emit)
+
+  def update(self, n: int = 1) -> None:
+    self._tqdm.update(n)
+
+  def set_postfix(self, **kwargs) -> None:
+    self._tqdm.set_postfix(**kwargs)
+
+  def close(self) -> None:
+    for handler in self._handlers:
+      vars(handler).pop("emit", None)
+    self._handlers = []
+    self._tqdm.close()
+
+
+def _emit_above(tqdm_class, emit: Callable[[logging.LogRecord], None],
+                record: logging.LogRecord) -> None:
+  with tqdm_class.external_write_mode(file=sys.stderr):
+    emit(record)
+
+
+def progress_bar(total: int, enabled: bool = True, initial: int = 0,
+                 desc: str = "train", unit: str = "step") -> _Bar | _NoBar:
+  """A progress bar (`update(n)`, `set_postfix(...)`, `close()`): tqdm's
+  where `enabled` and stderr is a terminal, with log lines printed above it;
+  elsewhere (a log file, a pipe, CI) one that does nothing, as the per-step
+  log line says the same."""
+  if not (enabled and sys.stderr.isatty()):
+    return _NoBar()
+  return _Bar(total=total, initial=initial, desc=desc, unit=unit)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -170,10 +170,15 @@ def run(config, workdir: str) -> dict:
         eval_settings, model_config, params, tokenizer, held_out,
         layout=layout).metrics, **metrics}
     history.append({"step": n, **writer.write(n, metrics)})
-    logging.info("STaR iteration %d: %s", n, history[-1])
+    logging.info("%s", metrics_lib.step_line(
+        n, st.iterations, metrics, metrics_lib.STAR_LINE,
+        metrics_lib.STAR_TIMES, unit="STaR iteration"))
 
   if not history:
     evaluate(0, original, {})
+  progress = metrics_lib.progress_bar(
+      st.iterations, config.train.progress and writer.enabled,
+      len(history) - 1, desc="star", unit="iteration")
   interrupts.defer_to_step_boundary()
   for n in range(len(history), st.iterations + 1):
     chosen = problems
@@ -201,12 +206,14 @@ def run(config, workdir: str) -> dict:
     else:
       metrics["sft/steps"] = 0
     evaluate(n, params, metrics)
+    progress.update(1)
     stop = interrupts.stop_requested()
     ckpt.save(n, {"params": params}, {"history": history},
               force=n == st.iterations or stop)
     if ckpt.preempted or stop:
       interrupts.mark_preempted(n, str(ckpt.step_path(n)))
       break
+  progress.close()
   ckpt.close()
   writer.close()
   summary = {"eval_before": history[0]["eval/greedy_accuracy"],
