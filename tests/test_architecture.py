@@ -84,32 +84,79 @@ def test_algorithms_import_nothing_above_them():
   assert not above
 
 
-def _layout_rows() -> list[set[str]]:
-  """The grpo_jax modules/packages named in each row of the README Layout
-  table, top row first."""
+def _readme() -> str:
   with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-    readme = f.read()
-  layout = readme[readme.index("## Layout"):readme.index("## Dependencies")]
-  rows = []
-  for line in layout.splitlines():
-    if line.startswith("| `grpo_jax/"):
-      cell = line.split("|")[1]
-      rows.append({name.strip("`/ ").removesuffix(".py").split("/")[-1]
-                   for name in cell.split(",")})
-  return rows
+    return f.read()
+
+
+def _layout_rows() -> list[str]:
+  """The grpo_jax packages and top-level modules the README's layout tree
+  names, top row first: the lines `  name/` or `  name.py` of the first code
+  block under `## Layout`."""
+  readme = _readme()
+  section = readme[readme.index("\n## Layout\n"):]
+  section = section[:section.find("\n## ", 1)]
+  block = section.split("```")[1]
+  return [m.group(1) for line in block.splitlines()
+          if (m := re.match(r"  ([a-z_]+)(?:/|\.py)(?:\s|$)", line))]
+
+
+# Imports that go up the layout: `cast` (a dtype helper) lives in rl/update.py
+# but setup and evaluation, listed below rl/, import it. Named edge by edge so
+# that any other upward import fails; delete once `cast` moves below.
+_KNOWN_UPWARD = {("grpo_jax.harness.experiment", "grpo_jax.rl.update"),
+                 ("grpo_jax.evaluation", "grpo_jax.rl.update")}
 
 
 def test_readme_layout_names_every_module_in_import_order():
   rows = _layout_rows()
-  row_of = {name: i for i, row in enumerate(rows) for name in row}
   top = lambda m: m.split(".")[1]
-  assert set(row_of) == {top(m) for m in import_graph.modules(ROOT)
-                         if m != "grpo_jax"}
-  upward = sorted({(top(e.source), top(e.target))
-                   for e in import_graph.edges(ROOT)
+  assert len(rows) == len(set(rows)), f"listed twice: {rows}"
+  assert set(rows) == {top(m) for m in import_graph.modules(ROOT)
+                       if m != "grpo_jax"}
+  row_of = {name: i for i, name in enumerate(rows)}
+  upward = sorted({(e.source, e.target) for e in import_graph.edges(ROOT)
                    if e.source != "grpo_jax" and e.target != "grpo_jax"
-                   and row_of[top(e.target)] < row_of[top(e.source)]})
+                   and row_of[top(e.target)] < row_of[top(e.source)]}
+                  - _KNOWN_UPWARD)
   assert not upward, f"imports of a module listed above: {upward}"
+
+
+def test_readme_is_at_most_250_lines():
+  assert len(_readme().splitlines()) <= 250
+
+
+# Pages that land from other branches and may be missing until they merge.
+# Lead: delete this set and its one use below once docs/verifier.md and
+# docs/sandbox.md are on main.
+_NOT_YET_MERGED = {"docs/verifier.md", "docs/sandbox.md"}
+
+
+def _relative_links(path: str) -> list[str]:
+  """The targets of markdown links and images in `path`, outside code, with
+  web links and pure anchors left out and any #anchor cut off."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  text = re.sub(r"```.*?```", "", text, flags=re.S)   # code blocks
+  text = re.sub(r"`[^`\n]*`", "", text)               # inline code
+  targets = re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+  return [t.split("#")[0] for t in targets
+          if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+  pages = ["README.md"] + sorted(
+      os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
+      if name.endswith(".md"))
+  missing = set()
+  for page in pages:
+    for target in _relative_links(os.path.join(ROOT, page)):
+      resolved = os.path.relpath(
+          os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target)), ROOT)
+      if not os.path.exists(os.path.join(ROOT, resolved)):
+        missing.add((page, target, resolved))
+  missing = {m for m in missing if m[2] not in _NOT_YET_MERGED}
+  assert not missing, f"links to nothing: {sorted(missing)}"
 
 
 # ----------------------------------------------------------------------------
