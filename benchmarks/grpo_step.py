@@ -62,6 +62,7 @@ from grpo_jax.harness import experiment
 from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train, update
+from grpo_jax import models
 from grpo_jax.models import loading
 from grpo_jax.rewards import last_number
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -159,7 +160,7 @@ class OursStep:
     mark = self.clock.mark()
     t0 = time.perf_counter()
     key = jax.random.fold_in(jax.random.key(c.seed), step)
-    compute = update.cast(self.state.params, c.model.compute_dtype)
+    compute = models.cast(self.state.params, c.model.compute_dtype)
     generate = lambda i: rollout.generate_groups(
         self.model_config, compute, self.tokenizer, self.examples,
         jax.random.fold_in(key, i), self.sample_cfg, rl.num_generations,

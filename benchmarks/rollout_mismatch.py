@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import dapo_aime
+from grpo_jax import models
 from grpo_jax.harness import experiment
 from grpo_jax.generate import rollout
 from grpo_jax.rl import update
@@ -84,7 +85,7 @@ def main() -> None:
   for dtype in sorted({s for s, _ in PAIRS}):
     t0 = time.perf_counter()
     batch, _ = rollout.generate_groups(
-        model_config, update.cast(params, dtype), tokenizer, examples,
+        model_config, models.cast(params, dtype), tokenizer, examples,
         jax.random.key(args.seed), cfg, args.generations, spec,
         config.data.template, config.data.system_prompt)
     samples[dtype] = rollout.pack(batch, tokenizer.pad_id or 0, False)

@@ -101,13 +101,6 @@ def _layout_rows() -> list[str]:
           if (m := re.match(r"  ([a-z_]+)(?:/|\.py)(?:\s|$)", line))]
 
 
-# Imports that go up the layout: `cast` (a dtype helper) lives in rl/update.py
-# but setup and evaluation, listed below rl/, import it. Named edge by edge so
-# that any other upward import fails; delete once `cast` moves below.
-_KNOWN_UPWARD = {("grpo_jax.harness.experiment", "grpo_jax.rl.update"),
-                 ("grpo_jax.evaluation", "grpo_jax.rl.update")}
-
-
 def test_readme_layout_names_every_module_in_import_order():
   rows = _layout_rows()
   top = lambda m: m.split(".")[1]
@@ -117,8 +110,7 @@ def test_readme_layout_names_every_module_in_import_order():
   row_of = {name: i for i, name in enumerate(rows)}
   upward = sorted({(e.source, e.target) for e in import_graph.edges(ROOT)
                    if e.source != "grpo_jax" and e.target != "grpo_jax"
-                   and row_of[top(e.target)] < row_of[top(e.source)]}
-                  - _KNOWN_UPWARD)
+                   and row_of[top(e.target)] < row_of[top(e.source)]})
   assert not upward, f"imports of a module listed above: {upward}"
 
 

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 import sharding_checks as checks
 from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import sharding
+from grpo_jax import models, sharding
 from grpo_jax.harness import metrics
 from grpo_jax.rl import update
 
@@ -193,8 +193,8 @@ def test_bfloat16_params_keep_float32_optimizer_state(params,
   reaches the optimizer in the params' dtype)."""
   optimizer = update.make_optimizer(checks.OPTIM, 10)
   grads32 = float32_loss_grad[1]
-  p16, g16 = update.cast(params, "bfloat16"), update.cast(grads32, "bfloat16")
-  p32, g32 = update.cast(p16, "float32"), update.cast(g16, "float32")
+  p16, g16 = models.cast(params, "bfloat16"), models.cast(grads32, "bfloat16")
+  p32, g32 = models.cast(p16, "float32"), models.cast(g16, "float32")
   state16, state32 = optimizer.init(p16), optimizer.init(p32)
   moments = jax.tree.leaves((state16[1][0].mu, state16[1][0].nu))
   assert {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}
@@ -219,7 +219,7 @@ def test_bfloat16_params_through_update_step(params, batch):
   """The jitted update takes bfloat16 params: they stay bfloat16, the
   moments float32, and the loss is close to the float32 one."""
   optimizer = update.make_optimizer(checks.OPTIM, 10)
-  state = update.init_state(update.cast(params, "bfloat16"), optimizer, 0)
+  state = update.init_state(models.cast(params, "bfloat16"), optimizer, 0)
   new, metrics = update.update_step(state, batch, checks.MODEL, optimizer,
                                     checks.NUM_MICRO, checks.SETTINGS)
   assert {x.dtype for x in jax.tree.leaves(new.params)} == {

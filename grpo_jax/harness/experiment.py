@@ -41,7 +41,7 @@ from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
-from grpo_jax.rl.update import cast
+from grpo_jax.models import cast
 
 Params = Any
 

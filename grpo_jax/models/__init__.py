@@ -1,7 +1,7 @@
 """Decoder models: configs and presets, pure forward, KV cache, weights in/out."""
 from grpo_jax.models.config import (ModelConfig, RopeScaling, get_preset,
                                     preset_names)
-from grpo_jax.models.transformer import (KVCache, count_params, decode_step,
+from grpo_jax.models.transformer import (KVCache, cast, count_params, decode_step,
                                          forward, hidden_states, init_cache,
                                          init_params, param_axes, param_shapes,
                                          unembed)

@@ -102,6 +102,12 @@ def init_params(config: ModelConfig, key: jax.Array,
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def cast(params: Params, dtype: str) -> Params:
+  """`params` with every leaf in `dtype` (the sampler's or trainer's
+  compute dtype)."""
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
 def count_params(config: ModelConfig) -> int:
   leaves = jax.tree_util.tree_leaves(param_shapes(config),
                                      is_leaf=lambda x: isinstance(x, tuple))

@@ -32,7 +32,8 @@ from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
 from grpo_jax.rl.step import train_step
-from grpo_jax.rl.update import (LossSettings, OptimizerSpec, cast, init_state,
+from grpo_jax.models import cast
+from grpo_jax.rl.update import (LossSettings, OptimizerSpec, init_state,
                                 learning_rate_schedule)
 
 
@@ -202,13 +203,15 @@ def run(config, workdir: str) -> dict:
                                    state.params, r.tokenizer, r.eval_examples,
                                    layout=r.layout).metrics
     writer.write(step, m)
-    logging.info("step %d: %s", step, m)
+    logging.info("%s", metrics_lib.step_line(
+        step, config.train.steps, m, metrics_lib.EVAL_LINE,
+        metrics_lib.EVAL_TIMES))
     return m
 
   if config.train.eval_at_start and r.eval_examples and start == 0:
     summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
-  progress = _progress(config.train.steps, config.train.progress and primary,
-                       start)
+  progress = metrics_lib.progress_bar(
+      config.train.steps, config.train.progress and primary, start)
   interrupts.defer_to_step_boundary()
   for step in range(start, config.train.steps):
     t_step = time.perf_counter()
@@ -222,6 +225,8 @@ def run(config, workdir: str) -> dict:
     metrics["sampler/compilations"] = sampling.COMPILES.count
     if step % config.train.log_every == 0 or step == config.train.steps - 1:
       writer.write(step + 1, metrics)
+      logging.info("%s", metrics_lib.step_line(step + 1, config.train.steps,
+                                               metrics))
     progress.update(1)
     progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                          acc=f"{metrics['accuracy']:.3f}")
@@ -250,8 +255,3 @@ def run(config, workdir: str) -> dict:
   summary["state"] = state
   return summary
 
-
-def _progress(total: int, enabled: bool, initial: int = 0):
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  return tqdm(total=total, initial=initial, disable=not enabled, desc="train",
-              unit="step")

@@ -26,6 +26,7 @@ from grpo_jax.rl import packing
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.transformer import cast
 
 Params = Any
 
@@ -175,10 +176,6 @@ def init_state(params: Params, optimizer, seed: int) -> TrainState:
 # ----------------------------------------------------------------------------
 # Log-probs and the loss.
 # ----------------------------------------------------------------------------
-
-def cast(params: Params, dtype: str) -> Params:
-  return jax.tree.map(lambda x: x.astype(dtype), params)
-
 
 def completion_logprobs(model_config: ModelConfig, params: Params,
                         tokens_ns, positions_ns, valid_ns, num_completion: int,

@@ -33,7 +33,8 @@ from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rl import packing, update
-from grpo_jax.rl.update import TrainState, cast
+from grpo_jax.models import cast
+from grpo_jax.rl.update import TrainState
 
 Params = transformer.Params
 
