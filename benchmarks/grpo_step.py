@@ -61,6 +61,7 @@ from grpo_jax import validation
 from grpo_jax.harness import experiment
 from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
+from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import train, update
 from grpo_jax import models
 from grpo_jax.models import loading
@@ -142,7 +143,7 @@ class OursStep:
     self.spec = rollout.RewardSpec.from_config(config)
     self.settings = update.LossSettings.from_config(config)
     self.sample_cfg = experiment.sampling_config(config, self.tokenizer)
-    self.optimizer = update.make_optimizer(config.optim, 100)
+    self.optimizer = optimizer_lib.make_optimizer(config.optim, 100)
     self.state = update.init_state(params, self.optimizer, config.seed)
     self.rng = np.random.default_rng(config.seed)
     self.clock = _common.CompileClock()

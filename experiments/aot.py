@@ -43,7 +43,7 @@ def main(argv):
   del argv
   if _CONFIG.value is None or _TOPOLOGY.value is None:
     raise app.UsageError("--config and --topology are required")
-  from grpo_jax.aot import check as aot  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import check as aot, programs  # pylint: disable=import-outside-toplevel
   report = aot.check(_CONFIG.value, _TOPOLOGY.value, _PROMPT_LEN.value,
                      search=_SEARCH.value)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
@@ -53,8 +53,8 @@ def main(argv):
   if not report.fits:
     print("DOES NOT FIT: " + "; ".join(report.advice))
     sys.exit(1)
-  print(f"fits: every program leaves >= {100 * aot.SPARE:.0f}% of "
-        f"{report.hbm / aot.GiB:.2f} GiB free on each of {report.chips} chips")
+  print(f"fits: every program leaves >= {100 * programs.SPARE:.0f}% of "
+        f"{report.hbm / programs.GiB:.2f} GiB free on each of {report.chips} chips")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ def main(argv):
 
 
 def _distributed(config) -> bool:
-  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
-  return sharding.distributed_args(config.mesh) is not None
+  from grpo_jax.harness import distributed  # pylint: disable=import-outside-toplevel
+  return distributed.distributed_args(config.mesh) is not None
 
 
 def _run(config, workdir: str) -> dict:

@@ -17,48 +17,9 @@ from grpo_jax.errors import ConfigError
 ConfigDict = ml_collections.ConfigDict
 
 
-def base_config() -> ConfigDict:
-  """Every field an experiment can set, with the GRPO defaults."""
-  c = ConfigDict()
-  c.name = "base"
-  c.description = "GRPO defaults"
-  c.seed = 0
-  c.init_from = ""          # a checkpoint dir to start from (resume order)
-  c.method = "rl"           # a "method" registry name: rl (train.run) |
-                            # star (star_loop.run)
-
-  c.model = ConfigDict(dict(
-      source="smollm2-135m-instruct",  # preset, HF directory or .gguf file
-      tokenizer="",                    # "" = same as source
-      param_dtype="float32",           # master weights and optimizer state
-      compute_dtype="float32",         # forward/backward (bfloat16 option)
-      remat="none",                    # none | dots | full
-      logprob_chunk=256,               # tokens per chunk of the vocab head
-      attention="auto",                # update/scoring attention: dense |
-                                       # blockwise | auto (blockwise from
-                                       # 2048 key columns)
-  ))
-
-  c.data = ConfigDict(dict(
-      source="arithmetic",             # a "dataset" registry name
-      kwargs=ConfigDict(dict(num_examples=5000, levels=1, seed=0)),
-      eval_source="",                  # "" = the same generator, other seed
-      eval_kwargs=ConfigDict(dict(num_examples=200, levels=1, seed=12345)),
-      template="last_number",          # a "template" registry name
-      system_prompt="",
-  ))
-
-  c.sampling = ConfigDict(dict(
-      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
-      chunk_rows=0,                    # rows per sampler call; 0: as many as
-                                       # the device memory holds (CPU: all)
-      continuous_batching=False,       # rows take turns in `slots` cache
-                                       # slots (grpo_jax/generate/continuous.py);
-                                       # chunk_rows is then not used
-      slots=0,                         # 0: automatic (sampling.auto_slots)
-      compute_dtype=""))               # the sampler's dtype ("" = model's)
-
-  c.rl = ConfigDict(dict(
+def _rl_defaults() -> ConfigDict:
+  """config.rl: the RL loop (GRPO / DAPO and the losses that followed)."""
+  return ConfigDict(dict(
       prompts_per_step=8,              # B groups per optimizer step (kept)
       num_generations=8,               # G
       advantage="grpo",                # an "advantage" registry name
@@ -105,14 +66,10 @@ def base_config() -> ConfigDict:
       )),
   ))
 
-  # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
-  c.rewards = ConfigDict({"last_number": 1.0})
-  c.reward_kwargs = ConfigDict()
-  c.accuracy_reward = "last_number"     # whose value > 0 counts as correct
 
-  # STaR (Zelikman et al. 2022), read when method == "star"; fine-tuning
-  # uses `optim` (a fresh optimizer each outer iteration).
-  c.star = ConfigDict(dict(
+def _star_defaults() -> ConfigDict:
+  """config.star: the STaR loop, read when method == "star"."""
+  return ConfigDict(dict(
       iterations=3,                    # outer iterations (Algorithm 1's N)
       rationalize=True,                # retry failures with the answer as a
                                        # hint (off: the paper's ablation)
@@ -137,6 +94,79 @@ def base_config() -> ConfigDict:
       row_length=0,                    # tokens per row (0: longest, bucketed)
   ))
 
+
+def _mesh_defaults() -> ConfigDict:
+  """config.mesh: the device grid, the logical-axis rules, multi-host start-up."""
+  return ConfigDict(dict(
+      shape=(-1, 1, 1), axes=("data", "fsdp", "tensor"),
+      rules=(("batch", ("data", "fsdp")),
+             ("embed", "fsdp"),
+             ("vocab", "tensor"), ("q_heads", "tensor"),
+             ("kv_heads", "tensor"), ("mlp", "tensor"),
+             ("head_dim", None), ("layers", None), ("norm", None)),
+      # Multi-host: config field, else env JAX_COORDINATOR_ADDRESS /
+      # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
+      distributed=False, coordinator_address="", num_processes=0,
+      process_id=-1,
+      init_timeout_s=300,    # how long start-up waits for every process
+      # Split the update's residual stream (and the per-layer remat
+      # checkpoints) over `tensor` along the sequence as well: long rows on
+      # small chips (README, v6e:16x16).
+      sequence_parallel=False))
+
+
+def base_config() -> ConfigDict:
+  """Every field an experiment can set, with the GRPO defaults."""
+  c = ConfigDict()
+  c.name = "base"
+  c.description = "GRPO defaults"
+  c.seed = 0
+  c.init_from = ""          # a checkpoint dir to start from (resume order)
+  c.method = "rl"           # a "method" registry name: rl (train.run) |
+                            # star (star_loop.run)
+
+  c.model = ConfigDict(dict(
+      source="smollm2-135m-instruct",  # preset, HF directory or .gguf file
+      tokenizer="",                    # "" = same as source
+      param_dtype="float32",           # master weights and optimizer state
+      compute_dtype="float32",         # forward/backward (bfloat16 option)
+      remat="none",                    # none | dots | full
+      logprob_chunk=256,               # tokens per chunk of the vocab head
+      attention="auto",                # update/scoring attention: dense |
+                                       # blockwise | auto (blockwise from
+                                       # 2048 key columns)
+  ))
+
+  c.data = ConfigDict(dict(
+      source="arithmetic",             # a "dataset" registry name
+      kwargs=ConfigDict(dict(num_examples=5000, levels=1, seed=0)),
+      eval_source="",                  # "" = the same generator, other seed
+      eval_kwargs=ConfigDict(dict(num_examples=200, levels=1, seed=12345)),
+      template="last_number",          # a "template" registry name
+      system_prompt="",
+  ))
+
+  c.sampling = ConfigDict(dict(
+      max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
+      chunk_rows=0,                    # rows per sampler call; 0: as many as
+                                       # the device memory holds (CPU: all)
+      continuous_batching=False,       # rows take turns in `slots` cache
+                                       # slots (grpo_jax/generate/continuous.py);
+                                       # chunk_rows is then not used
+      slots=0,                         # 0: automatic (sampling.auto_slots)
+      compute_dtype=""))               # the sampler's dtype ("" = model's)
+
+  c.rl = _rl_defaults()
+
+  # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
+  c.rewards = ConfigDict({"last_number": 1.0})
+  c.reward_kwargs = ConfigDict()
+  c.accuracy_reward = "last_number"     # whose value > 0 counts as correct
+
+  # STaR (Zelikman et al. 2022), read when method == "star"; fine-tuning
+  # uses `optim` (a fresh optimizer each outer iteration).
+  c.star = _star_defaults()
+
   c.optim = ConfigDict(dict(
       learning_rate=1e-6, warmup_steps=0, schedule="constant",  # | cosine
       weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
@@ -157,22 +187,7 @@ def base_config() -> ConfigDict:
   # Devices as a (data, fsdp, tensor) grid; -1 takes the rest. The rules map
   # the model's logical axes to mesh axes (a mesh axis or a tuple, None:
   # replicated); see grpo_jax/sharding.py.
-  c.mesh = ConfigDict(dict(
-      shape=(-1, 1, 1), axes=("data", "fsdp", "tensor"),
-      rules=(("batch", ("data", "fsdp")),
-             ("embed", "fsdp"),
-             ("vocab", "tensor"), ("q_heads", "tensor"),
-             ("kv_heads", "tensor"), ("mlp", "tensor"),
-             ("head_dim", None), ("layers", None), ("norm", None)),
-      # Multi-host: config field, else env JAX_COORDINATOR_ADDRESS /
-      # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
-      distributed=False, coordinator_address="", num_processes=0,
-      process_id=-1,
-      init_timeout_s=300,    # how long start-up waits for every process
-      # Split the update's residual stream (and the per-layer remat
-      # checkpoints) over `tensor` along the sequence as well: long rows on
-      # small chips (README, v6e:16x16).
-      sequence_parallel=False))
+  c.mesh = _mesh_defaults()
   return c
 
 

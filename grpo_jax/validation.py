@@ -16,7 +16,7 @@ from grpo_jax import registry
 from grpo_jax.algorithms import dynamic_sampling, losses, rollout_correction
 from grpo_jax.config import base_config
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import transformer
+from grpo_jax.models import attention, transformer
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -34,7 +34,7 @@ _CHOICES = {
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),
     "optim.schedule": ("constant", "cosine"),
-    "model.attention": transformer.ATTENTION,
+    "model.attention": attention.ATTENTION,
 }
 # rl.num_generations may be 1: no group baseline (a batch baseline or none).
 _NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.generate import sampling
+from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
 from grpo_jax.models import get_preset, init_params
 
@@ -231,7 +232,7 @@ def main(argv) -> int:
   assert jax.device_count() == 8, jax.devices()
   params = init_params(MODEL, jax.random.key(0))
   batch = make_batch()
-  optimizer = update.make_optimizer(OPTIM, 10)
+  optimizer = optimizer_lib.make_optimizer(OPTIM, 10)
   t0 = time.perf_counter()
   ref = run_all(params, jax.tree.map(jnp.asarray, batch), optimizer)
   print(f"# reference {time.perf_counter() - t0:.1f}s", file=sys.stderr)

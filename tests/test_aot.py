@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from grpo_jax import sharding
-from grpo_jax.aot import check as aot, flops
+from grpo_jax.aot import check as aot, flops, programs
 from grpo_jax.harness import cli
 from grpo_jax.generate import sampling
 from grpo_jax.models import get_preset
@@ -75,9 +75,9 @@ def test_packed_update_and_scoring_compile_and_fit():
 def test_packed_shape_is_the_padded_rows_worst_case():
   """R: the micro-batch rounded up to the row shards; M: the padded
   path's micro-batch count; N: 4 slots per row, a power of two."""
-  assert aot.packed_shape(512, 64, 64) == (64, 8, 256)
-  assert aot.packed_shape(16, 2, 4) == (4, 4, 16)
-  assert aot.packed_shape(8192, 64, 8) == (64, 128, 256)
+  assert programs.packed_shape(512, 64, 64) == (64, 8, 256)
+  assert programs.packed_shape(16, 2, 4) == (4, 4, 16)
+  assert programs.packed_shape(8192, 64, 8) == (64, 128, 256)
   assert aot.update_paths("auto") == (True, True)
   assert aot.update_paths("on") == (False, True)
   assert aot.update_paths("off") == (True, False)
@@ -91,12 +91,12 @@ def test_sampler_roofline_counts_waves_of_rows_per_call():
   config.mesh.shape = (1, 1, 1)
   layout = sharding.Layout.from_config(config, jax.devices()[:1])
   model = get_preset(config.model.source)
-  plan = aot.Plan(config, model, layout, 16)
+  plan = programs.Plan(config, model, layout, 16)
   chip = {"flops": 1e30, "bandwidth": 1.0}        # bytes only
   rows = config.rl.prompts_per_step * config.rl.num_generations   # 8
   t = config.sampling.max_new_tokens
   item = jnp.dtype(config.model.compute_dtype).itemsize
-  weights = aot.per_chip_bytes(plan.state.params) * item / jnp.dtype(
+  weights = programs.per_chip_bytes(plan.state.params) * item / jnp.dtype(
       config.model.param_dtype).itemsize
   kv = lambda n: flops.decode_bytes_per_chip(
       model, n, model.num_kv_heads, 16, t, weights, item) - t * weights

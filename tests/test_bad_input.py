@@ -733,10 +733,10 @@ def test_describe_finds_disk_full_inside_wrapped_errors(tmp_path):
 _JOIN = """
 import sys
 from configs import tiny
-from grpo_jax import sharding
+from grpo_jax.harness import distributed
 config = tiny.get_config()
 config.mesh.update(eval(sys.argv[1]))
-sharding.initialize_distributed(config)
+distributed.initialize_distributed(config)
 print("joined")
 """
 

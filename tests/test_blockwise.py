@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.algorithms import logprobs
-from grpo_jax.models import blockwise, get_preset, init_params, transformer
+from grpo_jax.models import attention, blockwise, get_preset, init_params
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
@@ -37,12 +37,12 @@ def test_values_and_gradients_match_dense(dtype, window, blocks):
   q, k, v = _inputs(jax.random.key(0), B=B, T=S, S=S, H=6, K=2, dtype=dtype)
   pos, valid = _left_padded(B, S, [0, 4, 9])
   config = dataclasses.replace(get_preset("tiny"), sliding_window=window)
-  mask = transformer.attention_mask(config, pos, pos, valid)
+  mask = attention.attention_mask(config, pos, pos, valid)
   w = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
   rows = valid[:, :, None, None]       # padded query rows are never read
 
   def dense(q, k, v):
-    return transformer.attention(q, k, v, mask)
+    return attention.attention(q, k, v, mask)
 
   def block(q, k, v):
     return blockwise.attention(q, k, v, pos, pos, valid, sliding_window=window,
@@ -87,14 +87,14 @@ def test_segments_and_queries_after_a_prefix():
                      list(range(8)) + list(range(4))], jnp.int32)
   valid = jnp.ones((B, S), bool)
   config = get_preset("tiny")
-  mask = transformer.attention_mask(config, pos, pos, valid, seg, seg)
-  want = transformer.attention(q, k, v, mask)
+  mask = attention.attention_mask(config, pos, pos, valid, seg, seg)
+  want = attention.attention(q, k, v, mask)
   got = blockwise.attention(q, k, v, pos, pos, valid, seg, seg, block_q=5,
                             block_k=3)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   T = 5                                  # queries: the last 5 columns
-  mask = transformer.attention_mask(config, pos[:, -T:], pos, valid)
-  want = transformer.attention(q[:, -T:], k, v, mask)
+  mask = attention.attention_mask(config, pos[:, -T:], pos, valid)
+  want = attention.attention(q[:, -T:], k, v, mask)
   got = blockwise.attention(q[:, -T:], k, v, pos[:, -T:], pos, valid,
                             block_q=2, block_k=4)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -14,7 +14,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import validation
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import forward, get_preset, init_params, ragged
-from grpo_jax.models import transformer
+from grpo_jax.models import attention
 
 CONFIG = get_preset("tiny")
 
@@ -173,7 +173,7 @@ def test_first_token_stop_and_one_token(params):
 @pytest.mark.parametrize("window", [None, 5])
 def test_filled_attention_equals_dense(window):
   """Ragged decode attention (blocks up to `filled`, each row at its own
-  column) equals transformer.attention over the whole cache."""
+  column) equals attention.attention over the whole cache."""
   N, K, H, E, S, block = 3, 2, 4, 8, 32, 8
   ks = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(ks[0], (N, 1, H, E))
@@ -187,7 +187,7 @@ def test_filled_attention_equals_dense(window):
   mask = (q_pos[:, None] - pos >= 0) & valid
   if window is not None:
     mask &= q_pos[:, None] - pos < window
-  want = transformer.attention(q, k, v, mask[:, None])
+  want = attention.attention(q, k, v, mask[:, None])
   got = ragged.filled_attention(q, k, v, q_pos, pos, valid, jnp.int32(19),
                                 window, block)
   np.testing.assert_allclose(got, want, atol=1e-5)

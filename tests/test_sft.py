@@ -10,7 +10,7 @@ import pytest
 
 from grpo_jax import config as config_lib
 from grpo_jax.star import sft
-from grpo_jax.rl import update
+from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.models import forward, get_preset, hidden_states, init_params
 from grpo_jax.rl.update import init_state
 
@@ -176,11 +176,11 @@ def test_equal_optimizer_specs_share_one_compile_and_match_optax(params):
   before = sft.sft_step._cache_size()
   states = []
   for _ in range(2):
-    spec = update.OptimizerSpec.from_config(optim, 0)
+    spec = optimizer_lib.OptimizerSpec.from_config(optim, 0)
     state = init_state(jax.tree.map(jnp.copy, params), spec, 0)
     states.append(sft.sft_step(state, batch, CONFIG, spec, 2, S)[0])
   assert sft.sft_step._cache_size() == before + 1
-  tx = update.make_optimizer(optim, 0)
+  tx = optimizer_lib.make_optimizer(optim, 0)
   direct = sft.sft_step(init_state(jax.tree.map(jnp.copy, params), tx, 0),
                         batch, CONFIG, tx, 2, S)[0]
   assert sft.sft_step._cache_size() == before + 2     # optax: by identity

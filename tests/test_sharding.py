@@ -18,7 +18,8 @@ import sharding_checks as checks
 from grpo_jax import errors
 from grpo_jax import config as config_lib
 from grpo_jax import models, sharding
-from grpo_jax.harness import metrics
+from grpo_jax.harness import distributed, metrics
+from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -110,7 +111,7 @@ def test_opt_state_shardings_mirror_params():
   params = jax.eval_shape(lambda: checks.init_params(checks.MODEL,
                                                      jax.random.key(0)))
   param_sh = sharding.param_shardings(mesh, rules, checks.MODEL, params)
-  optimizer = update.make_optimizer(checks.OPTIM, 10)
+  optimizer = optimizer_lib.make_optimizer(checks.OPTIM, 10)
   opt_sh = sharding.opt_state_shardings(mesh, optimizer, params, param_sh)
   adam = opt_sh[1][0]
   assert adam.mu is param_sh and adam.nu is param_sh
@@ -121,13 +122,13 @@ def test_distributed_args_from_config_then_env(monkeypatch):
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
               "JAX_PROCESS_ID"):
     monkeypatch.delenv(var, raising=False)
-  assert sharding.distributed_args(_mesh_config()) is None
-  assert sharding.distributed_args(_mesh_config(distributed=True)) == dict(
+  assert distributed.distributed_args(_mesh_config()) is None
+  assert distributed.distributed_args(_mesh_config(distributed=True)) == dict(
       coordinator_address=None, num_processes=None, process_id=None)
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
   monkeypatch.setenv("JAX_PROCESS_ID", "0")
-  assert sharding.distributed_args(_mesh_config(process_id=3)) == dict(
+  assert distributed.distributed_args(_mesh_config(process_id=3)) == dict(
       coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3)
 
 
@@ -191,7 +192,7 @@ def test_bfloat16_params_keep_float32_optimizer_state(params,
   """param_dtype="bfloat16": Adam's moments stay float32 and the update is
   the float32 one rounded once to bfloat16 (given the same gradient, which
   reaches the optimizer in the params' dtype)."""
-  optimizer = update.make_optimizer(checks.OPTIM, 10)
+  optimizer = optimizer_lib.make_optimizer(checks.OPTIM, 10)
   grads32 = float32_loss_grad[1]
   p16, g16 = models.cast(params, "bfloat16"), models.cast(grads32, "bfloat16")
   p32, g32 = models.cast(p16, "float32"), models.cast(g16, "float32")
@@ -218,7 +219,7 @@ def test_bfloat16_params_keep_float32_optimizer_state(params,
 def test_bfloat16_params_through_update_step(params, batch):
   """The jitted update takes bfloat16 params: they stay bfloat16, the
   moments float32, and the loss is close to the float32 one."""
-  optimizer = update.make_optimizer(checks.OPTIM, 10)
+  optimizer = optimizer_lib.make_optimizer(checks.OPTIM, 10)
   state = update.init_state(models.cast(params, "bfloat16"), optimizer, 0)
   new, metrics = update.update_step(state, batch, checks.MODEL, optimizer,
                                     checks.NUM_MICRO, checks.SETTINGS)

@@ -136,7 +136,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
   whose first P = S - T columns (the prompt, padding included) are identical:
   each group's prompt then runs through the decoder once
   (`hidden_states_shared_prompt`), with the same result.
-  attention: the decoder's attention (`transformer.ATTENTION`).
+  attention: the decoder's attention (`attention.ATTENTION`).
   constrain: pins the activations' shardings (`transformer.hidden_states`).
   """
   S = tokens_ns.shape[1]

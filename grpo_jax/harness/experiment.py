@@ -35,8 +35,7 @@ from grpo_jax.harness import interrupts
 from grpo_jax.generate import sampling
 from grpo_jax import validation
 from grpo_jax.harness import metrics as metrics_lib
-from grpo_jax import sharding
-from grpo_jax.harness import workdir_lock
+from grpo_jax.harness import distributed, workdir_lock
 from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
@@ -233,7 +232,7 @@ def entered(config, workdir: str) -> Iterator[None]:
     yield
     return
   validation.validate(config)   # a bad field fails before the processes join
-  sharding.initialize_distributed(config)   # before jax.process_index()
+  distributed.initialize_distributed(config)   # before jax.process_index()
   with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
       interrupts.handle_signals(install=jax.process_count() == 1):
     if metrics_lib.is_primary():   # under the lock: never another run's file

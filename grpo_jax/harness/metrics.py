@@ -23,7 +23,7 @@ import numpy as np
 
 def is_primary() -> bool:
   """Whether this process writes the run's host-side files: process 0.
-  (Call after `sharding.initialize_distributed`.)"""
+  (Call after `distributed.initialize_distributed`.)"""
   return jax.process_index() == 0
 
 

@@ -1,6 +1,6 @@
 """Blockwise (flash-style) attention in plain JAX: no [Q, S] score tensor.
 
-`transformer.attention` builds the (N, K, R, Q, S) float32 scores; at 20k
+`attention.attention` builds the (N, K, R, Q, S) float32 scores; at 20k
 tokens that is ~16 GiB per row per layer. Here queries run in blocks of
 `block_q`, keys in blocks of `block_k`, with the online softmax (running
 max m, normaliser l, output accumulator) of Dao et al. 2022 (FlashAttention,
@@ -10,7 +10,7 @@ R = H // K, E head width.
 
 
 The mask is computed per block from positions, validity and segment ids,
-exactly as `transformer.attention_mask` computes it. Blocks the causal mask
+exactly as `attention.attention_mask` computes it. Blocks the causal mask
 (and the sliding window) hides are never computed: key block j is visited
 by query block i only if some key column in it is <= the block's last query
 column. This relies on what every caller here guarantees: within a segment,
@@ -223,11 +223,11 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
               k_seg_ns: Optional[jax.Array] = None, *,
               sliding_window: Optional[int] = None, block_q: int = 512,
               block_k: int = 512) -> jax.Array:
-  """`transformer.attention(q, k, v, transformer.attention_mask(...))` for
+  """`attention.attention(q, k, v, attention.attention_mask(...))` for
   queries that are the last Q of the S key columns. Returns (N, Q, H, E).
 
   q (N, Q, H, E); k, v (N, K, S, E) as the dense path takes them; the
-  mask's inputs as `transformer.attention_mask` takes them.
+  mask's inputs as `attention.attention_mask` takes them.
   """
   N, Q, H, E = q_nqhe.shape
   K, S = k_nkse.shape[1], k_nkse.shape[2]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import transformer
+from grpo_jax.models import attention, transformer
 from grpo_jax.models.config import ModelConfig
 
 BLOCK_S = 128          # key columns per block of the decode attention
@@ -34,9 +34,9 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
                      window=None, block: int = BLOCK_S) -> jax.Array:
   """One query per row (Q = 1) against key columns [0, filled), rounded up to
   whole blocks: bucketed, one `lax.switch` branch per prefix length (1, 2,
-  ... S/block blocks), each a dense `transformer.attention` over its
+  ... S/block blocks), each a dense `attention.attention` over its
   prefix. S must be a multiple of `block`. The mask is
-  `transformer.attention_mask`'s: valid keys at positions <= the query's
+  `attention.attention_mask`'s: valid keys at positions <= the query's
   (and within the sliding window). Returns (N, 1, H, E).
 
   Why buckets, not a loop over blocks with an online softmax: on CPU the
@@ -56,7 +56,7 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
       mask_ns = (diff_ns >= 0) & k_valid[:, :cut]
       if window is not None:
         mask_ns &= diff_ns < window
-      return transformer.attention(q, k[:, :, :cut], v[:, :, :cut],
+      return attention.attention(q, k[:, :, :cut], v[:, :, :cut],
                                    mask_ns[:, None])
     return attend
 

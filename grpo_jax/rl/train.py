@@ -33,8 +33,8 @@ from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
 from grpo_jax.rl.step import train_step
 from grpo_jax.models import cast
-from grpo_jax.rl.update import (LossSettings, OptimizerSpec, init_state,
-                                learning_rate_schedule)
+from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
+from grpo_jax.rl.update import LossSettings, init_state
 
 
 def advantages(config, reward_bg: np.ndarray,

@@ -40,7 +40,8 @@ from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
 from grpo_jax.star.collect import Kept, collect_examples, sampling_prompts
 from grpo_jax.models import cast
-from grpo_jax.rl.update import OptimizerSpec, init_state
+from grpo_jax.rl.optimizer import OptimizerSpec
+from grpo_jax.rl.update import init_state
 
 Params = Any
 CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",

@@ -181,7 +181,7 @@ def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
              ) -> tuple[TrainState, dict]:
   """One optimizer update on the completion-token NLL. The state is donated:
   pass a copy of parameters that must survive (e.g. the original model).
-  `optimizer`: an `update.OptimizerSpec` (equal specs: one compile) or an
+  `optimizer`: an `optimizer.OptimizerSpec` (equal specs: one compile) or an
   optax transformation. With a `sharding.Layout` the new state keeps the
   placed state's shardings (batches then come row-sharded, `layout.rows`)."""
   loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
