@@ -59,6 +59,7 @@ import trl
 import _common
 from grpo_jax import validation
 from grpo_jax.harness import experiment
+from grpo_jax.data import templates
 from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import optimizer as optimizer_lib
@@ -150,7 +151,7 @@ class OursStep:
 
   def prompt_ids(self) -> list[list[int]]:
     c = self.config
-    texts = rollout.render_prompts(self.tokenizer, c.data.template,
+    texts = templates.render_prompts(self.tokenizer, c.data.template,
                                    [e.question for e in self.examples],
                                    c.data.system_prompt)
     return self.tokenizer.encode_batch(texts)

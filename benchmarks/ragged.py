@@ -65,6 +65,7 @@ import transformers
 import _common
 import grpo_step
 import sampler as sampler_bench
+from grpo_jax.data import templates
 from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
   messages = [_common.chat_messages(e.question) for e in examples]
   step = grpo_step.OursStep(step_config(args), examples)
   c = step.config
-  texts = rollout.render_prompts(step.tokenizer, c.data.template,
+  texts = templates.render_prompts(step.tokenizer, c.data.template,
                                  [e.question for e in examples],
                                  c.data.system_prompt)
   prompt_ids = step.prompt_ids()

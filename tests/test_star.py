@@ -21,7 +21,7 @@ from grpo_jax.generate import rollout, sampling
 from grpo_jax.star import collect as star_collect, loop as star_loop
 from grpo_jax.algorithms import star
 from grpo_jax.data import commonsenseqa
-from grpo_jax.data import Example, answer_hint
+from grpo_jax.data import Example, answer_hint, templates
 from grpo_jax.rewards import equations
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
 
@@ -109,7 +109,7 @@ def _collect(config, problems, shots=()):
 
 def test_render_is_the_rollout_prompt_without_hint_or_shots():
   q = "What is 2 + 3?"
-  plain = rollout.render_prompts(TOK, "last_number", [q], "Be brief.")[0]
+  plain = templates.render_prompts(TOK, "last_number", [q], "Be brief.")[0]
   assert star_collect.render(TOK, "last_number", q, "Be brief.") == plain
   shot = Example("What is 1 + 1?", "2", rationale="1 + 1 = 2. The answer is 2.")
   hinted = star_collect.render(TOK, "last_number", q, "", hint=answer_hint("5"),
@@ -134,7 +134,7 @@ def test_hint_never_appears_in_a_stored_example(scripted):
   assert metrics["star/kept_rationalized"] == len(fixable) > 0
   # Even answers were reached by citing the hint: dropped.
   assert metrics["star/dropped_hint_mentions"] == 6 - len(fixable)
-  plain = rollout.render_prompts(TOK, config.data.template,
+  plain = templates.render_prompts(TOK, config.data.template,
                                  [p.question for p in problems],
                                  config.data.system_prompt)
   for e, i in zip(kept.examples, kept.problem):

@@ -34,9 +34,9 @@ from grpo_jax.models.transformer import (Constrain, Params,
 DEFAULT_CHUNK_SIZE = 256
 
 
-def _head_params(config: ModelConfig, params: Params) -> Params:
+def _head_params(model_config: ModelConfig, params: Params) -> Params:
   """Only the weight the LM head reads, so the scan closes over nothing else."""
-  key = "embed" if config.tie_embeddings else "lm_head"
+  key = "embed" if model_config.tie_embeddings else "lm_head"
   return {key: params[key]}
 
 
@@ -66,12 +66,12 @@ def _logprobs_from_hidden(temperature: float, head: Params, h_nsd: jax.Array,
   return target_ns - logz_ns, entropy_ns
 
 
-def token_logprobs_naive(config: ModelConfig, params: Params,
+def token_logprobs_naive(model_config: ModelConfig, params: Params,
                          h_nsd: jax.Array, targets_ns: jax.Array, *,
                          temperature: float = 1.0):
   """Reference path that materialises the (N, S, V) logits; tests and
   benchmarks compare the chunked path against it."""
-  return _logprobs_from_hidden(temperature, _head_params(config, params),
+  return _logprobs_from_hidden(temperature, _head_params(model_config, params),
                                h_nsd, targets_ns)
 
 
@@ -90,7 +90,7 @@ def _from_chunks(chunks: jax.Array, length: int) -> jax.Array:
   return jnp.swapaxes(chunks, 0, 1).reshape(N, C * chunk)[:, :length]
 
 
-def token_logprobs(config: ModelConfig, params: Params, h_nsd: jax.Array,
+def token_logprobs(model_config: ModelConfig, params: Params, h_nsd: jax.Array,
                    targets_ns: jax.Array, *,
                    chunk_size: int = DEFAULT_CHUNK_SIZE,
                    temperature: float = 1.0):
@@ -110,14 +110,14 @@ def token_logprobs(config: ModelConfig, params: Params, h_nsd: jax.Array,
   fn = jax.checkpoint(
       functools.partial(_logprobs_from_hidden, temperature),
       prevent_cse=False)
-  head = _head_params(config, params)
+  head = _head_params(model_config, params)
   logp_chunks, entropy_chunks = jax.lax.map(
       lambda xs: fn(head, *xs),
       (_to_chunks(h_nsd, chunk), _to_chunks(targets_ns, chunk)))
   return _from_chunks(logp_chunks, S), _from_chunks(entropy_chunks, S)
 
 
-def sequence_logprobs(config: ModelConfig, params: Params,
+def sequence_logprobs(model_config: ModelConfig, params: Params,
                       tokens_ns: jax.Array,
                       positions_ns: Optional[jax.Array] = None,
                       valid_ns: Optional[jax.Array] = None, *,
@@ -149,7 +149,7 @@ def sequence_logprobs(config: ModelConfig, params: Params,
         tokens_ns, positions_ns, valid_ns)
     P, first = S - T, slice(None, None, group_size)   # one row per group
     h_last_bd, h_ntd = hidden_states_shared_prompt(
-        config, params, tokens_ns[first, :P], positions_ns[first, :P],
+        model_config, params, tokens_ns[first, :P], positions_ns[first, :P],
         valid_ns[first, :P], tokens_ns[:, P:], positions_ns[:, P:],
         valid_ns[:, P:], remat=remat, attention_impl=attention,
         constrain=constrain)
@@ -157,10 +157,10 @@ def sequence_logprobs(config: ModelConfig, params: Params,
     # Column j predicts completion token j: the prompt's last, then T - 1.
     h_ntd = jnp.concatenate([h_last_nd[:, None], h_ntd[:, :T - 1]], axis=1)
   else:
-    h_ntd = hidden_states(config, params, tokens_ns, positions_ns, valid_ns,
-                          remat=remat, attention_impl=attention,
+    h_ntd = hidden_states(model_config, params, tokens_ns, positions_ns,
+                          valid_ns, remat=remat, attention_impl=attention,
                           constrain=constrain)[:, S - 1 - T:S - 1]
   if constrain is not None:     # the head reads whole rows' columns
     h_ntd = constrain(h_ntd, ("batch", None, None))
-  return token_logprobs(config, params, h_ntd, tokens_ns[:, S - T:],
+  return token_logprobs(model_config, params, h_ntd, tokens_ns[:, S - T:],
                         chunk_size=chunk_size, temperature=temperature)

@@ -14,6 +14,8 @@ Everything chosen by name in a config is registered (see grpo_jax.registry):
     examples = lookup("dataset", config.data.source)(**config.data.kwargs)
     messages = lookup("template", config.data.template)(examples[0].question)
     prompt = render_prompt(messages, tokenizer)
+    prompts = render_prompts(tokenizer, config.data.template, questions,
+                             config.data.system_prompt)   # the same, many
 """
 from grpo_jax.data.arithmetic import arithmetic_spec, countdown_check, countdown_spec
 from grpo_jax.data.commonsense import ATTRIBUTE_TABLES, format_choices
@@ -23,5 +25,6 @@ from grpo_jax.data.files import read_jsonl, read_parquet
 from grpo_jax.data.generated import generated_examples
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.data.layouts import detect_layout, last_boxed, strip_answer_instructions
-from grpo_jax.data.templates import Messages, answer_hint, render_prompt
+from grpo_jax.data.templates import (Messages, answer_hint, render_prompt,
+                                     render_prompts)
 from grpo_jax.data.tfds_source import prepare_tfds, read_tfds

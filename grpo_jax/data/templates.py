@@ -20,9 +20,9 @@ example must use the prompt built WITHOUT it.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Sequence
 
-from grpo_jax.registry import register
+from grpo_jax.registry import lookup, register
 
 Messages = list[dict[str, str]]
 
@@ -92,3 +92,13 @@ def render_prompt(messages: Messages, tokenizer: Any) -> str:
   if not isinstance(text, str):
     raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
   return text
+
+
+def render_prompts(tokenizer: Any, template: str, questions: Sequence[str],
+                   system_prompt: str = "") -> list[str]:
+  """Each question through the named prompt template (after a system
+  message, if given) and the chat template: the prompts of training,
+  STaR and evaluation."""
+  fmt = lookup("template", template)
+  system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+  return [render_prompt([*system, *fmt(q)], tokenizer) for q in questions]

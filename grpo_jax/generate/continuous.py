@@ -175,9 +175,10 @@ def _refill(c: _Carry, pp: decoding.PromptPass, first_n: jax.Array,
                     cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
-                                             "slots", "layout"))
-def sample_slots(config: ModelConfig, params: transformer.Params,
+@functools.partial(jax.jit, static_argnames=("model_config", "cfg",
+                                             "num_generations", "slots",
+                                             "layout"))
+def sample_slots(model_config: ModelConfig, params: transformer.Params,
                  prompt_bp: jax.Array, prompt_len_b: jax.Array, key: jax.Array,
                  cfg: decoding.SamplingConfig, num_generations: int,
                  slots: int, real_prompts: jax.Array,
@@ -197,7 +198,7 @@ def sample_slots(config: ModelConfig, params: transformer.Params,
 
   # PREFILL: each prompt once; every row's first token from its logits.
   prompt_bp, prompt_len_b = (_pin(layout, x) for x in (prompt_bp, prompt_len_b))
-  pp = decoding.prompt_pass(config, params, prompt_bp, prompt_len_b)
+  pp = decoding.prompt_pass(model_config, params, prompt_bp, prompt_len_b)
   row_n = jnp.arange(N, dtype=jnp.int32)
   first_n, logp_n = decoding.choose_tokens(
       _pin(layout, jnp.repeat(pp.logits_bv, G, axis=0)), key, cfg, row_n, 0)
@@ -210,14 +211,14 @@ def sample_slots(config: ModelConfig, params: transformer.Params,
   first_row = jnp.arange(R, dtype=jnp.int32) * N_local
   row_limit = first_row + jnp.clip(real_prompts * G - first_row, 0, N_local)
   dtype = pp.k.dtype
-  cache = transformer.init_cache(config, M, S, dtype)
+  cache = transformer.init_cache(model_config, M, S, dtype)
   refill = functools.partial(_refill, pp=pp, first_n=first_n,
                              row_limit=row_limit, G=G, T=T, cfg=cfg, R=R)
   zeros_m = jnp.zeros((M,), jnp.int32)
   carry = _pin_carry(layout, refill(_Carry(
       jnp.int32(0), zeros_m, zeros_m, jnp.zeros((M,), bool), first_row, cache,
       tokens_nt, logp_nt)))
-  layers = transformer.unstack_layers(params, config.num_layers)  # once
+  layers = transformer.unstack_layers(params, model_config.num_layers)  # once
 
   # DECODE: every slot one token per iteration; ended rows' slots refilled.
   def cond(c: _Carry):
@@ -228,7 +229,7 @@ def sample_slots(config: ModelConfig, params: transformer.Params,
     prev_m = _read(c.tokens_nt, c.row_m, t_m - 1, R)
     pos_m = prompt_len_b[c.row_m // G] + t_m - 1
     filled = P + jnp.max(jnp.where(c.live_m, t_m, 0))
-    logits_mv, cache = ragged.decode_step(config, params, c.cache, prev_m,
+    logits_mv, cache = ragged.decode_step(model_config, params, c.cache, prev_m,
                                           pos_m, P + t_m - 1, filled, layers)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, t_m)
     tokens_nt = _write(c.tokens_nt, c.row_m, t_m, tok_m, c.live_m, R)

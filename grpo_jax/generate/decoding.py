@@ -91,7 +91,7 @@ class PromptPass(NamedTuple):
   pos_bp: jax.Array         # int32 rotary positions
 
 
-def prompt_pass(config: ModelConfig, params: transformer.Params,
+def prompt_pass(model_config: ModelConfig, params: transformer.Params,
                 prompt_bp: jax.Array, prompt_len_b: jax.Array) -> PromptPass:
   """prompt_bp: int32 (B, P) left-padded; prompt_len_b: int32 (B,) lengths.
   Left padding puts every prompt's last token in column P - 1."""
@@ -100,9 +100,9 @@ def prompt_pass(config: ModelConfig, params: transformer.Params,
   col_p = jnp.arange(P, dtype=jnp.int32)
   valid_bp = col_p[None, :] >= pad_b[:, None]
   pos_bp = jnp.maximum(col_p[None, :] - pad_b[:, None], 0)
-  h, (k, v) = transformer.hidden_states(config, params, prompt_bp, pos_bp,
+  h, (k, v) = transformer.hidden_states(model_config, params, prompt_bp, pos_bp,
                                         valid_bp, return_kv=True)
-  logits_bv = transformer.unembed(config, params, h[:, -1:])[:, 0]
+  logits_bv = transformer.unembed(model_config, params, h[:, -1:])[:, 0]
   return PromptPass(logits_bv, k, v, valid_bp, pos_bp)
 
 

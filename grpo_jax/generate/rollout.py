@@ -21,9 +21,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from grpo_jax import registry, rewards, sharding
-from grpo_jax.generate import sampling
+from grpo_jax import rewards, sharding
 from grpo_jax.algorithms import dynamic_sampling
+from grpo_jax.data import templates
+from grpo_jax.generate import sampling
 
 
 
@@ -64,20 +65,6 @@ def score(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
   return total, parts[spec.accuracy] > 0, metrics
 
 
-def render_prompts(tokenizer, template: str, questions: Sequence[str],
-                   system_prompt: str = "") -> list[str]:
-  """Each question through the prompt template and the chat template."""
-  fmt = registry.lookup("template", template)
-  texts = []
-  for q in questions:
-    messages = fmt(q)
-    if system_prompt:
-      messages = [{"role": "system", "content": system_prompt}, *messages]
-    texts.append(tokenizer.apply_chat_template(messages,
-                                               add_generation_prompt=True))
-  return texts
-
-
 def completion_texts(tokenizer, tokens_nt: np.ndarray, length_n: np.ndarray,
                      truncated_n: np.ndarray) -> list[str]:
   """The text of each sampled row [n] (`sampling.Samples` fields, host
@@ -98,7 +85,7 @@ def generate_groups(model_config, params, tokenizer, examples, key,
   all of them back (the rewards read every row)."""
   B, G = len(examples), num_generations
   t0 = time.perf_counter()
-  texts = render_prompts(tokenizer, template, [e.question for e in examples],
+  texts = templates.render_prompts(tokenizer, template, [e.question for e in examples],
                          system_prompt)
   prompt_ids = tokenizer.encode_batch(texts)
   out = sharding.to_host(sampling.sample(

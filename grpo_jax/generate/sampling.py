@@ -91,7 +91,7 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
                     done_n=rows(c.done_n), cache=cache)
 
 
-def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
+def prefill(model_config: ModelConfig, params: Params, prompt_bp: jax.Array,
             prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
             num_generations: int, row_offset=0) -> _Carry:
   """Runs each left-padded prompt once and returns the decode loop's start.
@@ -102,12 +102,12 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
   """
   B = prompt_bp.shape[0]
   G, T = num_generations, cfg.max_new_tokens
-  pp = decoding.prompt_pass(config, params, prompt_bp, prompt_len_b)
+  pp = decoding.prompt_pass(model_config, params, prompt_bp, prompt_len_b)
   rep = lambda x: jnp.repeat(x, G, axis=0)   # prompt b -> rows b*G..
   grow = lambda x: jnp.pad(rep(x), [(0, 0)] * 2 + [(0, T), (0, 0)])
   cache = transformer.KVCache(
-      k=tuple(grow(pp.k[i]) for i in range(config.num_layers)),
-      v=tuple(grow(pp.v[i]) for i in range(config.num_layers)),
+      k=tuple(grow(pp.k[i]) for i in range(model_config.num_layers)),
+      v=tuple(grow(pp.v[i]) for i in range(model_config.num_layers)),
       valid_ns=jnp.pad(rep(pp.valid_bp), [(0, 0), (0, T)]),
       pos_ns=jnp.pad(rep(pp.pos_bp), [(0, 0), (0, T)]))
   row_n = row_offset + jnp.arange(B * G, dtype=jnp.int32)
@@ -118,7 +118,7 @@ def prefill(config: ModelConfig, params: Params, prompt_bp: jax.Array,
                 decoding.is_stop(first, cfg.stop_ids), cache)
 
 
-def generate(config: ModelConfig, params: Params, carry: _Carry,
+def generate(model_config: ModelConfig, params: Params, carry: _Carry,
              prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
              layout: Layout = None, row_offset=0) -> Samples:
   """Decodes until every row stopped or max_new_tokens is reached."""
@@ -127,7 +127,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
   G = N // prompt_len_b.shape[0]
   len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
   row_n = row_offset + jnp.arange(N, dtype=jnp.int32)
-  layers = transformer.unstack_layers(params, config.num_layers)  # once
+  layers = transformer.unstack_layers(params, model_config.num_layers)  # once
 
   def cond(c: _Carry):
     return (c.t < T) & ~jnp.all(c.done_n)
@@ -135,7 +135,7 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
   def body(c: _Carry):
     prev = jax.lax.dynamic_slice_in_dim(c.tokens_nt, c.t - 1, 1, axis=1)[:, 0]
     logits, cache = transformer.decode_step(
-        config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
+        model_config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
         layers)
     tok, logp = choose_tokens(logits, key, cfg, row_n, c.t)
     tok = jnp.where(c.done_n, cfg.pad_id, tok)
@@ -150,12 +150,12 @@ def generate(config: ModelConfig, params: Params, carry: _Carry,
                          cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cfg", "num_generations",
-                                             "layout"))
-def sample_padded(config: ModelConfig, params: Params, prompt_bp: jax.Array,
-                  prompt_len_b: jax.Array, key: jax.Array, cfg: SamplingConfig,
-                  num_generations: int, layout: Layout = None,
-                  row_offset=0) -> Samples:
+@functools.partial(jax.jit, static_argnames=("model_config", "cfg",
+                                             "num_generations", "layout"))
+def sample_padded(model_config: ModelConfig, params: Params,
+                  prompt_bp: jax.Array, prompt_len_b: jax.Array, key: jax.Array,
+                  cfg: SamplingConfig, num_generations: int,
+                  layout: Layout = None, row_offset=0) -> Samples:
   """prefill + generate as ONE jitted program on left-padded prompts.
 
   The KV cache is born and dies inside this program: XLA updates it in place
@@ -167,9 +167,11 @@ def sample_padded(config: ModelConfig, params: Params, prompt_bp: jax.Array,
   """
   prompt_bp, prompt_len_b = (_pin_rows(layout, x)
                              for x in (prompt_bp, prompt_len_b))
-  carry = _pin_carry(layout, prefill(config, params, prompt_bp, prompt_len_b,
-                                     key, cfg, num_generations, row_offset))
-  out = generate(config, params, carry, prompt_len_b, key, cfg, layout,
+  carry = _pin_carry(
+      layout,
+      prefill(model_config, params, prompt_bp, prompt_len_b, key, cfg,
+              num_generations, row_offset))
+  out = generate(model_config, params, carry, prompt_len_b, key, cfg, layout,
                  row_offset)
   return Samples(*(_pin_rows(layout, x) for x in out[:-1]), steps=out.steps)
 
@@ -245,15 +247,15 @@ def padded_prompts(prompts: int, batch_multiple: int, row_shards: int,
 KV_FRACTION = 0.5
 
 
-def kv_cache_bytes(config: ModelConfig, rows: int, length: int, itemsize: int,
-                   layout: Layout = None) -> float:
+def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int,
+                   itemsize: int, layout: Layout = None) -> float:
   """Per-device bytes of the KV cache of `rows` rows of `length` positions,
   rows split over the batch shards and KV heads as the layout says."""
   row_shards = 1 if layout is None else layout.batch_shards
-  head_shards = 1 if layout is None else layout.splits("kv_heads",
-                                                       config.num_kv_heads)
-  per_row = (2 * config.num_layers * config.num_kv_heads // head_shards
-             * config.head_dim * length * itemsize)
+  head_shards = 1 if layout is None else layout.splits(
+      "kv_heads", model_config.num_kv_heads)
+  per_row = (2 * model_config.num_layers * model_config.num_kv_heads //
+             head_shards * model_config.head_dim * length * itemsize)
   return per_row * rows / row_shards
 
 
@@ -266,9 +268,10 @@ def free_device_memory() -> Optional[float]:
   return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
-def prompts_per_call(config: ModelConfig, prompts: int, num_generations: int,
-                     length: int, chunk_rows: int, budget: Optional[float],
-                     layout: Layout, itemsize: int, multiple: int = 1) -> int:
+def prompts_per_call(model_config: ModelConfig, prompts: int,
+                     num_generations: int, length: int, chunk_rows: int,
+                     budget: Optional[float], layout: Layout, itemsize: int,
+                     multiple: int = 1) -> int:
   """Prompts per sampler call, a multiple of `multiple`.
 
   chunk_rows > 0: that many rows (whole groups); else, with a memory
@@ -281,14 +284,14 @@ def prompts_per_call(config: ModelConfig, prompts: int, num_generations: int,
   b = up(prompts)
   if budget is None:
     return b
-  fits = lambda b: kv_cache_bytes(config, b * num_generations, length,
+  fits = lambda b: kv_cache_bytes(model_config, b * num_generations, length,
                                   itemsize, layout) <= KV_FRACTION * budget
   while b > multiple and not fits(b):
     b = up(-(-b // 2))
   return b
 
 
-def sample(config: ModelConfig, params: Params,
+def sample(model_config: ModelConfig, params: Params,
            prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig, num_generations: int = 1,
            batch_multiple: int = 1, layout: Layout = None) -> Samples:
@@ -313,25 +316,25 @@ def sample(config: ModelConfig, params: Params,
   if not prompts:
     raise ValueError("sample() needs at least one prompt")
   if cfg.continuous_batching:
-    return _sample_continuous(config, params, prompts, key, cfg,
+    return _sample_continuous(model_config, params, prompts, key, cfg,
                               num_generations, batch_multiple, layout)
   B, G = len(prompts), num_generations
   shards = 1 if layout is None else layout.batch_shards
   P = bucket(max(len(p) for p in prompts))
   itemsize = jax.tree.leaves(params)[0].dtype.itemsize
   per_call = prompts_per_call(
-      config, padded_prompts(B, batch_multiple, shards, G), G,
+      model_config, padded_prompts(B, batch_multiple, shards, G), G,
       P + cfg.max_new_tokens, cfg.chunk_rows,
       None if cfg.chunk_rows else free_device_memory(), layout, itemsize,
       prompt_multiple(1, shards, G))
   rows = -(-B // per_call) * per_call
   prompt_bp, len_b = left_pad(prompts, P, rows, cfg.pad_id)
   jit_cfg = dataclasses.replace(cfg, chunk_rows=0)
-  COMPILES.note((config, jit_cfg, G, per_call, P, layout),
+  COMPILES.note((model_config, jit_cfg, G, per_call, P, layout),
                 f"rows={per_call} prompt_len={P} G={G} "
                 f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
   put = jnp.asarray if layout is None else layout.rows
-  outs = [sample_padded(config, params, put(prompt_bp[s:s + per_call]),
+  outs = [sample_padded(model_config, params, put(prompt_bp[s:s + per_call]),
                         put(len_b[s:s + per_call]), key, jit_cfg, G, layout,
                         jnp.int32(s * G))
           for s in range(0, rows, per_call)]
@@ -352,9 +355,9 @@ def sample(config: ModelConfig, params: Params,
 CPU_SLOT_SHARE = 4
 
 
-def auto_slots(config: ModelConfig, rows: int, prompts: int, prompt_len: int,
-               length: int, budget: Optional[float], layout: Layout,
-               itemsize: int) -> int:
+def auto_slots(model_config: ModelConfig, rows: int, prompts: int,
+               prompt_len: int, length: int, budget: Optional[float],
+               layout: Layout, itemsize: int) -> int:
   """Slots of a continuous-batching call over `rows` rows of `prompts`
   prompts: with a memory `budget` (bytes per device), the most (up to the
   rows) whose cache of `length` columns, beside the prompts' own cache,
@@ -364,13 +367,13 @@ def auto_slots(config: ModelConfig, rows: int, prompts: int, prompt_len: int,
   up = lambda m: max(shards, -(-m // shards) * shards)
   if budget is None:
     return min(up(rows), up(-(-rows // CPU_SLOT_SHARE)))
-  free = KV_FRACTION * budget - kv_cache_bytes(config, prompts, prompt_len,
-                                               itemsize, layout)
-  per_slot = kv_cache_bytes(config, 1, length, itemsize, layout)
+  free = KV_FRACTION * budget - kv_cache_bytes(model_config, prompts,
+                                               prompt_len, itemsize, layout)
+  per_slot = kv_cache_bytes(model_config, 1, length, itemsize, layout)
   return min(up(rows), up(max(int(free // per_slot) // shards * shards, 1)))
 
 
-def _sample_continuous(config: ModelConfig, params: Params,
+def _sample_continuous(model_config: ModelConfig, params: Params,
                        prompts: Sequence[Sequence[int]], key: jax.Array,
                        cfg: SamplingConfig, num_generations: int,
                        batch_multiple: int, layout: Layout) -> Samples:
@@ -382,17 +385,18 @@ def _sample_continuous(config: ModelConfig, params: Params,
   b = -(-B // math.lcm(batch_multiple, shards)) * math.lcm(batch_multiple,
                                                           shards)
   slots = cfg.slots or auto_slots(
-      config, b * G, b, P, P + cfg.max_new_tokens, free_device_memory(),
+      model_config, b * G, b, P, P + cfg.max_new_tokens, free_device_memory(),
       layout, jax.tree.leaves(params)[0].dtype.itemsize)
   slots = -(-slots // shards) * shards
   prompt_bp, len_b = left_pad(prompts, P, b, cfg.pad_id)
   jit_cfg = dataclasses.replace(cfg, chunk_rows=0, slots=0)
-  COMPILES.note((config, jit_cfg, G, b, P, layout, slots),
+  COMPILES.note((model_config, jit_cfg, G, b, P, layout, slots),
                 f"continuous rows={b * G} slots={slots} prompt_len={P} G={G} "
                 f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
   put = jnp.asarray if layout is None else layout.rows
-  out = continuous.sample_slots(config, params, put(prompt_bp), put(len_b),
-                                key, jit_cfg, G, slots, jnp.int32(B), layout)
+  out = continuous.sample_slots(model_config, params, put(prompt_bp),
+                                put(len_b), key, jit_cfg, G, slots,
+                                jnp.int32(B), layout)
   if b == B:
     return out
   return Samples(*(x[:B * G] for x in out[:-1]), steps=out.steps)

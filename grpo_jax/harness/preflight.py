@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from grpo_jax.generate import rollout
+from grpo_jax.data import templates
 from grpo_jax.errors import ConfigError
 def tokenizer_source(config) -> str:
   return config.model.tokenizer or config.model.source
@@ -79,7 +79,7 @@ def data_prompts(config, tokenizer, train: Sequence[Any],
   data.system_prompt and the chat template, by the config fields that gave
   them."""
   d = config.data
-  render = lambda examples: rollout.render_prompts(
+  render = lambda examples: templates.render_prompts(
       tokenizer, d.template, [e.question for e in examples], d.system_prompt)
   return {f"the training data (data.source = {d.source!r}, data.kwargs)":
               render(train),

@@ -21,11 +21,11 @@ from grpo_jax.models.config import ModelConfig
 _NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
+def rope_frequencies(model_config: ModelConfig) -> np.ndarray:
   """Inverse frequencies [hd/2], with Llama-3 scaling when configured."""
-  hd = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2) / hd))
-  s = config.rope_scaling
+  hd = model_config.head_dim
+  inv_freq = 1.0 / (model_config.rope_theta ** (np.arange(0, hd, 2) / hd))
+  s = model_config.rope_scaling
   if s is None:
     return inv_freq
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -73,7 +73,7 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   return jnp.moveaxis(out, 3, 1).reshape(N, Q, H, E)
 
 
-def attention_mask(config: ModelConfig, q_pos_nq: jax.Array,
+def attention_mask(model_config: ModelConfig, q_pos_nq: jax.Array,
                    k_pos_ns: jax.Array, k_valid_ns: jax.Array,
                    q_seg_nq: Optional[jax.Array] = None,
                    k_seg_ns: Optional[jax.Array] = None) -> jax.Array:
@@ -84,8 +84,8 @@ def attention_mask(config: ModelConfig, q_pos_nq: jax.Array,
   """
   diff = q_pos_nq[:, :, None] - k_pos_ns[:, None, :]
   mask = (diff >= 0) & k_valid_ns[:, None, :]
-  if config.sliding_window is not None:
-    mask &= diff < config.sliding_window
+  if model_config.sliding_window is not None:
+    mask &= diff < model_config.sliding_window
   if q_seg_nq is not None:
     mask &= blockwise.segment_mask(q_seg_nq, k_seg_ns)
   return mask
@@ -98,7 +98,7 @@ ATTENTION = ("auto", "dense", "blockwise")
 BLOCKWISE_FROM = 2048
 
 
-def attend_fn(config: ModelConfig, impl: str, q_pos_nq: jax.Array,
+def attend_fn(model_config: ModelConfig, impl: str, q_pos_nq: jax.Array,
               k_pos_ns: jax.Array, k_valid_ns: jax.Array,
               q_seg_nq: Optional[jax.Array] = None,
               k_seg_ns: Optional[jax.Array] = None):
@@ -112,7 +112,7 @@ def attend_fn(config: ModelConfig, impl: str, q_pos_nq: jax.Array,
     return functools.partial(
         blockwise.attention, q_pos_nq=q_pos_nq, k_pos_ns=k_pos_ns,
         k_valid_ns=k_valid_ns, q_seg_nq=q_seg_nq, k_seg_ns=k_seg_ns,
-        sliding_window=config.sliding_window)
-  mask = attention_mask(config, q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
+        sliding_window=model_config.sliding_window)
+  mask = attention_mask(model_config, q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
                         k_seg_ns)
   return lambda q, k, v: attention(q, k, v, mask)

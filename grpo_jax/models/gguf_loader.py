@@ -178,13 +178,13 @@ def _f32(x: float) -> float:
   return float(str(np.float32(x)))
 
 
-def _llama3_scaling(config: ModelConfig, rope_freqs, source: str
+def _llama3_scaling(model_config: ModelConfig, rope_freqs, source: str
                     ) -> RopeScaling:
   """llama.cpp stores Llama-3.1's rope scaling as per-frequency divisors
   (`rope_freqs`), not as parameters. Accept them when they are Llama 3.1's."""
   factors = np.asarray(rope_freqs.data, np.float32)
-  scaled = config.replace(rope_scaling=RopeScaling())
-  expected = rope_frequencies(config) / rope_frequencies(scaled)
+  scaled = model_config.replace(rope_scaling=RopeScaling())
+  expected = rope_frequencies(model_config) / rope_frequencies(scaled)
   if factors.shape != expected.shape or not np.allclose(factors, expected,
                                                         rtol=1e-4):
     raise WeightsError(f"{source}: rope_freqs.weight does not match "

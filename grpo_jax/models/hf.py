@@ -140,10 +140,10 @@ def _sliding_window(hf: dict[str, Any], arch: str,
   raise unsupported("a mix of sliding-window and full-attention layers")
 
 
-def config_to_hf(config: ModelConfig, dtype_name: str,
+def config_to_hf(model_config: ModelConfig, dtype_name: str,
                  token_ids: Optional[dict[str, Any]] = None) -> dict[str, Any]:
   """config.json content that transformers 4.x and 5.x both read."""
-  c = config
+  c = model_config
   if c.sliding_window is not None and c.architecture == "llama":
     raise ValueError("a llama config with sliding_window has no "
                      "transformers equivalent; use architecture='mistral'")
@@ -245,10 +245,10 @@ def _hf_layout(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
   }
 
 
-def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
+def tensor_specs(model_config: ModelConfig) -> list[TensorSpec]:
   """Every leaf of `param_shapes(config)` with its HF tensor, in HF order."""
-  layout = _hf_layout(config)
-  shapes = param_shapes(config)
+  layout = _hf_layout(model_config)
+  shapes = param_shapes(model_config)
   specs = []
   for key in ("embed", "layers", "final_norm", "lm_head"):
     if key not in shapes:
@@ -267,16 +267,16 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def check_names(config: ModelConfig, names: Iterable[str], source: str):
+def check_names(model_config: ModelConfig, names: Iterable[str], source: str):
   """Raises on HF tensors we would silently drop (the model would differ)."""
-  expected = {n for spec in tensor_specs(config)
-              for n in spec.names(config.num_layers)}
-  if config.tie_embeddings:
+  expected = {n for spec in tensor_specs(model_config)
+              for n in spec.names(model_config.num_layers)}
+  if model_config.tie_embeddings:
     expected.add("lm_head.weight")  # some exporters write the tied copy too
   extra = sorted(n for n in names if n not in expected
                  and not n.endswith(_IGNORED_SUFFIXES))
   if extra:
-    raise WeightsError(f"{source}: tensors that a {config.architecture} "
+    raise WeightsError(f"{source}: tensors that a {model_config.architecture} "
                           f"model as configured does not have: {extra[:8]}")
 
 

@@ -115,7 +115,7 @@ def dtype_name(dtype) -> str:
   return np.dtype(dtype).name
 
 
-def save_pretrained(config: ModelConfig, params: dict[str, Any],
+def save_pretrained(model_config: ModelConfig, params: dict[str, Any],
                     directory: str | os.PathLike, tokenizer=None,
                     max_shard_bytes: int = 4 << 30) -> Path:
   """Writes `params` as a transformers model directory; returns its path.
@@ -125,14 +125,15 @@ def save_pretrained(config: ModelConfig, params: dict[str, Any],
   `AutoModelForCausalLM` / `AutoTokenizer` / pipelines load the directory.
   Leaves go to the host one at a time (sharded arrays are gathered per leaf).
   """
-  specs = tensor_specs(config)
-  _check_params(config, params)
+  specs = tensor_specs(model_config)
+  _check_params(model_config, params)
   dtype = dtype_name(_leaf(params, specs[0].path).dtype)
-  return write_checkpoint(config, list(_out_tensors(config, params, specs)),
+  return write_checkpoint(model_config,
+                          list(_out_tensors(model_config, params, specs)),
                           directory, dtype, tokenizer, max_shard_bytes)
 
 
-def write_checkpoint(config: ModelConfig, tensors: list[OutTensor],
+def write_checkpoint(model_config: ModelConfig, tensors: list[OutTensor],
                      directory: str | os.PathLike, dtype: str, tokenizer=None,
                      max_shard_bytes: int = 4 << 30) -> Path:
   """Weights, config.json and (with a tokenizer) its files, all or nothing."""
@@ -146,7 +147,7 @@ def write_checkpoint(config: ModelConfig, tensors: list[OutTensor],
                     "pad_token_id": token_ids.get("pad_token_id")}
       (tmp / "generation_config.json").write_text(
           json.dumps(generation, indent=2))
-    hf = config_to_hf(config, dtype, token_ids)
+    hf = config_to_hf(model_config, dtype, token_ids)
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
   return Path(directory)
 
@@ -157,19 +158,19 @@ def _leaf(params: dict[str, Any], path: tuple[str, ...]):
   return params
 
 
-def _check_params(config: ModelConfig, params: dict[str, Any]):
-  for spec in tensor_specs(config):
+def _check_params(model_config: ModelConfig, params: dict[str, Any]):
+  for spec in tensor_specs(model_config):
     try:
       shape = tuple(_leaf(params, spec.path).shape)
     except KeyError:
       raise ValueError(f"params has no leaf {'/'.join(spec.path)}") from None
-    want = ((config.num_layers,) if spec.per_layer else ()) + spec.shape
+    want = ((model_config.num_layers,) if spec.per_layer else ()) + spec.shape
     if shape != want:
       raise ValueError(f"params leaf {'/'.join(spec.path)} has shape {shape}, "
                        f"expected {want} for this config")
 
 
-def _out_tensors(config: ModelConfig, params: dict[str, Any],
+def _out_tensors(model_config: ModelConfig, params: dict[str, Any],
                  specs: list[TensorSpec]) -> Iterable[OutTensor]:
   """HF tensors of `params`; a one-leaf host cache serves a leaf's layers."""
   cache: dict[tuple[str, ...], np.ndarray] = {}
@@ -183,7 +184,7 @@ def _out_tensors(config: ModelConfig, params: dict[str, Any],
   for spec in specs:
     itemsize = np.dtype(_leaf(params, spec.path).dtype).itemsize
     nbytes = math.prod(spec.hf_shape) * itemsize
-    for i, name in enumerate(spec.names(config.num_layers)):
+    for i, name in enumerate(spec.names(model_config.num_layers)):
       def load(spec=spec, i=i):
         w = host_leaf(spec.path)
         return spec.to_hf(w[i] if spec.per_layer else w)

@@ -48,13 +48,13 @@ def _build_cache(gguf_path: Path, directory: Path):
   """GGUF -> float32 safetensors + tokenizer files, written atomically."""
   ckpt = GGUFCheckpoint(gguf_path)
   try:
-    config = ckpt.config
-    validate(ckpt, config)
+    model_config = ckpt.config
+    validate(ckpt, model_config)
     tensors = [hf_write.OutTensor(name, 4 * math.prod(ckpt.shape(name)),
-                            lambda name=name: ckpt.read(name))
-               for spec in hf.tensor_specs(config)
-               for name in spec.names(config.num_layers)]
-    hf_write.write_checkpoint(config, tensors, directory, "float32",
+                                  lambda name=name: ckpt.read(name))
+               for spec in hf.tensor_specs(model_config)
+               for name in spec.names(model_config.num_layers)]
+    hf_write.write_checkpoint(model_config, tensors, directory, "float32",
                         from_gguf(gguf_path, ckpt.reader))
   finally:
     ckpt.close()
@@ -79,10 +79,10 @@ def open_checkpoint(source: Source):
   return hf.SafetensorsCheckpoint(preset_directory(str(source)))
 
 
-def validate(ckpt, config: ModelConfig):
+def validate(ckpt, model_config: ModelConfig):
   """Every expected tensor is there with its HF shape, or a named error."""
-  for spec in hf.tensor_specs(config):
-    for name in spec.names(config.num_layers):
+  for spec in hf.tensor_specs(model_config):
+    for name in spec.names(model_config.num_layers):
       shape = ckpt.shape(name)
       if shape is None:
         raise errors.WeightsError(f"{ckpt.source}: tensor {name!r} is missing")
@@ -117,9 +117,10 @@ def load_pretrained(source: Source, dtype=jnp.float32,
   return config, _unflatten(leaves)
 
 
-def _leaf_shardings(config: ModelConfig, shardings: Any) -> dict[tuple, Any]:
+def _leaf_shardings(model_config: ModelConfig,
+                    shardings: Any) -> dict[tuple, Any]:
   """Leaf path -> Sharding, checked against the params' structure."""
-  paths = [spec.path for spec in hf.tensor_specs(config)]
+  paths = [spec.path for spec in hf.tensor_specs(model_config)]
   if shardings is None:
     shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   if isinstance(shardings, jax.sharding.Sharding):
@@ -135,10 +136,10 @@ def _leaf_shardings(config: ModelConfig, shardings: Any) -> dict[tuple, Any]:
   return given
 
 
-def _load_leaf(ckpt, spec: hf.TensorSpec, config: ModelConfig, dtype,
+def _load_leaf(ckpt, spec: hf.TensorSpec, model_config: ModelConfig, dtype,
                sharding) -> jax.Array:
   """One leaf onto its sharding; per-layer leaves are stacked on axis 0."""
-  names_ = spec.names(config.num_layers)
+  names_ = spec.names(model_config.num_layers)
   shape = ((len(names_),) if spec.per_layer else ()) + spec.shape
   shards: dict[tuple, np.ndarray] = {}  # devices that share a slice share it
 

@@ -66,7 +66,7 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
                         q_nqhe, k_nkse, v_nkse, k_pos_ns, k_valid_ns)
 
 
-def decode_step(config: ModelConfig, params: transformer.Params,
+def decode_step(model_config: ModelConfig, params: transformer.Params,
                 cache: transformer.KVCache, tokens_n: jax.Array,
                 positions_n: jax.Array, columns_n: jax.Array,
                 filled: jax.Array, layers: list) -> tuple:
@@ -82,13 +82,13 @@ def decode_step(config: ModelConfig, params: transformer.Params,
   ks, vs = list(cache.k), list(cache.v)
   for i, lp in enumerate(layers):
     # pylint: disable-next=protected-access
-    q, k, v = transformer._qkv(config, lp, x, positions_n[:, None])
+    q, k, v = transformer._qkv(model_config, lp, x, positions_n[:, None])
     ks[i] = ks[i].at[rows, :, columns_n].set(k[:, :, 0].astype(ks[i].dtype))
     vs[i] = vs[i].at[rows, :, columns_n].set(v[:, :, 0].astype(vs[i].dtype))
     attn = filled_attention(q, ks[i], vs[i], positions_n, kpos, valid, filled,
-                            config.sliding_window)
+                            model_config.sliding_window)
     # pylint: disable-next=protected-access
-    x = transformer._attn_out_and_mlp(config, lp, x, attn)
-  h = transformer.rms_norm(x, params["final_norm"], config.norm_eps)
-  logits = transformer.unembed(config, params, h)[:, 0]
+    x = transformer._attn_out_and_mlp(model_config, lp, x, attn)
+  h = transformer.rms_norm(x, params["final_norm"], model_config.norm_eps)
+  logits = transformer.unembed(model_config, params, h)[:, 0]
   return logits, transformer.KVCache(tuple(ks), tuple(vs), valid, kpos)

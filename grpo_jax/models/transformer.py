@@ -37,9 +37,9 @@ SEGMENT_MEMBERS = blockwise.SEGMENT_MEMBERS
 # Parameters and their logical axes.
 # ----------------------------------------------------------------------------
 
-def param_shapes(config: ModelConfig) -> dict[str, Any]:
+def param_shapes(model_config: ModelConfig) -> dict[str, Any]:
   """Shape of every parameter, as the same nested dict `init_params` returns."""
-  c = config
+  c = model_config
   L, D, H, K, hd, F = (c.num_layers, c.dim, c.num_heads, c.num_kv_heads,
                        c.head_dim, c.mlp_dim)
   layers = {
@@ -77,18 +77,18 @@ _AXES = {
 }
 
 
-def param_axes(config: ModelConfig) -> dict[str, Any]:
+def param_axes(model_config: ModelConfig) -> dict[str, Any]:
   """Logical axis names of every parameter, as a tree shaped like the params."""
-  shapes = param_shapes(config)
+  shapes = param_shapes(model_config)
   layer_axes = {k: _AXES[k] for k in shapes["layers"]}
   return {**{k: _AXES[k] for k in shapes if k != "layers"},
           "layers": layer_axes}
 
 
-def init_params(config: ModelConfig, key: jax.Array,
+def init_params(model_config: ModelConfig, key: jax.Array,
                 dtype=jnp.float32) -> Params:
   """Random parameters (normal, std 0.02; norms at 1) for tests and demos."""
-  shapes = param_shapes(config)
+  shapes = param_shapes(model_config)
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       shapes, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(key, len(flat))
@@ -108,8 +108,8 @@ def cast(params: Params, dtype: str) -> Params:
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
-def count_params(config: ModelConfig) -> int:
-  leaves = jax.tree_util.tree_leaves(param_shapes(config),
+def count_params(model_config: ModelConfig) -> int:
+  leaves = jax.tree_util.tree_leaves(param_shapes(model_config),
                                      is_leaf=lambda x: isinstance(x, tuple))
   return int(sum(np.prod(s) for s in leaves))
 
@@ -142,30 +142,30 @@ def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
   return x
 
 
-def _qkv(config: ModelConfig, lp: Params, x_nqd: jax.Array,
+def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
          positions_nq: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
-  h = rms_norm(x_nqd, lp["attn_norm"], config.norm_eps)
+  h = rms_norm(x_nqd, lp["attn_norm"], model_config.norm_eps)
   q = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wq"]), Q_AXES)
   k = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wk"]), KV_AXES)
   v = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wv"]), KV_AXES)
-  if config.qkv_bias:
+  if model_config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-  if config.qk_norm:
-    q = rms_norm(q, lp["q_norm"], config.norm_eps)
-    k = rms_norm(k, lp["k_norm"], config.norm_eps)
-  inv_freq = rope_frequencies(config)
+  if model_config.qk_norm:
+    q = rms_norm(q, lp["q_norm"], model_config.norm_eps)
+    k = rms_norm(k, lp["k_norm"], model_config.norm_eps)
+  inv_freq = rope_frequencies(model_config)
   k = apply_rope(k, positions_nq, inv_freq)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)
   return apply_rope(q, positions_nq, inv_freq), heads_first(k), heads_first(v)
 
 
-def _attn_out_and_mlp(config: ModelConfig, lp: Params, x_nqd: jax.Array,
+def _attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
                       attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
   x = constrain(x_nqd + jnp.einsum("nqhe,hed->nqd", attn_nqhe, lp["wo"]),
                 RESIDUAL_AXES)
-  h = rms_norm(x, lp["mlp_norm"], config.norm_eps)
+  h = rms_norm(x, lp["mlp_norm"], model_config.norm_eps)
   gate = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_gate"]), MLP_AXES)
   up = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_up"]), MLP_AXES)
   return constrain(
@@ -177,9 +177,10 @@ def embed(params: Params, tokens_ns: jax.Array) -> jax.Array:
   return jnp.take(params["embed"], tokens_ns, axis=0)
 
 
-def unembed(config: ModelConfig, params: Params, h_nsd: jax.Array) -> jax.Array:
+def unembed(model_config: ModelConfig, params: Params,
+            h_nsd: jax.Array) -> jax.Array:
   """Final norm output (N, S, D) -> float32 logits (N, S, V)."""
-  w = params["embed"].T if config.tie_embeddings else params["lm_head"]
+  w = params["embed"].T if model_config.tie_embeddings else params["lm_head"]
   return jnp.einsum("nsd,dv->nsv", h_nsd, w,
                     preferred_element_type=jnp.float32)
 
@@ -207,13 +208,12 @@ def default_positions_and_valid(tokens_ns: jax.Array,
   return positions_ns, valid_ns
 
 
-def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
-                  positions_ns: Optional[jax.Array] = None,
-                  valid_ns: Optional[jax.Array] = None,
-                  remat: str = "none", return_kv: bool = False,
-                  segment_ns: Optional[jax.Array] = None,
-                  attention_impl: str = "auto",
-                  constrain: Optional[Constrain] = None):
+def hidden_states(
+    model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
+    positions_ns: Optional[jax.Array] = None,
+    valid_ns: Optional[jax.Array] = None, remat: str = "none",
+    return_kv: bool = False, segment_ns: Optional[jax.Array] = None,
+    attention_impl: str = "auto", constrain: Optional[Constrain] = None):
   """Final-normed hidden states (N, S, D); optionally every layer's k, v.
 
   positions_ns defaults to 0..S-1; valid_ns marks real (non-padding) tokens,
@@ -230,12 +230,12 @@ def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
   constrain = constrain or no_constraint
   positions_ns, valid_ns = default_positions_and_valid(tokens_ns, positions_ns,
                                                        valid_ns)
-  attend = attend_fn(config, attention_impl, positions_ns, positions_ns,
+  attend = attend_fn(model_config, attention_impl, positions_ns, positions_ns,
                      valid_ns, segment_ns, segment_ns)
 
   def layer(x, lp):
-    q, k, v = _qkv(config, lp, x, positions_ns, constrain)
-    x = _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain)
+    q, k, v = _qkv(model_config, lp, x, positions_ns, constrain)
+    x = _attn_out_and_mlp(model_config, lp, x, attend(q, k, v), constrain)
     return x, ((k, v) if return_kv else None)
 
   if REMAT_POLICIES.get(remat, "bad") == "bad":
@@ -244,11 +244,11 @@ def hidden_states(config: ModelConfig, params: Params, tokens_ns: jax.Array,
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
   x = constrain(embed(params, tokens_ns), RESIDUAL_AXES)
   x, kv = jax.lax.scan(layer, x, params["layers"])
-  h = rms_norm(x, params["final_norm"], config.norm_eps)
+  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
   return (h, kv) if return_kv else h
 
 
-def hidden_states_shared_prompt(config: ModelConfig, params: Params,
+def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
                                 prompt_bp: jax.Array, prompt_pos_bp: jax.Array,
                                 prompt_valid_bp: jax.Array,
                                 tokens_nt: jax.Array, positions_nt: jax.Array,
@@ -273,34 +273,36 @@ def hidden_states_shared_prompt(config: ModelConfig, params: Params,
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
   constrain = constrain or no_constraint
   h_bpd, (k_lbkpe, v_lbkpe) = hidden_states(
-      config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
+      model_config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
       return_kv=True, attention_impl=attention_impl, constrain=constrain)
   key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
   key_valid_ns = jnp.concatenate([rep(prompt_valid_bp), valid_nt], axis=1)
-  attend = attend_fn(config, attention_impl, positions_nt, key_pos_ns,
+  attend = attend_fn(model_config, attention_impl, positions_nt, key_pos_ns,
                      key_valid_ns)
 
   def layer(x, xs):
     lp, k_prompt, v_prompt = xs
-    q, k, v = _qkv(config, lp, x, positions_nt, constrain)
+    q, k, v = _qkv(model_config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return _attn_out_and_mlp(config, lp, x, attend(q, k, v), constrain), None
+    return _attn_out_and_mlp(model_config, lp, x, attend(q, k, v),
+                             constrain), None
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
   x, _ = jax.lax.scan(layer, constrain(embed(params, tokens_nt), RESIDUAL_AXES),
                       (params["layers"], k_lbkpe, v_lbkpe))
-  return h_bpd[:, -1], rms_norm(x, params["final_norm"], config.norm_eps)
+  return h_bpd[:, -1], rms_norm(x, params["final_norm"], model_config.norm_eps)
 
 
-def forward(config: ModelConfig, params: Params, tokens_ns: jax.Array,
+def forward(model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
             positions_ns: Optional[jax.Array] = None,
             valid_ns: Optional[jax.Array] = None,
             remat: str = "none") -> jax.Array:
   """Causal logits (N, S, V) in float32 for int32 tokens (N, S)."""
-  h = hidden_states(config, params, tokens_ns, positions_ns, valid_ns, remat)
-  return unembed(config, params, h)
+  h = hidden_states(model_config, params, tokens_ns, positions_ns, valid_ns,
+                    remat)
+  return unembed(model_config, params, h)
 
 
 # ----------------------------------------------------------------------------
@@ -318,11 +320,11 @@ class KVCache(NamedTuple):
   pos_ns: jax.Array
 
 
-def init_cache(config: ModelConfig, batch: int, length: int,
+def init_cache(model_config: ModelConfig, batch: int, length: int,
                dtype=jnp.float32) -> KVCache:
-  shape = (batch, config.num_kv_heads, length, config.head_dim)
+  shape = (batch, model_config.num_kv_heads, length, model_config.head_dim)
   zeros = lambda: tuple(jnp.zeros(shape, dtype)
-                        for _ in range(config.num_layers))
+                        for _ in range(model_config.num_layers))
   return KVCache(zeros(), zeros(),
                  jnp.zeros((batch, length), bool),
                  jnp.zeros((batch, length), jnp.int32))
@@ -334,7 +336,7 @@ def unstack_layers(params: Params, num_layers: int) -> list[Params]:
           for i in range(num_layers)]
 
 
-def decode_step(config: ModelConfig, params: Params, cache: KVCache,
+def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
                 tokens_n: jax.Array, positions_n: jax.Array,
                 index: jax.Array, layers: Optional[list[Params]] = None
                 ) -> tuple[jax.Array, KVCache]:
@@ -352,22 +354,22 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache,
   model's worth of weight copies per decode step.
   """
   if layers is None:
-    layers = unstack_layers(params, config.num_layers)
+    layers = unstack_layers(params, model_config.num_layers)
   pos_nq = positions_n[:, None]                      # Q = 1 query column
 
   valid = jax.lax.dynamic_update_slice(
       cache.valid_ns, jnp.ones((tokens_n.shape[0], 1), bool), (0, index))
   kpos = jax.lax.dynamic_update_slice(cache.pos_ns, pos_nq, (0, index))
-  mask = attention_mask(config, pos_nq, kpos, valid)
+  mask = attention_mask(model_config, pos_nq, kpos, valid)
   x = embed(params, tokens_n[:, None])
   ks, vs = list(cache.k), list(cache.v)
   for i, lp in enumerate(layers):
-    q, k, v = _qkv(config, lp, x, pos_nq)
+    q, k, v = _qkv(model_config, lp, x, pos_nq)
     ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
                                          (0, 0, index, 0))
     vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
                                          (0, 0, index, 0))
-    x = _attn_out_and_mlp(config, lp, x, attention(q, ks[i], vs[i], mask))
-  h = rms_norm(x, params["final_norm"], config.norm_eps)
-  logits = unembed(config, params, h)[:, 0]
+    x = _attn_out_and_mlp(model_config, lp, x, attention(q, ks[i], vs[i], mask))
+  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
+  logits = unembed(model_config, params, h)[:, 0]
   return logits, KVCache(tuple(ks), tuple(vs), valid, kpos)

@@ -262,7 +262,7 @@ def packed_tokens(rows: PackedRows) -> int:
 # Device side: one micro-batch of packed rows -> log-probs in N slots.
 # ----------------------------------------------------------------------------
 
-def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
+def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows, *,
                     chunk_size: int, temperature: float = 1.0,
                     remat: str = "none", attention: str = "auto",
                     constrain=None):
@@ -276,7 +276,7 @@ def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
   slots' log-probs. Only the [R, S] scalar log-probs cross chips (a slot's
   row may live on another), never hidden states."""
   h_rsd = transformer.hidden_states(
-      config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
+      model_config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
       remat=remat, segment_ns=rows.segments_rs, attention_impl=attention,
       constrain=constrain)
   if constrain is not None:     # the gather and the head read whole rows
@@ -285,7 +285,7 @@ def packed_logprobs(config: ModelConfig, params, rows: PackedRows, *,
   if constrain is not None:
     h_pred = constrain(h_pred, ("batch", None, None))
   logp_rs, entropy_rs = logprobs_lib.token_logprobs(
-      config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
+      model_config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
       temperature=temperature)
   take = lambda x: jnp.take(x.reshape(-1), rows.src_nt, axis=0)
   logp_nt, entropy_nt = take(logp_rs), take(entropy_rs)

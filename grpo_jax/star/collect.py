@@ -25,7 +25,7 @@ from grpo_jax.harness import experiment
 from grpo_jax.generate import rollout, sampling
 from grpo_jax.star import sft
 from grpo_jax.algorithms.star import mentions_hint, reasoning
-from grpo_jax.data import Example, answer_hint
+from grpo_jax.data import Example, answer_hint, templates
 from grpo_jax.rewards import equations
 
 
@@ -39,7 +39,7 @@ def render(tokenizer, template: str, question: str, system_prompt: str = "",
   turns (each exemplar's question and gold rationale; under a hint the
   exemplars show their own hints, as the paper's rationalisation prompt),
   then the question through the template. Without hint and shots it equals
-  `rollout.render_prompts`, the prompt of training and evaluation."""
+  `templates.render_prompts`, the prompt of training and evaluation."""
   fmt = registry.lookup("template", template)
   messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
   for shot in shots:
@@ -143,7 +143,7 @@ def collect_examples(config, model_config, params, tokenizer,
         greedy=True)
   questions = [p.question for p in problems]
   answers = [p.answer for p in problems]
-  stored = rollout.render_prompts(tokenizer, d.template, questions,
+  stored = templates.render_prompts(tokenizer, d.template, questions,
                                   d.system_prompt)
   attempt = lambda prompts, golds, k, **checks: first_correct(
       model_config, params, tokenizer, prompts, golds, k, cfg,
