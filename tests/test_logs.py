@@ -2,6 +2,7 @@
 the resolved config in <workdir>/config.yaml instead of the log, one line
 per step, a progress bar only on a terminal and never run into a log line."""
 import io
+import json
 import logging
 import math
 import os
@@ -206,15 +207,43 @@ def test_log_lines_are_printed_above_the_bar_not_into_it(monkeypatch):
 # The tiny run, end to end.
 # ----------------------------------------------------------------------------
 
+# experiments/run.py as `python experiments/run.py ...` runs it, with the
+# entry work counted: validation, joining the processes, installing the
+# signal handlers (printed as one JSON line on stdout when it exits).
+_COUNTED_RUN = r"""
+import atexit, json, runpy, sys
+from grpo_jax import validation
+from grpo_jax.harness import distributed, interrupts
+counts = {"validate": 0, "initialize_distributed": 0, "install_signals": 0}
+def counted(owner, name, key):
+  inner = getattr(owner, name)
+  def wrapper(*args, **kwargs):
+    counts[key] += 1
+    return inner(*args, **kwargs)
+  setattr(owner, name, wrapper)
+counted(validation, "validate", "validate")
+counted(distributed, "initialize_distributed", "initialize_distributed")
+counted(interrupts._Stop, "install", "install_signals")
+atexit.register(lambda: print("ENTRY " + json.dumps(counts), flush=True))
+sys.argv = ["experiments/run.py", *sys.argv[1:]]
+runpy.run_path("experiments/run.py", run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_the_tiny_run_prints_a_few_lines_none_from_a_library(tmp_path):
+  """Also: the entry work happens once on the path run.py -> method."""
   workdir = tmp_path / "run"
   proc = subprocess.run(
-      [sys.executable, "experiments/run.py", "--config=configs/tiny.py",
+      [sys.executable, "-c", _COUNTED_RUN, "--config=configs/tiny.py",
        f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=600,
       env=dict(ENV, GRPO_JAX_RUNS=str(tmp_path / "store")))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = (proc.stdout + proc.stderr).splitlines()
+  entry = [l for l in proc.stdout.splitlines() if l.startswith("ENTRY ")]
+  assert [json.loads(l[len("ENTRY "):]) for l in entry] == [
+      {"validate": 1, "initialize_distributed": 1, "install_signals": 1}]
+  lines = [l for l in (proc.stdout + proc.stderr).splitlines()
+           if not l.startswith("ENTRY ")]
   assert len(lines) <= 40, "\n".join(lines)
   assert "orbax" not in proc.stdout + proc.stderr
   ours = {p.name for d in ("grpo_jax", "experiments") for p in (REPO / d).rglob("*.py")}
