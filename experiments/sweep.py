@@ -21,7 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from grpo_jax.harness import cli
-from grpo_jax import config as config_lib
+from grpo_jax import validation
 from grpo_jax.harness import interrupts
 from grpo_jax.harness import runs
 from grpo_jax.harness import sweeps
@@ -52,7 +52,7 @@ def main(argv):
   sweep = sweeps.load_sweep(_SWEEP.value)
   # Every point validated (unknown fields, values) before anything runs.
   with cli.user_errors():
-    sweeps.check_points(_CONFIG.value, sweep, config_lib.validate)
+    sweeps.check_points(_CONFIG.value, sweep, validation.validate)
   if _DRY_RUN.value:
     overrides_cli = config_flags.get_override_values(flags.FLAGS["config"])
     for index, overrides in enumerate(sweep):
@@ -63,7 +63,7 @@ def main(argv):
   try:
     ids = sweeps.run_sweep(_CONFIG.value, sweep, sweeps.run_method, store, name=name,
                            sweep_name=Path(_SWEEP.value).stem, base_workdir=base,
-                           validate=config_lib.validate)
+                           validate=validation.validate)
   except interrupts.Preempted as e:
     print(f"sweep stopped: {e}; run the same sweep command again to resume "
           "(each point from its own checkpoint)", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Checks that need more than the config (config.validate has the rest),
+"""Checks that need more than the config (validation.validate has the rest),
 made before the work they protect, each naming the field and what to do.
 
   check_model       the tokenizer's vocabulary fits the model's; the

@@ -102,7 +102,7 @@ RunFn = Callable[[Any, str], Optional[Mapping[str, Any]]]
 def check_points(config, sweep: Sequence[Overrides],
                  validate: Optional[Callable[[Any], Any]] = None) -> list:
   """Every point's config, each validated (`validate(config)`, e.g.
-  config.validate); an invalid point raises naming its index and label, so
+  validation.validate); an invalid point raises naming its index and label, so
   a sweep fails before its first run rather than after it."""
   configs = []
   for index, overrides in enumerate(sweep):
