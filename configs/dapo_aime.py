@@ -53,7 +53,7 @@ def paper(c):
   c.rl.prompts_per_step, c.rl.num_generations = 512, 16
   c.rl.mini_batch_size = 512 * 16 // 16        # 16 updates per step
   # 64 rows of a 512-token prompt + L_max per micro-batch: one row per batch
-  # shard on v5p:8x8x4 (experiments/aot.py: 58.5% of a chip, README)
+  # shard on v5p:8x8x4 (experiments/aot.py: 58.5% of a chip, docs/pod.md)
   c.rl.micro_batch_tokens = 64 * (512 + 20480)
   c.rl.max_gen_batches = 3
   c.rewards = {"math_dapo": 1.0, "overlong": 1.0}
@@ -64,7 +64,7 @@ def paper(c):
   c.train.steps = 400
   c.train.eval_every, c.train.eval_examples = 5, 30
   c.train.checkpoint_every = 5
-  c.mesh.shape = (-1, 8, 4)    # 32B: FSDP 8 x tensor 4 per replica (README)
+  c.mesh.shape = (-1, 8, 4)    # 32B: FSDP 8 x tensor 4 per replica (docs/pod.md)
   return c
 
 

@@ -17,8 +17,8 @@ greedy rationales. word_problems adds the paper's few-shot prompt set (3 of
 the 64 problems as worked exemplars, hinted under rationalisation) in
 iteration 1 and keeps a rationalisation only if its reasoning derives the
 answer with true arithmetic (see word_problems below). Measured on
-word_problems (64 held-out, greedy accuracy, iterations 0-3; README
-"Results", 7.5 and 5.7 min on 2 cores): with rationalisation 7.8 -> 46.9 ->
+word_problems (64 held-out, greedy accuracy, iterations 0-3;
+docs/results.md, 7.5 and 5.7 min on 2 cores): with rationalisation 7.8 -> 46.9 ->
 37.5 -> 53.1 (kept directly + by rationalisation: 12+9, 33+11, 23+7);
 without 7.8 -> 45.3 -> 25.0 -> 35.9 (kept 12, 28, 24). Without the few-shot
 exemplars and the reasoning check, the 135M model's hinted samples echo the

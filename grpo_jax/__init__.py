@@ -4,8 +4,8 @@ Importing the package registers every name a config can use (see
 `grpo_jax.registry`): data sets, layouts, tasks and templates (`data`),
 rewards (`rewards`), advantages, loss aggregations and KL estimators
 (`algorithms`), model presets and bundled weights (`models`), maj@k answer
-readers (`evaluation`) and the methods, i.e. the loops: "rl" (`train`) and
-"star" (`star_loop`).
+readers (`evaluation`) and the methods, i.e. the loops: "rl" (`rl.train`)
+and "star" (`star.loop`).
 
 Shape letters, one meaning in every name and file (`reward_bg`, `logp_nt`,
 `tokens_ns`, `q_nqhe`):

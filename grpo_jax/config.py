@@ -111,7 +111,7 @@ def _mesh_defaults() -> ConfigDict:
       init_timeout_s=300,    # how long start-up waits for every process
       # Split the update's residual stream (and the per-layer remat
       # checkpoints) over `tensor` along the sequence as well: long rows on
-      # small chips (README, v6e:16x16).
+      # small chips (docs/pod.md, v6e:16x16).
       sequence_parallel=False))
 
 

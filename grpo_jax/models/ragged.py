@@ -43,7 +43,7 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   loop's dynamic slices copy every block of every row's cache each step.
   Bucketed, `python benchmarks/ragged.py --slots 0,8,32` went from 1.43x to
   1.57x the static sampler (16 slots), and `--samplers-only --prompts 32
-  --slots 64,32` from 1.23x / 1.40x to 1.56x / 1.68x (README, Speed)."""
+  --slots 64,32` from 1.23x / 1.40x to 1.56x / 1.68x (docs/speed.md)."""
   S = k_nkse.shape[2]
   if S % block:
     raise ValueError(f"{S} cache columns are not a multiple of the block "

@@ -6,7 +6,7 @@
       # FILTER       keep the verified-correct ones                    (l. 5)
       # RATIONALISE  retry the failures with the correct answer as a hint;
       #              keep those now correct, stored without the hint (l. 4, 6)
-      #              (those three: star_collect.collect_examples)
+      #              (those three: collect.collect_examples)
       # FINE-TUNE    the ORIGINAL M_0 on everything kept, for
       #              sft_steps * sft_growth^(n-1) steps (paper: 40, x1.2) (l. 7)
       # EVALUATE     held-out accuracy of M_n
