@@ -52,8 +52,9 @@ _SENTENCE_END = re.compile(r"(?<!\d)\.(?=\s|$)|\.(?=\s+[A-Z])")
 # Where a stated answer gives way to a rejected value or an aside: "12, not
 # 15", "12 rather than 15", "12 instead of 15", "12 (I first thought 20)" (a
 # parenthesis opening words, not a tuple or a factor).
+# (?<=\S) and one quantifier per run of spaces keep these linear.
 _CORRECTION = re.compile(
-    r"(?<=\S)\s*,?\s+(?:not|rather\s+than|instead\s+of|but\s+not)\b"
+    r"(?<=\S)(?:\s*,\s*|\s+)(?:not|rather\s+than|instead\s+of|but\s+not)\b"
     r"|(?<=\S)\s*\((?=\s*(?:[A-Za-z]+\s+[A-Za-z]|[A-Za-z]{2,}\s*\)|(?:not|or|I)\b))",
     re.IGNORECASE)
 _FINAL_PUNCTUATION = ".,;:?!"
@@ -283,11 +284,11 @@ _NEGATED = re.compile(r"(?:not|never|no)\b", re.IGNORECASE)
 _GLUED_UNIT = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s*(?:[A-Za-z]{1,3}[\u00b2\u00b3]|[\u20ac\u00a3\u00a5])")
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
 # A number, then prose only (no digit, no math): "24 ways to arrange them".
-_NUMBER_THEN_WORDS = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s+([A-Za-z]+)(?:[\sA-Za-z',-]*)")
+_NUMBER_THEN_WORDS = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s+([A-Za-z]+)(?![A-Za-z])[\sA-Za-z',-]*")
 # Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
 # "2/5, or 40%").
 _TAIL_END = re.compile(r"\.\s|(?<=\S)\s\((?!\s*\d)|,\s+or\b|,\s+which\b"
-                       r"|,?\s+(?:not|rather\s+than|instead\s+of)\b")
+                       r"|(?<=\S)(?:,\s*|\s+)(?:not|rather\s+than|instead\s+of)\b")
 
 
 def _sentences(line: str) -> list[str]:

@@ -46,7 +46,7 @@ _SYMBOLS = {
 }
 _PER_MILLE = re.compile(r"(\d+(?:\.\d+)?)\s*([\u2030\u2031])")
 _SCRIPT_RUN = re.compile("[" + "".join(_SUPERSCRIPTS) + "]+|[" + "".join(_SUBSCRIPTS) + "]+")
-_ROOT_ARG = re.compile(r"\s*(\d+(?:\.\d+)?|\\[A-Za-z]+|[A-Za-z])")
+_ROOT_ARG = re.compile(r"\s*(\d+(?:\.\d+)?|\\[A-Za-z]+|[^\W\d_])")
 _MAX_GROUP = 200  # A root's bracketed argument: longer is not an argument.
 
 

@@ -50,7 +50,7 @@ _LAST_TOKEN = re.compile(
 _BODY_SPLIT = re.compile(r"\s*(?:/|\\cdot|\*|\\[,;: ]|~|\s|\bper\b)\s*")
 _BODY_POWER = re.compile(r"\^\s*\{?\s*-?\d\s*\}?|[\u00b2\u00b3]")
 _MULTIPLIER = re.compile(
-    r"(?<=[\d}])(?:\s|~|\\[,;: ])*(?:\\(?:text|mathrm|textrm)\s*\{\s*(?P<w1>[a-z]+)\s*\}"
+    r"(?<=[\d}$])(?:\s|~|\\[,;: ])*(?:\\(?:text|mathrm|textrm)\s*\{\s*(?P<w1>[a-z]+)\s*\}"
     r"|(?P<w2>[a-z]+))\s*$")
 _MAX_TOKENS = 6
 
