@@ -149,6 +149,7 @@ def test_unicode_math_normalise(text, latex):
     (r"\text{Evelyn}", r"\text{Evelyn}"), (r"x\text{ cm}", r"x\text{ cm}"),
     (r"5\text{ million}", r"5\times 10^{6}"), ("2 dozen", r"2\times 12"),
     ("5 million dollars", r"5\times 10^{6}"),
+    (r"12 \text{ red marbles}", "12"), ("12 or more marbles", "12 or more marbles"),
 ])
 def test_strip_units(answer, stripped):
   assert units.strip_units(answer) == stripped

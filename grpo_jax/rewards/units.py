@@ -70,12 +70,20 @@ def _is_counted_noun(word: str) -> bool:
           and (word in _IRREGULAR_PLURALS or (len(word) >= 4 and word.endswith("s"))))
 
 
-def _unit_words(body: str, wrapped: bool, compound: bool) -> bool:
-  """True if every word of `body` is a unit (or `body` is one counted noun)."""
+def _describes(words: list[str]) -> bool:
+  """Lowercase words that change no value: "red" in "12 red marbles"."""
+  return len(words) <= 2 and all(w.isalpha() and w.islower() and not changes_value(w)
+                                 for w in words)
+
+
+def _unit_words(body: str, wrapped: bool, compound: bool, after_noun: bool) -> bool:
+  """True if every word of `body` is a unit, or `body` is a counted noun
+  with its describing words ("red marbles"), or describes one already
+  dropped."""
   words = [w for w in _BODY_SPLIT.split(_BODY_POWER.sub(" ", body).strip()) if w]
   if not words:
     return False
-  if len(words) == 1 and _is_counted_noun(words[0]):
+  if _is_counted_noun(words[-1]) and _describes(words[:-1]) or after_noun and _describes(words):
     return True
   short_ok = wrapped or compound or len(words) > 1 and "/" in body
   return all(w in _UNITS and (len(w) > 1 or short_ok) for w in words)
@@ -84,7 +92,7 @@ def _unit_words(body: str, wrapped: bool, compound: bool) -> bool:
 def strip_units(answer: str) -> str:
   """`answer` without its trailing unit and with a final multiplier word read
   (`5 million dollars` -> `5\\times 10^{6}`); unchanged if it has neither."""
-  rest, compound = answer.rstrip(), False
+  rest, compound, after_noun = answer.rstrip(), False, False
   for _ in range(_MAX_TOKENS):
     match = _LAST_TOKEN.search(rest)
     if match is None:
@@ -93,8 +101,9 @@ def strip_units(answer: str) -> str:
     body = match.group("wrapped") if wrapped else match.group("bare")
     left = rest[:match.start()].rstrip()
     divides = "/" in match.group("sep") or "\\cdot" in match.group("sep")
-    if not left or not _unit_words(body, wrapped, compound or divides):
+    if not left or not _unit_words(body, wrapped, compound or divides, after_noun):
       break
+    after_noun = after_noun or _is_counted_noun(body.split()[-1] if body.split() else "")
     rest, compound = left, divides
   rest = read_multiplier(rest)
   if rest != answer.rstrip() and (rest[-1].isdigit() or rest[-1] in "})$"):
