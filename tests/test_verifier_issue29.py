@@ -108,7 +108,7 @@ CLASSES = [
     ("missing_gold", np.float64("nan"), r"\boxed{nan}", False),
     ("missing_gold", "nan", "nan", False),
     ("missing_gold", "", "", False),
-    ("missing_gold", "None", "None", False),
+    ("missing_gold", " NaN ", "NaN", False),
     ("missing_gold", float("inf"), "inf", False),
     ("missing_gold", 5.0, r"\boxed{5}", True),
 ]
@@ -263,7 +263,7 @@ def test_property_the_right_digits_with_an_extra_part_are_never_accepted(items):
   assert not any(rmath.verify_batch(golds, predictions)), predictions
 
 
-_MISSING = st.sampled_from(["", " ", "nan", "NaN", "None", float("nan"), np.float32("nan"),
+_MISSING = st.sampled_from(["", " ", "nan", "NaN", None, float("nan"), np.float32("nan"),
                             float("inf")])
 
 

@@ -52,7 +52,9 @@ def default_pool() -> pool_lib.WorkerPool:
     return _default_pool
 
 
-_MISSING = frozenset(("", "nan", "none", "null", "n/a"))
+# What a missing value becomes as text (a pandas NaN read as "nan"). Not
+# "None": that can be a real answer ("None of them").
+_MISSING = frozenset(("", "nan"))
 
 
 def _as_text(value: Any) -> str | None:
@@ -71,9 +73,8 @@ def _as_text(value: Any) -> str | None:
 
 def gold_text(gold: Any) -> str | None:
   """The gold as text, or None where it is missing: not text or a number, a
-  NaN or infinite float, or text that is empty or a missing-value marker
-  (`nan`, `None`: what pandas writes for an empty cell). No prediction
-  matches a missing gold."""
+  NaN or infinite float, or text that is empty or `nan` (what an empty
+  pandas cell becomes). No prediction matches a missing gold."""
   text = _as_text(gold)
   if text is None or text.strip().lower() in _MISSING:
     return None
