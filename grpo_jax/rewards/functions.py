@@ -44,6 +44,19 @@ def _apply(name: str, value) -> sympy.Expr | None:
   return _NAMES[name](value)
 
 
+def _evaluated(name: str, argument: str, value_of: Callable[[str], object]) -> str | None:
+  """The LaTeX of `name(argument)` if it is a number, else None."""
+  try:
+    value = value_of(argument)
+    if not isinstance(value, sympy.Expr) or not value.is_number:
+      return None
+    result = _apply(name, value)
+    result = None if result is None else sympy.simplify(result)
+    return sympy.latex(result) if result is not None and result.is_number else None
+  except Exception:  # pylint: disable=broad-except
+    return None  # Left unread: the call then fails to parse, as before.
+
+
 def read(text: str, value_of: Callable[[str], object]) -> str:
   """`text` with each call of a listed function replaced by its value."""
   if "\\" not in text:
@@ -56,13 +69,10 @@ def read(text: str, value_of: Callable[[str], object]) -> str:
       if found is None:
         continue
       argument, end = found
-      value = value_of(argument)
-      if not isinstance(value, sympy.Expr) or not value.is_number:
+      latex = _evaluated(name, argument, value_of)
+      if latex is None:
         continue
-      result = _apply(name, value)
-      if result is None or not sympy.simplify(result).is_number:
-        continue
-      text = f"{text[:match.start()]}\\left({sympy.latex(sympy.simplify(result))}\\right){text[end:]}"
+      text = f"{text[:match.start()]}\\left({latex}\\right){text[end:]}"
       changed = True
       break
     if not changed:
