@@ -178,7 +178,8 @@ def test_extract_issue29(text, answer):
     ("so 15", 15), ("The answer is 15.", 15), ("a total of 15", 15), ("1,234 apples", 1234),
     (r"\boxed{2^{15}}", None), (r"\frac{3}{15}", None), (r"\sqrt{15}", None), ("15!", None),
     (r"15\pi", None), ("10\u2076", None), ("15 million", None), ("12, not 15", None),
-    ("12 instead of 15", None), ("x_{15}", None), ("3/15", None),
+    ("12 instead of 15", None), ("x_{15}", None), ("3/15", None), (r"x \neq 15", None),
+    ("x < 15", None), (r"x \geq 15", None), (r"15 \text{ or more}", None), ("at least 15", 15),
 ])
 def test_last_number_is_a_whole_number(text, value):
   assert last_number.last_number(text) == (None if value is None else Fraction(value))
