@@ -150,6 +150,7 @@ def test_unicode_math_normalise(text, latex):
     (r"5\text{ million}", r"5\times 10^{6}"), ("2 dozen", r"2\times 12"),
     ("5 million dollars", r"5\times 10^{6}"),
     (r"12 \text{ red marbles}", "12"), ("12 or more marbles", "12 or more marbles"),
+    (r"5\text{ twelfths}", r"5\text{ twelfths}"), (r"5\text{ months}", "5"),
 ])
 def test_strip_units(answer, stripped):
   assert units.strip_units(answer) == stripped
@@ -169,6 +170,8 @@ def test_strip_units(answer, stripped):
     (r"So $\framebox{7}$.", "7"),
     ("Answer: $2^{10}$,", "2^{10}"),
     (r"\boxed{5!}", "5!"),
+    ("Therefore, there are 24 ways to arrange the books.", "24"),
+    ("The result is 2 to the power of ten.", "2 to the power of ten"),
 ])
 def test_extract_issue29(text, answer):
   assert extract.extract_answer(text).text == answer

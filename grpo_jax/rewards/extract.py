@@ -323,7 +323,7 @@ def _answer_in(sentence: str) -> str | None:
     if glued:  # "1,000.99m²", "12€": a number and its unit.
       return glued.group(1)
     counted = _NUMBER_THEN_WORDS.fullmatch(tail)
-    if counted and not units.changes_value(counted.group(2)):
+    if counted and not any(units.changes_value(w) for w in re.findall(r"[A-Za-z]+", tail)):
       return counted.group(1)  # "24 ways to arrange the books": the 24.
     if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
       return tail

@@ -55,7 +55,8 @@ _MULTIPLIER = re.compile(
 _MAX_TOKENS = 6
 
 
-_CONSTANTS = frozenset(("e", "i", "pi", "squared", "cubed", "factorial", "percent", "degrees"))
+_CONSTANTS = frozenset("""e i pi squared cubed factorial percent degrees power root exponent
+divided half third quarter fourth fifth tenth hundredth thousandth negative point""".split())
 
 
 def changes_value(word: str) -> bool:
@@ -66,7 +67,8 @@ def changes_value(word: str) -> bool:
 
 
 def _is_counted_noun(word: str) -> bool:
-  return (word.islower() and word not in _QUANTITY_WORDS
+  """A plural that counts things; not a fraction word ("fifths", "twelfths")."""
+  return (word.islower() and word not in _QUANTITY_WORDS and not word.endswith("ths")
           and (word in _IRREGULAR_PLURALS or (len(word) >= 4 and word.endswith("s"))))
 
 
