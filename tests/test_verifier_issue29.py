@@ -76,6 +76,7 @@ CLASSES = [
     ("correction", "12", "The answer is 12 (I first thought 20).", True),
     ("correction", "15", "<think>\nmaybe 15\n</think>\nThe answer is 12, not 15.", False),
     ("correction", "15", "So the total is 12, not 15.", False),
+    ("correction", "6", "The answer is 5 apples, or maybe 6.", False),
     # Hedged boxes are a list, never the last box.
     ("hedge", "5", r"$\boxed{4} \lor \boxed{5}$", False),
     ("hedge", "4", r"$\boxed{4} \lor \boxed{5}$", False),
@@ -171,6 +172,7 @@ def test_strip_units(answer, stripped):
     ("Answer: $2^{10}$,", "2^{10}"),
     (r"\boxed{5!}", "5!"),
     ("Therefore, there are 24 ways to arrange the books.", "24"),
+    ("The answer is 5 apples, or maybe 6.", "5"),
     ("The result is 2 to the power of ten.", "2 to the power of ten"),
 ])
 def test_extract_issue29(text, answer):

@@ -309,8 +309,10 @@ def _is_statement(sentence: str) -> bool:
           and (any(c.isdigit() for c in sentence) or _MATH_SPAN.search(sentence) is not None))
 
 
-def _answer_in(sentence: str) -> str | None:
-  """The part of a final sentence that states the answer."""
+def _answer_in(sentence: str, first: bool = False) -> str | None:
+  """The part of a final sentence that states the answer; without a verb,
+  its last formula or number, or its `first` (an anchored span: "Answer: 5
+  apples, or maybe 6" states 5)."""
   spans = [m.span() for m in _MATH_SPAN.finditer(sentence)]
   verbs = [m for m in _VERB.finditer(sentence)
            if not any(a <= m.start() < b for a, b in spans)]
@@ -327,10 +329,11 @@ def _answer_in(sentence: str) -> str | None:
       return counted.group(1)  # "24 ways to arrange the books": the 24.
     if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
       return tail
+  pick = 0 if first else -1
   if spans:
-    return sentence[slice(*spans[-1])]
+    return sentence[slice(*spans[pick])]
   numbers = _NUMBER.findall(sentence)
-  return numbers[-1] if numbers else None
+  return numbers[pick] if numbers else None
 
 
 def _final_display(text: str) -> str | None:
@@ -396,7 +399,7 @@ def extract_answer(text: str) -> Answer:
   if boxes and (anchor is None or anchor.start() < boxes[-1].end):
     return Answer(strip_display(boxed_answer(text, boxes)), True)
   if span is not None and _is_statement(span):  # "Answer: she has 3 left".
-    span = _answer_in(span) or span
+    span = _answer_in(span, first=True) or span
   if span is None:
     span = final_statement(text)
   if span is not None and strip_display(span):
