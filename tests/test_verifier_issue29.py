@@ -77,6 +77,13 @@ CLASSES = [
     ("correction", "15", "<think>\nmaybe 15\n</think>\nThe answer is 12, not 15.", False),
     ("correction", "15", "So the total is 12, not 15.", False),
     ("correction", "6", "The answer is 5 apples, or maybe 6.", False),
+    ("correction", "6", "The answer is 5, but it could be 6.", False),
+    ("correction", "12", "The answer is not 12 but 15.", False),
+    ("correction", "15", "The answer is not 12 but 15.", True),
+    ("correction", "12", "The answer is not 12.", False),
+    ("partial", "3", "So x = 3\\sqrt{", False),
+    ("negation", "x = 1", r"\boxed{x \not\approx 1}", False),
+    ("units", "6", r"\boxed{6^{\circ}\text{F}}", True),
     # Hedged boxes are a list, never the last box.
     ("hedge", "5", r"$\boxed{4} \lor \boxed{5}$", False),
     ("hedge", "4", r"$\boxed{4} \lor \boxed{5}$", False),

@@ -54,9 +54,10 @@ _SENTENCE_END = re.compile(r"(?<!\d)\.(?=\s|$)|\.(?=\s+[A-Z])")
 # parenthesis opening words, not a tuple or a factor).
 # (?<=\S) and one quantifier per run of spaces keep these linear.
 _CORRECTION = re.compile(
-    r"(?<=\S)(?:\s*,\s*|\s+)(?:not|rather\s+than|instead\s+of|but\s+not)\b"
+    r"(?<=\S)(?:\s*,\s*|\s+)(?:not|rather\s+than|instead\s+of|but)\b"
     r"|(?<=\S)\s*\((?=\s*(?:[A-Za-z]+\s+[A-Za-z]|[A-Za-z]{2,}\s*\)|(?:not|or|I)\b))",
     re.IGNORECASE)
+_NOT_BUT = re.compile(r"(?:not|never)\b[^.]{0,80}?\bbut\s+(?:rather\s+)?", re.IGNORECASE)
 _FINAL_PUNCTUATION = ".,;:?!"
 _FACTORIAL_BASE = re.compile(r"[\w})\]]$")
 # "\boxed{\text{The answer is } 5}": the words are no part of the answer.
@@ -185,6 +186,8 @@ def _first_sentence(span: str) -> str:
   apples": an answer span ends where a correction or an aside starts."""
   match = _SENTENCE_END.search(span)
   span = span[:match.start()] if match else span
+  corrected = _NOT_BUT.match(span)  # "not 12 but 15": the 15.
+  span = span[corrected.end():] if corrected else span
   return _CORRECTION.split(span, maxsplit=1)[0]
 
 
@@ -394,7 +397,8 @@ def extract_answer(text: str) -> Answer:
   boxes = _boxes(text)
   anchor = _last_anchor(text)
   span = anchored_span(text, anchor) if anchor else None
-  if span is not None and _NEGATED.match(span):  # "the answer is not 4".
+  negated = span is not None and _NEGATED.match(span) is not None
+  if negated:  # "the answer is not 4": no answer here.
     anchor = span = None
   if boxes and (anchor is None or anchor.start() < boxes[-1].end):
     return Answer(strip_display(boxed_answer(text, boxes)), True)
@@ -406,6 +410,8 @@ def extract_answer(text: str) -> Answer:
     return Answer(strip_display(span), True)
   if boxes:  # An empty answer line after the box.
     return Answer(strip_display(boxed_answer(text, boxes)), True)
+  if negated:  # Not the whole text: its heuristics would find the 4.
+    return Answer("", False)
   return Answer(text[-TAIL_CHARS:].strip(), False)
 
 

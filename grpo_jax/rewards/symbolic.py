@@ -218,6 +218,8 @@ def candidates(text: str, anchored: bool) -> tuple:
   """
   if _truncated(text, anchored):
     return ()  # "So $x = 3\\sqrt{": the answer was cut off.
+  if _UNREAD_NEGATION.search(text):
+    return ()  # `x \\not\\approx 1`: a negation that no rewrite reads.
   if not anchored:
     span = _single_span(text)
     text = text if span is None else span
@@ -262,24 +264,32 @@ def _canonical(expr):
     return expr
 
 
+_UNREAD_NEGATION = re.compile(r"\\not(?!in\b)(?!\s*(?:=|<|>|\\equiv\b|\\[lg]e(?:q|qslant)?\b|\\in\b))")
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 _SPAN = re.compile(r"\s*(?:\$\$(?P<a>[^$]+)\$\$|\$(?P<b>[^$]+)\$|\\\[(?P<c>.+?)\\\]|\\\((?P<d>.+?)\\\))\s*[.,;:?!]?\s*",
                    re.DOTALL)
 
 
+def _opens_more(text: str) -> bool:
+  return text.count("{") > text.count("}")
+
+
 def _truncated(text: str, anchored: bool) -> bool:
-  """The answer ends inside a formula: it opens more braces than it closes,
-  or (a whole text) an unclosed `$`, `\\[` or `\\(` does."""
+  """The answer ends inside a formula: it opens more braces than it closes
+  (an anchored answer, or a whole text's last line), or an unclosed `$`,
+  `\\[` or `\\(` near the end of a whole text does."""
   if anchored:
-    return text.count("{") > text.count("}")
+    return _opens_more(text)
   tail, opens = text[-_MAX_TAIL:], []
+  if _opens_more(tail.rstrip().rsplit("\n", 1)[-1]):
+    return True
   if len(_UNESCAPED_DOLLAR.findall(text)) % 2:
     opens.append(tail.rfind("$"))
   for open_, close in (("\\[", "\\]"), ("\\(", "\\)")):
     at = tail.rfind(open_)
     if at >= 0 and close not in tail[at:]:
       opens.append(at)
-  return any(at >= 0 and tail[at:].count("{") > tail[at:].count("}") for at in opens)
+  return any(at >= 0 and _opens_more(tail[at:]) for at in opens)
 
 
 def _single_span(text: str) -> str | None:

@@ -25,7 +25,7 @@ month months year years yr yrs
 ml mL l L liter liters litre litres cl gal gallon gallons cup cups quart quarts pint pints tbsp tsp
 dollar dollars cent cents euro euros pence penny pennies yuan yen rupee rupees rs usd USD
 mph kph kmh km/h
-N kN J kJ W kW kWh Wh V mV A mA K Pa kPa Hz kHz MHz GHz ohm ohms cal kcal calorie calories
+N kN J kJ W kW kWh Wh V mV A mA K C F Pa kPa Hz kHz MHz GHz ohm ohms cal kcal calorie calories
 rad radian radians sq square cubic unit units meter meters metre metres kilometer kilometers
 centimeter centimeters millimeter millimeters liter mile
 """.split())
