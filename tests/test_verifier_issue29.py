@@ -61,6 +61,9 @@ CLASSES = [
     ("partial", "1024", "Answer: $2^{10}$;", True),
     ("partial", "81", r"The answer is $3^{4}$?", True),
     ("partial", "120", r"\boxed{5!}", True),  # Glued `!` is a factorial.
+    ("partial", "1024", "Answer: $2^{10}$!", True),
+    ("partial", "1024", "Answer: 2^{10}!", True),  # After a power's brace: punctuation.
+    ("partial", "6", "Answer: $3!$", True),
     # Negated relations.
     ("negation", "x = 2", r"\boxed{x \not= 2}", False),
     ("negation", r"x \neq 2", r"\boxed{x \not= 2}", True),

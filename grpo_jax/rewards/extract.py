@@ -59,7 +59,7 @@ _CORRECTION = re.compile(
     re.IGNORECASE)
 _NOT_BUT = re.compile(r"(?:not|never)\b[^.]{0,80}?\bbut\s+(?:rather\s+)?", re.IGNORECASE)
 _FINAL_PUNCTUATION = ".,;:?!"
-_FACTORIAL_BASE = re.compile(r"[\w})\]]$")
+_FACTORIAL_BASE = re.compile(r"[\w)\]]$")
 # "\boxed{\text{The answer is } 5}": the words are no part of the answer.
 _ANSWER_WORDS = re.compile(
     r"^\\(?:text|textbf|mathrm|textrm)\{\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is)?\s*:?\s*\}\s*",
@@ -240,7 +240,8 @@ def strip_display(answer: str) -> str:
 
 def _strip_punctuation(answer: str) -> str:
   """One final `.,;:?!` goes; not "1, 2, ...", not LaTeX's `\\!`, and not
-  the `!` of a factorial (`5!`, `(n+1)!`: glued to what it follows)."""
+  the `!` of a factorial (`5!`, `(n+1)!`: glued to a number, a letter or a
+  bracket; after a closing brace, `2^{10}!`, it is punctuation)."""
   answer = answer.rstrip()
   if (answer[-1:] and answer[-1] in _FINAL_PUNCTUATION and not answer.endswith("..")
       and not answer[:-1].endswith("\\")

@@ -71,9 +71,10 @@ _WRAPPERS = (
     (re.compile(r"(?:\\text\s*\{\s*negative\s*\}|\bnegative\b)\s*(?=[\d.\\])"), "-"),
 )
 # Punctuation closing a math span ("$2^{10},$"): not part of the formula.
-# A `!` glued to a number or a bracket is a factorial (`5!`), not punctuation.
-_PUNCTUATION_IN_SPAN = re.compile(r"(?<![\\.])(?:[,;:?.]|(?<![\w})\]])!)(?=\$|\\\]|\\\))")
-_FINAL_PUNCTUATION = re.compile(r"(?<!\\)(?:[.,;:?]|(?<![\w})\]])!)+$")
+# A `!` glued to a number, a letter or a bracket is a factorial (`5!`, `(n+1)!`);
+# after a power's closing brace (`2^{10}!`) it is punctuation.
+_PUNCTUATION_IN_SPAN = re.compile(r"(?<![\\.])(?:[,;:?.]|(?<![\w)\]])!)(?=\$|\\\]|\\\))")
+_FINAL_PUNCTUATION = re.compile(r"(?<!\\)(?:[.,;:?]|(?<![\w)\]])!)+$")
 _SPACE = r"(?:(?<!\\)\\[,;: ]|~| )"  # Not ",": (100,200) is a pair.
 # 1\,000\,000 -> 1000000: exactly three digits after every separator.
 _THOUSANDS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_SPACE}\d{{3}})+(?![\d])")
