@@ -7,11 +7,13 @@ a quarter right in another form, a quarter wrong). The "= label" column
 counts verdicts that agree with how each solution was built.
 
   python benchmarks/verifier.py [--n 1000] [--workers 0] [--timeout 5]
-  python benchmarks/verifier.py --heldout [--root DIR]
+  python benchmarks/verifier.py --heldout [--file FILE] [--root DIR] [--show]
   python benchmarks/verifier.py --before DIR [--rounds 3]
 
 `--heldout` scores `benchmarks/verifier_heldout.jsonl` (labelled pairs written
-before the issue-17 fixes and never used to tune them): agreement with the
+before the issue-17 fixes and never used to tune them), or `--file FILE`
+(e.g. `benchmarks/verifier_heldout_2.jsonl`, generated per class by
+`benchmarks/make_heldout.py` before the issue-29 fixes): agreement with the
 labels, wrong answers accepted, right answers rejected, per class, next to
 plain math-verify. `--before DIR` measures throughput of this checkout and of
 the code in DIR (e.g. a `git worktree` of an older commit) interleaved, each
@@ -140,17 +142,17 @@ def run_ours(golds, solutions, workers: int, timeout: float
 HELDOUT = os.path.join(_HERE, "benchmarks", "verifier_heldout.jsonl")
 
 
-def heldout(timeout: float) -> None:
-  """Agreement and false accepts on the held-out set, ours and math-verify's."""
-  with open(HELDOUT, encoding="utf-8") as f:
+def heldout(timeout: float, path: str = HELDOUT, show: bool = False) -> None:
+  """Agreement and false accepts on a held-out set, ours and math-verify's."""
+  with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
   golds = [r["gold"] for r in rows]
   predictions = [r["prediction"] for r in rows]
   labels = [bool(r["label"]) for r in rows]
   ours, _ = run_ours(golds, predictions, 0, timeout)
   theirs, _ = run_math_verify(golds, predictions, int(timeout))
-  print(f"held-out set: {len(rows)} pairs ({sum(labels)} right), "
-        f"grpo_jax from {os.path.abspath(_ROOT)}")
+  print(f"held-out set {os.path.relpath(path, _HERE)}: {len(rows)} pairs "
+        f"({sum(labels)} right), grpo_jax from {os.path.abspath(_ROOT)}")
   print(f"{'verifier':12s} {'agree':>12s} {'false accepts':>14s} {'false rejects':>14s}")
   for name, verdicts in (("grpo_jax", ours), ("math-verify", theirs)):
     agree = sum(v == l for v, l in zip(verdicts, labels))
@@ -163,6 +165,11 @@ def heldout(timeout: float) -> None:
   print("grpo_jax disagreements by class:",
         ", ".join(f"{c}: {sum(1 for k, _ in wrong if k == c)}" for c in by_class)
         or "none")
+  if show:
+    for r, v in zip(rows, ours):
+      if v != bool(r["label"]):
+        print(f"  {'accepted' if v else 'rejected'} [{r['class']}] gold={r['gold']!r} "
+              f"prediction={r['prediction']!r}")
 
 
 def _rate(root: str, n: int, workers: int, timeout: float) -> float:
@@ -194,13 +201,15 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=5.0)
   parser.add_argument("--root", default=_HERE, help="import grpo_jax from here")
   parser.add_argument("--heldout", action="store_true")
+  parser.add_argument("--file", default=HELDOUT, help="the held-out JSONL to score")
+  parser.add_argument("--show", action="store_true", help="list grpo_jax's disagreements")
   parser.add_argument("--before", help="code to compare throughput with")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--rate-only", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   logging.disable(logging.WARNING)
   if args.heldout:
-    heldout(args.timeout)
+    heldout(args.timeout, args.file, args.show)
     return
   if args.before:
     before_after(args.before, args.rounds, args.n, args.workers, args.timeout)

@@ -182,7 +182,7 @@ def test_boxed_answer_joins_only_listed_boxes(text, answer):
 
 @pytest.mark.parametrize("text,answer", [
     ("So she has 36 apples left.", "36"),
-    ("Therefore, there are 24 ways to arrange them.", "24 ways to arrange them"),
+    ("Therefore, there are 24 ways to arrange them.", "24"),  # A counted noun goes.
     ("Thus, the value of $x$ is 4.", "4"),
     ("It is $\\frac{1}{6}$.\nWe are done with 2 checks, which gives $\\frac{1}{6}$.", "$\\frac{1}{6}$"),
     ("So the total is 45, which is odd.", "45"),

@@ -26,15 +26,19 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from grpo_jax.rewards import units
+
 TAIL_CHARS = 2000  # Unanchored text: only the end can hold the answer.
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BOX_COMMANDS = ("\\boxed", "\\fbox", "\\framebox")
 _MAX_BOX_TRIES = 8  # Bounds the work on text full of unclosed \boxed{.
 _BARE_TOKEN = re.compile(r"\s*([^\s$]+)")
 # What may stand between boxes that together are one list answer: spacing,
-# math delimiters, commas, "and"/"or", and a variable being named (`y =`).
+# math delimiters, commas, "and"/"or" (also `\lor`, `\vee`, a slash: a hedge
+# between boxes is a list, never its last box), and a variable being named
+# (`y =`).
 _MAX_CONNECTOR_CHARS = 80
 _LIST_CONNECTOR = re.compile(
-    r"(?:\s|\$|\\[()]|[,;&]|\\q?quad\b|\\[,;:! ]"
+    r"(?:\s|\$|\\[()]|[,;&/]|\\q?quad\b|\\[,;:! ]|\\(?:lor|vee)\b"
     r"|\\(?:text|mathrm|textrm)\{\s*(?:and|or)?\s*\}|\band\b|\bor\b"
     r"|[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*=)*")
 _ANSWER_LINE = re.compile(r"answer\**\s*[:\uff1a]", re.IGNORECASE)
@@ -45,6 +49,21 @@ _ANSWER_IS = re.compile(r"answer\s+is\b\s*:?", re.IGNORECASE)
 _HASHES = re.compile(r"####(?=\s*[-+$]?\s*\d)")
 # A sentence ends at ". " or a final ".", not at the point of "3.5".
 _SENTENCE_END = re.compile(r"(?<!\d)\.(?=\s|$)|\.(?=\s+[A-Z])")
+# Where a stated answer gives way to a rejected value or an aside: "12, not
+# 15", "12 rather than 15", "12 instead of 15", "12 (I first thought 20)" (a
+# parenthesis opening words, not a tuple or a factor).
+# (?<=\S) and one quantifier per run of spaces keep these linear.
+_CORRECTION = re.compile(
+    r"(?<=\S)(?:\s*,\s*|\s+)(?:not|rather\s+than|instead\s+of|but)\b"
+    r"|(?<=\S)\s*\((?=\s*(?:[A-Za-z]+\s+[A-Za-z]|[A-Za-z]{2,}\s*\)|(?:not|or|I)\b))",
+    re.IGNORECASE)
+_NOT_BUT = re.compile(r"(?:not|never)\b[^.]{0,80}?\bbut\s+(?:rather\s+)?", re.IGNORECASE)
+_FINAL_PUNCTUATION = ".,;:?!"
+_FACTORIAL_BASE = re.compile(r"[\w)\]]$")
+# "\boxed{\text{The answer is } 5}": the words are no part of the answer.
+_ANSWER_WORDS = re.compile(
+    r"^\\(?:text|textbf|mathrm|textrm)\{\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is)?\s*:?\s*\}\s*",
+    re.IGNORECASE)
 
 
 class Answer(NamedTuple):
@@ -163,9 +182,13 @@ def _rest_of_line(text: str, start: int) -> str:
 
 
 def _first_sentence(span: str) -> str:
-  """"$28\\%$. I hope it is correct." -> "$28\\%$"."""
+  """"$28\\%$. I hope it is correct." -> "$28\\%$"; "12 apples, not 15" -> "12
+  apples": an answer span ends where a correction or an aside starts."""
   match = _SENTENCE_END.search(span)
-  return span[:match.start()] if match else span
+  span = span[:match.start()] if match else span
+  corrected = _NOT_BUT.match(span)  # "not 12 but 15": the 15.
+  span = span[corrected.end():] if corrected else span
+  return _CORRECTION.split(span, maxsplit=1)[0]
 
 
 def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -205,15 +228,24 @@ _DISPLAY = (("\\[", "\\]"), ("$$", "$$"), ("\\(", "\\)"), ("$", "$"))
 def strip_display(answer: str) -> str:
   """`\\[\\frac{2}{5}.\\]` -> `\\frac{2}{5}`: one math wrapper around the whole
   answer and a final period go; `$a$ and $b$` keeps its dollars."""
-  answer = answer.strip()
+  answer = _ANSWER_WORDS.sub("", _strip_punctuation(answer.strip()))
   for open_, close in _DISPLAY:
     inner = answer[len(open_):len(answer) - len(close)]
     if (len(answer) >= len(open_) + len(close) and answer.startswith(open_)
         and answer.endswith(close) and close not in inner):
       answer = inner.strip()
       break
+  return _strip_punctuation(answer)
+
+
+def _strip_punctuation(answer: str) -> str:
+  """One final `.,;:?!` goes; not "1, 2, ...", not LaTeX's `\\!`, and not
+  the `!` of a factorial (`5!`, `(n+1)!`: glued to a number, a letter or a
+  bracket; after a closing brace, `2^{10}!`, it is punctuation)."""
   answer = answer.rstrip()
-  if answer.endswith(".") and not answer.endswith(".."):  # Not "1, 2, ...".
+  if (answer[-1:] and answer[-1] in _FINAL_PUNCTUATION and not answer.endswith("..")
+      and not answer[:-1].endswith("\\")
+      and not (answer[-1] == "!" and _FACTORIAL_BASE.search(answer[:-1]))):
     answer = answer[:-1]
   return answer.strip()
 
@@ -255,9 +287,12 @@ _MAX_STATEMENT_CHARS = 400
 _NEGATED = re.compile(r"(?:not|never|no)\b", re.IGNORECASE)
 _GLUED_UNIT = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s*(?:[A-Za-z]{1,3}[\u00b2\u00b3]|[\u20ac\u00a3\u00a5])")
 _COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+")
+# A number, then prose only (no digit, no math): "24 ways to arrange them".
+_NUMBER_THEN_WORDS = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)\s+([A-Za-z]+)(?![A-Za-z])[\sA-Za-z',-]*")
 # Where a stated answer ends: a period, or a restatement ("0.4 (or 2/5)",
 # "2/5, or 40%").
-_TAIL_END = re.compile(r"\.\s|(?<=\S)\s\((?!\s*\d)|,\s+or\b|,\s+which\b")
+_TAIL_END = re.compile(r"\.\s|(?<=\S)\s\((?!\s*\d)|,\s+or\b|,\s+which\b"
+                       r"|(?<=\S)(?:,\s*|\s+)(?:not|rather\s+than|instead\s+of)\b")
 
 
 def _sentences(line: str) -> list[str]:
@@ -278,8 +313,10 @@ def _is_statement(sentence: str) -> bool:
           and (any(c.isdigit() for c in sentence) or _MATH_SPAN.search(sentence) is not None))
 
 
-def _answer_in(sentence: str) -> str | None:
-  """The part of a final sentence that states the answer."""
+def _answer_in(sentence: str, first: bool = False) -> str | None:
+  """The part of a final sentence that states the answer; without a verb,
+  its last formula or number, or its `first` (an anchored span: "Answer: 5
+  apples, or maybe 6" states 5)."""
   spans = [m.span() for m in _MATH_SPAN.finditer(sentence)]
   verbs = [m for m in _VERB.finditer(sentence)
            if not any(a <= m.start() < b for a, b in spans)]
@@ -291,12 +328,16 @@ def _answer_in(sentence: str) -> str | None:
     glued = _GLUED_UNIT.fullmatch(tail)
     if glued:  # "1,000.99m²", "12€": a number and its unit.
       return glued.group(1)
+    counted = _NUMBER_THEN_WORDS.fullmatch(tail)
+    if counted and not any(units.changes_value(w) for w in re.findall(r"[A-Za-z]+", tail)):
+      return counted.group(1)  # "24 ways to arrange the books": the 24.
     if any(c.isdigit() for c in tail) or _MATH_SPAN.search(tail):
       return tail
+  pick = 0 if first else -1
   if spans:
-    return sentence[slice(*spans[-1])]
+    return sentence[slice(*spans[pick])]
   numbers = _NUMBER.findall(sentence)
-  return numbers[-1] if numbers else None
+  return numbers[pick] if numbers else None
 
 
 def _final_display(text: str) -> str | None:
@@ -357,22 +398,25 @@ def extract_answer(text: str) -> Answer:
   boxes = _boxes(text)
   anchor = _last_anchor(text)
   span = anchored_span(text, anchor) if anchor else None
-  if span is not None and _NEGATED.match(span):  # "the answer is not 4".
+  negated = span is not None and _NEGATED.match(span) is not None
+  if negated:  # "the answer is not 4": no answer here.
     anchor = span = None
   if boxes and (anchor is None or anchor.start() < boxes[-1].end):
     return Answer(strip_display(boxed_answer(text, boxes)), True)
   if span is not None and _is_statement(span):  # "Answer: she has 3 left".
-    span = _answer_in(span) or span
+    span = _answer_in(span, first=True) or span
   if span is None:
     span = final_statement(text)
   if span is not None and strip_display(span):
     return Answer(strip_display(span), True)
   if boxes:  # An empty answer line after the box.
     return Answer(strip_display(boxed_answer(text, boxes)), True)
+  if negated:  # Not the whole text: its heuristics would find the 4.
+    return Answer("", False)
   return Answer(text[-TAIL_CHARS:].strip(), False)
 
 
-_SIZING = re.compile(r"\\left\b|\\right\b|\\displaystyle\b")
+_SIZING = re.compile(r"\\left\b|\\right\b|\\displaystyle\b|\\[Bb]igg?[lrm]?\b")
 _SPACING = re.compile(r"(?:(?<!\\)\\[,;:! ]|\\q?quad\b|~|\s)+")
 
 

@@ -52,14 +52,33 @@ def default_pool() -> pool_lib.WorkerPool:
     return _default_pool
 
 
+# What a missing value becomes as text (a pandas NaN read as "nan"). Not
+# "None": that can be a real answer ("None of them").
+_MISSING = frozenset(("", "nan"))
+
+
 def _as_text(value: Any) -> str | None:
   """Golds may be numbers in a dataset; anything else that is not text is no
-  answer."""
+  answer. A float 5.0 (a pandas column) is "5"; a non-finite one is none."""
   if isinstance(value, str):
     return value
-  if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+  if isinstance(value, (float, np.floating)):
+    if not np.isfinite(value):
+      return None
+    return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else str(value)
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
     return str(value)
   return None
+
+
+def gold_text(gold: Any) -> str | None:
+  """The gold as text, or None where it is missing: not text or a number, a
+  NaN or infinite float, or text that is empty or `nan` (what an empty
+  pandas cell becomes). No prediction matches a missing gold."""
+  text = _as_text(gold)
+  if text is None or text.strip().lower() in _MISSING:
+    return None
+  return text
 
 
 def _cleaned(answer: extract.Answer) -> extract.Answer:
@@ -104,7 +123,7 @@ def _plain_numbers_verdict(gold: str, prediction: str) -> bool | None:
 
 def _prepare(gold: Any, prediction: Any) -> bool | tuple:
   """Decides a pair in the parent if it can (bool), else the worker's args."""
-  gold, prediction = _as_text(gold), _as_text(prediction)
+  gold, prediction = gold_text(gold), _as_text(prediction)
   if gold is None or prediction is None:
     return False
   gold_answer = _cleaned(extract.extract_answer(gold))
@@ -161,8 +180,9 @@ def verify(gold: Any, prediction: Any, timeout: float = DEFAULT_TIMEOUT,
 
 
 def verify_dapo(gold: Any, prediction: Any) -> bool:
-  """DAPO's string check (see `minerva.py`); no worker needed."""
-  gold, prediction = _as_text(gold), _as_text(prediction)
+  """DAPO's string check (see `minerva.py`); no worker needed. A missing
+  gold (`gold_text`) matches nothing here either."""
+  gold, prediction = gold_text(gold), _as_text(prediction)
   if gold is None or prediction is None:
     return False
   try:

@@ -69,8 +69,14 @@ def extract_answer_line(response: str) -> str:
 
 
 def is_correct(gold: str, response: str) -> bool:
-  """DAPO's check: normalised final `Answer:` == normalised reference."""
+  """DAPO's check: normalised final `Answer:` == normalised reference.
+
+  A reference that normalises to nothing (`""`, `"dollars"`) matches no
+  answer: in DAPO's data every reference has a value, and an empty one is a
+  data error that must not pay an empty `Answer: $ $` line.
+  """
   line = extract_answer_line(response)
   if line == INVALID:
     return False
-  return normalize_final_answer(line) == normalize_final_answer(str(gold))
+  want = normalize_final_answer(str(gold))
+  return bool(want) and normalize_final_answer(line) == want

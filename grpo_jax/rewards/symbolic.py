@@ -28,25 +28,53 @@ soft deadline and the parent's hard kill bound the time instead.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import re
 
-import collections
-
 import math_verify
+import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig
 from math_verify import grader
 
+from grpo_jax.rewards import functions
 from grpo_jax.rewards import numeric
+from grpo_jax.rewards import unicode_math
+from grpo_jax.rewards import units
 
 _CONFIGS = (LatexExtractionConfig(), ExprExtractionConfig())
-_UNICODE = {
-    "\u2212": "-", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u22c5": "\\cdot ",
-    "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ", "\u2265": "\\ge ",
-    "\u2260": "\\neq ", "\u221a": "\\sqrt", "\u00b0": "^\\circ", "\u2009": " ",
-    "\u202f": " ", "\u00a0": " ", "\u2205": "\\emptyset ", "\u00b2": "^2",
-    "\u00b3": "^3",
-}
+# Negated relations, read as their negation (`\\not=` is not `=`); a `\\not`
+# left over is kept as a word, so that no parse can drop it.
+_NEGATIONS = (
+    (re.compile(r"\\not\s*=|\\not\s*\\equiv\b"), r"\\neq "),
+    (re.compile(r"\\not\s*<|\\nless\b"), r"\\geq "),
+    (re.compile(r"\\not\s*>|\\ngtr\b"), r"\\leq "),
+    (re.compile(r"\\not\s*\\le(?:q|qslant)?\b|\\nleq(?:slant)?\b"), ">"),
+    (re.compile(r"\\not\s*\\ge(?:q|qslant)?\b|\\ngeq(?:slant)?\b"), "<"),
+    (re.compile(r"\\not\s*\\in\b"), r"\\notin "),
+    (re.compile(r"\\not\b"), r"\\text{not}"),
+)
+# Wrappers that only present their content, and commands the parser knows
+# under another name.
+_WRAPPERS = (
+    (re.compile(r"\\(?:color|colorbox)\s*\{[A-Za-z!0-9]*\}"), ""),
+    (re.compile(r"\\textcolor\s*\{[A-Za-z!0-9]*\}"), ""),
+    (re.compile(r"\\(?:underline|uline|mathbf|boldsymbol|bm|textbf|emph)\s*(?=\{)"), ""),
+    (re.compile(r"\\[Bb]igg?[lrm]?\b|\\middle\b"), ""),
+    (re.compile(r"\\lbrace\b"), r"\\{"), (re.compile(r"\\rbrace\b"), r"\\}"),
+    (re.compile(r"\\lbrack\b"), "["), (re.compile(r"\\rbrack\b"), "]"),
+    (re.compile(r"\\bmod\b"), r"\\mod "),
+    (re.compile(r"\\(?:operatorname|mathrm|text|rm)\s*\{\s*(gcd|lcm|max|min|sin|cos|tan|log|ln|exp|det)\s*\}"),
+     r"\\\1"),
+    (re.compile(r"\{smallmatrix\}"), r"{matrix}"),
+    (re.compile(r"\\(?:mathrm|text|operatorname|rm|mathit)\s*\{\s*([ei])\s*\}"), r"\1"),
+    (re.compile(r"(?:\\text\s*\{\s*negative\s*\}|\bnegative\b)\s*(?=[\d.\\])"), "-"),
+)
+# Punctuation closing a math span ("$2^{10},$"): not part of the formula.
+# A `!` glued to a number, a letter or a bracket is a factorial (`5!`, `(n+1)!`);
+# after a power's closing brace (`2^{10}!`) it is punctuation.
+_PUNCTUATION_IN_SPAN = re.compile(r"(?<![\\.])(?:[,;:?.]|(?<![\w)\]])!)(?=\$|\\\]|\\\))")
+_FINAL_PUNCTUATION = re.compile(r"(?<!\\)(?:[.,;:?]|(?<![\w)\]])!)+$")
 _SPACE = r"(?:(?<!\\)\\[,;: ]|~| )"  # Not ",": (100,200) is a pair.
 # 1\,000\,000 -> 1000000: exactly three digits after every separator.
 _THOUSANDS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_SPACE}\d{{3}})+(?![\d])")
@@ -57,16 +85,13 @@ _LATEX_SPACING = re.compile(r"(?<!\\)\\[,;: ]|\\q?quad\b|~")
 _DEGREES = re.compile(r"\\degree\b|\\text\{\s*degrees?\s*\}|\s+degrees?\b")
 _PERCENT_WORD = re.compile(
     r"(?<=\d)\s*(?:\\text\{\s*)?(?:percent(?:age)?|pct)\b\}?")
-# "5 dollars", "10 cm^2", "3\\text{ feet}." after a number: drop the unit.
-_TRAILING_UNIT = re.compile(
-    r"(?<=[\d}])\s*(?:\\(?:text|mbox|textnormal|textrm|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}"
-    r"|[A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*)(?:\^\{?[23]\}?)?\s*$")
 _PERCENT_SIGN = re.compile(r"\\?%")
 _MEMBERSHIP = re.compile(r"^[A-Za-z]\s*\\in\s*")
 _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")  # Not \$, a dollar sign.
 _SPACED_GROUP = re.compile(r",\s*\\!\s*(?=\d{3}(?!\d))")  # "11,\! 111" is 11111.
 _EMPTY_SET = re.compile(r"\\varnothing\b|\\\{\s*\\\}")
-_SQRT_PAREN = re.compile(r"\\sqrt\s*\(([^()]*)\)")  # \sqrt(3) -> \sqrt{3}
+# \sqrt(3) -> \sqrt{3}, \sqrt[3](5) -> \sqrt[3]{5}
+_SQRT_PAREN = re.compile(r"\\sqrt\s*(\[[^\[\]]*\])?\s*\(([^()]*)\)")
 # Mixed numbers: "3 1/4" and "3\frac{1}{4}" (a proper fraction of digits).
 _MIXED = re.compile(
     r"(?<![\w^_.}\\])(\d+)(?:\s+(\d+)\s*/\s*(\d+)"
@@ -83,6 +108,7 @@ _MAX_DIGITS_MIXED = 12
 # (`12345678901234567.5` must not round to `12345678901234568`).
 _LONG_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d.])")
 _FLOAT_DIGITS = 17  # A float's repr (`0.3333333333333333`) is an approximation.
+_MAX_TAIL = 400  # Where a cut-off formula can start.
 
 
 def _exact_long_decimal(match: re.Match[str]) -> str:
@@ -120,11 +146,14 @@ def _named_values(answer: str) -> str:
 
 
 def safe_normalise(text: str) -> str:
-  """Edits that are right anywhere, even in a whole solution: digit groups
-  (`12,\\!345`), the empty set, unicode operators."""
-  for old, new in _UNICODE.items():
-    text = text.replace(old, new)
+  """Edits that are right anywhere, even in a whole solution: Unicode
+  mathematics (`unicode_math`), digit groups (`12,\\!345`), the empty set,
+  negated relations, presentation wrappers, punctuation closing a span."""
+  text = unicode_math.normalise(text)
+  for pattern, new in _NEGATIONS + _WRAPPERS:
+    text = pattern.sub(new, text)
   text = _join_thousands(_NEGATIVE_SPACE.sub("", _SPACED_GROUP.sub(",", text)))
+  text = _PUNCTUATION_IN_SPAN.sub("", text)
   return _EMPTY_SET.sub(r"\\emptyset ", text)
 
 
@@ -134,13 +163,13 @@ def _join_thousands(text: str) -> str:
 
 def normalise(answer: str) -> str:
   """Rewrites notation that the parser reads wrongly; pure string edits."""
-  answer = safe_normalise(answer).strip().rstrip(".").strip()
+  answer = _FINAL_PUNCTUATION.sub("", safe_normalise(answer).strip()).strip()
   answer = _SCIENTIFIC.sub(r"\1\\times 10^{\2}", answer)
   answer = _DEGREES.sub("^\\\\circ", answer)
   answer = _PERCENT_WORD.sub("\\\\%", answer)
-  answer = _TRAILING_UNIT.sub("", answer)
+  answer = units.strip_units(answer)
   answer = _MEMBERSHIP.sub("", answer)
-  answer = _SQRT_PAREN.sub(r"\\sqrt{\1}", answer)
+  answer = _SQRT_PAREN.sub(lambda m: f"\\sqrt{m.group(1) or ''}{{{m.group(2)}}}", answer)
   answer = _MIXED.sub(_mixed_number, _LATEX_SPACING.sub(" ", answer))
   answer = _LONG_DECIMAL.sub(_exact_long_decimal, answer)
   answer = _named_values(_FUNCTION_LHS.sub("", answer))
@@ -158,15 +187,25 @@ def _has_value(parsed: list) -> bool:
   return any(not isinstance(p, str) for p in parsed)
 
 
-def _digits(text: str) -> collections.Counter:
-  return collections.Counter(c for c in text if c in "0123456789")
+_COMMAND_NAME = re.compile(r"\\[A-Za-z]+")
+# Words math-verify itself rewrites into symbols (`infinity` -> `\\infty`,
+# `and` -> `,`) or drops as units: their letters need not reappear.
+_REWRITTEN_WORDS = re.compile(
+    r"\b(?:and|or|infinity|inf|percent(?:age)?|pct|sqrt|th)\b|\\mathrm\{th\}")
+
+
+def _content(text: str) -> collections.Counter:
+  """The digits and letters of `text` outside command names."""
+  bare = _COMMAND_NAME.sub(" ", _REWRITTEN_WORDS.sub(" ", text))
+  return collections.Counter(c for c in bare if c.isascii() and c.isalnum())
 
 
 def _covers(parsed: list, text: str) -> bool:
-  """False if the parse read only a part of a formula: digits of `text`
-  are missing from the matched string (`5\\sqrt(3)` read as `5`)."""
+  """False if the parse read only a part of a formula: digits or letters of
+  `text` are missing from the matched string (`5\\sqrt(3)` read as `5`,
+  `3\\text{ or more}` as `3`)."""
   matched = "".join(p for p in parsed if isinstance(p, str))
-  return not _digits(text) - _digits(matched)
+  return not _content(text) - _content(matched)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -178,6 +217,13 @@ def candidates(text: str, anchored: bool) -> tuple:
   goes to math-verify's heuristics unless it is a short formula. A formula
   that must be read whole and is read only in part gives no value.
   """
+  if _truncated(text, anchored):
+    return ()  # "So $x = 3\\sqrt{": the answer was cut off.
+  if _UNREAD_NEGATION.search(text):
+    return ()  # `x \\not\\approx 1`: a negation that no rewrite reads.
+  if not anchored:
+    span = _single_span(text)
+    text = text if span is None else span
   delimited = bool(_DELIMITED.search(text))
   formula = _looks_like_formula(text)
   if anchored and not delimited:
@@ -189,14 +235,70 @@ def candidates(text: str, anchored: bool) -> tuple:
   fallback = ()
   for whole in order:
     source = normalise(text) if whole else safe_normalise(text)
+    source = functions.read(source, _value_of) if whole else source
     parsed = _parse(source, whole)
-    if (_has_value(parsed) and (anchored or whole)
-        and formula and not _covers(parsed, source)):
+    if _has_value(parsed) and (anchored or formula) and not _covers(parsed, source):
       continue  # A part of the answer: not its value.
     if _has_value(parsed):
-      return tuple(numeric.tame(p) for p in parsed)
+      return tuple(_canonical(numeric.tame(p)) for p in parsed)
     fallback = fallback or tuple(parsed)
   return fallback  # Unparsable: math-verify then compares the strings.
+
+
+def _value_of(text: str):
+  """The value of a small formula (a function's argument), or None."""
+  parsed = _parse(normalise(text), True)
+  values = [numeric.tame(p) for p in parsed if not isinstance(p, str)]
+  return values[0] if values and _covers(parsed, normalise(text)) else None
+
+
+def _canonical(expr):
+  """Relations written with `>`/`\\ge` as `<`/`\\le` (`3 > x > 1` is `1 < x < 3`)."""
+  if not isinstance(expr, sympy.Basic) or not expr.has(sympy.StrictGreaterThan, sympy.GreaterThan):
+    return expr
+  flips = {r: (sympy.StrictLessThan if isinstance(r, sympy.StrictGreaterThan) else sympy.LessThan)(
+      r.rhs, r.lhs, evaluate=False)
+           for r in expr.atoms(sympy.StrictGreaterThan, sympy.GreaterThan)}
+  try:
+    return expr.xreplace(flips)
+  except Exception:  # pylint: disable=broad-except
+    return expr
+
+
+_UNREAD_NEGATION = re.compile(r"\\not(?!in\b)(?!\s*(?:=|<|>|\\equiv\b|\\[lg]e(?:q|qslant)?\b|\\in\b))")
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+_SPAN = re.compile(r"\s*(?:\$\$(?P<a>[^$]+)\$\$|\$(?P<b>[^$]+)\$|\\\[(?P<c>.+?)\\\]|\\\((?P<d>.+?)\\\))\s*[.,;:?!]?\s*",
+                   re.DOTALL)
+
+
+def _opens_more(text: str) -> bool:
+  return text.count("{") > text.count("}")
+
+
+def _truncated(text: str, anchored: bool) -> bool:
+  """The answer ends inside a formula: it opens more braces than it closes
+  (an anchored answer, or a whole text's last line), or an unclosed `$`,
+  `\\[` or `\\(` near the end of a whole text does."""
+  if anchored:
+    return _opens_more(text)
+  tail, opens = text[-_MAX_TAIL:], []
+  if _opens_more(tail.rstrip().rsplit("\n", 1)[-1]):
+    return True
+  if len(_UNESCAPED_DOLLAR.findall(text)) % 2:
+    opens.append(tail.rfind("$"))
+  for open_, close in (("\\[", "\\]"), ("\\(", "\\)")):
+    at = tail.rfind(open_)
+    if at >= 0 and close not in tail[at:]:
+      opens.append(at)
+  return any(at >= 0 and _opens_more(tail[at:]) for at in opens)
+
+
+def _single_span(text: str) -> str | None:
+  """The formula of a text that is one math span (`$2^{10},$` -> `2^{10}`)."""
+  match = _SPAN.fullmatch(text) if len(text) <= 400 else None
+  if match is None:
+    return None
+  return next(g for g in match.groups() if g is not None).strip()
 
 
 def _looks_like_formula(text: str) -> bool:
