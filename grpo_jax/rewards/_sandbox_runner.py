@@ -338,20 +338,37 @@ _DENIED_X86_64 = (
     246, 320, 175, 313, 176, 169, 167, 168, 163,  # kexec, modules, reboot, swap, acct
     303, 304, 172, 173, 103, 300, 153, 179,  # handles, iopl/ioperm, syslog, fanotify, vhangup, quotactl
     159, 164, 227,  # adjtimex, settimeofday, clock_settime
+    99,  # sysinfo: the host's load, memory and uptime
+    29, 30, 31, 67, 64, 65, 66, 220, 68, 69, 70, 71,  # SysV shm, sem, msg
 )
+# socket(2) and socketpair(2) accept only these families; any other fails with
+# EAFNOSUPPORT, as on a kernel without it. Unix sockets and the IP families
+# live in the run's own (empty) namespaces; vsock, netlink, packet, alg, ...
+# would reach VM-wide or kernel-wide state outside them.
+_SOCKET_CALLS_X86_64 = (41, 53)  # socket, socketpair
+_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 
 
 def _seccomp_filter():
   """BPF: x86_64 only, denied calls fail with EPERM, clone3 with ENOSYS (the
-  C library then uses clone, whose flags can be checked: no namespaces)."""
+  C library then uses clone, whose flags can be checked: no namespaces),
+  sockets of other families than `_SOCKET_FAMILIES` with EAFNOSUPPORT."""
   ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
   allow, kill = 0x7FFF0000, 0x80000000
   eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+  eafnosupport = 0x00050000 | 97
   ns_flags = NAMESPACES | CLONE_NEWTIME
   prog = [(ld, 0, 0, 4), (jeq, 1, 0, 0xC000003E), (ret, 0, 0, kill),
           (ld, 0, 0, 0), (jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
   for nr in _DENIED_X86_64:
     prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+  families = len(_SOCKET_FAMILIES)
+  socket, socketpair = _SOCKET_CALLS_X86_64
+  prog += [(jeq, 1, 0, socket), (jeq, 0, families + 3, socketpair),
+           (ld, 0, 0, 16)]  # args[0], the family (an int: the low half).
+  prog += [(jeq, families - k, 0, family)
+           for k, family in enumerate(_SOCKET_FAMILIES)]
+  prog += [(ret, 0, 0, eafnosupport), (ret, 0, 0, allow)]
   prog += [(jeq, 0, 1, 435), (ret, 0, 0, enosys),
            (jeq, 0, 3, 56), (ld, 0, 0, 16), (jset, 0, 1, ns_flags),
            (ret, 0, 0, eperm), (ret, 0, 0, allow)]
