@@ -272,10 +272,16 @@ def _build_root(sources, limits):
                      ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
     os.symlink(link, f"{root}/dev/{name}")
   os.makedirs(root + "/proc", 0o555)
-  try:  # This process is PID 1 of the new namespace: it sees only the run.
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-  except SetupError:
-    pass  # A host that masks its /proc forbids this; then there is none.
+  # This process is PID 1 of the new namespace: it sees only the run, and
+  # with subset=pid (Linux 5.8+) none of the host-wide files (meminfo,
+  # loadavg, sys/kernel/random/boot_id, the kernel's command line, ...).
+  for options in ("subset=pid", None):
+    try:
+      _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+             options)
+      break
+    except SetupError:
+      pass  # A host that masks its /proc forbids this; then there is none.
   os.makedirs(root + "/tmp", 0o755)
   disk = int(limits["disk_mb"]) * 2**20
   _mount("sandbox", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
@@ -293,6 +299,19 @@ def _build_root(sources, limits):
   os.chdir("/tmp")
 
 
+def _rename(argv):
+  """This process's /proc/<pid>/cmdline (W inherits it) becomes `argv`, not
+  the interpreter's path: the bytes the kernel reads it from are ours."""
+  try:
+    with open("/proc/self/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()
+  except OSError:
+    return  # No /proc: nothing shows it.
+  start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end
+  if 0 < len(argv) < end - start:
+    ctypes.memmove(start, argv.ljust(end - start, b"\0"), end - start)
+
+
 def _init(job, life_read):
   signal.signal(signal.SIGALRM, signal.SIG_DFL)
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -308,6 +327,7 @@ def _init(job, life_read):
       os._exit(EXIT_SETUP)  # L died before that: EOF on its pipe.
     _build_root(sources, job["limits"])
     _check(_libc.sethostname(b"sandbox", 7), "sethostname")
+    _rename(b"sandbox\0" + os.fsencode(sys.argv[-1]))
   except (OSError, SetupError) as e:
     os.write(2, f"sandbox setup: {e}\n".encode("utf-8", "replace"))
     os._exit(EXIT_SETUP)

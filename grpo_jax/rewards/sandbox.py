@@ -130,14 +130,19 @@ def decode(obj: Any, depth: int = 0) -> Any:
   raise ValueError(f"unknown tag {tag!r}")
 
 
-def _parse_results(out: bytes, num_calls: int, num_stdin: int = 0
-                   ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+READY = b'{"ready": true}'
+
+
+def parse_results(out: bytes, num_calls: int, num_stdin: int = 0
+                  ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
   """Values by call index from the runner's lines; None if it never started
-  (no ready line first). Garbage lines are skipped; a call's first line
-  wins. The model's code can write lines too: it never learns the expected
-  values, so it can only report values a program could have returned."""
-  lines = out.split(b"\n")
-  if not lines or lines[0] != b'{"ready": true}':
+  (no ready line first). Only the runner's worker writes lines, one per call
+  or stdin (and one if the program does not compile): more are not read.
+  Garbage lines are skipped; a call's first line wins. Its values are the
+  model's data: rebuilding them and comparing them can take unbounded time
+  (hash collisions, huge ints), so the code reward does both in `_checker`."""
+  lines = out.split(b"\n", num_calls + num_stdin + 2)[:num_calls + num_stdin + 2]
+  if not lines or lines[0] != READY:
     return None
   found = {"i": [NOT_RUN] * num_calls, "o": [NOT_RUN] * num_stdin}
   seen = set()
@@ -161,8 +166,23 @@ def _parse_results(out: bytes, num_calls: int, num_stdin: int = 0
   return tuple(found["i"]), tuple(found["o"])
 
 
+# The runner's source comes first on its stdin: no path of this checkout (nor
+# the virtualenv's: the interpreter is the real one, -S needs no site) is on
+# its command line, in its code objects or its sys.argv.
+_BOOT = ("import sys; f = sys.stdin.buffer; "
+         "exec(compile(f.read(int(f.readline())), 'sandbox', 'exec'))")
+
+
+@functools.lru_cache(maxsize=1)
+def _runner_source() -> bytes:
+  with open(_RUNNER, "rb") as f:
+    source = f.read()
+  return b"%d\n" % len(source) + source
+
+
 def _command(label: str) -> list[str]:
-  return [sys.executable, "-I", "-S", "-B", _RUNNER, label]
+  return [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _BOOT,
+          label]
 
 
 def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
@@ -198,19 +218,27 @@ def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
   return bytes(out), bytes(err)
 
 
-def run_calls(program: str, calls: Sequence[tuple[str, str]],
-              limits: Limits = Limits(), *, stdin: Sequence[str] = (),
-              label: str = "") -> Run:
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """A run's result lines as written, not decoded (see `parse_results`)."""
+  results: bytes
+  timed_out: bool = False
+  setup_error: str | None = None  # The sandbox could not be built.
+
+
+def execute(program: str, calls: Sequence[tuple[str, str]],
+            limits: Limits = Limits(), *, stdin: Sequence[str] = (),
+            label: str = "") -> Output:
   """In one fresh sandbox: first, for each text in `stdin`, `program` as a
   script (`__main__`) on that input, in a process of its own, capturing its
-  stdout (1 MiB at most; a non-zero exit is `Raised`); then `program` as a
-  module and, for each (setup statements, expression) in `calls`, the setup
-  and the expression. `label` goes on the sandbox's command line (to find
-  its processes)."""
-  job = json.dumps({"program": program, "calls": [list(c) for c in calls],
-                    "stdin": list(stdin),
-                    "limits": dataclasses.asdict(limits)},
-                   ensure_ascii=True).encode("ascii")
+  stdout (1 MiB at most; a non-zero exit is `Raised`); then, for each (setup
+  statements, expression) in `calls`, in a process of its own, `program` as
+  a module, the setup and the expression. `label` goes on the sandbox's
+  command line (to find its processes)."""
+  job = _runner_source() + json.dumps(
+      {"program": program, "calls": [list(c) for c in calls],
+       "stdin": list(stdin), "limits": dataclasses.asdict(limits)},
+      ensure_ascii=True).encode("ascii")
   deadline = time.monotonic() + limits.timeout + _GRACE
   cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 3)
   try:
@@ -220,8 +248,7 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
         env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
   except OSError as e:
     cgroup.close()
-    return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}",
-               outputs=(NOT_RUN,) * len(stdin))
+    return Output(b"", setup_error=f"cannot start: {e}")
   try:
     cgroup.add(proc.pid)  # Before it reads its job: nothing forked yet.
     if cgroup.error is not None:
@@ -237,14 +264,28 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
     for stream in (proc.stdin, proc.stdout, proc.stderr):
       stream.close()
     cgroup.close()
-  results = _parse_results(out, len(calls), len(stdin))
   timed_out = proc.returncode in (_EXIT_TIMEOUT, -signal.SIGKILL)
-  if results is None:
+  if out.partition(b"\n")[0] != READY:
     reason = err.decode("utf-8", "replace").strip() or (
         f"the launcher exited with status {proc.returncode}")
-    return Run((NOT_RUN,) * len(calls), timed_out, setup_error=reason,
+    return Output(out, timed_out, reason)
+  return Output(out, timed_out)
+
+
+def run_calls(program: str, calls: Sequence[tuple[str, str]],
+              limits: Limits = Limits(), *, stdin: Sequence[str] = (),
+              label: str = "") -> Run:
+  """`execute`, its values decoded here: for programs the caller trusts not
+  to return adversarial data (the probe below, tests); the code reward
+  decodes and compares where a hard time and memory bound applies."""
+  output = execute(program, calls, limits, stdin=stdin, label=label)
+  results = (None if output.setup_error is not None else
+             parse_results(output.results, len(calls), len(stdin)))
+  if results is None:
+    return Run((NOT_RUN,) * len(calls), output.timed_out,
+               setup_error=output.setup_error or "no results",
                outputs=(NOT_RUN,) * len(stdin))
-  return Run(results[0], timed_out, outputs=results[1])
+  return Run(results[0], output.timed_out, outputs=results[1])
 
 
 @functools.lru_cache(maxsize=1)
