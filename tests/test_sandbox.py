@@ -87,9 +87,14 @@ def test_an_infinite_loop_is_killed_and_earlier_results_still_count():
 
 
 def test_a_run_writing_too_many_results_is_stopped():
-  run = sandbox.run_calls("big = 'x' * (3 << 20)", [("", "1"), ("", "big")],
+  """A call's value over `result_mb` is refused inside; results over it in
+  all stop the run."""
+  run = sandbox.run_calls("big = 'x' * (3 << 20)\nhalf = 'x' * (600 << 10)",
+                          [("", e) for e in ("1", "big", "half", "half", "2")],
                           sandbox.Limits(timeout=30.0, result_mb=1))
-  assert run.values == (1, sandbox.NOT_RUN) and run.timed_out
+  assert run.values[:3] == (1, sandbox.Raised("ResultTooLarge"),
+                            "x" * (600 << 10))
+  assert run.values[3:] == (sandbox.NOT_RUN,) * 2 and run.timed_out
 
 
 def test_code_reward_all_or_nothing_and_fraction():
@@ -200,7 +205,7 @@ def test_the_sandbox_gets_the_calls_and_inputs_never_the_expected_values():
                         ("", "f([1, 2])"))
   test = _code_checks.parse("x = [3, 1]\nexpected = [1, 3]\ny = f(x)\n"
                             "assert y == expected\nassert g(x) == expected")
-  assert test.calls == (("x = [3, 1]\ny = f(x)", "y"), ("", "g(x)"))
+  assert test.calls == (("x = [3, 1]\ny = f(x)", "y"), ("x = [3, 1]", "g(x)"))
 
 
 @pytest.mark.parametrize("text", [
@@ -380,7 +385,8 @@ def test_host_files_environment_and_processes_are_invisible(tmp_path,
     helper.wait()
   assert values[0] == "failed: FileNotFoundError"
   assert values[1] == []
-  assert sorted(values[2], key=int) == ["1", "2"]  # Its init and itself.
+  assert len(values[2]) == 3  # Its init, the worker and itself.
+  assert sorted(values[2], key=int)[:2] == ["1", "2"]
   assert values[3].startswith("failed:") and values[4].startswith("failed:")
   assert values[5] == (-1, -1)
 

@@ -197,17 +197,23 @@ def _names(node: ast.AST) -> set[str]:
 
 def _with_setup(leaves: list[str], setup: list[tuple[int, str, Any]]
                 ) -> tuple[tuple[str, str], ...]:
-  """(setup, leaf) pairs. An assignment goes to the sandbox only if a leaf
-  (or an assignment sent) reads its name: `expected = [1, 2]` used only on
-  the parent's side of `==` would hand the program its answer."""
-  used = set().union(*(_names(ast.parse(leaf, mode="eval")) for leaf in leaves))
-  before: list[list[str]] = [[] for _ in leaves]
-  for k, source, assign in reversed(setup):
-    if k < len(leaves) and (assign is None or assign.targets[0].id in used):
-      before[k].insert(0, source)
-      if assign is not None:
-        used |= _names(assign.value)
-  return tuple(("\n".join(s), leaf) for s, leaf in zip(before, leaves))
+  """(setup, leaf) pairs. Each leaf gets the imports before it and only the
+  assignments it reads (the last one of each name before it, and what that
+  one reads, in order), and runs in a fresh copy of the program: a value one
+  call compares with (`expected = [1, 2]`, or another call's argument) is
+  never visible to another."""
+  calls = []
+  for k, leaf in enumerate(leaves):
+    needed, chosen = _names(ast.parse(leaf, mode="eval")), []
+    for before, source, assign in reversed(setup):
+      if before > k:  # It comes after this leaf.
+        continue
+      if assign is None or assign.targets[0].id in needed:
+        chosen.append(source)
+      if assign is not None and assign.targets[0].id in needed:
+        needed = (needed - {assign.targets[0].id}) | _names(assign.value)
+    calls.append(("\n".join(reversed(chosen)), leaf))
+  return tuple(calls)
 
 
 _MAX_SIZE = 10**7  # Bits of an int, items of a sequence, a result may have.

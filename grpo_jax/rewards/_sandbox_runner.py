@@ -465,7 +465,7 @@ def _send(fd, obj):
     line = line[os.write(fd, line):]
 
 
-def _run_as_main(program, stdin, k, result_fd):
+def _run_as_main(code, stdin, k, result_fd):
   """The program as a script on `stdin`, in a child: {"o": k, "v": stdout}."""
   in_path, out_path = f"/tmp/.stdin_{k}", f"/tmp/.stdout_{k}"
   with open(in_path, "wb") as f:
@@ -480,7 +480,7 @@ def _run_as_main(program, stdin, k, result_fd):
               1)
       sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
       sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-      exec(compile(program, "solution.py", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used
+      exec(code, {"__name__": "__main__"})  # pylint: disable=exec-used
       status = 0
     except SystemExit as e:
       status = 0 if e.code in (None, 0) else 1
@@ -494,11 +494,82 @@ def _run_as_main(program, stdin, k, result_fd):
   _, status = os.waitpid(pid, 0)
   with open(out_path, "rb") as f:
     out = f.read(1 << 20)
-  for path in (in_path, out_path):
-    os.remove(path)
   if status != 0:
     return {"o": k, "e": f"exit status {status}"}
   return {"o": k, "v": out.decode("utf-8", "replace")}
+
+
+def _call(code, i, setup, expression, result_fd, cap):
+  """The program, then one call's setup and expression, in a fresh child of
+  this (never model-run) process, so no other call's setup, values or side
+  effects reach it. Only this process writes results: {"i": i, "v": value}
+  or {"i": i, "e": exception}, from the first line the child reports."""
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    try:
+      os.close(read)
+      os.close(result_fd)
+      namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
+      exec(code, namespace)  # pylint: disable=exec-used
+      exec(compile(setup, f"test_{i}_setup.py", "exec"), namespace)  # pylint: disable=exec-used
+      value = eval(compile(expression, f"test_{i}.py", "eval"), namespace)  # pylint: disable=eval-used
+      record = {"v": encode(value)}
+    except BaseException as e:  # pylint: disable=broad-except
+      record = {"e": type(e).__name__}
+    try:
+      _send(write, record)
+    finally:
+      os._exit(0)
+  os.close(write)
+  data = bytearray()
+  while b"\n" not in data and len(data) <= cap:
+    chunk = os.read(read, 1 << 16)  # EOF: the child and its children exited.
+    if not chunk:
+      break
+    data += chunk
+  os.close(read)
+  try:
+    os.kill(pid, signal.SIGKILL)  # It has answered, or may never.
+  except ProcessLookupError:
+    pass
+  os.waitpid(pid, 0)
+  if len(data) > cap:
+    return {"i": i, "e": "ResultTooLarge"}
+  try:
+    record = json.loads(bytes(data.partition(b"\n")[0]).decode("ascii"))
+  except ValueError:
+    return None
+  if isinstance(record, dict) and "e" in record:
+    return {"i": i, "e": str(record["e"])[:100]}
+  return {"i": i, "v": record["v"]} if isinstance(record, dict) and (
+      "v" in record) else None
+
+
+def _reset():
+  """Between two runs of the program: none of the last one's processes is
+  left (kill(-1) spares only init and this process), nor any file in /tmp."""
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  for _ in range(1000):  # Until init has reaped them (a few ms).
+    try:
+      os.kill(-1, 0)
+    except ProcessLookupError:
+      break
+    select.select([], [], [], 0.001)
+  _remove_below("/tmp")
+
+
+def _remove_below(directory):
+  for entry in os.scandir(directory):
+    if entry.is_dir(follow_symlinks=False):
+      os.chmod(entry.path, 0o700)
+      _remove_below(entry.path)
+      os.rmdir(entry.path)
+    else:
+      os.remove(entry.path)
 
 
 def _worker(job):
@@ -515,21 +586,21 @@ def _worker(job):
     os._exit(EXIT_SETUP)
   os.dup2(0, 2)  # From here on nothing reaches the trainer but results.
   _send(result_fd, {"ready": True})
-  for k, stdin in enumerate(job["stdin"]):
-    _send(result_fd, _run_as_main(job["program"], stdin, k, result_fd))
-  namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
+  # This process never runs the model's code: each run of it is a child.
   try:
-    exec(compile(job["program"], "solution.py", "exec"), namespace)  # pylint: disable=exec-used
+    code = compile(job["program"], "solution.py", "exec")
   except BaseException as e:  # pylint: disable=broad-except
     _send(result_fd, {"program": type(e).__name__})
     os._exit(0)
+  for k, stdin in enumerate(job["stdin"]):
+    _send(result_fd, _run_as_main(code, stdin, k, result_fd))
+    _reset()
+  cap = int(job["limits"]["result_mb"]) * 2**20
   for i, (setup, expression) in enumerate(job["calls"]):
-    try:
-      exec(compile(setup, f"test_{i}_setup.py", "exec"), namespace)  # pylint: disable=exec-used
-      value = eval(compile(expression, f"test_{i}.py", "eval"), namespace)  # pylint: disable=eval-used
-      _send(result_fd, {"i": i, "v": encode(value)})
-    except BaseException as e:  # pylint: disable=broad-except
-      _send(result_fd, {"i": i, "e": type(e).__name__})
+    record = _call(code, i, setup, expression, result_fd, cap)
+    if record is not None:
+      _send(result_fd, record)
+    _reset()
   os._exit(0)
 
 
