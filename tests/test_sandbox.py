@@ -610,7 +610,7 @@ def test_cgroups_left_by_a_dead_trainer_are_swept():
 def test_looping_completions_run_in_parallel(monkeypatch):
   """Four loops with four workers: all four sandboxes were alive at once."""
   live, peak, lock = [0], [0], threading.Lock()
-  run_calls = sandbox.run_calls
+  execute = sandbox.execute
 
   def counting(*args, **kwargs):
     with lock:
@@ -618,12 +618,12 @@ def test_looping_completions_run_in_parallel(monkeypatch):
       peak[0] = max(peak[0], live[0])
     try:
       time.sleep(0.2)  # Let the others start before this one can end.
-      return run_calls(*args, **kwargs)
+      return execute(*args, **kwargs)
     finally:
       with lock:
         live[0] -= 1
 
-  monkeypatch.setattr(sandbox, "run_calls", counting)
+  monkeypatch.setattr(sandbox, "execute", counting)
   loop = "while True:\n  pass"
   assert _reward([loop] * 4, timeout=1.0, max_parallel=4) == [0.0] * 4
   assert peak[0] == 4
@@ -631,9 +631,9 @@ def test_looping_completions_run_in_parallel(monkeypatch):
 
 def test_batch_timeout_skips_runs_that_cannot_start_in_time(monkeypatch):
   started = []
-  run_calls = sandbox.run_calls
-  monkeypatch.setattr(sandbox, "run_calls",
-                      lambda *a, **k: started.append(1) or run_calls(*a, **k))
+  execute = sandbox.execute
+  monkeypatch.setattr(sandbox, "execute",
+                      lambda *a, **k: started.append(1) or execute(*a, **k))
   loop = "while True:\n  pass"
   got = _reward([loop] * 4, timeout=1.0, max_parallel=1, batch_timeout=1.5)
   assert got == [0.0] * 4 and len(started) < 4

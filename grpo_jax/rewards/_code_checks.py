@@ -33,7 +33,7 @@ import functools
 import logging
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from grpo_jax.rewards import sandbox
 
@@ -297,6 +297,63 @@ def passes(test: Test, values: tuple[Any, ...]) -> bool:
     except Exception:  # pylint: disable=broad-except
       return False  # A leaf raised, or the values do not support the test.
   return True
+
+
+def io_case(test: Any) -> tuple[str, str] | None:
+  """(stdin, expected stdout) of an I/O-style test, else None."""
+  if isinstance(test, Mapping) and isinstance(test.get("input"), str) and (
+      isinstance(test.get("output"), str)):
+    return test["input"], test["output"]
+  return None
+
+
+def same_output(got: Any, want: str) -> bool:
+  """Printed output against the expected, line by line, ignoring trailing
+  whitespace and blank lines at either end."""
+  lines = lambda text: [line.rstrip() for line in text.strip().splitlines()]
+  return isinstance(got, str) and lines(got) == lines(want)
+
+
+def calls_of(tests: Sequence[Any]) -> tuple[list[tuple[str, str]], list[str]]:
+  """The sandbox's calls (assert tests, in order) and stdins (I/O cases)."""
+  calls, stdin = [], []
+  for test in tests:
+    case = io_case(test)
+    if case:
+      stdin.append(case[0])
+    else:
+      parsed = parse_or_warn(test)
+      calls.extend(parsed.calls if parsed is not None else ())
+  return calls, stdin
+
+
+def count_passed(tests: Sequence[Any], results: bytes) -> int:
+  """How many of `tests` hold on a run's result lines (`calls_of(tests)`
+  run in the sandbox). Decoding and comparing the model's values can take
+  unbounded time and memory: run this only under a hard bound (`_checker`)."""
+  cases = [io_case(t) for t in tests]
+  parsed = [None if case else _parse_quietly(t)
+            for t, case in zip(tests, cases)]
+  num_calls = sum(len(t.calls) for t in parsed if t is not None)
+  found = sandbox.parse_results(results, num_calls, sum(map(bool, cases)))
+  if found is None:
+    return 0
+  values, outputs = found[0], iter(found[1])
+  passed, start = 0, 0
+  for test, case in zip(parsed, cases):
+    if case:
+      passed += same_output(next(outputs), case[1])
+    elif test is not None:
+      passed += passes(test, values[start:start + len(test.calls)])
+      start += len(test.calls)
+  return passed
+
+
+def _parse_quietly(text: Any) -> Test | None:
+  try:
+    return parse(text) if isinstance(text, str) else None
+  except Unsplittable:
+    return None
 
 
 _warned: set[str] = set()
