@@ -167,14 +167,17 @@ _server: _Server | None = None
 _server_lock = threading.Lock()
 
 
-def count_passed(tests: Sequence[Any], results: bytes, *, cpu: float = CPU_S,
-                 wall: float = WALL_S) -> int | None:
+def count_passed(tests: Sequence[Any], results: bytes) -> int | None:
   """`_code_checks.count_passed(tests, results)` in the checker, or None if
-  it ran past `cpu` / `wall` seconds or `MEMORY_MB`, or could not run."""
+  it ran past `CPU_S` / `WALL_S` seconds or `MEMORY_MB`, or could not run."""
   global _server
+  cpu, wall = CPU_S, WALL_S
   meta = json.dumps(list(tests), ensure_ascii=True).encode("ascii")
   with _server_lock:
     if _server is None or not _server.alive or _server.proc.poll() is not None:
+      if _server is not None:  # Dead: reap it.
+        _server.proc.kill()
+        _server.proc.wait()
       try:
         _server = _Server()
       except OSError:

@@ -2,8 +2,10 @@
 plain Linux system calls, then runs the model's program and evaluates the
 given expressions in it. Standard library only; never imported by the trainer.
 
-Run as `python -I -S -B _sandbox_runner.py LABEL` with the job (JSON: program,
-calls, limits) on stdin. Three processes, each trusted but the last:
+`sandbox.py` runs it as `python -I -S -B -c BOOT LABEL` with this file's
+source, then the job (JSON: program, calls, stdin, limits) on stdin, so that
+no path of the trainer's checkout is in its command line or code objects.
+Four kinds of process, each trusted but the last:
 
   L (launcher, host side): reads the job; creates new user, mount, PID,
     network, IPC, UTS and cgroup namespaces, where the sandbox's uid maps to
@@ -12,16 +14,24 @@ calls, limits) on stdin. Three processes, each trusted but the last:
     the wall-clock timeout or on SIGTERM. Its exit status says how it ended.
   G (init, PID 1 of the new PID namespace): builds a new root on a tmpfs
     (read-only binds of /usr, the /lib dirs and the standard library only;
-    a fresh /proc; a /dev of null, zero, full, random, urandom; a size-bounded
-    tmpfs at /tmp, which /dev/shm points to), pivots into it, forks W and
-    reaps. When G exits, the kernel kills everything left in the namespace,
-    and L's waitpid on G returns only after that: nothing outlives the run.
+    a /proc of the run's processes only; a /dev of null, zero, full, random,
+    urandom; a size-bounded tmpfs at /tmp, which /dev/shm points to), pivots
+    into it, renames itself "sandbox LABEL", forks W and reaps. When G exits,
+    the kernel kills everything left in the namespace, and L's waitpid on G
+    returns only after that: nothing outlives the run.
   W (worker): rlimits (CPU, memory, file size, processes, files), all
     capabilities dropped, no new privileges, a seccomp filter (no execve,
-    ptrace, mount, setns, unshare, namespaces via clone, bpf, io_uring, ...);
-    then runs the program and writes one JSON line per call to the result
-    pipe: the serialised value or the exception's type name. It never sees
-    the expected values: the trusted parent compares.
+    ptrace, mount, setns, unshare, namespaces via clone, bpf, io_uring,
+    sysinfo, SysV IPC, sockets but unix and IP ones, ...). It never runs
+    the model's code itself, so it stays trusted: for each stdin, then for
+    each call, it forks a child C that runs the program (and then the call's
+    setup and expression), reads back what C reports, writes one JSON line
+    per call or stdin to the result pipe (the serialised value, the output,
+    or the exception's type name), kills every other process of the run and
+    empties /tmp. So no call sees another's setup, values or leftovers, and
+    only W writes results. Nothing in the sandbox sees the expected values:
+    the trusted side compares (`_checker.py`).
+  C: the model's program, one call or stdin.
 
 Exit status of L: 0 done, 3 killed at the timeout or on request, 70 setup
 failed (the reason on stderr).

@@ -135,6 +135,10 @@ def code_reward(prompts, completions, answers, completion_lengths, *,
                 batch_timeout: float | None = None) -> np.ndarray:
   """Fraction of unit tests the completion's program passes, in a sandbox.
 
+  `memory_mb` bounds each of a run's processes, and the run as a whole where
+  this process may create cgroups; elsewhere (an unprivileged trainer,
+  usually) a run may use `processes` x `memory_mb` in all (the start-up log
+  says which: `sandbox.resource_control()`).
   `timeout` bounds each completion's run (wall clock); up to `max_parallel`
   run at once (default: 4 per CPU, at most 32), so N looping completions
   cost about timeout * N / max_parallel. `batch_timeout`, if set, bounds the

@@ -1,11 +1,15 @@
 """Running model-written Python, isolated from the host, and reading back values.
 
-`run_calls(program, calls, stdin=...)` runs `program` in a fresh sandbox,
-then evaluates each call expression there, and returns the values
-(serialised to plain data inside, rebuilt here) or the names of the
-exceptions raised; for I/O-style tasks it runs the program as a script on
-each given stdin and returns what it printed. It never tells the sandbox
-what the values or outputs should be: the caller compares (`code.py`).
+`execute(program, calls, stdin=...)` runs, in one fresh sandbox, for each
+call `program` and then that call's setup and expression, each in a fresh
+process, and returns the result lines: the values serialised to plain data,
+or the names of the exceptions raised; for I/O-style tasks it runs the
+program as a script on each given stdin and returns what it printed. It
+never tells the sandbox what the values or outputs should be: the caller
+compares. `run_calls` also rebuilds the values here (`parse_results`), for
+trusted programs: for the model's, the code reward does that where a hard
+time and memory bound applies (`_checker.py`). docs/sandbox.md has the
+measurements.
 
 The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
 
@@ -17,7 +21,10 @@ The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
     /sys, no /home, /root, /etc (but ld.so.cache), and a private tmpfs /tmp
     (also /dev/shm) of `disk_mb`;
   * no capabilities, no new privileges, a seccomp filter on x86_64 (no
-    execve, ptrace, mount, setns, unshare, bpf, io_uring, keyctl, ...);
+    execve, ptrace, mount, setns, unshare, bpf, io_uring, keyctl, sysinfo,
+    SysV IPC, ...; sockets of the unix and IP families only: the network
+    namespace is empty, and vsock, netlink, packet, ... would reach
+    outside it);
   * rlimits, which bind because the sandbox's host uid is not root: CPU
     seconds, address space per process, file size, processes and threads;
   * where this process may create cgroups (v2, else v1; `_cgroups.py`), one
@@ -26,9 +33,9 @@ The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
     the run started is gone, and nothing was ever written to the host's disk,
     when `run_calls` returns. If the trainer dies, the sandbox dies with it.
 
-Without cgroups (an unprivileged caller, usually) memory is bounded by
-RLIMIT_AS per process times the process limit, plus the tmpfs size.
-`resource_control()` says which applies here.
+Without cgroups (an unprivileged caller, usually) `memory_mb` bounds each
+process only: a run's total is bounded by `processes` x `memory_mb`, plus
+the tmpfs size. `resource_control()` says which applies here.
 
 Where the host cannot build this (no user namespaces, a masked kernel),
 `require()` raises `SandboxUnavailable` naming the reason, and logs it once:
@@ -60,7 +67,8 @@ _GRACE = 5.0  # Seconds past the timeout before the launcher itself is killed.
 @dataclasses.dataclass(frozen=True)
 class Limits:
   timeout: float = 10.0  # Wall-clock seconds for the whole run.
-  memory_mb: int = 1024  # Per process; per run too where a cgroup is made.
+  memory_mb: int = 1024  # Per process; per run only where a cgroup is made
+  # (else a run may use `processes` x `memory_mb`; `resource_control()`).
   disk_mb: int = 64  # All files together (the tmpfs /tmp).
   processes: int = 16  # Processes and threads, the first one included.
   result_mb: int = 8  # Results read back; a run writing more is stopped.
@@ -336,7 +344,8 @@ def require() -> None:
   code cannot be isolated on this host."""
   reason = unavailable_reason()
   if reason is None:
-    _say_once(logging.INFO, f"namespaces, seccomp; {resource_control()}")
+    _say_once(logging.INFO if _cgroups.parents() else logging.WARNING,
+              f"namespaces, seccomp; {resource_control()}")
     return
   message = (f"refusing to run model-written code: this host cannot isolate it "
              f"({reason}). The sandbox needs unprivileged user namespaces "
