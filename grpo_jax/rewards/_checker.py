@@ -1,21 +1,20 @@
-"""The code reward's verdicts, taken in a process the kernel bounds.
+"""The code reward's verdicts, taken in processes the kernel bounds.
 
 A sandbox's result lines are the model's data. Rebuilding them is not
 bounded by their size (a set of 40,000 ints that all hash alike takes
 seconds, quadratically more for more), nor is applying a test's operators
 to them (`%`, `//`, `*`, `gcd` on multi-million-bit ints). Neither runs in
 the trainer: `count_passed` hands the undecoded lines and the tests to a
-checker server (one per trainer, started on first use: the standard library
-and these reward files only, never the trainer's imports), which forks a
-child per check under RLIMIT_AS, a CPU-time timer and a wall-clock timer.
-The kernel ends a child that runs past them (nothing in it has to
-cooperate), the server answers None for it and the completion scores 0.
-The trainer's share is writing the bytes to a pipe and reading one line.
+checker process (a few, started on first use and kept: the standard library
+and these reward files only, never the trainer's imports). A checker runs
+each check under RLIMIT_AS, a CPU-time timer and a wall-clock timer whose
+default action ends the process: the kernel stops a check that runs past
+them (nothing in it has to cooperate), that completion scores 0 and the
+next check starts a fresh checker. The trainer's share is writing the bytes
+to a pipe and reading one line.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import json
 import os
 import resource
@@ -29,7 +28,8 @@ from typing import Any, Sequence
 
 CPU_S = 2.0  # CPU seconds a check may take; it needs milliseconds.
 WALL_S = 20.0  # Wall-clock seconds, however loaded the host.
-MEMORY_MB = 1024  # Address space of a check (the results are 8 MiB at most).
+MEMORY_MB = 1024  # Address space of a checker (results are 8 MiB at most).
+MAX_CHECKERS = 2  # Checks take ~0.1 ms: two serve any number of threads.
 
 _REWARDS = os.path.dirname(os.path.abspath(__file__))
 # Empty parent packages: importing grpo_jax itself would import JAX.
@@ -40,10 +40,10 @@ for name, path in (("grpo_jax", sys.argv[2]), ("grpo_jax.rewards", sys.argv[1]))
 from grpo_jax.rewards import _checker
 _checker.serve()
 """
-_HEADER = struct.Struct("<IIIdd")  # job id, len(meta), len(results), cpu, wall
+_HEADER = struct.Struct("<IIdd")  # len(meta), len(results), cpu, wall
 
 
-# ---------------------------------------------------------------- the server
+# ---------------------------------------------------------------- a checker
 
 def _read_exactly(fd: int, n: int) -> bytes | None:
   chunks, left = [], n
@@ -56,61 +56,37 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
   return b"".join(chunks)
 
 
-def _answer(job_id: int, passed: int | None) -> None:
-  os.write(1, json.dumps({"id": job_id, "passed": passed}).encode() + b"\n")
-
-
-def _check(job_id: int, meta: bytes, results: bytes, cpu: float, wall: float
-           ) -> None:
-  """In the forked child: bounded first, then the untrusted work."""
-  os.close(0)
-  for signum in (signal.SIGPROF, signal.SIGALRM, signal.SIGXCPU):
-    signal.signal(signum, signal.SIG_DFL)  # The default action ends it.
-  resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB << 20, MEMORY_MB << 20))
-  signal.setitimer(signal.ITIMER_PROF, cpu)
-  signal.setitimer(signal.ITIMER_REAL, wall)
-  try:
-    from grpo_jax.rewards import _code_checks  # pylint: disable=import-outside-toplevel
-    passed = _code_checks.count_passed(json.loads(meta), results)
-  except BaseException:  # pylint: disable=broad-except
-    passed = None
-  _answer(job_id, passed)
-  os._exit(0)
-
-
 def serve() -> None:
-  """Reads jobs on stdin until EOF (the trainer is gone); one child each."""
-  from grpo_jax.rewards import _code_checks  # pylint: disable=import-outside-toplevel,unused-import
-  children: dict[int, int] = {}  # pid -> job id
+  """Checks jobs from stdin until EOF (the trainer is gone), one at a time,
+  each under the timers; answers one line each on stdout."""
+  from grpo_jax.rewards import _code_checks  # pylint: disable=import-outside-toplevel
+  for signum in (signal.SIGPROF, signal.SIGALRM):
+    signal.signal(signum, signal.SIG_DFL)  # Its default action ends us.
+  resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB << 20, MEMORY_MB << 20))
   while True:
-    ready = select.select([0], [], [], 0.05 if children else None)[0]
-    if ready:
-      header = _read_exactly(0, _HEADER.size)
-      if header is None:
-        os._exit(0)
-      job_id, meta_len, results_len, cpu, wall = _HEADER.unpack(header)
-      meta, results = _read_exactly(0, meta_len), _read_exactly(0, results_len)
-      if meta is None or results is None:
-        os._exit(0)
-      pid = os.fork()
-      if pid == 0:
-        _check(job_id, meta, results, cpu, wall)
-      children[pid] = job_id
-      del meta, results
-    while children:  # Reap; a child that did not exit cleanly answers None.
-      pid, status = os.waitpid(-1, os.WNOHANG)
-      if pid == 0:
-        break
-      job_id = children.pop(pid, None)
-      if job_id is not None and status != 0:
-        _answer(job_id, None)
+    header = _read_exactly(0, _HEADER.size)
+    if header is None:
+      return
+    meta_len, results_len, cpu, wall = _HEADER.unpack(header)
+    meta, results = _read_exactly(0, meta_len), _read_exactly(0, results_len)
+    if meta is None or results is None:
+      return
+    signal.setitimer(signal.ITIMER_PROF, cpu)
+    signal.setitimer(signal.ITIMER_REAL, wall)
+    try:
+      passed = _code_checks.count_passed(json.loads(meta), results)
+    except Exception:  # pylint: disable=broad-except
+      passed = None  # MemoryError, say: this check fails, the next runs.
+    signal.setitimer(signal.ITIMER_PROF, 0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    del meta, results
+    os.write(1, json.dumps(passed).encode() + b"\n")
 
 
 # ---------------------------------------------------------------- the trainer
 
-class _Server:
-  """One checker process, its pending checks, and the thread reading its
-  answers (it only waits)."""
+class _Checker:
+  """One checker process, used by one thread at a time."""
 
   def __init__(self):
     self.proc = subprocess.Popen(
@@ -118,70 +94,72 @@ class _Server:
          _REWARDS, os.path.dirname(_REWARDS)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd="/",
         env={"PATH": "/usr/bin:/bin"})
-    self.pending: dict[int, concurrent.futures.Future] = {}
-    self.ids = itertools.count()
-    self.write_lock = threading.Lock()
-    self.alive = True
-    threading.Thread(target=self._read, daemon=True,
-                     name="code-reward-checker").start()
-
-  def _read(self) -> None:
-    for line in self.proc.stdout:
-      try:
-        answer = json.loads(line)
-        future = self.pending.pop(answer["id"], None)
-        if future is not None:
-          future.set_result(answer["passed"])
-      except (ValueError, KeyError, TypeError, concurrent.futures.InvalidStateError):
-        continue
-    self.alive = False  # It died: every pending check fails.
-    for job_id in list(self.pending):
-      future = self.pending.pop(job_id, None)
-      if future is not None and not future.done():
-        future.set_result(None)
 
   def check(self, meta: bytes, results: bytes, cpu: float, wall: float
             ) -> int | None:
-    future = concurrent.futures.Future()
-    with self.write_lock:
-      job_id = next(self.ids)
-      self.pending[job_id] = future
-      try:
-        self.proc.stdin.write(_HEADER.pack(job_id, len(meta), len(results),
-                                           cpu, wall) + meta)
-        self.proc.stdin.write(results)
-        self.proc.stdin.flush()
-      except (OSError, ValueError):
-        self.pending.pop(job_id, None)
-        self.alive = False
-        return None
+    """Its answer; None, and the process gone, if it died or hung."""
     try:
-      return future.result(timeout=wall + 5.0)
-    except concurrent.futures.TimeoutError:
-      return None
-    finally:
-      self.pending.pop(job_id, None)
+      self.proc.stdin.write(_HEADER.pack(len(meta), len(results), cpu, wall)
+                            + meta)
+      self.proc.stdin.write(results)
+      self.proc.stdin.flush()
+      if select.select([self.proc.stdout], [], [], wall + 5.0)[0]:
+        line = self.proc.stdout.readline()  # b"" once it has died.
+        if line:
+          passed = json.loads(line)
+          return passed if type(passed) is int else None  # pylint: disable=unidiomatic-typecheck
+    except (OSError, ValueError):
+      pass
+    self.close()
+    return None
+
+  @property
+  def alive(self) -> bool:
+    return self.proc.poll() is None
+
+  def close(self) -> None:
+    self.proc.kill()
+    self.proc.wait()
+    for stream in (self.proc.stdin, self.proc.stdout):
+      stream.close()
 
 
-_server: _Server | None = None
-_server_lock = threading.Lock()
+_idle: list[_Checker] = []
+_started = [0]  # Checkers alive or being used.
+_available = threading.Condition()
+
+
+def _take() -> _Checker | None:
+  with _available:
+    while not _idle and _started[0] >= MAX_CHECKERS:
+      _available.wait()
+    if _idle:
+      return _idle.pop()
+    _started[0] += 1
+  try:
+    return _Checker()
+  except OSError:
+    _give_back(None)
+    return None
+
+
+def _give_back(checker: _Checker | None) -> None:
+  with _available:
+    if checker is not None and checker.alive:
+      _idle.append(checker)
+    else:
+      _started[0] -= 1
+    _available.notify()
 
 
 def count_passed(tests: Sequence[Any], results: bytes) -> int | None:
-  """`_code_checks.count_passed(tests, results)` in the checker, or None if
+  """`_code_checks.count_passed(tests, results)` in a checker, or None if
   it ran past `CPU_S` / `WALL_S` seconds or `MEMORY_MB`, or could not run."""
-  global _server
-  cpu, wall = CPU_S, WALL_S
   meta = json.dumps(list(tests), ensure_ascii=True).encode("ascii")
-  with _server_lock:
-    if _server is None or not _server.alive or _server.proc.poll() is not None:
-      if _server is not None:  # Dead: reap it.
-        _server.proc.kill()
-        _server.proc.wait()
-      try:
-        _server = _Server()
-      except OSError:
-        return None
-    server = _server
-  passed = server.check(meta, results, cpu, wall)
-  return passed if isinstance(passed, int) else None
+  checker = _take()
+  if checker is None:
+    return None
+  try:
+    return checker.check(meta, results, CPU_S, WALL_S)
+  finally:
+    _give_back(checker)

@@ -11,7 +11,7 @@ imports and assignments before them:
 Each assert's expression is split here (with `ast`, never executed): every
 maximal sub-expression that needs the model's code ("leaf": `add(1, 2)`,
 `area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox and
-comes back as plain data (other iterables as `sandbox.Iterated` items, which
+comes back as plain data (other iterables as `_results.Iterated` items, which
 `list()`/`sorted()`/... accept and `==` rejects, as in Python); the rest (literals, arithmetic, comparisons,
 `not`/`and`/`or`, and the builtins in `_FUNCTIONS` and `math.*` in `_MATH`
 applied to those values) is evaluated here on rebuilt builtin values. So
@@ -30,12 +30,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import logging
 import math
 import operator
 from typing import Any, Callable, Mapping, Sequence
 
-from grpo_jax.rewards import sandbox
+from grpo_jax.rewards import _results
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int,
@@ -247,7 +246,7 @@ def evaluate(node: ast.expr, env: dict[str, Any], values: tuple[Any, ...]
   if isinstance(node, ast.Name):
     if node.id.startswith(_LEAF):
       value = values[int(node.id[len(_LEAF):])]
-      if isinstance(value, sandbox.Raised):
+      if isinstance(value, _results.Raised):
         raise ValueError(f"the call raised {value.name}")
       return value
     if node.id in env:
@@ -335,7 +334,7 @@ def count_passed(tests: Sequence[Any], results: bytes) -> int:
   parsed = [None if case else _parse_quietly(t)
             for t, case in zip(tests, cases)]
   num_calls = sum(len(t.calls) for t in parsed if t is not None)
-  found = sandbox.parse_results(results, num_calls, sum(map(bool, cases)))
+  found = _results.parse_results(results, num_calls, sum(map(bool, cases)))
   if found is None:
     return 0
   values, outputs = found[0], iter(found[1])
@@ -370,6 +369,7 @@ def parse_or_warn(text: Any) -> Test | None:
     key = repr(text)[:200]
     if len(_warned) < 100 and key not in _warned:
       _warned.add(key)
+      import logging  # pylint: disable=import-outside-toplevel  # Not in checkers.
       logging.warning("code reward: a test cannot be decided outside the "
                       "sandbox (%s); it counts as failed. Write it as "
                       "`assert <call> == <value>`: %s", e, key)
