@@ -37,7 +37,6 @@ Exit status of L: 0 done, 3 killed at the timeout or on request, 70 setup
 failed (the reason on stderr).
 """
 import ctypes
-import gc
 import json
 import os
 import platform
@@ -603,7 +602,6 @@ def _worker(job):
   except BaseException as e:  # pylint: disable=broad-except
     _send(result_fd, {"program": type(e).__name__})
     os._exit(0)
-  gc.freeze()  # The children's collections leave these pages shared.
   for k, stdin in enumerate(job["stdin"]):
     _send(result_fd, _run_as_main(code, stdin, k, result_fd))
     _reset()
