@@ -515,7 +515,12 @@ def _call(code, i, setup, expression, result_fd, cap):
   effects reach it. Only this process writes results: {"i": i, "v": value}
   or {"i": i, "e": exception}, from the first line the child reports."""
   read, write = os.pipe()
-  pid = os.fork()
+  try:
+    pid = os.fork()
+  except OSError as e:  # The process limit, say.
+    os.close(read)
+    os.close(write)
+    return {"i": i, "e": type(e).__name__}
   if pid == 0:
     try:
       os.close(read)
