@@ -34,7 +34,8 @@ MAX_CHECKERS = 2  # Checks take ~0.1 ms: two serve any number of threads.
 _REWARDS = os.path.dirname(os.path.abspath(__file__))
 # Empty parent packages: importing grpo_jax itself would import JAX.
 _BOOT = """import sys, types
-for name, path in (("grpo_jax", sys.argv[2]), ("grpo_jax.rewards", sys.argv[1])):
+for name, path in (("grpo_jax", sys.argv[2]),
+                   ("grpo_jax.rewards", sys.argv[1])):
   sys.modules[name] = types.ModuleType(name)
   sys.modules[name].__path__ = [path]
 from grpo_jax.rewards import _checker
@@ -107,7 +108,8 @@ class _Checker:
         line = self.proc.stdout.readline()  # b"" once it has died.
         if line:
           passed = json.loads(line)
-          return passed if type(passed) is int else None  # pylint: disable=unidiomatic-typecheck
+          return passed if isinstance(passed, int) and not isinstance(
+              passed, bool) else None
     except (OSError, ValueError):
       pass
     self.close()

@@ -10,14 +10,18 @@ imports and assignments before them:
 
 Each assert's expression is split here (with `ast`, never executed): every
 maximal sub-expression that needs the model's code ("leaf": `add(1, 2)`,
-`area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox and
-comes back as plain data (other iterables as `_results.Iterated` items, which
-`list()`/`sorted()`/... accept and `==` rejects, as in Python); the rest (literals, arithmetic, comparisons,
-`not`/`and`/`or`, and the builtins in `_FUNCTIONS` and `math.*` in `_MATH`
-applied to those values) is evaluated here on rebuilt builtin values. So
-an object whose `__eq__` is always true, a patched `exec`/`compile`/`os.write`
-or a rewritten test list inside the sandbox changes only the values it
-reports, and it never learns the values expected of them.
+`area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox, in
+a process of its own with only the assignments it reads, and comes back as
+plain data (other iterables as `_results.Iterated` items, which
+`list()`/`sorted()`/... accept and `==` rejects, as in Python); the rest
+(literals, arithmetic, comparisons, `not`/`and`/`or`, and the builtins in
+`_FUNCTIONS` and `math.*` in `_MATH` applied to those values) is evaluated
+outside it, on rebuilt builtin values, by `count_passed` in a checker
+process (`_checker.py`: the values are the model's, so that work is bounded
+there, not in the trainer). So an object whose `__eq__` is always true, a
+patched `exec`/`compile`/`os.write` or a rewritten test list inside the
+sandbox changes only the values it reports, and it never learns the values
+expected of them.
 
 A leaf may not itself contain a comparison or `and`/`or`/`not` (its value
 would be a verdict the sandbox could fake: `all(f(x) == y for ...)`), and a
@@ -369,7 +373,7 @@ def parse_or_warn(text: Any) -> Test | None:
     key = repr(text)[:200]
     if len(_warned) < 100 and key not in _warned:
       _warned.add(key)
-      import logging  # pylint: disable=import-outside-toplevel  # Not in checkers.
+      import logging  # pylint: disable=import-outside-toplevel
       logging.warning("code reward: a test cannot be decided outside the "
                       "sandbox (%s); it counts as failed. Write it as "
                       "`assert <call> == <value>`: %s", e, key)

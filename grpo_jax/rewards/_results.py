@@ -72,7 +72,8 @@ def parse_results(out: bytes, num_calls: int, num_stdin: int = 0
   Garbage lines are skipped; a call's first line wins. Its values are the
   model's data: rebuilding them and comparing them can take unbounded time
   (hash collisions, huge ints), so the code reward does both in `_checker`."""
-  lines = out.split(b"\n", num_calls + num_stdin + 2)[:num_calls + num_stdin + 2]
+  most = num_calls + num_stdin + 2  # With the ready and program lines.
+  lines = out.split(b"\n", most)[:most]
   if not lines or lines[0] != READY:
     return None
   found = {"i": [NOT_RUN] * num_calls, "o": [NOT_RUN] * num_stdin}
