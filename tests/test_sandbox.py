@@ -1,6 +1,6 @@
 """The code reward and its sandbox: outcomes, the trusted-side test checks,
 and one regression test per escape or reward hack found against the old
-sandbox (issue 18). Every probe is harmless when it succeeds: markers go to
+sandbox (issues 18 and 30). Every probe is harmless when it succeeds: markers go to
 this test's tmp_path, listeners are this test's own on 127.0.0.1, and the
 process it would write into is this test's own sleeping child.
 
