@@ -1,6 +1,6 @@
 """The code reward and its sandbox: outcomes, the trusted-side test checks,
 and one regression test per escape or reward hack found against the old
-sandbox (issue 18). Every probe is harmless when it succeeds: markers go to
+sandbox (issues 18 and 30). Every probe is harmless when it succeeds: markers go to
 this test's tmp_path, listeners are this test's own on 127.0.0.1, and the
 process it would write into is this test's own sleeping child.
 
@@ -87,9 +87,14 @@ def test_an_infinite_loop_is_killed_and_earlier_results_still_count():
 
 
 def test_a_run_writing_too_many_results_is_stopped():
-  run = sandbox.run_calls("big = 'x' * (3 << 20)", [("", "1"), ("", "big")],
+  """A call's value over `result_mb` is refused inside; results over it in
+  all stop the run."""
+  run = sandbox.run_calls("big = 'x' * (3 << 20)\nhalf = 'x' * (600 << 10)",
+                          [("", e) for e in ("1", "big", "half", "half", "2")],
                           sandbox.Limits(timeout=30.0, result_mb=1))
-  assert run.values == (1, sandbox.NOT_RUN) and run.timed_out
+  assert run.values[:3] == (1, sandbox.Raised("ResultTooLarge"),
+                            "x" * (600 << 10))
+  assert run.values[3:] == (sandbox.NOT_RUN,) * 2 and run.timed_out
 
 
 def test_code_reward_all_or_nothing_and_fraction():
@@ -196,11 +201,11 @@ def test_the_sandbox_gets_the_calls_and_inputs_never_the_expected_values():
   test = _code_checks.parse("import math\nassert add(1, 2) == 3\n"
                             "assert math.isclose(area(2), 12.56, rel_tol=0.1)"
                             "\nassert not f([1, 2])")
-  assert test.calls == (("import math", "add(1, 2)"), ("", "area(2)"),
-                        ("", "f([1, 2])"))
+  assert test.calls == (("import math", "add(1, 2)"), ("import math", "area(2)"),
+                        ("import math", "f([1, 2])"))
   test = _code_checks.parse("x = [3, 1]\nexpected = [1, 3]\ny = f(x)\n"
                             "assert y == expected\nassert g(x) == expected")
-  assert test.calls == (("x = [3, 1]\ny = f(x)", "y"), ("", "g(x)"))
+  assert test.calls == (("x = [3, 1]\ny = f(x)", "y"), ("x = [3, 1]", "g(x)"))
 
 
 @pytest.mark.parametrize("text", [
@@ -380,7 +385,8 @@ def test_host_files_environment_and_processes_are_invisible(tmp_path,
     helper.wait()
   assert values[0] == "failed: FileNotFoundError"
   assert values[1] == []
-  assert sorted(values[2], key=int) == ["1", "2"]  # Its init and itself.
+  assert len(values[2]) == 3  # Its init, the worker and itself.
+  assert sorted(values[2], key=int)[:2] == ["1", "2"]
   assert values[3].startswith("failed:") and values[4].startswith("failed:")
   assert values[5] == (-1, -1)
 
@@ -407,6 +413,92 @@ def test_no_network_even_after_setns_nor_unix_sockets(tmp_path, listener):
   assert not _accepted(listener)
 
 
+SOCKETS = r"""
+import ctypes, errno, socket, time
+FAMILIES = {name: getattr(socket, name) for name in (
+    "AF_UNIX", "AF_INET", "AF_INET6", "AF_VSOCK", "AF_NETLINK", "AF_PACKET",
+    "AF_ALG", "AF_KEY", "AF_TIPC", "AF_CAN", "AF_RDS", "AF_BLUETOOTH", "AF_QIPCRTR")
+    if hasattr(socket, name)}
+FAMILIES.update(AF_XDP=44, AF_SMC=43, AF_MCTP=45)
+
+def opened(family):
+  try:
+    kind = socket.SOCK_STREAM if family != socket.AF_PACKET else socket.SOCK_RAW
+    socket.socket(family, kind).close()
+    return "opened"
+  except OSError as e:
+    return errno.errorcode.get(e.errno, str(e.errno))
+
+def families():
+  return {name: opened(family) for name, family in FAMILIES.items()}
+
+def vsock_bind(port):  # Then, renamed, holds whatever it got for 1 s.
+  try:
+    s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+    s.bind((socket.VMADDR_CID_ANY, port))
+    outcome = "bound"
+  except OSError as e:
+    outcome = errno.errorcode.get(e.errno, str(e.errno))
+  ctypes.CDLL(None).prctl(15, b"vsock_tried", 0, 0, 0)  # PR_SET_NAME
+  time.sleep(1)
+  return outcome
+"""
+
+
+def _free_vsock_port() -> tuple[int | None, str]:
+  try:
+    with socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM) as s:
+      s.bind((socket.VMADDR_CID_ANY, socket.VMADDR_PORT_ANY))
+      return s.getsockname()[1], ""
+  except (OSError, AttributeError) as e:
+    return None, f"this host cannot bind AF_VSOCK itself ({e})"
+
+
+def _renamed(label: str, name: str) -> list[str]:
+  found = []
+  for pid in _labelled_processes(label):
+    try:
+      with open(f"/proc/{pid}/comm", encoding="ascii") as f:
+        if f.read().strip() == name:
+          found.append(pid)
+    except OSError:
+      pass
+  return found
+
+
+def test_only_unix_and_ip_sockets_and_vsock_stays_outside():
+  """Every other family fails as if the kernel had none (the IP ones live in
+  the run's empty network namespace); while the sandbox tries to hold a vsock
+  port, the host binds that very port."""
+  port, why_not = _free_vsock_port()
+  label = "grpo_jax_test_" + os.urandom(4).hex()
+  runs = []
+  thread = threading.Thread(target=lambda: runs.append(sandbox.run_calls(
+      SOCKETS, [("", f"vsock_bind({port or 5000})"), ("", "families()")],
+      sandbox.Limits(timeout=20.0), label=label)))
+  thread.start()
+  host = None
+  try:
+    for _ in range(1000):  # Until the sandbox has tried (10 s at most).
+      if _renamed(label, "vsock_tried"):
+        break
+      time.sleep(0.01)
+    if port is not None:
+      with socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM) as s:
+        s.bind((socket.VMADDR_CID_ANY, port))
+        host = "bound" if _renamed(label, "vsock_tried") else "too late"
+  finally:
+    thread.join()
+  values = runs[0].values
+  assert values[0] in ("EAFNOSUPPORT", "EPERM"), values
+  allowed = {"AF_UNIX", "AF_INET", "AF_INET6"}
+  assert {name for name, got in values[1].items() if got == "opened"} == allowed
+  assert set(values[1].values()) - {"opened"} <= {"EAFNOSUPPORT", "EPERM"}
+  if port is None:
+    pytest.skip(f"sandbox half holds; host half skipped: {why_not}")
+  assert host == "bound"
+
+
 def test_dev_shm_is_private():
   name = "grpo_jax_test_" + os.urandom(4).hex()
   try:
@@ -415,6 +507,39 @@ def test_dev_shm_is_private():
   finally:
     if os.path.exists("/dev/shm/" + name):
       os.remove("/dev/shm/" + name)
+
+
+def test_proc_shows_no_host_paths_ids_or_figures():
+  """/proc has the run's processes only (subset=pid): no boot id, load,
+  memory or kernel command line; no command line, argv or mount of the
+  trainer's checkout or virtualenv (docs/sandbox.md: what it still shows)."""
+  program = textwrap.dedent("""
+      import os, sys
+      def read(path):
+        try:
+          with open(path, 'rb') as f:
+            return f.read().decode('utf-8', 'replace')
+        except OSError as e:
+          return type(e).__name__
+      def seen():
+        texts = [read(f'/proc/{p}/{n}') for p in ('1', '2', 'self')
+                 for n in ('cmdline', 'mountinfo', 'environ')]
+        return '\\n'.join(texts + sys.argv + [sys.executable, sys.prefix])
+      def load():
+        try:
+          return os.getloadavg()
+        except OSError as e:
+          return type(e).__name__
+      """)
+  names, boot_id, meminfo, host_text, load = _probe(
+      program, "sorted(n for n in os.listdir('/proc') if not n.isdigit())",
+      "read('/proc/sys/kernel/random/boot_id')", "read('/proc/meminfo')",
+      "seen()", "load()")
+  assert names == ["self", "thread-self"]
+  assert boot_id == meminfo == "FileNotFoundError"
+  assert load == "OSError"
+  for host_path in {REPO, sys.prefix, os.path.dirname(sys.executable)}:
+    assert host_path not in host_text
 
 
 def test_no_privilege_no_exec_no_nested_namespaces_and_processes_bounded():
@@ -513,6 +638,44 @@ def test_reward_hacks_score_zero(name):
   assert _reward([HACKS[name], CORRECT], timeout=5.0) == [0.0, 1.0]
 
 
+ROUND_TRIP = ("nums = [1, 2, 3]\nresult = [3, 2, 1]\n"
+              "assert reverse(nums) == result\nassert reverse(result) == nums")
+# Wrong `reverse`s (sorted descending: right for call 0 only) that answer
+# call 1 with call 0's argument, its expected value, kept some other way.
+STASH = {
+    "other_global": "def reverse(x):\n  g = globals()\n"
+                    "  return g['nums'] if 'nums' in g and x != g['nums'] else "
+                    "sorted(x, reverse=True)",
+    "module_state": "seen = []\ndef reverse(x):\n  seen.append(x)\n"
+                    "  return sorted(x, reverse=True) if len(seen) == 1 else "
+                    "seen[0]",
+    "file_and_daemon":
+        "import os, time\n"
+        "def reverse(x):\n"
+        "  if os.path.exists('stash'):\n"
+        "    return eval(open('stash').read())\n"
+        "  if os.fork() == 0:\n"
+        "    for _ in range(2000):  # Rewritten, should /tmp be emptied.\n"
+        "      open('stash', 'w').write(repr(x))\n"
+        "      time.sleep(0.001)\n"
+        "    os._exit(0)\n"
+        "  time.sleep(0.05)\n"
+        "  return sorted(x, reverse=True)",
+}
+
+
+def test_no_call_sees_another_calls_setup_or_state():
+  """Round trip (issue 30) and `add` reading `expected`: every hack scores 0,
+  the correct programs 1."""
+  expected = ("expected = 3\nassert add(1, 2) == expected\n"
+              "assert add(expected, 0) == 3")
+  programs = [*STASH.values(), "def reverse(x):\n  return x[::-1]",
+              "def add(a, b):\n  return globals()['expected']", CORRECT]
+  tests = [ROUND_TRIP] * (len(STASH) + 1) + [expected] * 2
+  got = code.code_reward(None, [_fenced(p) for p in programs], tests,
+                         np.ones(len(programs)), timeout=10.0)
+  assert got.tolist() == [0.0] * len(STASH) + [1.0, 0.0, 1.0]
+
 # ---------------------------------------------------------------- lifetime
 
 def _labelled_processes(label: str) -> list[str]:
@@ -564,14 +727,15 @@ def test_the_sandbox_dies_with_the_trainer():
   label = "grpo_jax_test_" + os.urandom(4).hex()
   trainer = subprocess.Popen(
       [sys.executable, "-c", "from grpo_jax.rewards import sandbox\n"
-       f"sandbox.run_calls('while True: pass', [], sandbox.Limits(timeout=60),"
-       f" label={label!r})"], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+       f"sandbox.run_calls('while True: pass', [('', '1')], "
+       f"sandbox.Limits(timeout=60), label={label!r})"], cwd=REPO,
+      env={**os.environ, "PYTHONPATH": REPO})
   try:
-    for _ in range(200):  # Until the sandbox's worker is up (at most 20 s).
-      if len(_labelled_processes(label)) >= 3:  # Launcher, init, worker.
+    for _ in range(200):  # Until the sandbox's call is up (at most 20 s).
+      if len(_labelled_processes(label)) >= 4:  # Launcher, init, worker, call.
         break
       time.sleep(0.1)
-    assert len(_labelled_processes(label)) >= 3
+    assert len(_labelled_processes(label)) >= 4
   finally:
     trainer.kill()
     trainer.wait()
@@ -604,7 +768,7 @@ def test_cgroups_left_by_a_dead_trainer_are_swept():
 def test_looping_completions_run_in_parallel(monkeypatch):
   """Four loops with four workers: all four sandboxes were alive at once."""
   live, peak, lock = [0], [0], threading.Lock()
-  run_calls = sandbox.run_calls
+  execute = sandbox.execute
 
   def counting(*args, **kwargs):
     with lock:
@@ -612,12 +776,12 @@ def test_looping_completions_run_in_parallel(monkeypatch):
       peak[0] = max(peak[0], live[0])
     try:
       time.sleep(0.2)  # Let the others start before this one can end.
-      return run_calls(*args, **kwargs)
+      return execute(*args, **kwargs)
     finally:
       with lock:
         live[0] -= 1
 
-  monkeypatch.setattr(sandbox, "run_calls", counting)
+  monkeypatch.setattr(sandbox, "execute", counting)
   loop = "while True:\n  pass"
   assert _reward([loop] * 4, timeout=1.0, max_parallel=4) == [0.0] * 4
   assert peak[0] == 4
@@ -625,13 +789,82 @@ def test_looping_completions_run_in_parallel(monkeypatch):
 
 def test_batch_timeout_skips_runs_that_cannot_start_in_time(monkeypatch):
   started = []
-  run_calls = sandbox.run_calls
-  monkeypatch.setattr(sandbox, "run_calls",
-                      lambda *a, **k: started.append(1) or run_calls(*a, **k))
+  execute = sandbox.execute
+  monkeypatch.setattr(sandbox, "execute",
+                      lambda *a, **k: started.append(1) or execute(*a, **k))
   loop = "while True:\n  pass"
   got = _reward([loop] * 4, timeout=1.0, max_parallel=1, batch_timeout=1.5)
   assert got == [0.0] * 4 and len(started) < 4
 
+
+# ---------------------------------------------------------------- the trainer
+
+_HASH_0 = 2**61 - 1  # Every multiple of it hashes to 0.
+_WRITE = textwrap.dedent("""
+    import json, os
+    line = json.dumps({'i': 0, 'v': VALUE}) + '\\n'
+    for fd in range(3, 64):  # Straight to the result pipe, if there is one.
+      try:
+        os.write(fd, line.encode())
+      except OSError:
+        pass
+    def f():
+      return 0
+    """)
+_INTS = f"[{{'i': format(k * {_HASH_0}, 'x')}} for k in range(1, 40001)]"
+_BIG = ("import random\ndef add(a, b):\n"
+        "  return random.Random(a).getrandbits(6_000_000 // (1 + (b < 2)))")
+_ARITHMETIC = ["assert add(1, 2) % add(5, 0) == 3",
+               "assert add(1, 2) * add(1, 0) == 3",
+               "assert add(10, 5) // add(5, 0) == 3",
+               "import math\nassert math.gcd(add(1, 2), add(6, 0)) == 3"]
+STALLS = {  # (probe, an honest program, tests): the probe scores 0, it 1.
+    "colliding_set": (_WRITE.replace("VALUE", f"{{'s': {_INTS}}}"),
+                      "def f():\n  return set(range(40000))",
+                      ["assert len(f()) == 40000"]),
+    "colliding_dict": (
+        _WRITE.replace("VALUE", f"{{'d': [[k, None] for k in {_INTS}]}}"),
+        "def f():\n  return dict.fromkeys(range(40000))",
+        ["assert len(f()) == 40000"]),
+    "big_ints": (_BIG, CORRECT, _ARITHMETIC),
+    "junk_lines": ("import os\njunk = b'x\\n' * (5 << 19)\n"
+                   "for fd in range(3, 64):\n  try:\n    os.write(fd, junk)\n"
+                   "  except OSError:\n    pass\ndef f():\n  return 0",
+                   "def f():\n  return 1", ["assert f() == 1"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STALLS))
+def test_no_completion_stalls_the_trainer(name, monkeypatch):
+  """Values slow to rebuild or compare (each took the old trainer seconds:
+  benchmarks/code_reward.py --stalls) cost it nothing: a 10 ms heartbeat
+  thread is never held up long, and the scoring process's own CPU (not its
+  children's) stays small. Both bounds are 5-10x the issue's 100 ms and
+  0.1 s, for a loaded 2-core host; the probes took 1.5-12 s of either."""
+  monkeypatch.setattr(code._checker, "CPU_S", 0.25)  # pylint: disable=protected-access
+  probe, honest, tests = STALLS[name]
+  gap, stop = [0.0], threading.Event()
+
+  def beat():
+    last = time.perf_counter()
+    while not stop.is_set():
+      time.sleep(0.01)
+      now = time.perf_counter()
+      gap[0], last = max(gap[0], now - last), now
+
+  code.code_reward(None, [_fenced(CORRECT)], [ADD_TESTS], np.ones(1))  # Warm.
+  thread = threading.Thread(target=beat)
+  cpu = time.process_time()
+  thread.start()
+  try:
+    got = code.code_reward(None, [_fenced(probe), _fenced(honest)],
+                           [tests] * 2, np.ones(2), timeout=20.0)
+  finally:
+    stop.set()
+    thread.join()
+  cpu = time.process_time() - cpu
+  assert gap[0] < 0.5 and cpu < 1.0, (gap[0], cpu)
+  assert got.tolist() == [0.0, 1.0]
 
 # ---------------------------------------------------------------- the caller
 

@@ -85,7 +85,8 @@ def _remove_stale(directory: str, min_age_s: float = 60.0) -> None:
 def describe() -> str:
   found = parents()
   if not found:
-    return "rlimits only (no cgroup this process may create)"
+    return ("rlimits only (no cgroup this process may create): memory_mb "
+            "bounds each process, a run's total is processes x memory_mb")
   version = "v2" if found["memory"] == found["pids"] else "v1"
   return f"cgroup {version} memory and pids limits per run, and rlimits"
 

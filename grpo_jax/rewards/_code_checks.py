@@ -10,14 +10,18 @@ imports and assignments before them:
 
 Each assert's expression is split here (with `ast`, never executed): every
 maximal sub-expression that needs the model's code ("leaf": `add(1, 2)`,
-`area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox and
-comes back as plain data (other iterables as `sandbox.Iterated` items, which
-`list()`/`sorted()`/... accept and `==` rejects, as in Python); the rest (literals, arithmetic, comparisons,
-`not`/`and`/`or`, and the builtins in `_FUNCTIONS` and `math.*` in `_MATH`
-applied to those values) is evaluated here on rebuilt builtin values. So
-an object whose `__eq__` is always true, a patched `exec`/`compile`/`os.write`
-or a rewritten test list inside the sandbox changes only the values it
-reports, and it never learns the values expected of them.
+`area(2)`, `pairs([1, 2])`, `is_prime(8)`) is evaluated in the sandbox, in
+a process of its own with only the assignments it reads, and comes back as
+plain data (other iterables as `_results.Iterated` items, which
+`list()`/`sorted()`/... accept and `==` rejects, as in Python); the rest
+(literals, arithmetic, comparisons, `not`/`and`/`or`, and the builtins in
+`_FUNCTIONS` and `math.*` in `_MATH` applied to those values) is evaluated
+outside it, on rebuilt builtin values, by `count_passed` in a checker
+process (`_checker.py`: the values are the model's, so that work is bounded
+there, not in the trainer). So an object whose `__eq__` is always true, a
+patched `exec`/`compile`/`os.write` or a rewritten test list inside the
+sandbox changes only the values it reports, and it never learns the values
+expected of them.
 
 A leaf may not itself contain a comparison or `and`/`or`/`not` (its value
 would be a verdict the sandbox could fake: `all(f(x) == y for ...)`), and a
@@ -30,12 +34,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import logging
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
-from grpo_jax.rewards import sandbox
+from grpo_jax.rewards import _results
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int,
@@ -197,17 +200,23 @@ def _names(node: ast.AST) -> set[str]:
 
 def _with_setup(leaves: list[str], setup: list[tuple[int, str, Any]]
                 ) -> tuple[tuple[str, str], ...]:
-  """(setup, leaf) pairs. An assignment goes to the sandbox only if a leaf
-  (or an assignment sent) reads its name: `expected = [1, 2]` used only on
-  the parent's side of `==` would hand the program its answer."""
-  used = set().union(*(_names(ast.parse(leaf, mode="eval")) for leaf in leaves))
-  before: list[list[str]] = [[] for _ in leaves]
-  for k, source, assign in reversed(setup):
-    if k < len(leaves) and (assign is None or assign.targets[0].id in used):
-      before[k].insert(0, source)
-      if assign is not None:
-        used |= _names(assign.value)
-  return tuple(("\n".join(s), leaf) for s, leaf in zip(before, leaves))
+  """(setup, leaf) pairs. Each leaf gets the imports before it and only the
+  assignments it reads (the last one of each name before it, and what that
+  one reads, in order), and runs in a fresh copy of the program: a value one
+  call compares with (`expected = [1, 2]`, or another call's argument) is
+  never visible to another."""
+  calls = []
+  for k, leaf in enumerate(leaves):
+    needed, chosen = _names(ast.parse(leaf, mode="eval")), []
+    for before, source, assign in reversed(setup):
+      if before > k:  # It comes after this leaf.
+        continue
+      if assign is None or assign.targets[0].id in needed:
+        chosen.append(source)
+      if assign is not None and assign.targets[0].id in needed:
+        needed = (needed - {assign.targets[0].id}) | _names(assign.value)
+    calls.append(("\n".join(reversed(chosen)), leaf))
+  return tuple(calls)
 
 
 _MAX_SIZE = 10**7  # Bits of an int, items of a sequence, a result may have.
@@ -241,7 +250,7 @@ def evaluate(node: ast.expr, env: dict[str, Any], values: tuple[Any, ...]
   if isinstance(node, ast.Name):
     if node.id.startswith(_LEAF):
       value = values[int(node.id[len(_LEAF):])]
-      if isinstance(value, sandbox.Raised):
+      if isinstance(value, _results.Raised):
         raise ValueError(f"the call raised {value.name}")
       return value
     if node.id in env:
@@ -293,6 +302,63 @@ def passes(test: Test, values: tuple[Any, ...]) -> bool:
   return True
 
 
+def io_case(test: Any) -> tuple[str, str] | None:
+  """(stdin, expected stdout) of an I/O-style test, else None."""
+  if isinstance(test, Mapping) and isinstance(test.get("input"), str) and (
+      isinstance(test.get("output"), str)):
+    return test["input"], test["output"]
+  return None
+
+
+def same_output(got: Any, want: str) -> bool:
+  """Printed output against the expected, line by line, ignoring trailing
+  whitespace and blank lines at either end."""
+  lines = lambda text: [line.rstrip() for line in text.strip().splitlines()]
+  return isinstance(got, str) and lines(got) == lines(want)
+
+
+def calls_of(tests: Sequence[Any]) -> tuple[list[tuple[str, str]], list[str]]:
+  """The sandbox's calls (assert tests, in order) and stdins (I/O cases)."""
+  calls, stdin = [], []
+  for test in tests:
+    case = io_case(test)
+    if case:
+      stdin.append(case[0])
+    else:
+      parsed = parse_or_warn(test)
+      calls.extend(parsed.calls if parsed is not None else ())
+  return calls, stdin
+
+
+def count_passed(tests: Sequence[Any], results: bytes) -> int:
+  """How many of `tests` hold on a run's result lines (`calls_of(tests)`
+  run in the sandbox). Decoding and comparing the model's values can take
+  unbounded time and memory: run this only under a hard bound (`_checker`)."""
+  cases = [io_case(t) for t in tests]
+  parsed = [None if case else _parse_quietly(t)
+            for t, case in zip(tests, cases)]
+  num_calls = sum(len(t.calls) for t in parsed if t is not None)
+  found = _results.parse_results(results, num_calls, sum(map(bool, cases)))
+  if found is None:
+    return 0
+  values, outputs = found[0], iter(found[1])
+  passed, start = 0, 0
+  for test, case in zip(parsed, cases):
+    if case:
+      passed += same_output(next(outputs), case[1])
+    elif test is not None:
+      passed += passes(test, values[start:start + len(test.calls)])
+      start += len(test.calls)
+  return passed
+
+
+def _parse_quietly(text: Any) -> Test | None:
+  try:
+    return parse(text) if isinstance(text, str) else None
+  except Unsplittable:
+    return None
+
+
 _warned: set[str] = set()
 
 
@@ -307,6 +373,7 @@ def parse_or_warn(text: Any) -> Test | None:
     key = repr(text)[:200]
     if len(_warned) < 100 and key not in _warned:
       _warned.add(key)
+      import logging  # pylint: disable=import-outside-toplevel
       logging.warning("code reward: a test cannot be decided outside the "
                       "sandbox (%s); it counts as failed. Write it as "
                       "`assert <call> == <value>`: %s", e, key)

@@ -2,8 +2,10 @@
 plain Linux system calls, then runs the model's program and evaluates the
 given expressions in it. Standard library only; never imported by the trainer.
 
-Run as `python -I -S -B _sandbox_runner.py LABEL` with the job (JSON: program,
-calls, limits) on stdin. Three processes, each trusted but the last:
+`sandbox.py` runs it as `python -I -S -B -c BOOT LABEL` with this file's
+source, then the job (JSON: program, calls, stdin, limits) on stdin, so that
+no path of the trainer's checkout is in its command line or code objects.
+Four kinds of process, each trusted but the last:
 
   L (launcher, host side): reads the job; creates new user, mount, PID,
     network, IPC, UTS and cgroup namespaces, where the sandbox's uid maps to
@@ -12,16 +14,24 @@ calls, limits) on stdin. Three processes, each trusted but the last:
     the wall-clock timeout or on SIGTERM. Its exit status says how it ended.
   G (init, PID 1 of the new PID namespace): builds a new root on a tmpfs
     (read-only binds of /usr, the /lib dirs and the standard library only;
-    a fresh /proc; a /dev of null, zero, full, random, urandom; a size-bounded
-    tmpfs at /tmp, which /dev/shm points to), pivots into it, forks W and
-    reaps. When G exits, the kernel kills everything left in the namespace,
-    and L's waitpid on G returns only after that: nothing outlives the run.
+    a /proc of the run's processes only; a /dev of null, zero, full, random,
+    urandom; a size-bounded tmpfs at /tmp, which /dev/shm points to), pivots
+    into it, renames itself "sandbox LABEL", forks W and reaps. When G exits,
+    the kernel kills everything left in the namespace, and L's waitpid on G
+    returns only after that: nothing outlives the run.
   W (worker): rlimits (CPU, memory, file size, processes, files), all
     capabilities dropped, no new privileges, a seccomp filter (no execve,
-    ptrace, mount, setns, unshare, namespaces via clone, bpf, io_uring, ...);
-    then runs the program and writes one JSON line per call to the result
-    pipe: the serialised value or the exception's type name. It never sees
-    the expected values: the trusted parent compares.
+    ptrace, mount, setns, unshare, namespaces via clone, bpf, io_uring,
+    sysinfo, SysV IPC, sockets but unix and IP ones, ...). It never runs
+    the model's code itself, so it stays trusted: for each stdin, then for
+    each call, it forks a child C that runs the program (and then the call's
+    setup and expression), reads back what C reports, writes one JSON line
+    per call or stdin to the result pipe (the serialised value, the output,
+    or the exception's type name), kills every other process of the run and
+    empties /tmp. So no call sees another's setup, values or leftovers, and
+    only W writes results. Nothing in the sandbox sees the expected values:
+    the trusted side compares (`_checker.py`).
+  C: the model's program, one call or stdin.
 
 Exit status of L: 0 done, 3 killed at the timeout or on request, 70 setup
 failed (the reason on stderr).
@@ -272,10 +282,16 @@ def _build_root(sources, limits):
                      ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
     os.symlink(link, f"{root}/dev/{name}")
   os.makedirs(root + "/proc", 0o555)
-  try:  # This process is PID 1 of the new namespace: it sees only the run.
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-  except SetupError:
-    pass  # A host that masks its /proc forbids this; then there is none.
+  # This process is PID 1 of the new namespace: it sees only the run, and
+  # with subset=pid (Linux 5.8+) none of the host-wide files (meminfo,
+  # loadavg, sys/kernel/random/boot_id, the kernel's command line, ...).
+  for options in ("subset=pid", None):
+    try:
+      _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+             options)
+      break
+    except SetupError:
+      pass  # A host that masks its /proc forbids this; then there is none.
   os.makedirs(root + "/tmp", 0o755)
   disk = int(limits["disk_mb"]) * 2**20
   _mount("sandbox", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
@@ -293,6 +309,19 @@ def _build_root(sources, limits):
   os.chdir("/tmp")
 
 
+def _rename(argv):
+  """This process's /proc/<pid>/cmdline (W inherits it) becomes `argv`, not
+  the interpreter's path: the bytes the kernel reads it from are ours."""
+  try:
+    with open("/proc/self/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()
+  except OSError:
+    return  # No /proc: nothing shows it.
+  start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end
+  if 0 < len(argv) < end - start:
+    ctypes.memmove(start, argv.ljust(end - start, b"\0"), end - start)
+
+
 def _init(job, life_read):
   signal.signal(signal.SIGALRM, signal.SIG_DFL)
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -308,6 +337,7 @@ def _init(job, life_read):
       os._exit(EXIT_SETUP)  # L died before that: EOF on its pipe.
     _build_root(sources, job["limits"])
     _check(_libc.sethostname(b"sandbox", 7), "sethostname")
+    _rename(b"sandbox\0" + os.fsencode(sys.argv[-1]))
   except (OSError, SetupError) as e:
     os.write(2, f"sandbox setup: {e}\n".encode("utf-8", "replace"))
     os._exit(EXIT_SETUP)
@@ -338,20 +368,37 @@ _DENIED_X86_64 = (
     246, 320, 175, 313, 176, 169, 167, 168, 163,  # kexec, modules, reboot, swap, acct
     303, 304, 172, 173, 103, 300, 153, 179,  # handles, iopl/ioperm, syslog, fanotify, vhangup, quotactl
     159, 164, 227,  # adjtimex, settimeofday, clock_settime
+    99,  # sysinfo: the host's load, memory and uptime
+    29, 30, 31, 67, 64, 65, 66, 220, 68, 69, 70, 71,  # SysV shm, sem, msg
 )
+# socket(2) and socketpair(2) accept only these families; any other fails with
+# EAFNOSUPPORT, as on a kernel without it. Unix sockets and the IP families
+# live in the run's own (empty) namespaces; vsock, netlink, packet, alg, ...
+# would reach VM-wide or kernel-wide state outside them.
+_SOCKET_CALLS_X86_64 = (41, 53)  # socket, socketpair
+_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 
 
 def _seccomp_filter():
   """BPF: x86_64 only, denied calls fail with EPERM, clone3 with ENOSYS (the
-  C library then uses clone, whose flags can be checked: no namespaces)."""
+  C library then uses clone, whose flags can be checked: no namespaces),
+  sockets of other families than `_SOCKET_FAMILIES` with EAFNOSUPPORT."""
   ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
   allow, kill = 0x7FFF0000, 0x80000000
   eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+  eafnosupport = 0x00050000 | 97
   ns_flags = NAMESPACES | CLONE_NEWTIME
   prog = [(ld, 0, 0, 4), (jeq, 1, 0, 0xC000003E), (ret, 0, 0, kill),
           (ld, 0, 0, 0), (jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
   for nr in _DENIED_X86_64:
     prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+  families = len(_SOCKET_FAMILIES)
+  socket, socketpair = _SOCKET_CALLS_X86_64
+  prog += [(jeq, 1, 0, socket), (jeq, 0, families + 3, socketpair),
+           (ld, 0, 0, 16)]  # args[0], the family (an int: the low half).
+  prog += [(jeq, families - k, 0, family)
+           for k, family in enumerate(_SOCKET_FAMILIES)]
+  prog += [(ret, 0, 0, eafnosupport), (ret, 0, 0, allow)]
   prog += [(jeq, 0, 1, 435), (ret, 0, 0, enosys),
            (jeq, 0, 3, 56), (ld, 0, 0, 16), (jset, 0, 1, ns_flags),
            (ret, 0, 0, eperm), (ret, 0, 0, allow)]
@@ -428,7 +475,7 @@ def _send(fd, obj):
     line = line[os.write(fd, line):]
 
 
-def _run_as_main(program, stdin, k, result_fd):
+def _run_as_main(code, stdin, k, result_fd):
   """The program as a script on `stdin`, in a child: {"o": k, "v": stdout}."""
   in_path, out_path = f"/tmp/.stdin_{k}", f"/tmp/.stdout_{k}"
   with open(in_path, "wb") as f:
@@ -443,7 +490,7 @@ def _run_as_main(program, stdin, k, result_fd):
               1)
       sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
       sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-      exec(compile(program, "solution.py", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used
+      exec(code, {"__name__": "__main__"})  # pylint: disable=exec-used
       status = 0
     except SystemExit as e:
       status = 0 if e.code in (None, 0) else 1
@@ -457,11 +504,87 @@ def _run_as_main(program, stdin, k, result_fd):
   _, status = os.waitpid(pid, 0)
   with open(out_path, "rb") as f:
     out = f.read(1 << 20)
-  for path in (in_path, out_path):
-    os.remove(path)
   if status != 0:
     return {"o": k, "e": f"exit status {status}"}
   return {"o": k, "v": out.decode("utf-8", "replace")}
+
+
+def _call(code, i, setup, expression, result_fd, cap):
+  """The program, then one call's setup and expression, in a fresh child of
+  this (never model-run) process, so no other call's setup, values or side
+  effects reach it. Only this process writes results: {"i": i, "v": value}
+  or {"i": i, "e": exception}, from the first line the child reports."""
+  read, write = os.pipe()
+  try:
+    pid = os.fork()
+  except OSError as e:  # The process limit, say.
+    os.close(read)
+    os.close(write)
+    return {"i": i, "e": type(e).__name__}
+  if pid == 0:
+    try:
+      os.close(read)
+      os.close(result_fd)
+      namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
+      exec(code, namespace)  # pylint: disable=exec-used
+      exec(compile(setup, f"test_{i}_setup.py", "exec"), namespace)  # pylint: disable=exec-used
+      value = eval(compile(expression, f"test_{i}.py", "eval"), namespace)  # pylint: disable=eval-used
+      record = {"v": encode(value)}
+    except BaseException as e:  # pylint: disable=broad-except
+      record = {"e": type(e).__name__}
+    try:
+      _send(write, record)
+    finally:
+      os._exit(0)
+  os.close(write)
+  data = bytearray()
+  while b"\n" not in data and len(data) <= cap:
+    chunk = os.read(read, 1 << 16)  # EOF: the child and its children exited.
+    if not chunk:
+      break
+    data += chunk
+  os.close(read)
+  try:
+    os.kill(pid, signal.SIGKILL)  # It has answered, or may never.
+  except ProcessLookupError:
+    pass
+  os.waitpid(pid, 0)
+  if len(data) > cap:
+    return {"i": i, "e": "ResultTooLarge"}
+  try:
+    record = json.loads(bytes(data.partition(b"\n")[0]).decode("ascii"))
+  except ValueError:
+    return None
+  if isinstance(record, dict) and "e" in record:
+    return {"i": i, "e": str(record["e"])[:100]}
+  return {"i": i, "v": record["v"]} if isinstance(record, dict) and (
+      "v" in record) else None
+
+
+def _reset():
+  """Between two runs of the program: none of the last one's processes is
+  left (kill(-1) spares only init and this process), nor any file in /tmp."""
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  for _ in range(1000):  # Until init has reaped them (a few ms).
+    try:
+      os.kill(-1, 0)
+    except ProcessLookupError:
+      break
+    select.select([], [], [], 0.001)
+  _remove_below("/tmp")
+
+
+def _remove_below(directory):
+  for entry in os.scandir(directory):
+    if entry.is_dir(follow_symlinks=False):
+      os.chmod(entry.path, 0o700)
+      _remove_below(entry.path)
+      os.rmdir(entry.path)
+    else:
+      os.remove(entry.path)
 
 
 def _worker(job):
@@ -478,21 +601,21 @@ def _worker(job):
     os._exit(EXIT_SETUP)
   os.dup2(0, 2)  # From here on nothing reaches the trainer but results.
   _send(result_fd, {"ready": True})
-  for k, stdin in enumerate(job["stdin"]):
-    _send(result_fd, _run_as_main(job["program"], stdin, k, result_fd))
-  namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
+  # This process never runs the model's code: each run of it is a child.
   try:
-    exec(compile(job["program"], "solution.py", "exec"), namespace)  # pylint: disable=exec-used
+    code = compile(job["program"], "solution.py", "exec")
   except BaseException as e:  # pylint: disable=broad-except
     _send(result_fd, {"program": type(e).__name__})
     os._exit(0)
+  for k, stdin in enumerate(job["stdin"]):
+    _send(result_fd, _run_as_main(code, stdin, k, result_fd))
+    _reset()
+  cap = int(job["limits"]["result_mb"]) * 2**20
   for i, (setup, expression) in enumerate(job["calls"]):
-    try:
-      exec(compile(setup, f"test_{i}_setup.py", "exec"), namespace)  # pylint: disable=exec-used
-      value = eval(compile(expression, f"test_{i}.py", "eval"), namespace)  # pylint: disable=eval-used
-      _send(result_fd, {"i": i, "v": encode(value)})
-    except BaseException as e:  # pylint: disable=broad-except
-      _send(result_fd, {"i": i, "e": type(e).__name__})
+    record = _call(code, i, setup, expression, result_fd, cap)
+    if record is not None:
+      _send(result_fd, record)
+    _reset()
   os._exit(0)
 
 

@@ -7,7 +7,8 @@ says which forms are decided and how), or an I/O case {"input": stdin,
 last fenced ```python block of the completion (any fenced block if none is
 marked). It runs in `sandbox` (one fresh, isolated run per completion,
 several at a time in threads that only wait); the sandbox returns the values
-of the tests' calls and the verdicts are taken here, outside it.
+of the tests' calls, and `_checker` decodes them and takes the verdicts
+outside it, in a process with hard time and memory bounds, not here.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from grpo_jax.registry import register
+from grpo_jax.rewards import _checker
 from grpo_jax.rewards import _code_checks
 from grpo_jax.rewards import sandbox
 from grpo_jax.rewards._common import per_completion
@@ -59,50 +61,37 @@ class Result:
     return self.passed / self.total if self.total else 0.0
 
 
-def io_case(test: Any) -> tuple[str, str] | None:
-  """(stdin, expected stdout) of an I/O-style test, else None."""
-  if isinstance(test, Mapping) and isinstance(test.get("input"), str) and (
-      isinstance(test.get("output"), str)):
-    return test["input"], test["output"]
-  return None
-
-
-def same_output(got: Any, want: str) -> bool:
-  """Printed output against the expected, line by line, ignoring trailing
-  whitespace and blank lines at either end."""
-  lines = lambda text: [line.rstrip() for line in text.strip().splitlines()]
-  return isinstance(got, str) and lines(got) == lines(want)
+io_case = _code_checks.io_case
+same_output = _code_checks.same_output
 
 
 def run_tests(program: str, tests: Sequence[str | Mapping[str, str]],
               limits: sandbox.Limits = sandbox.Limits(), *, label: str = ""
               ) -> Result:
   """How many of `tests` the program passes, all run in one sandbox and
-  decided here: assert-style sources (`_code_checks`), or I/O cases
-  {"input": stdin, "output": expected stdout} for which it runs as a script.
-  Raises `sandbox.SandboxUnavailable` where code cannot be isolated."""
+  decided in `_checker` (never here: the values are the model's data):
+  assert-style sources (`_code_checks`), or I/O cases {"input": stdin,
+  "output": expected stdout} for which it runs as a script. Raises
+  `sandbox.SandboxUnavailable` where code cannot be isolated."""
   sandbox.require()
-  cases = [io_case(t) for t in tests]
-  parsed = [None if case else _code_checks.parse_or_warn(t)
-            for t, case in zip(tests, cases)]
-  calls, offsets = [], []
-  for test in parsed:
-    offsets.append(len(calls))
-    calls.extend(test.calls if test is not None else ())
-  stdin = [case[0] for case in cases if case]
+  tests = [t if isinstance(t, str) else
+           dict(zip(("input", "output"), io_case(t))) if io_case(t) else None
+           for t in tests]
+  calls, stdin = _code_checks.calls_of(tests)
   if not calls and not stdin:  # Nothing of the program's to run.
-    run = sandbox.Run(())
+    run = sandbox.Output(sandbox.READY + b"\n")
   else:
-    run = sandbox.run_calls(program, calls, limits, stdin=stdin, label=label)
+    run = sandbox.execute(program, calls, limits, stdin=stdin, label=label)
   if run.setup_error is not None:
     _log_once(f"a sandbox could not be built ({run.setup_error}); "
               "that completion scores 0")
-  outputs = iter(run.outputs)
-  passed = sum(
-      same_output(next(outputs), case[1]) if case else test is not None
-      and _code_checks.passes(test, run.values[start:start + len(test.calls)])
-      for test, case, start in zip(parsed, cases, offsets))
-  return Result(passed, len(tests), run.timed_out)
+    return Result(0, len(tests), run.timed_out)
+  passed = _checker.count_passed(tests, run.results)
+  if passed is None:
+    _log_once("checking a completion's results ran past its time or memory "
+              f"bound ({_checker.CPU_S} CPU s, {_checker.MEMORY_MB} MB) or "
+              "failed; it scores 0")
+  return Result(passed or 0, len(tests), run.timed_out)
 
 
 _logged: set[str] = set()
@@ -146,6 +135,10 @@ def code_reward(prompts, completions, answers, completion_lengths, *,
                 batch_timeout: float | None = None) -> np.ndarray:
   """Fraction of unit tests the completion's program passes, in a sandbox.
 
+  `memory_mb` bounds each of a run's processes, and the run as a whole where
+  this process may create cgroups; elsewhere (an unprivileged trainer,
+  usually) a run may use `processes` x `memory_mb` in all (the start-up log
+  says which: `sandbox.resource_control()`).
   `timeout` bounds each completion's run (wall clock); up to `max_parallel`
   run at once (default: 4 per CPU, at most 32), so N looping completions
   cost about timeout * N / max_parallel. `batch_timeout`, if set, bounds the

@@ -1,11 +1,15 @@
 """Running model-written Python, isolated from the host, and reading back values.
 
-`run_calls(program, calls, stdin=...)` runs `program` in a fresh sandbox,
-then evaluates each call expression there, and returns the values
-(serialised to plain data inside, rebuilt here) or the names of the
-exceptions raised; for I/O-style tasks it runs the program as a script on
-each given stdin and returns what it printed. It never tells the sandbox
-what the values or outputs should be: the caller compares (`code.py`).
+`execute(program, calls, stdin=...)` runs, in one fresh sandbox, for each
+call `program` and then that call's setup and expression, each in a fresh
+process, and returns the result lines: the values serialised to plain data,
+or the names of the exceptions raised; for I/O-style tasks it runs the
+program as a script on each given stdin and returns what it printed. It
+never tells the sandbox what the values or outputs should be: the caller
+compares. `run_calls` also rebuilds the values here (`parse_results`), for
+trusted programs: for the model's, the code reward does that where a hard
+time and memory bound applies (`_checker.py`). docs/sandbox.md has the
+measurements.
 
 The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
 
@@ -17,7 +21,10 @@ The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
     /sys, no /home, /root, /etc (but ld.so.cache), and a private tmpfs /tmp
     (also /dev/shm) of `disk_mb`;
   * no capabilities, no new privileges, a seccomp filter on x86_64 (no
-    execve, ptrace, mount, setns, unshare, bpf, io_uring, keyctl, ...);
+    execve, ptrace, mount, setns, unshare, bpf, io_uring, keyctl, sysinfo,
+    SysV IPC, ...; sockets of the unix and IP families only: the network
+    namespace is empty, and vsock, netlink, packet, ... would reach
+    outside it);
   * rlimits, which bind because the sandbox's host uid is not root: CPU
     seconds, address space per process, file size, processes and threads;
   * where this process may create cgroups (v2, else v1; `_cgroups.py`), one
@@ -26,9 +33,9 @@ The isolation (`_sandbox_runner.py`) is the kernel's, whoever the caller is:
     the run started is gone, and nothing was ever written to the host's disk,
     when `run_calls` returns. If the trainer dies, the sandbox dies with it.
 
-Without cgroups (an unprivileged caller, usually) memory is bounded by
-RLIMIT_AS per process times the process limit, plus the tmpfs size.
-`resource_control()` says which applies here.
+Without cgroups (an unprivileged caller, usually) `memory_mb` bounds each
+process only: a run's total is bounded by `processes` x `memory_mb`, plus
+the tmpfs size. `resource_control()` says which applies here.
 
 Where the host cannot build this (no user namespaces, a masked kernel),
 `require()` raises `SandboxUnavailable` naming the reason, and logs it once:
@@ -50,6 +57,8 @@ import time
 from typing import Any, Sequence
 
 from grpo_jax.rewards import _cgroups
+from grpo_jax.rewards._results import (  # pylint: disable=unused-import
+    NOT_RUN, READY, Iterated, Raised, decode, parse_results)
 
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_sandbox_runner.py")
@@ -60,7 +69,8 @@ _GRACE = 5.0  # Seconds past the timeout before the launcher itself is killed.
 @dataclasses.dataclass(frozen=True)
 class Limits:
   timeout: float = 10.0  # Wall-clock seconds for the whole run.
-  memory_mb: int = 1024  # Per process; per run too where a cgroup is made.
+  memory_mb: int = 1024  # Per process; per run only where a cgroup is made
+  # (else a run may use `processes` x `memory_mb`; `resource_control()`).
   disk_mb: int = 64  # All files together (the tmpfs /tmp).
   processes: int = 16  # Processes and threads, the first one included.
   result_mb: int = 8  # Results read back; a run writing more is stopped.
@@ -71,31 +81,6 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Raised:
-  """A call raised (or the program did, or it never ran): the type's name."""
-  name: str
-
-
-NOT_RUN = Raised("not run")
-
-
-class Iterated:
-  """A returned iterable that is not plain data (generator, map, range,
-  deque, ...), as its items: it iterates (so `list(f(x)) == [...]` holds as
-  in Python) but, like a generator, equals nothing but itself."""
-  __slots__ = ("items",)
-
-  def __init__(self, items: tuple[Any, ...]):
-    self.items = items
-
-  def __iter__(self):
-    return iter(self.items)
-
-  def __repr__(self) -> str:
-    return f"Iterated({self.items!r})"
-
-
-@dataclasses.dataclass(frozen=True)
 class Run:
   values: tuple[Any, ...]  # One per call: plain data, `Iterated`, `Raised`.
   timed_out: bool = False
@@ -103,66 +88,23 @@ class Run:
   outputs: tuple[str | Raised, ...] = ()  # stdout per stdin, or `Raised`.
 
 
-def decode(obj: Any, depth: int = 0) -> Any:
-  """The runner's tagged JSON back to plain Python data (exact types)."""
-  if depth > 200:
-    raise ValueError("nested too deeply")
-  if obj is None or isinstance(obj, (bool, str)):
-    return obj
-  if not isinstance(obj, dict) or len(obj) != 1:
-    raise ValueError(f"not a serialised value: {type(obj).__name__}")
-  (tag, body), = obj.items()
-  items = lambda: [decode(x, depth + 1) for x in body]
-  if tag == "i":
-    return int(body, 16)
-  if tag == "f":
-    return float.fromhex(body)
-  if tag == "c":
-    return complex(float.fromhex(body[0]), float.fromhex(body[1]))
-  if tag == "b":
-    return bytes.fromhex(body)
-  if tag == "d":
-    return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
-  kinds = {"l": list, "t": tuple, "s": set, "z": frozenset,
-           "it": lambda xs: Iterated(tuple(xs))}
-  if tag in kinds:
-    return kinds[tag](items())
-  raise ValueError(f"unknown tag {tag!r}")
+# The runner's source comes first on its stdin: no path of this checkout (nor
+# the virtualenv's: the interpreter is the real one, -S needs no site) is on
+# its command line, in its code objects or its sys.argv.
+_BOOT = ("import sys; f = sys.stdin.buffer; "
+         "exec(compile(f.read(int(f.readline())), 'sandbox', 'exec'))")
 
 
-def _parse_results(out: bytes, num_calls: int, num_stdin: int = 0
-                   ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
-  """Values by call index from the runner's lines; None if it never started
-  (no ready line first). Garbage lines are skipped; a call's first line
-  wins. The model's code can write lines too: it never learns the expected
-  values, so it can only report values a program could have returned."""
-  lines = out.split(b"\n")
-  if not lines or lines[0] != b'{"ready": true}':
-    return None
-  found = {"i": [NOT_RUN] * num_calls, "o": [NOT_RUN] * num_stdin}
-  seen = set()
-  for line in lines[1:]:
-    try:
-      record = json.loads(line.decode("ascii"))
-      kind = "i" if "i" in record else "o"
-      i = record[kind]
-      if type(i) is not int or not 0 <= i < len(found[kind]) or (  # pylint: disable=unidiomatic-typecheck
-          kind, i) in seen:
-        continue
-      seen.add((kind, i))
-      if "e" in record:
-        found[kind][i] = Raised(str(record["e"])[:100])
-      elif kind == "i":
-        found[kind][i] = decode(record["v"])
-      elif isinstance(record["v"], str):
-        found[kind][i] = record["v"]
-    except Exception:  # pylint: disable=broad-except
-      continue  # Malformed, too deep, unhashable set items: not a value.
-  return tuple(found["i"]), tuple(found["o"])
+@functools.lru_cache(maxsize=1)
+def _runner_source() -> bytes:
+  with open(_RUNNER, "rb") as f:
+    source = f.read()
+  return b"%d\n" % len(source) + source
 
 
 def _command(label: str) -> list[str]:
-  return [sys.executable, "-I", "-S", "-B", _RUNNER, label]
+  return [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _BOOT,
+          label]
 
 
 def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
@@ -198,19 +140,27 @@ def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
   return bytes(out), bytes(err)
 
 
-def run_calls(program: str, calls: Sequence[tuple[str, str]],
-              limits: Limits = Limits(), *, stdin: Sequence[str] = (),
-              label: str = "") -> Run:
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """A run's result lines as written, not decoded (see `parse_results`)."""
+  results: bytes
+  timed_out: bool = False
+  setup_error: str | None = None  # The sandbox could not be built.
+
+
+def execute(program: str, calls: Sequence[tuple[str, str]],
+            limits: Limits = Limits(), *, stdin: Sequence[str] = (),
+            label: str = "") -> Output:
   """In one fresh sandbox: first, for each text in `stdin`, `program` as a
   script (`__main__`) on that input, in a process of its own, capturing its
-  stdout (1 MiB at most; a non-zero exit is `Raised`); then `program` as a
-  module and, for each (setup statements, expression) in `calls`, the setup
-  and the expression. `label` goes on the sandbox's command line (to find
-  its processes)."""
-  job = json.dumps({"program": program, "calls": [list(c) for c in calls],
-                    "stdin": list(stdin),
-                    "limits": dataclasses.asdict(limits)},
-                   ensure_ascii=True).encode("ascii")
+  stdout (1 MiB at most; a non-zero exit is `Raised`); then, for each (setup
+  statements, expression) in `calls`, in a process of its own, `program` as
+  a module, the setup and the expression. `label` goes on the sandbox's
+  command line (to find its processes)."""
+  job = _runner_source() + json.dumps(
+      {"program": program, "calls": [list(c) for c in calls],
+       "stdin": list(stdin), "limits": dataclasses.asdict(limits)},
+      ensure_ascii=True).encode("ascii")
   deadline = time.monotonic() + limits.timeout + _GRACE
   cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 3)
   try:
@@ -220,8 +170,7 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
         env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
   except OSError as e:
     cgroup.close()
-    return Run((NOT_RUN,) * len(calls), setup_error=f"cannot start: {e}",
-               outputs=(NOT_RUN,) * len(stdin))
+    return Output(b"", setup_error=f"cannot start: {e}")
   try:
     cgroup.add(proc.pid)  # Before it reads its job: nothing forked yet.
     if cgroup.error is not None:
@@ -237,14 +186,28 @@ def run_calls(program: str, calls: Sequence[tuple[str, str]],
     for stream in (proc.stdin, proc.stdout, proc.stderr):
       stream.close()
     cgroup.close()
-  results = _parse_results(out, len(calls), len(stdin))
   timed_out = proc.returncode in (_EXIT_TIMEOUT, -signal.SIGKILL)
-  if results is None:
+  if out.partition(b"\n")[0] != READY:
     reason = err.decode("utf-8", "replace").strip() or (
         f"the launcher exited with status {proc.returncode}")
-    return Run((NOT_RUN,) * len(calls), timed_out, setup_error=reason,
+    return Output(out, timed_out, reason)
+  return Output(out, timed_out)
+
+
+def run_calls(program: str, calls: Sequence[tuple[str, str]],
+              limits: Limits = Limits(), *, stdin: Sequence[str] = (),
+              label: str = "") -> Run:
+  """`execute`, its values decoded here: for programs the caller trusts not
+  to return adversarial data (the probe below, tests); the code reward
+  decodes and compares where a hard time and memory bound applies."""
+  output = execute(program, calls, limits, stdin=stdin, label=label)
+  results = (None if output.setup_error is not None else
+             parse_results(output.results, len(calls), len(stdin)))
+  if results is None:
+    return Run((NOT_RUN,) * len(calls), output.timed_out,
+               setup_error=output.setup_error or "no results",
                outputs=(NOT_RUN,) * len(stdin))
-  return Run(results[0], timed_out, outputs=results[1])
+  return Run(results[0], output.timed_out, outputs=results[1])
 
 
 @functools.lru_cache(maxsize=1)
@@ -295,7 +258,8 @@ def require() -> None:
   code cannot be isolated on this host."""
   reason = unavailable_reason()
   if reason is None:
-    _say_once(logging.INFO, f"namespaces, seccomp; {resource_control()}")
+    _say_once(logging.INFO if _cgroups.parents() else logging.WARNING,
+              f"namespaces, seccomp; {resource_control()}")
     return
   message = (f"refusing to run model-written code: this host cannot isolate it "
              f"({reason}). The sandbox needs unprivileged user namespaces "
