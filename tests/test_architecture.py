@@ -118,12 +118,6 @@ def test_readme_is_at_most_250_lines():
   assert len(_readme().splitlines()) <= 250
 
 
-# Pages that land from other branches and may be missing until they merge.
-# Lead: delete this set and its one use below once docs/verifier.md and
-# docs/sandbox.md are on main.
-_NOT_YET_MERGED = {"docs/verifier.md", "docs/sandbox.md"}
-
-
 def _relative_links(path: str) -> list[str]:
   """The targets of markdown links and images in `path`, outside code, with
   web links and pure anchors left out and any #anchor cut off."""
@@ -147,7 +141,6 @@ def test_every_relative_link_in_the_docs_resolves():
           os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target)), ROOT)
       if not os.path.exists(os.path.join(ROOT, resolved)):
         missing.add((page, target, resolved))
-  missing = {m for m in missing if m[2] not in _NOT_YET_MERGED}
   assert not missing, f"links to nothing: {sorted(missing)}"
 
 
