@@ -111,7 +111,20 @@ def load_examples(config) -> tuple[list, list]:
         f"{dict(config.data.eval_kwargs)} gave no examples, so nothing would be "
         "evaluated: fix the eval data, or set --config.train.eval_examples=0 to "
         "train without held-out evaluation")
+  _check_answers(train, f"data.source = {config.data.source!r}")
+  _check_answers(held_out, f"data.eval_source = {eval_source!r}")
   return train, held_out
+
+
+def _check_answers(examples: list, source: str) -> None:
+  """No example with an empty gold answer trains or is evaluated: nothing
+  could be scored against it (the file readers refuse such records naming
+  the line; this catches any other data set)."""
+  for index, example in enumerate(examples):
+    if not str(example.answer).strip():
+      raise errors.DataError(f"example {index} of {source} has an empty gold answer; "
+                             "fix the data set (the jsonl, parquet and tfds readers "
+                             "take on_empty_answer='drop' to skip such records)")
 
 
 def policy_model_config(config, source: str = "", step: int | None = None
