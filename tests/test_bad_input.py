@@ -380,7 +380,7 @@ def test_a_sweep_validates_every_point_before_running_the_first(tmp_path):
   with pytest.raises(errors.ConfigError, match=r"sweep point 1 \(optim.learning_rate=-1.0\)"):
     sweeps.run_sweep(tiny.get_config(), points, lambda c, w: calls.append(w),
                      runs.RunStore(tmp_path), name="tiny", sweep_name="s",
-                     base_workdir=tmp_path, validate=config_lib.validate)
+                     base_workdir=tmp_path, validate=validation.validate)
   assert calls == [] and runs.RunStore(tmp_path).list() == []
   sweep_file = tmp_path / "bad_sweep.py"
   sweep_file.write_text("def get_sweep():\n  return [{'rl.eps_high': 0.2}, "

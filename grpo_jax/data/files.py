@@ -29,7 +29,7 @@ from grpo_jax.data.layouts import (ON_EMPTY_ANSWER, detect_layout,
 from grpo_jax.registry import lookup, register
 
 MAX_RECORD_BYTES = 1 << 20
-_CHUNK = 1 << 20   # how much of an over-long line is held while it is measured
+_CHUNK = 1 << 16   # how much of an over-long line is held while it is measured
 
 
 def check_reading_options(on_empty_answer: str, max_record_bytes: int) -> None:
@@ -63,7 +63,7 @@ def _lines(path: str, bound: int) -> Iterator[tuple[int, bytes]]:
     while line := f.readline(bound + 1):
       number += 1
       if len(line) > bound and not line.endswith(b"\n"):
-        size = len(line)
+        size, line = len(line), None
         while (chunk := f.readline(_CHUNK)) and not chunk.endswith(b"\n"):
           size += len(chunk)
         size += len(chunk.rstrip(b"\n"))
@@ -177,7 +177,10 @@ def row_bytes(array) -> "np.ndarray":
   if (pa.types.is_string(kind) or pa.types.is_large_string(kind)
       or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
     return pc.binary_length(array).fill_null(0).to_numpy().astype(np.int64)
-  width = kind.bit_width // 8 if hasattr(kind, "bit_width") and kind.bit_width > 0 else 8
+  try:   # a fixed-width value (a number, a date); null and others: 0
+    width = max(kind.bit_width // 8, 1)
+  except ValueError:
+    width = 0
   return np.full(len(array), width, np.int64)
 
 

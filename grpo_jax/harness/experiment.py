@@ -35,7 +35,7 @@ from grpo_jax.harness import interrupts
 from grpo_jax.generate import sampling
 from grpo_jax import validation
 from grpo_jax.harness import metrics as metrics_lib
-from grpo_jax.harness import distributed, workdir_lock
+from grpo_jax.harness import distributed, outdir, workdir_lock
 from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
@@ -234,8 +234,9 @@ _ENTERED: str | None = None   # the workdir of the run being entered
 
 @contextlib.contextmanager
 def entered(config, workdir: str) -> Iterator[None]:
-  """A run's entry work, done once: validates the config, joins the
-  processes of a multi-host run, locks the workdir on process 0 and handles
+  """A run's entry work, done once: validates the config, checks the
+  workdir can be written, joins the processes of a multi-host run, locks
+  the workdir on process 0 and handles
   SIGTERM / Ctrl-C as interrupts.py says (on one process; several hosts
   agree on the step through the checkpointer's pre-emption notice). Inside
   it, entering the same workdir again (a method's `guarded` run called by
@@ -245,6 +246,7 @@ def entered(config, workdir: str) -> Iterator[None]:
     yield
     return
   validation.validate(config)   # a bad field fails before the processes join
+  outdir.check_writable(workdir)   # a workdir that is a file fails before any work
   distributed.initialize_distributed(config)   # before jax.process_index()
   with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
       interrupts.handle_signals(install=jax.process_count() == 1):
