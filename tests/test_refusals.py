@@ -314,3 +314,12 @@ def test_sweep_reports_a_bad_point_and_an_unwritable_workdir_as_one_line(tmp_pat
   assert one_line_error(out).startswith(
       f"error: --sweep={sweep}: override 'rl.eps_hihg': the config has no field 'eps_hihg'")
   assert out.stdout == ""
+  sweep.write_text("def get_sweep():\n  return [{'rl.eps_high': 0.3}]\n")
+  (tmp_path / "afile").write_text("")
+  out = command("sweep.py", f"--config={TINY}", f"--sweep={sweep}",
+                f"--workdir={tmp_path / 'afile' / 'sw'}", f"--runs_root={tmp_path / 'store'}")
+  assert one_line_error(out) == (
+      f"error: the sweep's --workdir {tmp_path / 'afile' / 'sw'} is under "
+      f"{tmp_path / 'afile'}, which is a file, not a directory: choose another; nothing "
+      "was written")
+  assert not (tmp_path / "store").exists()   # nothing recorded

@@ -168,8 +168,7 @@ class RunStore:
       cursor = db.execute(
           "INSERT INTO runs (name, status, config, git_commit, start_time, workdir, sweep)"
           " VALUES (?, 'running', ?, ?, ?, ?, ?)",
-          (name, _config_json(config), git_commit(), time.time(),
-           None if workdir is None else os.fspath(workdir), sweep))
+          (name, _config_json(config), git_commit(), time.time(), _where(workdir), sweep))
       return cursor.lastrowid
 
   def finish(self, run_id: int, status: str, metrics: Optional[dict] = None,
@@ -239,9 +238,18 @@ def observed(runs: Sequence[Run]) -> list[Run]:
           and _died(r, newest) else r for r in runs]
 
 
+def _where(workdir: Optional[os.PathLike]) -> Optional[str]:
+  """A local workdir as an absolute path (the store is read from anywhere)."""
+  if workdir is None or "://" in os.fspath(workdir):
+    return None if workdir is None else os.fspath(workdir)
+  return os.path.abspath(workdir)
+
+
 def _died(run: Run, newest: dict) -> bool:
   if not run.workdir or "://" in run.workdir:
     return False
+  if not os.path.isabs(run.workdir) and not os.path.isdir(run.workdir):
+    return False   # recorded relative to a directory this is not run from
   if newest[run.workdir] != run.id:
     return True
   who = workdir_lock.holder(run.workdir)
