@@ -236,9 +236,9 @@ _ENTERED: str | None = None   # the workdir of the run being entered
 def entered(config, workdir: str) -> Iterator[None]:
   """A run's entry work, done once: validates the config, checks the
   workdir can be written, joins the processes of a multi-host run, locks
-  the workdir on process 0 and handles
-  SIGTERM / Ctrl-C as interrupts.py says (on one process; several hosts
-  agree on the step through the checkpointer's pre-emption notice). Inside
+  the workdir on process 0 and handles SIGTERM / Ctrl-C as interrupts.py
+  says (on one process; several hosts agree on the step through the
+  checkpointer's pre-emption notice). Inside
   it, entering the same workdir again (a method's `guarded` run called by
   experiments/run.py, which entered first to record the run) does nothing."""
   global _ENTERED
