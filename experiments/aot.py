@@ -28,6 +28,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
+from grpo_jax.harness import cli  # pylint: disable=g-import-not-at-top
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _TOPOLOGY = flags.DEFINE_string("topology", None,
                                 "TPU topology, e.g. v5e:2x2, v5p:8x8x4.")
@@ -40,12 +42,17 @@ _PROMPT_LEN = flags.DEFINE_integer(
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None or _TOPOLOGY.value is None:
     raise app.UsageError("--config and --topology are required")
+  with cli.user_errors():
+    _check(_CONFIG.value, _TOPOLOGY.value)
+
+
+def _check(config, topology: str) -> None:
   from grpo_jax.aot import check as aot, programs  # pylint: disable=import-outside-toplevel
-  report = aot.check(_CONFIG.value, _TOPOLOGY.value, _PROMPT_LEN.value,
-                     search=_SEARCH.value)
+  report = aot.check(config, topology, _PROMPT_LEN.value, search=_SEARCH.value)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
         "and HBM bandwidth):")
   for line in aot.format_step(report):
@@ -58,4 +65,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

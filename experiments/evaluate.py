@@ -64,12 +64,15 @@ def _evaluate(config):
   from grpo_jax import checkpoint as ckpt_lib
   from grpo_jax import validation
   from grpo_jax import evaluation
-  from grpo_jax.harness import experiment, preflight
+  from grpo_jax.harness import experiment, outdir, preflight
   config = validation.validate(config)
   if _CHECKPOINT.value:   # the run's own config must fit this one
     preflight.check_eval_config(
         config, ckpt_lib.load_config(_CHECKPOINT.value, _STEP.value),
         _CHECKPOINT.value, allow_prompt_change=_ALLOW_PROMPT_CHANGE.value)
+  workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)
+  # Before any work: evaluating everything and then failing to write loses it.
+  outdir.check_writable(os.path.join(workdir, "eval"), "the eval directory (--workdir)")
   examples = experiment.load_examples(config)[1][:config.train.eval_examples]
   tokenizer = experiment.load_tokenizer(config)
   preflight.check_model(   # before the weights load
@@ -83,7 +86,6 @@ def _evaluate(config):
       config, experiment.sampling_config(config, tokenizer))
   result = evaluation.evaluate_policy(settings, model_config, params,
                                       tokenizer, examples)
-  workdir = _WORKDIR.value or default_workdir(config, _CHECKPOINT.value)
   path = os.path.join(workdir, "eval",
                       "pretrained.json" if step is None else f"step_{step}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)

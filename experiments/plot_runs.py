@@ -18,7 +18,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
   sys.path.insert(0, REPO_ROOT)
 
-from grpo_jax.harness import metrics as metrics_lib  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+import difflib
+
+from grpo_jax import errors
+from grpo_jax.harness import cli, outdir
+from grpo_jax.harness import metrics as metrics_lib
 
 _OUT = flags.DEFINE_string("out", "", "PNG to write (none: table only).")
 _KEYS = flags.DEFINE_list("keys", ["reward/mean", "eval/greedy_accuracy"],
@@ -31,9 +36,25 @@ def load(runs: dict[str, str]) -> dict[str, list[dict]]:
   for label, workdir in runs.items():
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-      raise app.UsageError(f"{label}={workdir}: no {path}")
-    out[label] = metrics_lib.read_jsonl(path)
+      raise errors.ArgumentError(f"{label}={workdir}: no {path}")
+    try:
+      out[label] = metrics_lib.read_jsonl(path)
+    except ValueError as e:   # a line that is not JSON, named
+      raise errors.ArgumentError(str(e)) from None
   return out
+
+
+def check_keys(histories: dict[str, list[dict]], keys) -> None:
+  """Every key is logged by some run; a misspelt one names the nearest and
+  lists the keys that exist."""
+  logged = sorted(set().union(*(r.keys() for rows in histories.values() for r in rows))
+                  - {"step"})
+  for key in keys:
+    if not any(key in r for rows in histories.values() for r in rows):
+      close = difflib.get_close_matches(key, logged, n=3, cutoff=0.6)
+      hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+      raise errors.ArgumentError(f"--keys: no run logged {key!r}; {hint}the keys "
+                                 f"logged: {', '.join(logged)}")
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -80,12 +101,19 @@ def main(argv):
   runs = dict(arg.split("=", 1) for arg in argv[1:])
   if not runs or any(not v for v in runs.values()):
     raise app.UsageError("give runs as label=workdir ...")
-  histories = load(runs)
-  print(table(histories, _KEYS.value))
-  if _OUT.value:
-    plot(histories, _KEYS.value, _OUT.value, _TITLE.value)
-    print(f"wrote {_OUT.value}")
+  with cli.user_errors():
+    if _OUT.value:   # before any work
+      if os.path.isdir(_OUT.value):
+        raise errors.ArgumentError(f"--out {_OUT.value} is a directory; give a .png file")
+      outdir.check_writable(os.path.dirname(os.path.abspath(_OUT.value)),
+                            "the directory of --out")
+    histories = load(runs)
+    check_keys(histories, _KEYS.value)
+    print(table(histories, _KEYS.value))
+    if _OUT.value:
+      plot(histories, _KEYS.value, _OUT.value, _TITLE.value)
+      print(f"wrote {_OUT.value}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

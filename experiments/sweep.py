@@ -20,9 +20,11 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
-from grpo_jax.harness import cli
+from grpo_jax import errors
 from grpo_jax import validation
+from grpo_jax.harness import cli
 from grpo_jax.harness import interrupts
+from grpo_jax.harness import outdir
 from grpo_jax.harness import runs
 from grpo_jax.harness import sweeps
 
@@ -45,20 +47,28 @@ def _names(config_spec: str) -> tuple[str, str]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  with cli.user_errors():
+    _sweep()
+
+
+def _sweep():
   spec = config_flags.get_config_filename(flags.FLAGS["config"])
   name, sweep_id = _names(spec)
   root = Path(_RUNS_ROOT.value) if _RUNS_ROOT.value else runs.default_root()
   base = Path(_WORKDIR.value) if _WORKDIR.value else root / "sweeps" / sweep_id
-  sweep = sweeps.load_sweep(_SWEEP.value)
   # Every point validated (unknown fields, values) before anything runs.
-  with cli.user_errors():
+  try:
+    sweep = sweeps.load_sweep(_SWEEP.value)
     sweeps.check_points(_CONFIG.value, sweep, validation.validate)
+  except (KeyError, ValueError, FileNotFoundError) as e:   # a bad sweep file or point
+    raise errors.ConfigError(f"--sweep={_SWEEP.value}: {e.args[0] if e.args else e}") from None
   if _DRY_RUN.value:
     overrides_cli = config_flags.get_override_values(flags.FLAGS["config"])
     for index, overrides in enumerate(sweep):
       print(sweeps.run_command(spec, overrides, sweeps.sweep_workdir(base, index, overrides),
                                overrides_cli))
     return
+  outdir.check_writable(base, "the sweep's --workdir")   # before the first run
   store = runs.RunStore(root)
   try:
     ids = sweeps.run_sweep(_CONFIG.value, sweep, sweeps.run_method, store, name=name,

@@ -52,5 +52,9 @@ class WorkdirLockedError(UserError, RuntimeError):
   """Another live process holds the workdir's lock."""
 
 
+class ArgumentError(UserError, ValueError):
+  """A command-line argument names nothing that exists (a metric key, a run)."""
+
+
 class OutputExistsError(UserError, FileExistsError):
   """The output directory is not empty and overwriting was not asked for."""

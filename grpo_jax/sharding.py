@@ -66,7 +66,10 @@ def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
     raise ConfigError(f"config field 'mesh.shape' = {shape}: positive sizes "
                       f"and at most one -1")
   known = math.prod(s for s in shape if s != -1)
-  if free and num_devices % known == 0:
+  if free and num_devices % known:
+    raise ConfigError(f"config field 'mesh.shape' = {shape}: its fixed axes need a "
+                      f"multiple of {known} devices; there are {num_devices}")
+  if free:
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if math.prod(shape) != num_devices:
     raise ConfigError(f"config field 'mesh.shape' = {shape} needs "

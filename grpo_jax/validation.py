@@ -15,6 +15,7 @@ import ml_collections
 from grpo_jax import registry
 from grpo_jax.algorithms import dynamic_sampling, losses, rollout_correction
 from grpo_jax.config import base_config
+from grpo_jax.data.files import MAX_RECORD_BYTES, check_reading_options
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import attention, transformer
 
@@ -165,12 +166,18 @@ def _check_data_paths(data: ConfigDict) -> None:
 
 def _check_layouts(data: ConfigDict) -> None:
   """A file or TFDS data set's `layout` keyword names a registered layout
-  (or "auto"), checked here rather than when the data loads."""
+  (or "auto"), and its reading options are allowed values, checked here
+  rather than when the data loads."""
   for group in ("kwargs", "eval_kwargs"):
     layout = data[group].get("layout")
     if layout not in (None, "auto") and layout not in registry.names("layout"):
       raise ConfigError(f"config field 'data.{group}.layout' = {layout!r}; "
                         f"allowed: 'auto' or {registry.names('layout')}")
+    try:   # the file and TFDS readers' reading options, when given
+      check_reading_options(data[group].get("on_empty_answer", "error"),
+                            data[group].get("max_record_bytes", MAX_RECORD_BYTES))
+    except ConfigError as e:
+      raise ConfigError(f"config field 'data.{group}': {e}") from None
 
 
 def _check_star(star: ConfigDict) -> None:
@@ -208,7 +215,7 @@ _AT_LEAST_1 = {
 # Fields that must be >= 0; 0 means "off" or "all" for the *_every and
 # *_batch_size fields (the loops test them before dividing).
 _AT_LEAST_0 = (
-    "optim.learning_rate", "optim.weight_decay", "optim.warmup_steps",
+    "seed", "optim.learning_rate", "optim.weight_decay", "optim.warmup_steps",
     "rl.kl_beta", "rl.kl_start_step", "rl.kl_ramp_steps", "rl.adv_ddof",
     "rl.adv_eps", "rl.max_len_norm", "rl.mini_batch_size",
     "rl.micro_batch_size", "train.checkpoint_every", "train.eval_every",

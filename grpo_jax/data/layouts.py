@@ -12,6 +12,10 @@ these, so a GSM8K row parses the same from JSONL, Parquet or TFDS.
 | gsm8k | `question`, `answer` ending in `#### 42` | text after `####` |
 | math | `problem`, `solution` (with `\\boxed{}`), `level`, `type` | `answer` field, else last `\\boxed{}` |
 | question_answer | `question`, `answer` | answer as is |
+
+A gold answer that is empty or blank (`"answer": ""`, a solution whose only
+box is `\\boxed{}`) can score nothing and is refused by the readers, naming
+the record (`empty_answer_error`), unless they are told `on_empty_answer="drop"`.
 """
 from __future__ import annotations
 
@@ -30,6 +34,28 @@ REQUIRED_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "aime": (("Problem", "problem"), ("Answer", "answer")),
     "gsm8k": (("question",), ("answer",)),
 }
+
+
+# Where each layout reads its gold answer (named when the answer is empty).
+GOLD_ANSWER = {
+    "dapo_math": "field 'reward_model.ground_truth'",
+    "aime": "field 'Answer'",
+    "gsm8k": "the text after '####' in field 'answer'",
+    "math": "field 'answer', else the last \\boxed{} of field 'solution'",
+    "question_answer": "field 'answer'",
+    "commonsenseqa": "field 'answerKey'",
+}
+# What a reader does with a record whose gold answer is empty or blank.
+ON_EMPTY_ANSWER = ("error", "drop")
+
+
+def empty_answer_error(where: str, layout: str) -> DataError:
+  """The error for a record whose gold answer is empty or blank."""
+  source = GOLD_ANSWER.get(layout, "the layout's answer")
+  return DataError(
+      f"{where}: the gold answer is empty ({source}, {layout} layout), so no "
+      "completion can be scored against it: fix or remove the record, or pass "
+      "on_empty_answer='drop' in the data kwargs to skip such records")
 
 
 def detect_layout(fields: Iterable[str], where: str) -> str:

@@ -35,7 +35,7 @@ from grpo_jax.harness import interrupts
 from grpo_jax.generate import sampling
 from grpo_jax import validation
 from grpo_jax.harness import metrics as metrics_lib
-from grpo_jax.harness import distributed, workdir_lock
+from grpo_jax.harness import distributed, outdir, workdir_lock
 from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
@@ -111,7 +111,20 @@ def load_examples(config) -> tuple[list, list]:
         f"{dict(config.data.eval_kwargs)} gave no examples, so nothing would be "
         "evaluated: fix the eval data, or set --config.train.eval_examples=0 to "
         "train without held-out evaluation")
+  _check_answers(train, f"data.source = {config.data.source!r}")
+  _check_answers(held_out, f"data.eval_source = {eval_source!r}")
   return train, held_out
+
+
+def _check_answers(examples: list, source: str) -> None:
+  """No example with an empty gold answer trains or is evaluated: nothing
+  could be scored against it (the file readers refuse such records naming
+  the line; this catches any other data set)."""
+  for index, example in enumerate(examples):
+    if not str(example.answer).strip():
+      raise errors.DataError(f"example {index} of {source} has an empty gold answer; "
+                             "fix the data set (the jsonl, parquet and tfds readers "
+                             "take on_empty_answer='drop' to skip such records)")
 
 
 def policy_model_config(config, source: str = "", step: int | None = None
@@ -221,10 +234,11 @@ _ENTERED: str | None = None   # the workdir of the run being entered
 
 @contextlib.contextmanager
 def entered(config, workdir: str) -> Iterator[None]:
-  """A run's entry work, done once: validates the config, joins the
-  processes of a multi-host run, locks the workdir on process 0 and handles
-  SIGTERM / Ctrl-C as interrupts.py says (on one process; several hosts
-  agree on the step through the checkpointer's pre-emption notice). Inside
+  """A run's entry work, done once: validates the config, checks the
+  workdir can be written, joins the processes of a multi-host run, locks
+  the workdir on process 0 and handles SIGTERM / Ctrl-C as interrupts.py
+  says (on one process; several hosts agree on the step through the
+  checkpointer's pre-emption notice). Inside
   it, entering the same workdir again (a method's `guarded` run called by
   experiments/run.py, which entered first to record the run) does nothing."""
   global _ENTERED
@@ -232,6 +246,7 @@ def entered(config, workdir: str) -> Iterator[None]:
     yield
     return
   validation.validate(config)   # a bad field fails before the processes join
+  outdir.check_writable(workdir)   # a workdir that is a file fails before any work
   distributed.initialize_distributed(config)   # before jax.process_index()
   with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
       interrupts.handle_signals(install=jax.process_count() == 1):

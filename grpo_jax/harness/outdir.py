@@ -4,23 +4,51 @@
 two (stale weight shards beside a new config.json). `check_empty` refuses a
 non-empty directory unless told to overwrite; `staged` writes the new
 content into a temporary directory beside the target and swaps it in only
-once complete, so a failed export leaves the old directory as it was.
+once complete, so a failed export leaves the old directory as it was; a
+killed export's staging directory is removed by the next one.
+
+`check_writable` is what every entry point calls on what it will write
+(a workdir, an output or run-store directory) before it does any work.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from grpo_jax.errors import OutputExistsError
+from grpo_jax.errors import OutputExistsError, UnwritableDirectoryError
+from grpo_jax.harness import workdir_lock
 
 
-def check_empty(out: os.PathLike, overwrite: bool, flag: str = "--overwrite") -> None:
+def check_writable(path: os.PathLike, what: str = "--workdir",
+                   advice: str = "choose another; nothing was written") -> None:
+  """Raises UnwritableDirectoryError unless `path` is a directory this
+  process can write, or one it can create; creates nothing. `what` names it
+  in the message (a flag), `advice` ends it. Remote paths (gs://...) are
+  not checked."""
+  if "://" in os.fspath(path):
+    return
+  path = Path(path).absolute()
+  existing = path
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    where = "is a file" if existing == path else f"is under {existing}, which is a file"
+    raise UnwritableDirectoryError(f"{what} {path} {where}, not a directory: {advice}")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    where = "" if existing == path else f" ({existing} is not writable)"
+    raise UnwritableDirectoryError(f"cannot write to {what} {path}{where}: {advice}")
+
+
+def check_empty(out: os.PathLike, overwrite: bool, flag: str = "--overwrite",
+                what: str = "--out") -> None:
   """Raises OutputExistsError if `out` is a file, or a non-empty directory
-  and not `overwrite`."""
+  and not `overwrite`; UnwritableDirectoryError if it cannot be written."""
   out = Path(out)
   if out.exists() and not out.is_dir():
     raise OutputExistsError(f"{out} is a file, not a directory: choose another output "
@@ -32,16 +60,42 @@ def check_empty(out: os.PathLike, overwrite: bool, flag: str = "--overwrite") ->
         f"{out} is not empty ({shown}); nothing was written. Choose an empty or new "
         f"directory, or pass {flag} to replace its whole content (the new one is "
         "written beside it and swapped in once complete).")
+  check_writable(out, what)
+
+
+def _staging_prefix(out: Path, kind: str) -> str:
+  """`.<name>.<kind>-<host>-<pid>-`: whose staging directory it is."""
+  return f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_staging(out: Path) -> list[Path]:
+  """Removes the staging directories beside `out` that a killed export left
+  (`.<name>.new-...`, `.<name>.old-...`, ~ the model's size each); a live
+  export's, or another host's, are kept. Returns those removed."""
+  removed, host = [], socket.gethostname()
+  for kind in ("new", "old"):
+    for path in out.parent.glob(f".{out.name}.{kind}-*"):
+      owner = path.name[len(f".{out.name}.{kind}-"):].rsplit("-", 2)
+      if len(owner) == 3 and owner[1].isdigit():   # host-pid-random
+        if owner[0] != host or workdir_lock.pid_alive(int(owner[1])):
+          continue
+      shutil.rmtree(path, ignore_errors=True)   # (unnamed: an older export's)
+      logging.warning("removed %s, the staging directory of an export that was "
+                      "killed", path)
+      removed.append(path)
+  return removed
 
 
 @contextlib.contextmanager
 def staged(out: os.PathLike) -> Iterator[Path]:
   """A fresh directory beside `out` to write into; on success it replaces
   `out` (the old content is deleted after the swap), on failure it is
-  removed and `out` is untouched."""
+  removed and `out` is untouched. A killed export's staging directories
+  beside `out` are removed first (`remove_stale_staging`)."""
   out = Path(out).absolute()
   out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+  remove_stale_staging(out)
+  tmp = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, "new"), dir=out.parent))
   try:
     yield tmp
   except BaseException:
@@ -49,7 +103,7 @@ def staged(out: os.PathLike) -> Iterator[Path]:
     raise
   old = None
   if out.exists():
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, "old"), dir=out.parent))
     os.replace(out, old / out.name)
   os.replace(tmp, out)
   if old is not None:

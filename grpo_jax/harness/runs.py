@@ -11,8 +11,9 @@ time, status, final metrics (JSON), workdir and checkpoint path.
 
 A run stopped by SIGTERM or Ctrl-C (after saving a checkpoint: see
 interrupts.py) is recorded "preempted"; a second Ctrl-C, "killed". A run
-whose process was SIGKILLed stays "running": nothing was left to write its
-end. On several hosts only process 0 should record.
+whose process was SIGKILLed stays "running" in the store (nothing was left
+to write its end); `observed` shows it "died", from its workdir's lock. On
+several hosts only process 0 should record.
 """
 from __future__ import annotations
 
@@ -24,18 +25,21 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import sqlite3
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from grpo_jax.harness import interrupts
+from grpo_jax.harness import interrupts, outdir, workdir_lock
 from grpo_jax.config import flat_fields
-from grpo_jax.errors import RunStoreError
+from grpo_jax.errors import RunStoreError, UnwritableDirectoryError
 
 
 STATUSES = ("running", "finished", "failed", "killed", "preempted")
+# What `observed` may show besides: a "running" row whose process is gone.
+SHOWN_STATUSES = STATUSES + ("died",)
 DB_NAME = "runs.sqlite"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -126,7 +130,16 @@ class RunStore:
     if not create and not self.path.is_file():
       raise RunStoreError(f"no run store at {self.path}: is the root right? "
                           "(--root, else $GRPO_JAX_RUNS, else ./runs)")
-    self.root.mkdir(parents=True, exist_ok=True)
+    advice = ("point $GRPO_JAX_RUNS (or --root) at a directory; runs are not "
+              "recorded until then")
+    try:
+      outdir.check_writable(self.root, "the run store root", advice)
+      self.root.mkdir(parents=True, exist_ok=True)
+    except UnwritableDirectoryError as e:
+      raise RunStoreError(str(e)) from None
+    except OSError as e:
+      raise RunStoreError(f"cannot make the run store root {self.root} ({e.strerror}): "
+                          f"{advice}") from None
     try:
       with self._connect() as db:
         db.execute(_SCHEMA)
@@ -155,8 +168,7 @@ class RunStore:
       cursor = db.execute(
           "INSERT INTO runs (name, status, config, git_commit, start_time, workdir, sweep)"
           " VALUES (?, 'running', ?, ?, ?, ?, ?)",
-          (name, _config_json(config), git_commit(), time.time(),
-           None if workdir is None else os.fspath(workdir), sweep))
+          (name, _config_json(config), git_commit(), time.time(), _where(workdir), sweep))
       return cursor.lastrowid
 
   def finish(self, run_id: int, status: str, metrics: Optional[dict] = None,
@@ -213,6 +225,37 @@ class RunStore:
       raise
     finally:
       self.finish(record.id, status, record.metrics, record.checkpoint)
+
+
+def observed(runs: Sequence[Run]) -> list[Run]:
+  """`runs` (the whole store, oldest first) as they stand: a row recorded
+  "running" shows "died" when its process is gone: its workdir's lock file
+  is missing, or names a process of this host that no longer exists, or a
+  newer "running" row holds the same workdir (one writer per workdir).
+  Rows of another host's process or of a remote workdir stay as recorded."""
+  newest = {r.workdir: r.id for r in runs if r.status == "running"}
+  return [dataclasses.replace(r, status="died") if r.status == "running"
+          and _died(r, newest) else r for r in runs]
+
+
+def _where(workdir: Optional[os.PathLike]) -> Optional[str]:
+  """A local workdir as an absolute path (the store is read from anywhere)."""
+  if workdir is None or "://" in os.fspath(workdir):
+    return None if workdir is None else os.fspath(workdir)
+  return os.path.abspath(workdir)
+
+
+def _died(run: Run, newest: dict) -> bool:
+  if not run.workdir or "://" in run.workdir:
+    return False
+  if not os.path.isabs(run.workdir) and not os.path.isdir(run.workdir):
+    return False   # recorded relative to a directory this is not run from
+  if newest[run.workdir] != run.id:
+    return True
+  who = workdir_lock.holder(run.workdir)
+  if who is None:
+    return True
+  return who.get("host") == socket.gethostname() and not workdir_lock.pid_alive(who["pid"])
 
 
 def scalar_metrics(summary: dict) -> dict[str, Any]:

@@ -6,7 +6,9 @@ workdir holds `fcntl.flock` on `<workdir>/.lock` for its whole life and
 writes who it is there (pid, host, command, start time); a second run is
 refused at once with those details. The kernel drops the lock when the
 holder exits, however it exits (SIGKILL included), so a stale `.lock` file
-never blocks anyone.
+never blocks anyone, and tells whether its last holder is still alive
+(`holder`, `pid_alive`: `runs.py list` shows a run whose process died as
+"died").
 
     with workdir_lock.hold(workdir):
       ...   # train
@@ -23,7 +25,8 @@ import json
 import os
 import socket
 import sys
-from typing import Iterator
+import time
+from typing import Iterator, Optional
 
 from grpo_jax.errors import WorkdirLockedError
 
@@ -45,7 +48,30 @@ def _holder(path: str) -> str:
 def _identity() -> dict:
   return {"pid": os.getpid(), "host": socket.gethostname(),
           "command": " ".join(sys.argv) or sys.executable,
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+          "started": datetime.datetime.now().isoformat(timespec="seconds"),
+          "since": time.time()}
+
+
+def holder(workdir: str) -> Optional[dict]:
+  """Who holds, or last held, `workdir`'s lock ({pid, host, command,
+  started, since}); None when there is no readable lock file."""
+  try:
+    with open(os.path.join(workdir, LOCK_NAME), encoding="utf-8") as f:
+      who = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return who if isinstance(who, dict) and isinstance(who.get("pid"), int) else None
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether process `pid` of this host exists."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:   # another user's live process
+    return True
+  return True
 
 
 def acquire(workdir: str) -> int | None:
