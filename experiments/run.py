@@ -59,9 +59,10 @@ def _run(config, workdir: str) -> dict:
   # pylint: disable=import-outside-toplevel
   from grpo_jax import checkpoint, registry
   from grpo_jax.harness import experiment, runs
-  # Validation, joining the processes, the workdir lock and signal handling
-  # happen once, here: the method's own guard finds the run entered.
-  with experiment.entered(config, workdir):
+  # Validation and joining the processes happen once, here, before the run
+  # is recorded (the method's guard finds the run started); the signal
+  # handlers are main's; the method's guard takes the workdir lock.
+  with experiment.started(config, workdir):
     run = registry.lookup("method", config.method)  # rl.train.run, star.loop.run
     # Every run is recorded (name, config, commit, times, status, metrics,
     # workdir, checkpoint) in the run store: experiments/runs.py list|show.

@@ -323,7 +323,7 @@ def test_commonsenseqa_layout_reads_both_record_shapes(tmp_path):
       "Where is a fish?\n(A) tree\n(B) river\n"
       "Answer with the letter of the correct choice.")
   assert a.answer == b.answer == "B" and a.choices == ("tree", "river")
-  from grpo_jax.data import DataError  # pylint: disable=g-import-not-at-top
+  from grpo_jax.errors import DataError  # pylint: disable=g-import-not-at-top
   with pytest.raises(DataError, match="answerKey"):
     commonsenseqa.commonsenseqa_example({**hf, "answerKey": "F"}, "row 3")
 

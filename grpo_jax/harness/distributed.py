@@ -2,7 +2,7 @@
 `jax.distributed` before anything touches a device, from config.mesh or the
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment.
 
-`experiment.entered` calls `initialize_distributed` once per run.
+`experiment.started` calls `initialize_distributed` once per run.
 """
 from __future__ import annotations
 

@@ -229,41 +229,42 @@ def metric_writer(workdir: str, last_step: int | None, final: bool = False
 # One writer per workdir; signals.
 # ----------------------------------------------------------------------------
 
-_ENTERED: str | None = None   # the workdir of the run being entered
+_STARTED: Any = None   # the config of the run being started
 
 
 @contextlib.contextmanager
-def entered(config, workdir: str) -> Iterator[None]:
-  """A run's entry work, done once: validates the config, checks the
-  workdir can be written, joins the processes of a multi-host run, locks
-  the workdir on process 0 and handles SIGTERM / Ctrl-C as interrupts.py
-  says (on one process; several hosts agree on the step through the
-  checkpointer's pre-emption notice). Inside
-  it, entering the same workdir again (a method's `guarded` run called by
-  experiments/run.py, which entered first to record the run) does nothing."""
-  global _ENTERED
-  if _ENTERED == workdir:
+def started(config, workdir: str) -> Iterator[None]:
+  """A run's start-up, done once: validates the config, checks the workdir
+  can be written and joins the processes of a multi-host run. Inside it,
+  starting the same config again (experiments/run.py starts a run to record
+  it, then calls the method, whose `guarded` starts it too) does nothing."""
+  global _STARTED
+  if _STARTED is config:
     yield
     return
   validation.validate(config)   # a bad field fails before the processes join
   outdir.check_writable(workdir)   # a workdir that is a file fails before any work
   distributed.initialize_distributed(config)   # before jax.process_index()
-  with workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
-      interrupts.handle_signals(install=jax.process_count() == 1):
-    if metrics_lib.is_primary():   # under the lock: never another run's file
-      logging.info("config: %s", write_config(config, workdir))
-    outer, _ENTERED = _ENTERED, workdir
-    try:
-      yield
-    finally:
-      _ENTERED = outer
+  outer, _STARTED = _STARTED, config
+  try:
+    yield
+  finally:
+    _STARTED = outer
 
 
 def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
-  """Wraps a loop's `run(config, workdir)` in `entered`."""
+  """Wraps a loop's `run(config, workdir)`: `started`, then the workdir
+  locked on process 0 and SIGTERM / Ctrl-C handled as interrupts.py says
+  (on one process; several hosts agree on the step through the
+  checkpointer's pre-emption notice; experiments/run.py installs the
+  handlers earlier, and this shares them)."""
   @functools.wraps(run)
   def wrapper(config, workdir: str, *args, **kwargs):
-    with entered(config, workdir):
+    with started(config, workdir), \
+        workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
+        interrupts.handle_signals(install=jax.process_count() == 1):
+      if metrics_lib.is_primary():   # under the lock: never another run's file
+        logging.info("config: %s", write_config(config, workdir))
       return run(config, workdir, *args, **kwargs)
   return wrapper
 
