@@ -37,6 +37,7 @@ _CHOICES = {
     "rl.packing": ("auto", "on", "off"),
     "optim.schedule": ("constant", "cosine"),
     "model.attention": attention.ATTENTION,
+    "train.on_non_finite": ("stop", "skip"),
 }
 # rl.num_generations may be 1: no group baseline (a batch baseline or none).
 _NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
