@@ -174,7 +174,11 @@ def base_config() -> ConfigDict:
   c.train = ConfigDict(dict(
       steps=10, log_every=1, eval_every=0, eval_at_start=True,
       eval_at_end=True, eval_examples=200, checkpoint_every=0,
-      keep_checkpoints=2, progress=True, plot=True))
+      keep_checkpoints=2, progress=True, plot=True,
+      # An update whose loss, gradient norm or new parameters are not finite
+      # is never applied (rl/nonfinite.py); then: stop (one line naming the
+      # step and the quantity) | skip (counted in update/skipped, sft/skipped)
+      on_non_finite="stop"))
 
   # Held-out evaluation (grpo_jax/evaluation.py) at start, every
   # train.eval_every steps and at the end, on train.eval_examples problems of

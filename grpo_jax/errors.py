@@ -58,3 +58,9 @@ class ArgumentError(UserError, ValueError):
 
 class OutputExistsError(UserError, FileExistsError):
   """The output directory is not empty and overwriting was not asked for."""
+
+
+class NonFiniteError(UserError, FloatingPointError):
+  """A NaN or inf where a number belongs: a config value (validation), an
+  update's loss, gradient norm or parameters (not applied; the run stops), or
+  a state the checkpointer refuses to save."""

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any
+import math
+import numbers
+from typing import Any, Mapping
 
 import ml_collections
 
@@ -36,11 +38,16 @@ _CHOICES = {
     "rl.packing": ("auto", "on", "off"),
     "optim.schedule": ("constant", "cosine"),
     "model.attention": attention.ATTENTION,
+    "train.on_non_finite": ("stop", "skip"),
 }
 # rl.num_generations may be 1: no group baseline (a batch baseline or none).
 _NO_GROUP_ADVANTAGES = ("dr_grpo", "reinforce_pp")
 # Advantages that divide by the std of a group's G rewards (G > ddof).
 _STD_ADVANTAGES = ("grpo",)
+# Advantages that divide by a std + rl.adv_eps (a group's, a batch's tokens',
+# a group's steps'): a std of 0 (equal rewards) needs eps > 0.
+_EPS_ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline",
+                   "grpo_process")
 # Advantages the loop feeds per-step rewards (train.process_advantages).
 _PROCESS_ADVANTAGES = ("grpo_process",)
 # Policy losses whose ratio is PPO-clipped to [1 - eps_low, 1 + eps_high].
@@ -88,6 +95,22 @@ def unknown_field(path: str, names: list[str]) -> str:
           f"{'of ' + repr(prefix) if prefix else 'at the top level'}: {names}")
 
 
+def _check_finite(value: Any, path: str) -> None:
+  """Every number anywhere in the config (all groups, the free-form ones,
+  tuples) is finite: `x < 0` is False for NaN, so a NaN passes every range
+  check below and would train a model of NaNs."""
+  if isinstance(value, Mapping) or hasattr(value, "items"):
+    for key, item in value.items():
+      _check_finite(item, f"{path}.{key}" if path else str(key))
+  elif isinstance(value, (tuple, list)):
+    for i, item in enumerate(value):
+      _check_finite(item, f"{path}[{i}]")
+  elif (isinstance(value, numbers.Real) and not isinstance(value, bool)
+        and not math.isfinite(value)):
+    raise ConfigError(f"config field {path!r} = {value!r} is not a finite "
+                      f"number")
+
+
 def _same_kind(ref: Any, value: Any) -> bool:
   if isinstance(ref, bool) or isinstance(value, bool):
     return isinstance(ref, bool) and isinstance(value, bool)
@@ -110,6 +133,7 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
   compiles without reading them)."""
   _check_fields(config, base_config(), "",
                 ("rewards", "reward_kwargs", "data.kwargs", "data.eval_kwargs"))
+  _check_finite(config, "")
   for path, allowed in _CHOICES.items():
     if _get(config, path) not in allowed:
       raise ConfigError(f"config field {path!r} = {_get(config, path)!r}; "
@@ -245,6 +269,13 @@ def _check_ranges(config: ConfigDict) -> None:
         f"{rl.num_generations} completions of a group, which at temperature 0 "
         "are identical, so every advantage is 0 and nothing is learnt; use a "
         "temperature > 0 (e.g. 1.0)")
+  if rl.advantage in _EPS_ADVANTAGES and rl.adv_eps <= 0:
+    raise ConfigError(f"config field 'rl.adv_eps' = {rl.adv_eps} must be > 0: "
+                      f"rl.advantage = {rl.advantage!r} divides by a reward "
+                      f"std + rl.adv_eps, and a group whose completions all "
+                      f"score the same has std 0 (0/0 is NaN); verl uses "
+                      f"1e-6, TRL 1e-4")
+  _check_optim(config.optim)
   if rl.advantage in _STD_ADVANTAGES and rl.num_generations <= rl.adv_ddof:
     raise ConfigError(f"config field 'rl.adv_ddof' = {rl.adv_ddof} must be "
                       f"below rl.num_generations = {rl.num_generations}: "
@@ -271,6 +302,25 @@ def _check_ranges(config: ConfigDict) -> None:
     raise ConfigError(f"config field 'rl.micro_batch_size' = "
                       f"{rl.micro_batch_size} must divide rl.mini_batch_size "
                       f"= {mini}")
+
+
+def _check_optim(optim: ConfigDict) -> None:
+  """The optimizer's divisors (optim.learning_rate and weight_decay are
+  checked >= 0 with the other ranges)."""
+  if optim.grad_clip <= 0:
+    raise ConfigError(f"config field 'optim.grad_clip' = {optim.grad_clip} "
+                      f"must be > 0: clipping scales the gradient by "
+                      f"grad_clip / its norm, so 0 turns a zero gradient into "
+                      f"0/0 = NaN (for no clipping use a large value, e.g. 1e9)")
+  if optim.eps <= 0:
+    raise ConfigError(f"config field 'optim.eps' = {optim.eps} must be > 0: "
+                      f"Adam divides by sqrt(v) + eps, and v is 0 wherever "
+                      f"the gradient has been 0 (0/0 is NaN)")
+  for name in ("b1", "b2"):
+    if not 0 <= optim[name] < 1:
+      raise ConfigError(f"config field 'optim.{name}' = {optim[name]} must be "
+                        f"in [0, 1): Adam's bias correction divides by "
+                        f"1 - {name}^t")
 
 
 def _check_policy_loss(rl: ConfigDict) -> None:

@@ -15,10 +15,11 @@ import orbax.checkpoint as ocp
 
 from grpo_jax.checkpoint.integrity import (UNSAFE_FIELDS, abstract_target,
                                            check_shapes, config_to_json,
-                                           to_json, tree_checksums,
-                                           unsafe_changes)
+                                           nonfinite_leaves, to_json,
+                                           tree_checksums, unsafe_changes)
 from grpo_jax.checkpoint.paths import PathLike, check_writable
-from grpo_jax.errors import CheckpointError, UnsafeResumeError
+from grpo_jax.errors import (CheckpointError, NonFiniteError,
+                             UnsafeResumeError)
 from grpo_jax.checkpoint.storage import (FORMAT, READ_ERRORS, damaged,
                                          manager, read_meta, saved_tree,
                                          verify)
@@ -123,10 +124,19 @@ class Checkpointer:
 
     host_state must be JSON-able (numpy scalars are converted); restore
     returns its JSON round trip. On several hosts only process 0's copy is
-    written, so it must be the same on every host.
+    written, so it must be the same on every host. A state with a NaN or inf
+    anywhere is refused (NonFiniteError): the checkpoints before it stay the
+    latest.
     """
     if step in self._manager.all_steps() or not (force or self.should_save(step)):
       return False
+    bad = nonfinite_leaves(state_tree)
+    if bad:
+      raise NonFiniteError(
+          f"refusing to save checkpoint step {step} in {self.directory}: "
+          f"{bad[0]!r}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}"
+          f" holds a NaN or inf; the latest checkpoint stays step "
+          f"{self.latest_step()}")
     host = to_json(host_state or {}, "host_state")
     meta = {"format": FORMAT, "step": step, "saved_at": time.time(),
             "config": self._config, "model_config": self._model_config,

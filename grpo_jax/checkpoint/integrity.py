@@ -85,6 +85,19 @@ def tree_checksums(tree: Any) -> dict[str, int]:
   return {_leaf_name(path): int(value) for (path, _), value in zip(flat, sums)}
 
 
+@jax.jit
+def _leaf_finite(x: jax.Array) -> jax.Array:
+  return jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else True
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+  """The names of the leaves of a pytree of arrays that hold a NaN or inf
+  (on device: one small reduction per leaf, dispatched together)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  ok = jax.device_get([_leaf_finite(jnp.asarray(leaf)) for _, leaf in flat])
+  return [_leaf_name(path) for (path, _), good in zip(flat, ok) if not good]
+
+
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: hasattr(x, "shape"))

@@ -29,15 +29,19 @@ def is_primary() -> bool:
 
 def _scalar(v: Any) -> float | None:
   try:
-    f = float(np.asarray(v))
+    return float(np.asarray(v))
   except (TypeError, ValueError):
     return None
-  return f if math.isfinite(f) else None
 
 
 class MetricWriter:
   """Appends one JSON line per step to metrics.jsonl and mirrors every scalar
   to TensorBoard (tensorboardX event files under workdir/tensorboard).
+
+  A non-finite value is written as it is, never dropped: in the JSONL as
+  Python's json writes it (`NaN`, `Infinity`, `-Infinity`, which json.loads
+  and `read_jsonl` read back as floats); in TensorBoard, which plots no NaN,
+  as `nonfinite/<key>` = 1 in place of the value.
 
   Writes only where `enabled` (default: on process 0); elsewhere `write`
   just returns the cleaned scalars."""
@@ -66,7 +70,10 @@ class MetricWriter:
     self._file.flush()
     if self._tb is not None:
       for k, v in clean.items():
-        self._tb.add_scalar(k, v, int(step))
+        if math.isfinite(v):
+          self._tb.add_scalar(k, v, int(step))
+        else:
+          self._tb.add_scalar(f"nonfinite/{k}", 1.0, int(step))
       # On disk before the step's checkpoint, like the JSONL row: a run killed
       # after that checkpoint must not lose the step's scalars, which the
       # resumed run will not write again (tensorboardX buffers up to 120 s).
@@ -224,7 +231,8 @@ def truncate(workdir: str, last_step: int, drop_eval_at_last: bool = False
     with open(path, "w", encoding="utf-8") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
   truncate_tensorboard(os.path.join(workdir, "tensorboard"),
-                       lambda step, tag: keep(step, tag.startswith("eval/")))
+                       lambda step, tag: keep(step, tag.removeprefix(
+                           "nonfinite/").startswith("eval/")))
 
 
 # TensorBoard event files are TFRecords: length (uint64), its masked CRC

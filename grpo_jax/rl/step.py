@@ -18,7 +18,7 @@ import numpy as np
 
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import rollout_correction
-from grpo_jax.rl import packing
+from grpo_jax.rl import nonfinite, packing
 from grpo_jax.rl.update import (LossSettings, UpdateBatch, micro_batch_rows,
                                 pack_update_batch, score_logprobs,
                                 score_packed, update_step)
@@ -147,13 +147,15 @@ def update_passes(rl, model_config, state, optimizer, full: UpdateBatch,
 
 def mean_update_metrics(step_metrics: list[dict], pack_metrics: list[dict]
                         ) -> dict:
-  """The step's metrics from its updates': means, and the first update's
-  ratio and rollout mismatch (in bypass mode the sampler/trainer mismatch is
-  the first update's, θ = θ_old)."""
+  """The step's metrics from its updates': means, the non-finite updates
+  (`nonfinite.summarise`), and the first update's ratio and rollout
+  mismatch (in bypass mode the sampler/trainer mismatch is the first
+  update's, θ = θ_old)."""
   metrics = {k: float(np.mean([m[k] for m in step_metrics]))
              for k in step_metrics[0]}
   for k in {k for m in pack_metrics for k in m}:
     metrics[k] = float(np.mean([m[k] for m in pack_metrics if k in m]))
+  metrics.update(nonfinite.summarise(step_metrics))   # skips: a count
   metrics["ratio/first_update_mean"] = float(step_metrics[0]["ratio/mean"])
   metrics.update({k: float(v) for k, v in step_metrics[0].items()
                   if k.startswith("rollout_")})

@@ -31,6 +31,7 @@ from grpo_jax.generate import rollout, sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
+from grpo_jax.rl import nonfinite
 from grpo_jax.rl.step import train_step
 from grpo_jax.models import cast
 from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
@@ -223,10 +224,19 @@ def run(config, workdir: str) -> dict:
     metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
         metrics["time/sample"], 1e-9)
     metrics["sampler/compilations"] = sampling.COMPILES.count
-    if step % config.train.log_every == 0 or step == config.train.steps - 1:
+    code = metrics.pop(nonfinite.CODE)
+    halt = code and config.train.on_non_finite == "stop"
+    if (step % config.train.log_every == 0 or step == config.train.steps - 1
+        or halt):
       writer.write(step + 1, metrics)
       logging.info("%s", metrics_lib.step_line(step + 1, config.train.steps,
                                                metrics))
+    if halt:   # nothing of this step is saved; earlier saves finish first
+      progress.close()
+      r.ckpt.close()
+      writer.close()
+      raise nonfinite.error(code, f"step {step + 1}/{config.train.steps}",
+                            state.params)
     progress.update(1)
     progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                          acc=f"{metrics['accuracy']:.3f}")

@@ -7,7 +7,8 @@ split), and applies the optax update.
 
 The core is shared with supervised fine-tuning (`sft.sft_step`, STaR):
 `micro_batch_sum` (strided micro-batches, gradients summed in a scan) and
-`apply_gradients` (optax, the next TrainState, the layout's constraint).
+`apply_gradients` (optax, the next TrainState, the layout's constraint;
+a non-finite update is not applied, `nonfinite.py`).
 Both jitted steps take the optimizer as an `optimizer.OptimizerSpec`, a value: equal
 specs share one compiled program, however many times the optimizer is made
 (STaR makes a fresh one every outer iteration).
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax.rl import packing
+from grpo_jax.rl import nonfinite, packing
 from grpo_jax.rl.optimizer import as_optax
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses
@@ -33,7 +34,8 @@ Params = Any
 
 
 class TrainState(NamedTuple):
-  step: jax.Array          # int32 scalar: optimizer steps taken
+  step: jax.Array          # int32 scalar: optimizer updates run (one not
+                           # applied as non-finite counts too)
   params: Params           # master weights (config.model.param_dtype)
   opt_state: Any
   key: jax.Array           # uint32 PRNG key data (checkpointable)
@@ -201,17 +203,24 @@ def micro_batch_sum(grad_fn, params, batch, num_micro: int, combine=None):
   return loss, aux, grads
 
 
-def apply_gradients(state: TrainState, grads, optimizer, model_config,
-                    layout=None) -> TrainState:
-  """The optax update of `grads` applied: the next TrainState (step + 1).
-  With a `sharding.Layout` it keeps the placed state's shardings."""
+def apply_gradients(state: TrainState, grads, loss, optimizer, model_config,
+                    layout=None) -> tuple[TrainState, dict]:
+  """The optax update of `grads` applied: the next TrainState (step + 1) and
+  {"grad_norm", nonfinite.CODE}. An update whose loss, gradient norm or new
+  parameters are not all finite is not applied: params and optimizer state
+  stay as they were (`nonfinite.py`). With a `sharding.Layout` the state
+  keeps the placed state's shardings."""
   tx = as_optax(optimizer)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  code = nonfinite.first_nonfinite(loss, grad_norm, params)
+  params, opt_state = nonfinite.keep_if(code == 0, (params, opt_state),
+                                        (state.params, state.opt_state))
   new_state = TrainState(state.step + 1, params, opt_state, state.key)
   if layout is not None:
     new_state = layout.constrain_state(model_config, tx, new_state)
-  return new_state
+  return new_state, {"grad_norm": grad_norm, nonfinite.CODE: code}
 
 
 def accumulate_gradients(params, model_config, batch: UpdateBatch,
@@ -262,10 +271,9 @@ def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
     grads, loss, metrics = accumulate_gradients(
         state.params, model_config, batch, num_micro, kl_beta, s, group_size,
         layout)
-  metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
-             "kl_beta": kl_beta}
-  return apply_gradients(state, grads, optimizer, model_config,
-                         layout), metrics
+  state, checked = apply_gradients(state, grads, loss, optimizer,
+                                   model_config, layout)
+  return state, {**metrics, "loss": loss, **checked, "kl_beta": kl_beta}
 
 
 # ----------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
 from grpo_jax.star.collect import Kept, collect_examples, sampling_prompts
 from grpo_jax.models import cast
+from grpo_jax.rl import nonfinite
 from grpo_jax.rl.optimizer import OptimizerSpec
 from grpo_jax.rl.update import init_state
 
@@ -88,14 +89,16 @@ def finetune(config, model_config, original: Params,
                             np.random.default_rng(seed))
   num_micro = st.batch_size // (st.micro_batch_size or st.batch_size)
   settings = sft.SFTSettings.from_config(config)
-  t0, losses = time.perf_counter(), []
+  t0, step_metrics = time.perf_counter(), []
   for _ in range(steps):
     batch = jax.tree.map(put, next(batches))
     state, m = sft.sft_step(state, batch, model_config, optimizer, num_micro,
                             settings, layout)
-    losses.append(m["loss"])
-  losses = [float(x) for x in jax.device_get(losses)]
+    step_metrics.append({k: m[k] for k in ("loss", nonfinite.CODE)})
+  step_metrics = jax.device_get(step_metrics)
+  losses = [float(m["loss"]) for m in step_metrics]
   return state.params, {
+      **nonfinite.summarise(step_metrics, "sft/skipped"),
       "sft/steps": steps, "sft/loss_first": losses[0],
       "sft/loss_last": float(np.mean(losses[-max(1, steps // 10):])),
       "sft/row_length": row_len,
@@ -204,6 +207,13 @@ def run(config, workdir: str) -> dict:
       params, m = finetune(config, model_config, original, kept.examples,
                            finetune_steps(st, n), tokenizer.pad_id or 0,
                            config.seed + n, layout)
+      code = m.pop(nonfinite.CODE)
+      if code and config.train.on_non_finite == "stop":
+        progress.close()
+        ckpt.close()   # the earlier iterations' saves finish
+        writer.close()
+        raise nonfinite.error(code, f"STaR iteration {n}/{st.iterations}, "
+                              "fine-tuning", params)
       metrics.update(m)
     else:
       metrics["sft/steps"] = 0

@@ -27,7 +27,6 @@ from typing import Iterator, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.models import transformer
@@ -186,7 +185,6 @@ def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
   placed state's shardings (batches then come row-sharded, `layout.rows`)."""
   loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
                                                  batch, num_micro, s)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-             "tokens": num_tokens}
-  return update.apply_gradients(state, grads, optimizer, model_config,
-                                layout), metrics
+  state, checked = update.apply_gradients(state, grads, loss, optimizer,
+                                          model_config, layout)
+  return state, {"loss": loss, **checked, "tokens": num_tokens}
