@@ -186,11 +186,7 @@ def run(config, workdir: str) -> dict:
       len(history) - 1, desc="star", unit="iteration")
   interrupts.defer_to_step_boundary()
   for n in range(len(history), st.iterations + 1):
-    chosen = problems
-    if st.problems_per_iteration and st.problems_per_iteration < len(problems):
-      rng = np.random.default_rng([config.seed, n])
-      idx = rng.choice(len(problems), st.problems_per_iteration, replace=False)
-      chosen = [problems[i] for i in sorted(idx)]
+    chosen = iteration_problems(st, problems, config.seed, n)
     use_shots = shots if n == 1 or not st.few_shot_first_only else []
     t0 = time.perf_counter()
     kept, metrics = collect_examples(
@@ -228,10 +224,28 @@ def run(config, workdir: str) -> dict:
   progress.close()
   ckpt.close()
   writer.close()
+  return _summary(config, workdir, history, params, writer.enabled)
+
+
+def iteration_problems(st, problems: Sequence[Example], seed: int, n: int
+                       ) -> Sequence[Example]:
+  """The problems of outer iteration n: a fresh random subset of
+  star.problems_per_iteration of them (all when 0)."""
+  if st.problems_per_iteration and st.problems_per_iteration < len(problems):
+    rng = np.random.default_rng([seed, n])
+    idx = rng.choice(len(problems), st.problems_per_iteration, replace=False)
+    return [problems[i] for i in sorted(idx)]
+  return problems
+
+
+def _summary(config, workdir: str, history: list, params, primary: bool
+             ) -> dict:
+  """What `run` returns: held-out accuracy before and after, the history,
+  the final params, and the curves' path (written by the primary host)."""
   summary = {"eval_before": history[0]["eval/greedy_accuracy"],
              "eval_after": history[-1]["eval/greedy_accuracy"],
              "history": history, "params": params}
-  if config.train.plot and writer.enabled:
+  if config.train.plot and primary:
     summary["plot"] = metrics_lib.plot_curves(
         history, os.path.join(workdir, "curves.png"), keys=CURVES,
         title=f"{config.name} (x: outer iteration)")
