@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax.rewards import _code_checks
+from grpo_jax.rewards import _checker, _code_checks
 from grpo_jax.rewards import code
 from grpo_jax.rewards import sandbox
 
@@ -77,6 +77,19 @@ def test_run_tests_outcomes(name, program, passed):
   del name
   result = code.run_tests(program, ADD_TESTS, sandbox.Limits(timeout=3.0))
   assert (result.passed, result.total) == (passed, 2)
+
+
+def test_a_checker_that_ended_while_idle_is_replaced_not_used():
+  """A checker process that is gone (killed, or retired after a big check)
+  never decides a completion: the next one gets a live checker, and a
+  correct program still scores."""
+  tests = ADD_TESTS
+  assert code.run_tests(CORRECT, tests, sandbox.Limits(timeout=3.0)).passed == 2
+  for checker in list(_checker._idle):
+    checker.proc.kill()
+    checker.proc.wait()
+  assert code.run_tests(CORRECT, tests, sandbox.Limits(timeout=3.0)).passed == 2
+  assert all(c.alive for c in _checker._idle)
 
 
 def test_an_infinite_loop_is_killed_and_earlier_results_still_count():

@@ -81,9 +81,12 @@ def serve() -> None:
     signal.setitimer(signal.ITIMER_PROF, 0)
     signal.setitimer(signal.ITIMER_REAL, 0)
     del meta, results
-    os.write(1, json.dumps(passed).encode() + b"\n")
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
-    if peak_mb > MEMORY_MB // 4:  # A big check: the next gets a fresh heap.
+    # A big check: the next gets a fresh heap. Said in the answer, so the
+    # trainer never sends a job to a checker that is leaving.
+    retire = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10 > (
+        MEMORY_MB // 4)
+    os.write(1, json.dumps([passed, retire]).encode() + b"\n")
+    if retire:
       return
 
 
@@ -110,10 +113,12 @@ class _Checker:
       if select.select([self.proc.stdout], [], [], wall + 5.0)[0]:
         line = self.proc.stdout.readline()  # b"" once it has died.
         if line:
-          passed = json.loads(line)
+          passed, retire = json.loads(line)
+          if retire:
+            self.close()
           return passed if isinstance(passed, int) and not isinstance(
               passed, bool) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
       pass
     self.close()
     return None
@@ -126,7 +131,10 @@ class _Checker:
     self.proc.kill()
     self.proc.wait()
     for stream in (self.proc.stdin, self.proc.stdout):
-      stream.close()
+      try:
+        stream.close()
+      except OSError:  # unsent bytes to a process that is gone
+        pass
 
 
 _idle: list[_Checker] = []
@@ -136,10 +144,16 @@ _available = threading.Condition()
 
 def _take() -> _Checker | None:
   with _available:
-    while not _idle and _started[0] >= MAX_CHECKERS:
+    while True:
+      while _idle:
+        checker = _idle.pop()
+        if checker.alive:
+          return checker
+        checker.close()   # ended while idle (killed from outside)
+        _started[0] -= 1
+      if _started[0] < MAX_CHECKERS:
+        break
       _available.wait()
-    if _idle:
-      return _idle.pop()
     _started[0] += 1
   try:
     return _Checker()
