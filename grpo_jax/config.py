@@ -95,6 +95,25 @@ def _star_defaults() -> ConfigDict:
   ))
 
 
+def _lora_defaults() -> ConfigDict:
+  """config.model.lora: low-rank adapters on a frozen base (models/lora.py).
+  rank 0 trains every parameter; rank r > 0 trains only A (in x r) and
+  B (r x out) of the targets, the base frozen in model.compute_dtype."""
+  return ConfigDict(dict(
+      rank=0,                          # r; 0: off (full fine-tuning)
+      alpha=32.0,                      # α: the update is (α/r)·(x·A)·B
+      # fnmatch patterns over the projections' names (or "layers/<name>"):
+      # wq wk wv wo (attention), w_gate w_up w_down (MLP). All of them by
+      # default: attention-only LoRA trails full fine-tuning ("LoRA Without
+      # Regret", Schulman et al. 2025).
+      targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
+      dropout=0.0,                     # only 0: see validation._check_lora
+      sampler="merged",                # merged: W + α/r·A·B once per update
+                                       # | unmerged: the low-rank path in
+                                       # every decode step (docs/lora.md)
+  ))
+
+
 def _mesh_defaults() -> ConfigDict:
   """config.mesh: the device grid, the logical-axis rules, multi-host start-up."""
   return ConfigDict(dict(
@@ -135,6 +154,7 @@ def base_config() -> ConfigDict:
       attention="auto",                # update/scoring attention: dense |
                                        # blockwise | auto (blockwise from
                                        # 2048 key columns)
+      lora=_lora_defaults(),
   ))
 
   c.data = ConfigDict(dict(

@@ -104,7 +104,8 @@ def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
 
 def _known_logical_axes() -> set[str]:
   axes = set(transformer._AXES.values())  # pylint: disable=protected-access
-  return {a for names in axes for a in names} | {BATCH, LENGTH}
+  return ({a for names in axes for a in names}
+          | {BATCH, LENGTH, transformer.LORA_RANK})
 
 
 def logical_rules(mesh_cfg) -> Rules:
@@ -190,10 +191,11 @@ def param_specs(mesh, rules: Rules, model_config: ModelConfig,
   Shapes come from `params` (arrays or ShapeDtypeStructs) when given, else
   from the config. `mesh` may be a jax.sharding.AbstractMesh (no devices).
   """
-  axes = transformer.param_axes(model_config)
   if params is None:
+    axes = transformer.param_axes(model_config)
     shapes = transformer.param_shapes(model_config)
-  else:
+  else:   # by leaf path: also the LoRA adapters, alone or attached
+    axes = transformer.tree_axes(params)
     shapes = jax.tree.map(lambda x: tuple(x.shape), params)
   is_axes = lambda x: isinstance(x, tuple)
   flat, treedef = jax.tree_util.tree_flatten_with_path(axes, is_leaf=is_axes)

@@ -19,7 +19,7 @@ from grpo_jax.algorithms import dynamic_sampling, losses, rollout_correction
 from grpo_jax.config import base_config
 from grpo_jax.data.files import MAX_RECORD_BYTES, check_reading_options
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import attention, transformer
+from grpo_jax.models import attention, lora, transformer
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -165,7 +165,35 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
                       "--config.model.source=/ckpt/Qwen2.5-32B")
   if config.method == "star":
     _check_star(config.star)
+  _check_lora(config.model.lora)
   return config
+
+
+def _check_lora(c: ConfigDict) -> None:
+  """model.lora: rank >= 0 (0: off), alpha > 0, targets that name
+  projections, dropout 0, a known sampler."""
+  if c.rank < 0 or not isinstance(c.rank, int):
+    raise ConfigError(f"config field 'model.lora.rank' = {c.rank!r} must be "
+                      f"an int >= 0 (0: full fine-tuning)")
+  if c.alpha <= 0:
+    raise ConfigError(f"config field 'model.lora.alpha' = {c.alpha} must be "
+                      f"> 0 (the adapters' scale is alpha / rank)")
+  if not c.targets:
+    raise ConfigError(f"config field 'model.lora.targets' is empty; allowed "
+                      f"names: {list(lora.PROJECTIONS)} (fnmatch patterns)")
+  try:
+    lora.target_names(c.targets)
+  except ValueError as e:
+    raise ConfigError(f"config field 'model.lora.targets': {e}") from e
+  if c.dropout != 0:
+    # Dropout makes the policy random at fixed θ: the PPO ratio at θ = θ_old
+    # would not be 1 and the sampler's log-probs would not be the trainer's.
+    raise ConfigError(f"config field 'model.lora.dropout' = {c.dropout}: "
+                      f"only 0 is supported (RL needs π_θ deterministic "
+                      f"for the ratio π_θ / π_old)")
+  if c.sampler not in lora.SAMPLERS:
+    raise ConfigError(f"config field 'model.lora.sampler' = {c.sampler!r}; "
+                      f"allowed: {lora.SAMPLERS}")
 
 
 # Keywords that locate the data of a file-backed dataset; "path" and

@@ -14,7 +14,10 @@ the tiny model and the default `config.mesh.rules`:
   - the loss and the gradient (micro-batched, KL on) match one device,
   - one `update_step` (donated, sharded state) gives the same params and keeps
     every leaf's sharding; on the meshes in SEQUENCE_PARALLEL with
-    `mesh.sequence_parallel` (the residual stream split over tensor too).
+    `mesh.sequence_parallel` (the residual stream split over tensor too),
+  - LoRA (models/lora.py): the adapters are split like their base weights'
+    input/output axes (rank replicated), and the loss and the adapters'
+    gradient on a sharded frozen base match one device.
 
 It prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
@@ -24,6 +27,7 @@ if __name__ == "__main__":  # before JAX starts a backend; importers keep theirs
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
 
+import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 import time
@@ -39,7 +43,7 @@ from grpo_jax import sharding
 from grpo_jax.generate import sampling
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
-from grpo_jax.models import get_preset, init_params
+from grpo_jax.models import get_preset, init_params, lora, transformer
 
 MODEL = get_preset("tiny")   # H=4, K=2, hd=16, D=64, F=128, V=256, L=2
 SETTINGS = update.LossSettings(chunk=4, kl_beta=0.05)
@@ -120,6 +124,46 @@ def loss_and_grad(params, batch):
   (loss, _), grads = jax.value_and_grad(update.loss_fn, has_aux=True)(
       params, MODEL, batch, norm, SETTINGS.kl_beta, SETTINGS)
   return loss, grads
+
+
+LORA = lora.LoraSpec(rank=4, alpha=8.0)
+LORA_SETTINGS = dataclasses.replace(SETTINGS, lora_scale=LORA.scale)
+
+
+def make_adapters():
+  """Adapters with B != 0, so that the gradient reaches A as well."""
+  adapters = lora.init_adapters(MODEL, LORA, jax.random.key(5))
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: (0.05 * jax.random.normal(jax.random.key(6), x.shape)
+                    if p[-1].key == "b" else x), adapters)
+
+
+@jax.jit
+def lora_loss_and_grad(adapters, base, batch):
+  norm = update.global_normalisers(batch.mask_nt, LORA_SETTINGS)
+  (loss, _), grads = jax.value_and_grad(update.loss_fn, has_aux=True)(
+      adapters, MODEL, batch, norm, LORA_SETTINGS.kl_beta, LORA_SETTINGS,
+      base=base)
+  return loss, grads
+
+
+def check_lora(layout, sharded_base, placed_batch, ref) -> None:
+  """Adapters split like their weights; loss and gradient as one device."""
+  adapters = layout.shard_params(MODEL, make_adapters())
+  for name, ab in adapters["layers"]["lora"].items():
+    w = tuple(sharded_base["layers"][name].sharding.spec)
+    w += (None,) * (sharded_base["layers"][name].ndim - len(w))
+    k = 1 + transformer.PROJECTION_INPUTS[name]
+    pad = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))
+    assert pad(ab["a"].sharding.spec, ab["a"].ndim) == w[:k] + (None,), (
+        name, ab["a"].sharding.spec, w)
+    assert pad(ab["b"].sharding.spec, ab["b"].ndim) == (
+        w[:1] + (None,) + w[k:]), (name, ab["b"].sharding.spec, w)
+  loss, grads = lora_loss_and_grad(adapters, sharded_base, placed_batch)
+  np.testing.assert_allclose(float(loss), ref["lora_loss"], rtol=1e-5,
+                             atol=1e-7)
+  check_close("lora grad", jax.device_get(grads), ref["lora_grads"],
+              atol=2e-7)
 
 
 def run_all(params, batch, optimizer, layout=None):
@@ -225,6 +269,7 @@ def check_mesh(shape, params, batch, optimizer, ref) -> None:
   kept = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim),
                       out["new_state"], out["placed"])
   assert all(jax.tree.leaves(kept)), f"update changed shardings: {kept}"
+  check_lora(layout, sharded, placed_batch, ref)
 
 
 def main(argv) -> int:
@@ -235,6 +280,9 @@ def main(argv) -> int:
   optimizer = optimizer_lib.make_optimizer(OPTIM, 10)
   t0 = time.perf_counter()
   ref = run_all(params, jax.tree.map(jnp.asarray, batch), optimizer)
+  lora_loss, lora_grads = lora_loss_and_grad(
+      make_adapters(), params, jax.tree.map(jnp.asarray, batch))
+  ref.update(lora_loss=float(lora_loss), lora_grads=jax.device_get(lora_grads))
   print(f"# reference {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   return run_meshes(
       shapes, lambda shape: check_mesh(shape, params, batch, optimizer, ref))

@@ -26,7 +26,7 @@ from grpo_jax.models.config import ModelConfig, RopeScaling
 # and the data position; seed and the data (source, arguments, prompt
 # format) drive the data order and content after resume. The model's architecture is compared through its ModelConfig, so a
 # moved weights directory (model.source) still resumes.
-UNSAFE_FIELDS = ("optim", "model.param_dtype", "rl.num_generations",
+UNSAFE_FIELDS = ("optim", "model.param_dtype", "model.lora", "rl.num_generations",
                  "rl.prompts_per_step", "seed", "data.source", "data.kwargs",
                  "data.template", "data.system_prompt")
 # Moved data still resumes (a changed file shows as a changed example count).

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
+import numpy as np
 import yaml
 
 from grpo_jax import errors
@@ -40,7 +43,7 @@ from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
-from grpo_jax.models import cast
+from grpo_jax.models import cast, lora
 
 Params = Any
 
@@ -67,14 +70,64 @@ def model_config_of(config) -> ModelConfig:
 
 def load_model(config) -> tuple[ModelConfig, Params]:
   """The model that `config.model` names (the `tiny` preset is randomly
-  initialised from config.seed), in model.param_dtype."""
+  initialised from config.seed), in model.param_dtype; with LoRA
+  (model.lora.rank > 0) the frozen base, in model.compute_dtype."""
   source = config.model.source
+  frozen = lora.LoraSpec.from_config(config).enabled
+  dtype = config.model.compute_dtype if frozen else config.model.param_dtype
   if source == "tiny":
     model_config = models.get_preset("tiny")
     params = models.init_params(model_config, jax.random.key(config.seed))
   else:
-    model_config, params = models.load_pretrained(source)
-  return model_config, cast(params, config.model.param_dtype)
+    model_config, params = models.load_pretrained(source, dtype=dtype)
+  return model_config, cast(params, dtype)
+
+
+# ----------------------------------------------------------------------------
+# LoRA: the adapters beside a frozen base (models/lora.py).
+# ----------------------------------------------------------------------------
+
+def base_identity(config, base: Params) -> dict:
+  """What identifies the frozen base a LoRA checkpoint's adapters belong
+  to: model.source, the base's dtype and one checksum of all its arrays
+  (checkpoint.tree_checksums, the same on any mesh). Stored in the host
+  state as "lora_base"; a resume or an export onto another base fails."""
+  sums = json.dumps(checkpoint.tree_checksums(base), sort_keys=True)
+  dtype = jax.tree.leaves(base)[0].dtype
+  return {"source": config.model.source, "dtype": np.dtype(dtype).name,
+          "checksum": hashlib.sha256(sums.encode()).hexdigest()[:16]}
+
+
+def init_adapters(config, model_config: ModelConfig, layout) -> Params:
+  """Fresh adapters (B = 0) in model.param_dtype, placed on `layout` (their
+  logical axes are their base weights', `transformer.lora_axes`)."""
+  spec = lora.LoraSpec.from_config(config)
+  key = jax.random.fold_in(jax.random.key(config.seed), 0x10A)
+  adapters = lora.init_adapters(model_config, spec, key,
+                                config.model.param_dtype)
+  return adapters if layout is None else layout.shard_params(model_config,
+                                                             adapters)
+
+
+def check_base(host: Mapping, identity: dict, where: str) -> None:
+  """A resumed LoRA run's base must be the one its adapters were trained on."""
+  saved = host.get("lora_base")
+  if saved is not None and saved != identity:
+    raise errors.UnsafeResumeError(
+        f"cannot resume from {where}: its LoRA adapters were trained on the "
+        f"base {saved}, but this run's base is {identity}. Use the same "
+        f"model.source (and model.compute_dtype), or a fresh --workdir.")
+
+
+def policy_params(config, params: Params, base: Params | None,
+                  dtype: str) -> Params:
+  """The policy the sampler and evaluation run, in `dtype`: `params`, or
+  with LoRA (a `base`) the adapters `params` merged into a copy of the
+  base or attached unmerged (model.lora.sampler)."""
+  if base is None:
+    return cast(params, dtype)
+  return lora.policy_params(base, params, lora.LoraSpec.from_config(config),
+                            dtype)
 
 
 def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:

@@ -77,12 +77,38 @@ _AXES = {
 }
 
 
+# The projections LoRA may adapt (models/lora.py): name -> how many of the
+# weight's axes after `layers` are its inputs (contracted with x).
+PROJECTION_INPUTS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2,
+                     "w_gate": 1, "w_up": 1, "w_down": 1}
+LORA_KEY = "lora"          # params["layers"]["lora"][name] = {"a", "b"}
+LORA_RANK = "lora_rank"    # the adapters' rank axis (replicated by default)
+
+
 def param_axes(model_config: ModelConfig) -> dict[str, Any]:
   """Logical axis names of every parameter, as a tree shaped like the params."""
   shapes = param_shapes(model_config)
   layer_axes = {k: _AXES[k] for k in shapes["layers"]}
   return {**{k: _AXES[k] for k in shapes if k != "layers"},
           "layers": layer_axes}
+
+
+def lora_axes(name: str) -> dict[str, tuple]:
+  """Logical axes of the adapters of projection `name`: A (layers, in...,
+  rank) and B (layers, rank, out...), split like the weight's own axes."""
+  axes, k = _AXES[name], 1 + PROJECTION_INPUTS[name]
+  return {"a": axes[:k] + (LORA_RANK,), "b": axes[:1] + (LORA_RANK,) + axes[k:]}
+
+
+def tree_axes(params: Params) -> Params:
+  """`param_axes` of any tree of parameters by leaf path: the base's, the
+  adapters' alone (lora.init_adapters) or the two attached."""
+  def axes(path, _):
+    keys = [getattr(k, "key", k) for k in path]
+    if LORA_KEY in keys:
+      return lora_axes(keys[-2])[keys[-1]]
+    return _AXES[keys[-1]]
+  return jax.tree_util.tree_map_with_path(axes, params)
 
 
 def init_params(model_config: ModelConfig, key: jax.Array,
@@ -142,13 +168,32 @@ def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
   return x
 
 
+def _project(equation: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
+  """x·W for the weight `name` of layer params `lp`, plus the LoRA term
+  (x·A)·B where adapters are attached (lora.attach; α/r is folded into A).
+  equation: the base einsum, e.g. "nqd,dhe->nqhe"."""
+  y = jnp.einsum(equation, x, lp[name])
+  adapter = lp.get(LORA_KEY, {}).get(name)
+  if adapter is None:
+    return y
+  x_sub, rest = equation.split(",")
+  w_sub, out_sub = rest.split("->")
+  inputs = [c for c in w_sub if c in x_sub]
+  kept = "".join(c for c in x_sub if c not in inputs)
+  xa = jnp.einsum(f"{x_sub},{''.join(inputs)}z->{kept}z", x,
+                  adapter["a"].astype(x.dtype))
+  outputs = "".join(c for c in w_sub if c not in inputs)
+  return y + jnp.einsum(f"{kept}z,z{outputs}->{out_sub}", xa,
+                        adapter["b"].astype(x.dtype))
+
+
 def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
          positions_nq: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
   h = rms_norm(x_nqd, lp["attn_norm"], model_config.norm_eps)
-  q = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wq"]), Q_AXES)
-  k = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wk"]), KV_AXES)
-  v = constrain(jnp.einsum("nqd,dhe->nqhe", h, lp["wv"]), KV_AXES)
+  q = constrain(_project("nqd,dhe->nqhe", h, lp, "wq"), Q_AXES)
+  k = constrain(_project("nqd,dhe->nqhe", h, lp, "wk"), KV_AXES)
+  v = constrain(_project("nqd,dhe->nqhe", h, lp, "wv"), KV_AXES)
   if model_config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   if model_config.qk_norm:
@@ -163,13 +208,13 @@ def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
 def _attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
                       attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
-  x = constrain(x_nqd + jnp.einsum("nqhe,hed->nqd", attn_nqhe, lp["wo"]),
+  x = constrain(x_nqd + _project("nqhe,hed->nqd", attn_nqhe, lp, "wo"),
                 RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], model_config.norm_eps)
-  gate = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_gate"]), MLP_AXES)
-  up = constrain(jnp.einsum("nqd,df->nqf", h, lp["w_up"]), MLP_AXES)
+  gate = constrain(_project("nqd,df->nqf", h, lp, "w_gate"), MLP_AXES)
+  up = constrain(_project("nqd,df->nqf", h, lp, "w_up"), MLP_AXES)
   return constrain(
-      x + jnp.einsum("nqf,fd->nqd", jax.nn.silu(gate) * up, lp["w_down"]),
+      x + _project("nqf,fd->nqd", jax.nn.silu(gate) * up, lp, "w_down"),
       RESIDUAL_AXES)
 
 

@@ -83,11 +83,13 @@ def choose_packing(rl, plan: UpdatePlan, tokens_ns, valid_ns, mask_nt,
 
 
 def score_step(rl, model_config, state, packed, adv_n, ref_params,
-               settings: LossSettings, plan: UpdatePlan, put, layout=None
-               ) -> tuple[UpdateBatch, dict]:
+               settings: LossSettings, plan: UpdatePlan, put, layout=None,
+               base=None) -> tuple[UpdateBatch, dict]:
   """REFERENCE: the step's full UpdateBatch, with log-probs under π_ref
   (β > 0) and π_old recomputed (rl.old_logp = recompute, then the decoupled
-  rollout correction), scored packed or padded as `choose_packing` says."""
+  rollout correction), scored packed or padded as `choose_packing` says.
+  With LoRA (`base` given) the policy is the base with the adapters
+  state.params, and ref_params is the base itself (adapters off)."""
   cols = (put(packed.tokens_ns), put(packed.positions_ns),
           put(packed.valid_ns))
   metrics, t0 = {}, time.perf_counter()
@@ -97,14 +99,14 @@ def score_step(rl, model_config, state, packed, adv_n, ref_params,
             if settings.use_kl or rl.old_logp == "recompute" else None)
   if scored is not None:
     rows, num_micro = jax.tree.map(put, scored[0]), scored[1]
-    score = lambda params: score_packed(params, rows, model_config, settings,
-                                        num_micro, plan.n, layout)
+    score = lambda params, base=None: score_packed(
+        params, rows, model_config, settings, num_micro, plan.n, layout, base)
   else:
-    score = lambda params: score_logprobs(params, *cols, model_config, plan.T,
-                                          settings, plan.whole,
-                                          plan.n // plan.micro, layout)
+    score = lambda params, base=None: score_logprobs(
+        params, *cols, model_config, plan.T, settings, plan.whole,
+        plan.n // plan.micro, layout, base)
   if rl.old_logp == "recompute":
-    old = score(state.params)
+    old = score(state.params, base)
   ref = jnp.zeros_like(old)
   if settings.use_kl:
     ref = score(ref_params)
@@ -120,7 +122,7 @@ def score_step(rl, model_config, state, packed, adv_n, ref_params,
 
 def update_passes(rl, model_config, state, optimizer, full: UpdateBatch,
                   packed, settings: LossSettings, plan: UpdatePlan,
-                  rng: np.random.Generator, put, layout=None):
+                  rng: np.random.Generator, put, layout=None, base=None):
   """UPDATE: rl.num_updates passes over shuffled mini-batches of `full`,
   each packed or padded as `choose_packing` says. Returns the state and the
   per-update metrics and packing metrics (host values)."""
@@ -140,7 +142,7 @@ def update_passes(rl, model_config, state, optimizer, full: UpdateBatch,
         batch = jax.tree.map(put, pack_update_batch(batch, rows))
         pack_metrics[-1].update(packing.describe(rows, len(idx)))
       state, m = update_step(state, batch, model_config, optimizer,
-                             num_micro, settings, layout, plan.group)
+                             num_micro, settings, layout, plan.group, base)
       step_metrics.append(m)
   return state, jax.device_get(step_metrics), pack_metrics
 
@@ -164,21 +166,22 @@ def mean_update_metrics(step_metrics: list[dict], pack_metrics: list[dict]
 
 def train_step(config, model_config, state, optimizer, packed, adv_n,
                ref_params, settings: LossSettings, rng: np.random.Generator,
-               layout: sharding_lib.Layout | None = None):
+               layout: sharding_lib.Layout | None = None, base=None):
   """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches.
   With a layout, batches are row-sharded global arrays (each host gives its
   rows) and the update keeps the state's shardings. rl.packing (on, or
   auto: where it pays for fewer tokens): scoring and each update run on
-  packed rows (packing.py), the same micro-batch token budget."""
+  packed rows (packing.py), the same micro-batch token budget.
+  base: with LoRA, the frozen base (state.params are the adapters)."""
   rl = config.rl
   put = layout.rows if layout is not None else jnp.asarray
   plan = UpdatePlan.of(rl, packed, layout)
   full, metrics = score_step(rl, model_config, state, packed, adv_n,
-                             ref_params, settings, plan, put, layout)
+                             ref_params, settings, plan, put, layout, base)
   t0 = time.perf_counter()
   state, step_metrics, pack_metrics = update_passes(
       rl, model_config, state, optimizer, full, packed, settings, plan, rng,
-      put, layout)
+      put, layout, base)
   metrics["time/update"] = time.perf_counter() - t0
   metrics.update(mean_update_metrics(step_metrics, pack_metrics))
   return state, metrics

@@ -33,7 +33,7 @@ from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
 from grpo_jax.rl import nonfinite
 from grpo_jax.rl.step import train_step
-from grpo_jax.models import cast
+from grpo_jax.models import lora
 from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
 from grpo_jax.rl.update import LossSettings, init_state
 
@@ -89,6 +89,14 @@ class _Run(NamedTuple):
   ref_params: Any
   updates_per_step: int
   eval_examples: list
+  base: Any = None        # LoRA: the frozen base (state.params: adapters)
+  base_identity: Any = None   # LoRA: experiment.base_identity, saved
+
+
+def policy(config, r: _Run, params, dtype: str):
+  """The policy the sampler and evaluation run, in `dtype` (with LoRA the
+  adapters merged into, or attached to, the base)."""
+  return experiment.policy_params(config, params, r.base, dtype)
 
 
 def _setup(config, workdir: str):
@@ -115,19 +123,28 @@ def _setup(config, workdir: str):
   total_updates = config.train.steps * updates_per_step
   optimizer = OptimizerSpec.from_config(config.optim, total_updates)
   # Policy and reference on one mesh; the reference is its own copy, as the
-  # update donates the policy's buffers.
+  # update donates the policy's buffers. With LoRA the base is frozen (never
+  # donated) and is the reference itself: the policy with adapters off.
   params = layout.shard_params(model_config, params)
-  ref_params = sharding_lib.copy_tree(params) if settings.use_kl else None
+  base = identity = None
+  if lora.LoraSpec.from_config(config).enabled:
+    base, identity = params, experiment.base_identity(config, params)
+    params = experiment.init_adapters(config, model_config, layout)
+    ref_params = base if settings.use_kl else None
+  else:
+    ref_params = sharding_lib.copy_tree(params) if settings.use_kl else None
   state = layout.place_state(model_config, optimizer.build(),
                              init_state(params, optimizer, config.seed))
   del params
   state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
                                                     state)
+  if identity is not None and resumed is not None:
+    experiment.check_base(host, identity, str(ckpt.step_path(resumed)))
   run = _Run(model_config, tokenizer, layout, ckpt, spec, settings,
              sample_cfg,
              evaluation.EvalSettings.from_config(config, sample_cfg, spec),
              optimizer, learning_rate_schedule(config.optim, total_updates),
-             ref_params, updates_per_step, eval_examples)
+             ref_params, updates_per_step, eval_examples, base, identity)
   return run, state, host, resumed, train_examples
 
 
@@ -136,8 +153,8 @@ def rl_step(config, r: _Run, state, prompts, step_key, step: int):
   `prompts`, an iterator of prompt batches), ADVANTAGE, REFERENCE + UPDATE.
   Returns the new state and the step's metrics."""
   rl = config.rl
-  compute = cast(state.params, config.sampling.compute_dtype
-                 or config.model.compute_dtype)   # the sampler's dtype
+  compute = policy(config, r, state.params, config.sampling.compute_dtype
+                   or config.model.compute_dtype)   # the sampler's dtype
 
   # SAMPLE + SCORE
   def generate(i):
@@ -166,7 +183,7 @@ def rl_step(config, r: _Run, state, prompts, step_key, step: int):
   # REFERENCE + UPDATE
   state, update_metrics = train_step(
       config, r.model_config, state, r.optimizer, packed, adv_n, r.ref_params,
-      r.settings, np.random.default_rng([config.seed, step]), r.layout)
+      r.settings, np.random.default_rng([config.seed, step]), r.layout, r.base)
   metrics.update(update_metrics)
   # the rate of this step's last update (optax reads the count before it
   # increments it: update k uses lr_schedule(k), k = 0, 1, ...)
@@ -200,9 +217,10 @@ def run(config, workdir: str) -> dict:
   primary = writer.enabled   # the one host that writes files
 
   def evaluate(step):
-    m = evaluation.evaluate_policy(r.eval_settings, r.model_config,
-                                   state.params, r.tokenizer, r.eval_examples,
-                                   layout=r.layout).metrics
+    m = evaluation.evaluate_policy(
+        r.eval_settings, r.model_config,
+        policy(config, r, state.params, config.model.compute_dtype),
+        r.tokenizer, r.eval_examples, layout=r.layout).metrics
     writer.write(step, m)
     logging.info("%s", metrics_lib.step_line(
         step, config.train.steps, m, metrics_lib.EVAL_LINE,
@@ -246,8 +264,10 @@ def run(config, workdir: str) -> dict:
     summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
                                             "loss") if k in metrics})
     stop = interrupts.stop_requested()
-    r.ckpt.save(step + 1, state, {"data": data.state_dict(),
-                                  "summary": summary},
+    host_state = {"data": data.state_dict(), "summary": summary}
+    if r.base_identity is not None:
+      host_state["lora_base"] = r.base_identity
+    r.ckpt.save(step + 1, state, host_state,
                 force=step + 1 == config.train.steps or stop)
     if r.ckpt.preempted or stop:
       interrupts.mark_preempted(step + 1, str(r.ckpt.step_path(step + 1)))
@@ -263,5 +283,7 @@ def run(config, workdir: str) -> dict:
     summary["plot"] = metrics_lib.plot_curves(
         rows_, os.path.join(workdir, "curves.png"), title=config.name)
   summary["state"] = state
+  if r.base is not None:   # LoRA: state.params are the adapters
+    summary["base"] = r.base
   return summary
 

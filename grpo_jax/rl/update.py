@@ -28,6 +28,7 @@ from grpo_jax.rl.optimizer import as_optax
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models import lora
 from grpo_jax.models.transformer import cast
 
 Params = Any
@@ -36,7 +37,8 @@ Params = Any
 class TrainState(NamedTuple):
   step: jax.Array          # int32 scalar: optimizer updates run (one not
                            # applied as non-finite counts too)
-  params: Params           # master weights (config.model.param_dtype)
+  params: Params           # master weights (config.model.param_dtype); with
+                           # LoRA the adapters only (models/lora.py)
   opt_state: Any
   key: jax.Array           # uint32 PRNG key data (checkpointable)
 
@@ -59,6 +61,7 @@ class LossSettings:
   remat: str = "none"
   compute_dtype: str = "float32"
   attention: str = "auto"
+  lora_scale: float = 0.0    # α/r of the adapters (model.lora; 0: off)
 
   @property
   def use_kl(self) -> bool:
@@ -73,7 +76,8 @@ class LossSettings:
                temperature=config.sampling.temperature or 1.0,
                chunk=config.model.logprob_chunk, remat=config.model.remat,
                compute_dtype=config.model.compute_dtype,
-               attention=config.model.attention)
+               attention=config.model.attention,
+               lora_scale=lora.LoraSpec.from_config(config).scale)
 
 
 class PackedUpdateBatch(NamedTuple):
@@ -131,10 +135,19 @@ def completion_logprobs(model_config: ModelConfig, params: Params,
       constrain=None if layout is None else layout.constrain)
 
 
+def policy_tree(params: Params, base: Params | None, s: LossSettings
+                ) -> Params:
+  """The decoder's parameters: `params` itself, or with LoRA (a `base`
+  given) the frozen base with the adapters `params` attached. The gradient
+  is taken w.r.t. `params` only, so it never reaches the base."""
+  return params if base is None else lora.attach(base, params, s.lora_scale)
+
+
 def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
             norm: losses.Normalisers, kl_beta, s: LossSettings,
-            group_size: int = 1, layout=None):
+            group_size: int = 1, layout=None, base: Params | None = None):
   T = batch.mask_nt.shape[1]
+  params = policy_tree(params, base, s)
   logp, entropy = completion_logprobs(model_config, params, batch.tokens_ns,
                                       batch.positions_ns, batch.valid_ns, T, s,
                                       group_size, layout)
@@ -225,19 +238,20 @@ def apply_gradients(state: TrainState, grads, loss, optimizer, model_config,
 
 def accumulate_gradients(params, model_config, batch: UpdateBatch,
                          num_micro: int, kl_beta, s: LossSettings,
-                         group_size: int = 1, layout=None):
+                         group_size: int = 1, layout=None,
+                         base: Params | None = None):
   """Sum of micro-batch gradients of the loss normalised by the whole batch:
   exactly the gradient of the full batch's loss (REFERENCE: token-mean).
   group_size: the batch's rows come in groups of that many consecutive rows
   with one prompt (1: no such structure); see `micro_group_size`.
-  layout: see `completion_logprobs`."""
+  layout: see `completion_logprobs`; base: see `policy_tree`."""
   norm = global_normalisers(batch.mask_nt, s)
   group = micro_group_size(group_size, num_micro, batch.mask_nt.shape[0],
                            layout)
   grad_fn = jax.value_and_grad(
       functools.partial(loss_fn, model_config=model_config, norm=norm,
                         kl_beta=kl_beta, s=s, group_size=group,
-                        layout=layout),
+                        layout=layout, base=base),
       has_aux=True)
   loss, metrics, grads = micro_batch_sum(
       lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
@@ -251,8 +265,8 @@ def accumulate_gradients(params, model_config, batch: UpdateBatch,
                    donate_argnames=("state",))
 def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
                 model_config: ModelConfig, optimizer, num_micro: int,
-                s: LossSettings, layout=None, group_size: int = 1
-                ) -> tuple[TrainState, dict]:
+                s: LossSettings, layout=None, group_size: int = 1,
+                base: Params | None = None) -> tuple[TrainState, dict]:
   """One optimizer update on one mini-batch. The state is donated; with a
   `sharding.Layout` the new state keeps the placed state's shardings.
   `optimizer`: an OptimizerSpec (or an optax transformation, which compiles
@@ -260,17 +274,20 @@ def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
   group_size > 1: the rows are whole groups of that many consecutive rows
   sharing a prompt (each prompt's forward/backward then runs once).
   A PackedUpdateBatch (`pack_update_batch`): num_micro is its number of
-  micro-batches (`packing.pack_rows`), group_size is not read."""
+  micro-batches (`packing.pack_rows`), group_size is not read.
+  base: with LoRA, the frozen base (compute dtype, not donated) and
+  state.params the adapters, the only leaves updated (`policy_tree`)."""
   kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
                                     start_step=s.kl_start_step,
                                     ramp_steps=s.kl_ramp_steps)
   if isinstance(batch, PackedUpdateBatch):
     grads, loss, metrics = accumulate_packed_gradients(
-        state.params, model_config, batch, num_micro, kl_beta, s, layout)
+        state.params, model_config, batch, num_micro, kl_beta, s, layout,
+        base)
   else:
     grads, loss, metrics = accumulate_gradients(
         state.params, model_config, batch, num_micro, kl_beta, s, group_size,
-        layout)
+        layout, base)
   state, checked = apply_gradients(state, grads, loss, optimizer,
                                    model_config, layout)
   return state, {**metrics, "loss": loss, **checked, "kl_beta": kl_beta}
@@ -304,21 +321,25 @@ def packed_logprobs(model_config: ModelConfig, params: Params,
 
 def packed_loss_fn(params: Params, model_config: ModelConfig,
                    batch: PackedUpdateBatch, norm: losses.Normalisers,
-                   kl_beta, s: LossSettings, layout=None):
+                   kl_beta, s: LossSettings, layout=None,
+                   base: Params | None = None):
+  params = policy_tree(params, base, s)
   logp, entropy = packed_logprobs(model_config, params, batch.rows, s, layout)
   return policy_loss(logp, entropy, batch, norm, kl_beta, s)
 
 
 def accumulate_packed_gradients(params, model_config,
                                 batch: PackedUpdateBatch, num_micro: int,
-                                kl_beta, s: LossSettings, layout=None):
+                                kl_beta, s: LossSettings, layout=None,
+                                base: Params | None = None):
   """`accumulate_gradients` of a packed mini-batch: the normalisers of all
   its slots (empty ones count nothing), the micro-batches summed.
   layout: see `completion_logprobs`."""
   norm = global_normalisers(batch.mask_nt, s)
   grad_fn = jax.value_and_grad(
       functools.partial(packed_loss_fn, model_config=model_config, norm=norm,
-                        kl_beta=kl_beta, s=s, layout=layout), has_aux=True)
+                        kl_beta=kl_beta, s=s, layout=layout, base=base),
+      has_aux=True)
   loss, metrics, grads = micro_batch_sum(
       lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
       losses.accumulate_metrics)
@@ -349,11 +370,12 @@ def _join_micro_batches(x):
 def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
                    model_config: ModelConfig, num_completion: int,
                    s: LossSettings, group_size: int = 1,
-                   num_micro: int = 1, layout=None) -> jax.Array:
+                   num_micro: int = 1, layout=None,
+                   base: Params | None = None) -> jax.Array:
   """Token log-probs of given completions (π_ref, or π_old recomputed),
   `num_micro` strided micro-batches at a time (as the update splits rows).
-  layout: see `completion_logprobs`."""
-  params = cast(params, s.compute_dtype)     # once, not per micro-batch
+  layout: see `completion_logprobs`; base: see `policy_tree`."""
+  params = cast(policy_tree(params, base, s), s.compute_dtype)   # once
   group = micro_group_size(group_size, num_micro, tokens_ns.shape[0], layout)
   if num_micro == 1:
     return completion_logprobs(model_config, params, tokens_ns, positions_ns,
@@ -368,12 +390,13 @@ def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
                                              "num_rows", "layout"))
 def score_packed(params: Params, rows: packing.PackedRows,
                  model_config: ModelConfig, s: LossSettings, num_micro: int,
-                 num_rows: int, layout=None) -> jax.Array:
+                 num_rows: int, layout=None, base: Params | None = None
+                 ) -> jax.Array:
   """`score_logprobs` of packed sequences: token log-probs [num_rows, T] in
   the padded rows' layout, 0 in rows and columns that were not packed.
   layout: see `completion_logprobs`; the result's rows are split as the
   padded rows are."""
-  params = cast(params, s.compute_dtype)
+  params = cast(policy_tree(params, base, s), s.compute_dtype)
   logp = jax.lax.map(
       lambda r: packed_logprobs(model_config, params, r, s, layout)[0],
       micro_batches(rows, num_micro))

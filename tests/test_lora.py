@@ -1,0 +1,185 @@
+"""LoRA (models/lora.py): adapters on a frozen base, exact where they must be.
+
+The 8-device check (sharded base + adapters give one device's loss and
+gradient) runs in tests/sharding_checks.py (test_sharding.py's subprocess).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from grpo_jax import errors, validation
+from grpo_jax.models import get_preset, init_params, lora, transformer
+from grpo_jax.rl import update
+
+MODEL = get_preset("tiny")
+SPEC = lora.LoraSpec(rank=4, alpha=8.0)
+SETTINGS = update.LossSettings(chunk=4, lora_scale=SPEC.scale)
+
+
+def _base():
+  return init_params(MODEL, jax.random.key(0))
+
+
+def _trained_adapters(seed=1):
+  """Adapters as after some training: B != 0."""
+  adapters = lora.init_adapters(MODEL, SPEC, jax.random.key(seed))
+  keys = iter(jax.random.split(jax.random.key(seed + 1), 100))
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: (0.05 * jax.random.normal(next(keys), x.shape)
+                    if p[-1].key == "b" else x), adapters)
+
+
+def _batch(n=8, prompt=6, comp=5, seed=0):
+  rng = np.random.RandomState(seed)
+  lengths = rng.randint(1, comp + 1, n)
+  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
+  tokens = rng.randint(1, 256, (n, prompt + comp)).astype(np.int32)
+  pos = np.broadcast_to(np.arange(prompt + comp), (n, prompt + comp))
+  return update.UpdateBatch(
+      jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
+      jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
+      jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
+      jnp.zeros((n, comp)), jnp.asarray(rng.randn(n).astype(np.float32)))
+
+
+TOKENS = jax.random.randint(jax.random.key(9), (3, 11), 0, 256)
+
+
+def test_adapter_shapes_init_and_targets():
+  adapters = lora.init_adapters(MODEL, SPEC, jax.random.key(1))
+  ab = adapters["layers"]["lora"]
+  assert sorted(ab) == sorted(lora.PROJECTIONS)
+  L, D, H, K, E, F = 2, 64, 4, 2, 16, 128
+  assert ab["wq"]["a"].shape == (L, D, 4) and ab["wq"]["b"].shape == (L, 4, H, E)
+  assert ab["wk"]["b"].shape == (L, 4, K, E)
+  assert ab["wo"]["a"].shape == (L, H, E, 4) and ab["wo"]["b"].shape == (L, 4, D)
+  assert ab["w_down"]["a"].shape == (L, F, 4)
+  assert all(not np.any(x["b"]) for x in ab.values())
+  # PEFT's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+  bound = 1 / np.sqrt(H * E)
+  assert 0.9 * bound < float(jnp.abs(ab["wo"]["a"]).max()) <= bound
+  assert lora.target_names(("wq", "wv")) == ("wq", "wv")
+  assert lora.target_names(("layers/w_*",)) == ("w_gate", "w_up", "w_down")
+  with pytest.raises(ValueError, match="matches no projection"):
+    lora.target_names(("embed",))
+  axes = transformer.tree_axes(adapters)["layers"]["lora"]
+  assert axes["wo"] == {"a": ("layers", "q_heads", "head_dim", "lora_rank"),
+                        "b": ("layers", "lora_rank", "embed")}
+
+
+def test_zero_b_equals_base_exactly():
+  """B = 0 at init: the adapted model IS the base, bit for bit (also the
+  decode step the sampler runs)."""
+  base = _base()
+  attached = lora.attach(base, lora.init_adapters(MODEL, SPEC,
+                                                  jax.random.key(1)),
+                         SPEC.scale)
+  np.testing.assert_array_equal(transformer.forward(MODEL, attached, TOKENS),
+                                transformer.forward(MODEL, base, TOKENS))
+  cache = transformer.init_cache(MODEL, 3, 4)
+  args = (cache, TOKENS[:, 0], jnp.zeros(3, jnp.int32), 0)
+  np.testing.assert_array_equal(
+      transformer.decode_step(MODEL, attached, *args)[0],
+      transformer.decode_step(MODEL, base, *args)[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapted_forward_equals_merged_forward(dtype):
+  base, adapters = transformer.cast(_base(), dtype), _trained_adapters()
+  adapted = transformer.forward(
+      MODEL, transformer.cast(lora.attach(base, adapters, SPEC.scale), dtype),
+      TOKENS)
+  merged = transformer.forward(MODEL, lora.merge(base, adapters, SPEC.scale),
+                               TOKENS)
+  plain = transformer.forward(MODEL, base, TOKENS)
+  tol = 1e-5 if dtype == "float32" else 5e-2
+  np.testing.assert_allclose(adapted, merged, atol=tol, rtol=tol)
+  assert float(jnp.abs(adapted - plain).max()) > 10 * tol   # B != 0 matters
+  # the sampler's two ways agree too (merged: one jitted merge per update)
+  for sampler in lora.SAMPLERS:
+    spec = dataclasses.replace(SPEC, sampler=sampler)
+    got = transformer.forward(
+        MODEL, lora.policy_params(base, adapters, spec, dtype), TOKENS)
+    np.testing.assert_allclose(got, merged, atol=tol, rtol=tol)
+
+
+def test_gradients_reach_only_the_adapters():
+  """The gradient is a tree of the adapters only; with B = 0 only B moves
+  (dL/dA = x^T (dL/dy) B^T = 0), and update_step leaves the base as it was
+  (not donated, not updated)."""
+  base, batch = _base(), _batch()
+  adapters = lora.init_adapters(MODEL, SPEC, jax.random.key(1))
+  grads, loss, _ = update.accumulate_gradients(adapters, MODEL, batch, 1, 0.0,
+                                               SETTINGS, base=base)
+  assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+  for ab in grads["layers"]["lora"].values():
+    assert not np.any(ab["a"]) and np.any(ab["b"])
+  full_loss = update.accumulate_gradients(base, MODEL, batch, 1, 0.0,
+                                          SETTINGS)[1]
+  np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+  optim = tiny.get_config().optim
+  from grpo_jax.rl.optimizer import OptimizerSpec  # pylint: disable=import-outside-toplevel
+  optimizer = OptimizerSpec.from_config(optim, 10)
+  before = jax.device_get(base)
+  state = update.init_state(adapters, optimizer, 0)
+  state, _ = update.update_step(state, batch, MODEL, optimizer, 2, SETTINGS,
+                                base=base)
+  assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
+  assert jax.tree.structure(state.opt_state[1][0].mu) == jax.tree.structure(
+      adapters)
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(x, y)
+  assert np.any(state.params["layers"]["lora"]["wq"]["b"])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
+  base, adapters, batch = _base(), _trained_adapters(), _batch()
+  s = dataclasses.replace(SETTINGS, loss=dataclasses.replace(
+      SETTINGS.loss, agg=agg))
+  step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
+  results = [step(adapters, MODEL, batch, k, 0.0, s, base=base)
+             for k in (1, 2, 4)]
+  for grads, loss, _ in results[1:]:
+    np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results[0][0])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_kl_to_the_base_with_adapters_off_is_zero():
+  """The reference is the base itself (adapters off): at B = 0 the policy
+  equals it, so the KL term is exactly 0; trained adapters make it > 0."""
+  base, batch = _base(), _batch()
+  s = dataclasses.replace(SETTINGS, kl_beta=0.1)
+  args = (batch.tokens_ns, batch.positions_ns, batch.valid_ns, MODEL, 5, s)
+  ref = update.score_logprobs(base, *args)
+  batch = batch._replace(ref_logp_nt=ref)
+  fresh = lora.init_adapters(MODEL, SPEC, jax.random.key(1))
+  np.testing.assert_array_equal(update.score_logprobs(fresh, *args, base=base),
+                                ref)
+  norm = update.global_normalisers(batch.mask_nt, s)
+  _, m = update.loss_fn(fresh, MODEL, batch, norm, 0.1, s, base=base)
+  assert float(m["kl"]) == 0.0
+  _, m = update.loss_fn(_trained_adapters(), MODEL, batch, norm, 0.1, s,
+                        base=base)
+  assert float(m["kl"]) > 1e-4
+
+
+def test_lora_config_is_validated():
+  config = tiny.get_config()
+  config.model.lora.rank = 8
+  validation.validate(config)
+  for field, value, match in (("rank", -1, "rank"),
+                              ("alpha", 0.0, "alpha"),
+                              ("targets", ("wq", "embed"), "matches no"),
+                              ("dropout", 0.1, "only 0"),
+                              ("sampler", "fused", "allowed")):
+    bad = tiny.get_config()
+    bad.model.lora.rank = 8
+    bad.model.lora[field] = value
+    with pytest.raises(errors.ConfigError, match=match):
+      validation.validate(bad)
