@@ -20,6 +20,12 @@ Sampling in bfloat16 while the trainer runs in float32 (π_old recomputed by
 the trainer, so ρ = π_old / π_rollout is what the sampler's dtype changes):
   :local_bf16       no correction
   :local_bf16_tis   token-level truncated IS, C = 2 (verl's default)
+LoRA (docs/lora.md: adapters on a frozen base, the base is the reference):
+  :local_lora       the local run with rank-32 adapters on every projection,
+                    10x the learning rate (LoRA Without Regret)
+  :paper_lora       the paper's run with rank-32 adapters on 4 chips
+                    (experiments/aot.py --topology=v5p:2x2x1 fits it; full
+                    fine-tuning does not: 16 bytes x 32.8B parameters)
 """
 from grpo_jax.config import base_config, pick_variant
 
@@ -120,6 +126,33 @@ def local_bf16_tis(c):
   return c
 
 
+def lora_common(c):
+  """Rank-32 adapters on all seven projections (attention and MLP), α = 32
+  (scale 1), and 10x full fine-tuning's learning rate: the settings of
+  "LoRA Without Regret" (Schulman et al. 2025) for RL."""
+  c.model.lora.rank, c.model.lora.alpha = 32, 32.0
+  c.optim.learning_rate *= 10
+  return c
+
+
+def local_lora(c):
+  """The local run with LoRA (compare with :local from the same seed)."""
+  c = lora_common(local(c))
+  c.name = "dapo_local_lora"
+  return c
+
+
+def paper_lora(c):
+  """The paper's run with LoRA on 4 chips (v5p:2x2x1): the frozen base in
+  bfloat16 (65.5 GB) split 4 ways, adapters + Adam state ~3 GB; one row of
+  a micro-batch per chip."""
+  c = lora_common(paper(c))
+  c.name = "dapo_aime_lora"
+  c.mesh.shape = (1, -1, 1)                    # FSDP over the 4 chips
+  c.rl.micro_batch_tokens = 4 * (512 + 20480)
+  return c
+
+
 # The `:arg` values get_config accepts (no arg: paper), each a function
 # of the base config; tests/test_architecture.py validates each and
 # `run.py --list` names each.
@@ -133,6 +166,7 @@ VARIANTS = {
     "local_sapo": _loss("sapo", "seq-mean-token-mean", sapo_tau_pos=1.0,
                         sapo_tau_neg=1.05),
     "local_bf16": local_bf16, "local_bf16_tis": local_bf16_tis,
+    "local_lora": local_lora, "paper_lora": paper_lora,
 }
 
 

@@ -4,6 +4,11 @@
     python experiments/run.py --config=configs/star_local.py:word_problems \
         --config.star.rationalize=False          # the paper's ablation
     python experiments/run.py --config=configs/star_local.py:commonsense_mc
+    python experiments/run.py --config=configs/star_local.py:word_problems_lora
+
+word_problems_lora: word_problems fine-tuning rank-32 adapters on every
+projection (a fresh B = 0 each outer iteration: "fine-tune the original
+model" is "fresh adapters on the frozen original"), 10x the learning rate.
 
 word_problems: one-step integer word problems with worked rationales
 (grpo_jax/data/word_problems.py), scored by the last number.
@@ -67,10 +72,18 @@ def commonsense_mc(c):
   return c
 
 
+def word_problems_lora(c):
+  c = word_problems(c)
+  c.model.lora.rank, c.model.lora.alpha = 32, 32.0
+  c.optim.learning_rate *= 10
+  return c
+
+
 # The `:arg` values get_config accepts (no arg: word_problems), each a function
 # of the base config; tests/test_architecture.py validates each and
 # `run.py --list` names each.
-VARIANTS = {"word_problems": word_problems, "commonsense_mc": commonsense_mc}
+VARIANTS = {"word_problems": word_problems, "commonsense_mc": commonsense_mc,
+            "word_problems_lora": word_problems_lora}
 
 def get_config(arg=None):
   arg = arg or "word_problems"

@@ -183,3 +183,65 @@ def test_lora_config_is_validated():
     bad.model.lora[field] = value
     with pytest.raises(errors.ConfigError, match=match):
       validation.validate(bad)
+
+
+# ----------------------------------------------------------------------------
+# PEFT interchange: our adapters on transformers' model, through peft.
+# ----------------------------------------------------------------------------
+
+_HF_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5)
+_HF = {"llama": ("LlamaConfig", dict(rope_theta=10_000.0)),
+       "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True))}
+
+
+@pytest.mark.parametrize("arch", sorted(_HF))
+def test_peft_adapter_loads_onto_transformers_with_our_logits(arch, tmp_path):
+  """A tiny random Llama / Qwen2 written by transformers, our adapters
+  (B != 0, every projection) trained beside it, saved as a PEFT directory:
+  peft's logits on transformers equal grpo_jax's adapted logits, and the
+  merged export (save_pretrained of lora.merge) gives them too."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  from grpo_jax.models import load_pretrained, save_pretrained  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  config_cls, extra = _HF[arch]
+  hf_model = transformers.AutoModelForCausalLM.from_config(
+      getattr(transformers, config_cls)(**_HF_COMMON, **extra))
+  with torch.no_grad():
+    for p in hf_model.parameters():
+      p.copy_(torch.randn(p.shape) * 0.1)
+  hf_model.save_pretrained(tmp_path / "base")
+  model_config, base = load_pretrained(tmp_path / "base")
+  spec = lora.LoraSpec(rank=4, alpha=8.0)
+  adapters = lora.init_adapters(model_config, spec, jax.random.key(1))
+  keys = iter(jax.random.split(jax.random.key(2), 100))
+  adapters = jax.tree_util.tree_map_with_path(
+      lambda p, x: (0.5 * jax.random.normal(next(keys), x.shape)
+                    if p[-1].key == "b" else x), adapters)
+  tokens = np.random.RandomState(0).randint(0, 300, (2, 24))
+  ours = np.asarray(transformer.forward(
+      model_config, lora.attach(base, adapters, spec.scale),
+      jnp.asarray(tokens, jnp.int32)))
+  lora.save_peft_adapter(adapters, spec, tmp_path / "adapter",
+                         str(tmp_path / "base"))
+  peft_model = peft.PeftModel.from_pretrained(
+      transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+      tmp_path / "adapter").eval()
+  with torch.no_grad():
+    theirs = peft_model(torch.tensor(tokens)).logits.numpy()
+    plain = hf_model.eval()(torch.tensor(tokens)).logits.numpy()
+  err = float(np.abs(ours - theirs).max())
+  print(f"PEFT parity {arch}: max |d logit| = {err:.2e} "
+        f"(the adapters move logits by {np.abs(ours - plain).max():.2f})")
+  assert err < 1e-4, err
+  assert np.abs(ours - plain).max() > 1e3 * err   # the adapters matter
+  save_pretrained(model_config, lora.merge(base, adapters, spec.scale),
+                  tmp_path / "merged")
+  merged = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "merged").eval()
+  with torch.no_grad():
+    err = np.abs(merged(torch.tensor(tokens)).logits.numpy() - theirs).max()
+  assert err < 1e-4, err

@@ -91,7 +91,7 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   automatic chunk `sampling.auto_chunk_prompts` picks for this chip."""
   rl = config.rl
   budget = (hbm - plan.state_bytes - plan.reference_bytes()
-            - plan.compute_copy_bytes())
+            - plan.compute_copy_bytes() - plan.base_bytes)
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
@@ -110,9 +110,7 @@ def continuous_sampler(plan: Plan, slots: int) -> Program:
   prompt = row_sharded(plan.layout, (b, plan.prompt_len), jnp.int32)
   lens = row_sharded(plan.layout, (b,), jnp.int32)
   key = replicated(plan.layout, jax.eval_shape(lambda: jax.random.key(0)))
-  params = plan.compute_params()
-  resident = plan.state_bytes + plan.reference_bytes() - (
-      0 if plan.compute_copy_bytes() else per_chip_bytes(plan.state.params))
+  params, resident = plan.sampler_params(), plan.sampler_resident()
   lower = lambda: continuous.sample_slots.lower(
       plan.model_config, params, prompt, lens, key, plan.sampling_config(),
       rl.num_generations, slots, jnp.int32(b), plan.layout)
@@ -125,7 +123,7 @@ def auto_slots(config, plan: Plan, hbm: float) -> int:
     return config.sampling.slots
   rl = config.rl
   budget = (hbm - plan.state_bytes - plan.reference_bytes()
-            - plan.compute_copy_bytes())
+            - plan.compute_copy_bytes() - plan.base_bytes)
   return sampling.auto_slots(
       plan.model_config, rl.prompts_per_step * rl.num_generations,
       rl.prompts_per_step, plan.prompt_len,
@@ -170,7 +168,11 @@ def check(config, topology: str, prompt_len: int,
       f"{transformer.count_params(model_config) / 1e9:.2f}B params, "
       f"{config.model.param_dtype} master / {config.model.compute_dtype} "
       f"compute, remat {config.model.remat}; train state "
-      f"{plan.state_bytes / GiB:.2f} GiB per chip; prompts {prompt_len} "
+      f"{plan.state_bytes / GiB:.2f} GiB per chip"
+      + (f" (LoRA rank {plan.lora.rank}: adapters + optimizer state; frozen "
+         f"base {plan.base_bytes / GiB:.2f} GiB per chip)"
+         if plan.base is not None else "")
+      + f"; prompts {prompt_len} "
       f"tokens (--prompt_len), completions {T}")
   log(HEADER)
   programs, advice = [], []
@@ -241,8 +243,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int
   b, g = rl.prompts_per_step, rl.num_generations
   calls = -(-(b * g) // rows_per_call)
   compute_item = jnp.dtype(config.model.compute_dtype).itemsize
-  weights = per_chip_bytes(plan.state.params) * compute_item / jnp.dtype(
-      config.model.param_dtype).itemsize
+  weights = plan.weight_bytes()
   shards = plan.layout.batch_shards
   kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads",
                                                  c.num_kv_heads)

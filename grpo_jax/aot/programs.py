@@ -22,7 +22,7 @@ from grpo_jax.rl.step import update_group_size
 from grpo_jax.generate import sampling
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import config as model_config_lib
-from grpo_jax.models import hf, transformer
+from grpo_jax.models import hf, lora, transformer
 from grpo_jax.models.config import ModelConfig
 
 SPARE = 0.05           # a program fits when it leaves 5% of the chip free
@@ -106,10 +106,24 @@ def abstract_params(model_config: ModelConfig, dtype, layout) -> Any:
                       shardings, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def abstract_state(model_config: ModelConfig, optimizer, param_dtype, layout):
+def abstract_adapters(model_config: ModelConfig, spec, dtype, layout) -> Any:
+  """LoRA adapters (models/lora.py) as the trainer places them."""
+  shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
+                        lora.adapter_shapes(model_config, spec),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  shardings = sharding.param_shardings(layout.mesh, layout.rules, model_config,
+                                       shapes)
+  return jax.tree.map(lambda x, sh: _sds(x.shape, x.dtype, sh), shapes,
+                      shardings)
+
+
+def abstract_state(model_config: ModelConfig, optimizer, param_dtype, layout,
+                   params=None):
   """TrainState ShapeDtypeStructs with the shardings `Layout.place_state`
-  gives the real state."""
-  params = abstract_params(model_config, param_dtype, layout)
+  gives the real state (of `params`, e.g. LoRA adapters; default: the
+  model's params in param_dtype)."""
+  if params is None:
+    params = abstract_params(model_config, param_dtype, layout)
   state = jax.eval_shape(lambda p: update.init_state(p, optimizer, 0), params)
   shardings = sharding.state_shardings(layout.mesh, layout.rules,
                                        model_config,
@@ -197,15 +211,28 @@ class Plan:
   optimizer: Any = None
   settings: Any = None
   state: Any = None
+  base: Any = None     # LoRA: the frozen base (compute dtype), else None
 
   def __post_init__(self):
-    rl = self.config.rl
+    rl, m = self.config.rl, self.config.model
     self.rows = rl.prompts_per_step * rl.num_generations
     self.mini = rl.mini_batch_size or self.rows
     self.optimizer = optimizer_lib.OptimizerSpec.from_config(self.config.optim, 1)
     self.settings = update.LossSettings.from_config(self.config)
+    self.lora = lora.LoraSpec.from_config(self.config)
+    adapters = None
+    if self.lora.enabled:   # state = adapters + their optimizer state
+      self.base = abstract_params(self.model_config, m.compute_dtype,
+                                  self.layout)
+      adapters = abstract_adapters(self.model_config, self.lora,
+                                   m.param_dtype, self.layout)
     self.state = abstract_state(self.model_config, self.optimizer,
-                                self.config.model.param_dtype, self.layout)
+                                m.param_dtype, self.layout, adapters)
+
+  @property
+  def base_bytes(self) -> int:
+    """LoRA: the frozen base, resident all run (0 without LoRA)."""
+    return 0 if self.base is None else per_chip_bytes(self.base)
 
   @property
   def seq_len(self) -> int:
@@ -220,11 +247,25 @@ class Plan:
                            self.layout)
 
   def compute_copy_bytes(self) -> int:
-    """A separate compute-dtype copy exists only when the dtypes differ."""
+    """A separate compute-dtype copy exists only when the dtypes differ
+    (LoRA: the merged copy, model.lora.sampler = merged)."""
     m = self.config.model
+    if self.base is not None:
+      return (per_chip_bytes(self.compute_params())
+              if self.lora.sampler == "merged" else 0)
     if m.compute_dtype == m.param_dtype:
       return 0
     return per_chip_bytes(self.compute_params())
+
+  def sampler_params(self):
+    """What the sampler decodes with: the compute-dtype params (LoRA: the
+    merged copy, or the base with the adapters attached)."""
+    if self.base is not None and self.lora.sampler == "unmerged":
+      cast = lambda x: _sds(x.shape, jnp.dtype(self.config.model.compute_dtype),
+                            x.sharding)
+      return lora.attach(self.base, jax.tree.map(cast, self.state.params),
+                         1.0)
+    return self.compute_params()
 
   def sampler(self, prompts: int, generations: int, cfg, name: str
               ) -> Program:
@@ -235,15 +276,30 @@ class Plan:
     prompt = row_sharded(self.layout, (b, self.prompt_len), jnp.int32)
     lens = row_sharded(self.layout, (b,), jnp.int32)
     key = replicated(self.layout, jax.eval_shape(lambda: jax.random.key(0)))
-    params = self.compute_params()
-    # Beside it: the train state (and the reference when β > 0); with equal
-    # dtypes the sampler reads the state's own params (its argument).
-    resident = self.state_bytes + self.reference_bytes() - (
-        0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
+    params, resident = self.sampler_params(), self.sampler_resident()
     lower = lambda: sampling.sample_padded.lower(
         self.model_config, params, prompt, lens, key, cfg, generations,
         self.layout)
     return compile_program(name, b * generations, lower, resident)
+
+  def sampler_resident(self) -> int:
+    """Bytes alive beside a sampler call: the train state (and the reference
+    when β > 0); with equal dtypes the sampler reads the state's own params
+    (its argument). LoRA: the base too, unless the sampler reads it
+    (unmerged)."""
+    if self.base is not None:
+      return self.state_bytes + (self.base_bytes
+                                 if self.compute_copy_bytes() else 0)
+    return self.state_bytes + self.reference_bytes() - (
+        0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
+
+  def weight_bytes(self) -> int:
+    """The per-chip bytes of the weights the sampler reads each decode step."""
+    if self.base is not None:
+      return self.base_bytes
+    return per_chip_bytes(self.state.params) * jnp.dtype(
+        self.config.model.compute_dtype).itemsize // jnp.dtype(
+            self.config.model.param_dtype).itemsize
 
   def sampling_config(self, greedy=False) -> sampling.SamplingConfig:
     s = self.config.sampling
@@ -270,7 +326,7 @@ class Plan:
     resident = self.reference_bytes()
     lower = lambda: update.update_step.lower(
         self.state, batch, self.model_config, self.optimizer, n // micro_rows,
-        self.settings, self.layout, group)
+        self.settings, self.layout, group, self.base)
     return compile_program("update", micro_rows, lower, resident)
 
   def packed_rows(self, rows: int, micro_rows: int
@@ -299,7 +355,7 @@ class Plan:
         row_sharded(self.layout, (slots,), jnp.float32))
     lower = lambda: update.update_step.lower(
         self.state, batch, self.model_config, self.optimizer, num_micro,
-        self.settings, self.layout)
+        self.settings, self.layout, base=self.base)
     return compile_program("update packed", R, lower, self.reference_bytes())
 
   def packed_score(self, micro_rows: int) -> Program:
@@ -309,11 +365,14 @@ class Plan:
         self.state.params)
     lower = lambda: update.score_packed.lower(
         self.state.params, rows, self.model_config, self.settings, num_micro,
-        self.rows, self.layout)
+        self.rows, self.layout, self.base)
     return compile_program("score packed", R, lower, resident)
 
   def reference_bytes(self) -> int:
-    """The reference model's params, alive all run when β > 0."""
+    """The reference model's params, alive all run when β > 0 (LoRA: none,
+    the reference is the base, an argument of every program)."""
+    if self.base is not None:
+      return 0
     return per_chip_bytes(self.state.params) if self.settings.use_kl else 0
 
   def score(self, micro_rows: int) -> Program:
@@ -325,7 +384,7 @@ class Plan:
         self.state.params)
     lower = lambda: update.score_logprobs.lower(
         self.state.params, *cols, self.model_config, T, self.settings, group,
-        rows // micro_rows, self.layout)
+        rows // micro_rows, self.layout, self.base)
     return compile_program("score", micro_rows, lower, resident)
 
   def micro_rows(self) -> int:

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
 
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
@@ -153,3 +157,58 @@ def policy_params(base: Params, adapters: Params, spec: LoraSpec,
     return _merge_jit(transformer.cast(base, dtype), adapters,
                       jnp.float32(spec.scale))
   return transformer.cast(attach(base, adapters, spec.scale), dtype)
+
+
+# ----------------------------------------------------------------------------
+# PEFT interchange: adapter_config.json + adapter_model.safetensors.
+# ----------------------------------------------------------------------------
+
+# Our projection -> the module PEFT adapts in a Llama / Qwen2 / Qwen3 /
+# Mistral decoder layer (transformers' names; models/hf.py's layout).
+PEFT_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+                "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+                "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+                "w_down": "mlp.down_proj"}
+_PEFT_NAME = "base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
+
+
+def peft_tensors(adapters: Params) -> dict[str, Any]:
+  """PEFT's tensors of the adapters: lora_A.weight (r, in) and lora_B.weight
+  (out, r) per layer, `in`/`out` flattened as transformers' nn.Linear
+  flattens them (our (H, E) -> H*E, row-major, as models/hf.py)."""
+  out = {}
+  for name, ab in adapters["layers"][KEY].items():
+    a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
+    r = a.shape[-1]
+    for i in range(a.shape[0]):
+      fill = dict(i=i, module=PEFT_MODULES[name])
+      out[_PEFT_NAME.format(ab="A", **fill)] = np.ascontiguousarray(
+          a[i].reshape(-1, r).T)
+      out[_PEFT_NAME.format(ab="B", **fill)] = np.ascontiguousarray(
+          b[i].reshape(r, -1).T)
+  return out
+
+
+def peft_config(spec: LoraSpec, base_model: str = "") -> dict:
+  """adapter_config.json: plain LoRA, scale lora_alpha / r (not rsLoRA)."""
+  return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+          "base_model_name_or_path": base_model, "r": spec.rank,
+          "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+          "target_modules": sorted(PEFT_MODULES[n].split(".")[-1]
+                                   for n in spec.names),
+          "bias": "none", "use_rslora": False, "fan_in_fan_out": False,
+          "init_lora_weights": True, "inference_mode": True,
+          "modules_to_save": None}
+
+
+def save_peft_adapter(adapters: Params, spec: LoraSpec, directory,
+                      base_model: str = ""):
+  """Writes a directory `peft.PeftModel.from_pretrained(model, directory)`
+  loads onto the transformers model of the base; returns its path."""
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  save_file(peft_tensors(adapters), str(directory / "adapter_model.safetensors"),
+            metadata={"format": "pt"})
+  (directory / "adapter_config.json").write_text(
+      json.dumps(peft_config(spec, base_model), indent=2))
+  return directory

@@ -39,7 +39,7 @@ from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
 from grpo_jax.star.collect import Kept, collect_examples, sampling_prompts
-from grpo_jax.models import cast
+from grpo_jax.models import cast, lora
 from grpo_jax.rl import nonfinite
 from grpo_jax.rl.optimizer import OptimizerSpec
 from grpo_jax.rl.update import init_state
@@ -68,7 +68,9 @@ def finetune(config, model_config, original: Params,
   """`steps` SFT updates starting from the ORIGINAL weights with a fresh
   optimizer state (Algorithm 1, l. 7: M_n = train(M, D_n)). `original` is
   left intact: the jitted step donates its state, so it trains a copy
-  (placed on `layout`'s mesh when given)."""
+  (placed on `layout`'s mesh when given). With LoRA (model.lora.rank > 0)
+  it trains fresh adapters (B = 0) on the frozen original and returns them
+  merged into a copy: M_n as full weights, as the loop keeps them."""
   st = config.star
   row_len = st.row_length or sampling.bucket(
       max(map(sft.example_length, examples)))
@@ -76,7 +78,11 @@ def finetune(config, model_config, original: Params,
   if not fits:
     raise ValueError(f"no kept example fits star.row_length={row_len}")
   optimizer = sft_optimizer(config.optim, steps)
-  state = init_state(sharding_lib.copy_tree(original), optimizer, seed)
+  spec = lora.LoraSpec.from_config(config)
+  base = original if spec.enabled else None
+  trained = (experiment.init_adapters(config, model_config, layout)
+             if spec.enabled else sharding_lib.copy_tree(original))
+  state = init_state(trained, optimizer, seed)
   put = jnp.asarray
   if layout is not None:
     # Placed through the same sharding constraint as sft_step's output: with
@@ -93,11 +99,13 @@ def finetune(config, model_config, original: Params,
   for _ in range(steps):
     batch = jax.tree.map(put, next(batches))
     state, m = sft.sft_step(state, batch, model_config, optimizer, num_micro,
-                            settings, layout)
+                            settings, layout, base)
     step_metrics.append({k: m[k] for k in ("loss", nonfinite.CODE)})
   step_metrics = jax.device_get(step_metrics)
   losses = [float(m["loss"]) for m in step_metrics]
-  return state.params, {
+  params = state.params if base is None else lora.merge(
+      base, state.params, spec.scale)
+  return params, {
       **nonfinite.summarise(step_metrics, "sft/skipped"),
       "sft/steps": steps, "sft/loss_first": losses[0],
       "sft/loss_last": float(np.mean(losses[-max(1, steps // 10):])),

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
-from grpo_jax.models import transformer
+from grpo_jax.models import lora, transformer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rl import packing, update
 from grpo_jax.models import cast
@@ -58,12 +58,14 @@ class SFTSettings:
   chunk: int = 256              # positions per chunk of the vocabulary head
   remat: str = "none"
   compute_dtype: str = "float32"
+  lora_scale: float = 0.0       # α/r of the adapters (model.lora; 0: off)
 
   @classmethod
   def from_config(cls, config) -> "SFTSettings":
     m = config.model
     return cls(chunk=m.logprob_chunk, remat=m.remat,
-               compute_dtype=m.compute_dtype)
+               compute_dtype=m.compute_dtype,
+               lora_scale=lora.LoraSpec.from_config(config).scale)
 
 
 # ----------------------------------------------------------------------------
@@ -151,14 +153,18 @@ def num_target_tokens(batch: SFTBatch) -> jax.Array:
 
 
 def sft_loss(params: Params, model_config: ModelConfig, batch: SFTBatch,
-             num_tokens: jax.Array, s: SFTSettings) -> jax.Array:
+             num_tokens: jax.Array, s: SFTSettings, base=None) -> jax.Array:
   """This (micro-)batch's share of the token-mean loss: its NLL sum over
-  the whole batch's completion-token count."""
+  the whole batch's completion-token count. base: with LoRA, the frozen
+  base and `params` its adapters (update.policy_tree)."""
+  if base is not None:
+    params = lora.attach(base, params, s.lora_scale)
   return completion_nll_sum(params, model_config, batch, s) / num_tokens
 
 
 def accumulate_gradients(params: Params, model_config: ModelConfig,
-                         batch: SFTBatch, num_micro: int, s: SFTSettings):
+                         batch: SFTBatch, num_micro: int, s: SFTSettings,
+                         base=None):
   """(loss, grads) of the whole batch's token-mean loss, summed over
   micro-batches that share one normaliser: exact whatever the split."""
   if batch.tokens_ns.shape[0] % num_micro:
@@ -166,7 +172,7 @@ def accumulate_gradients(params: Params, model_config: ModelConfig,
                      f"{batch.tokens_ns.shape[0]} rows")
   num_tokens = num_target_tokens(batch)
   grad_fn = jax.value_and_grad(
-      lambda p, mb: (sft_loss(p, model_config, mb, num_tokens, s), None),
+      lambda p, mb: (sft_loss(p, model_config, mb, num_tokens, s, base), None),
       has_aux=True)
   loss, _, grads = update.micro_batch_sum(grad_fn, params, batch, num_micro)
   return loss, grads, num_tokens
@@ -176,15 +182,16 @@ def accumulate_gradients(params: Params, model_config: ModelConfig,
                                              "num_micro", "s", "layout"),
                    donate_argnames=("state",))
 def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
-             optimizer, num_micro: int, s: SFTSettings, layout=None
-             ) -> tuple[TrainState, dict]:
+             optimizer, num_micro: int, s: SFTSettings, layout=None,
+             base=None) -> tuple[TrainState, dict]:
   """One optimizer update on the completion-token NLL. The state is donated:
   pass a copy of parameters that must survive (e.g. the original model).
   `optimizer`: an `optimizer.OptimizerSpec` (equal specs: one compile) or an
   optax transformation. With a `sharding.Layout` the new state keeps the
-  placed state's shardings (batches then come row-sharded, `layout.rows`)."""
+  placed state's shardings (batches then come row-sharded, `layout.rows`).
+  base: with LoRA, the frozen base; state.params are its adapters."""
   loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
-                                                 batch, num_micro, s)
+                                                 batch, num_micro, s, base)
   state, checked = update.apply_gradients(state, grads, loss, optimizer,
                                           model_config, layout)
   return state, {"loss": loss, **checked, "tokens": num_tokens}
