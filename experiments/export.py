@@ -3,6 +3,14 @@ r"""Exports a checkpoint's policy as a Hugging Face (safetensors) directory.
   python experiments/export.py --workdir=runs/dapo_local --out=/tmp/dapo_hf
   python experiments/export.py --workdir=runs/dapo_local --step=300 --out=/tmp/dapo_hf_300
 
+A LoRA run's checkpoint (model.lora.rank > 0: adapters only) exports merged
+(--format=hf, W + alpha/r A.B on the base its host state names and checks) or
+as a PEFT adapter directory (--format=peft: adapter_config.json +
+adapter_model.safetensors for `peft.PeftModel.from_pretrained`):
+
+  python experiments/export.py --workdir=runs/dapo_lora --format=peft --out=/tmp/adapter
+  python experiments/export.py --workdir=runs/dapo_lora --base=/ckpt/moved --out=/tmp/merged
+
 `--workdir` also accepts a checkpoints directory or one step directory.
 A non-empty --out is refused unless --overwrite is given; then the export is
 written beside it and replaces it only once complete.
@@ -19,13 +27,19 @@ from absl import flags
 from absl import logging
 
 from grpo_jax import checkpoint
-from grpo_jax.harness import cli, outdir
+from grpo_jax.harness import cli, lora_export, outdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run workdir (or checkpoint dir).",
                                required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
+_FORMAT = flags.DEFINE_enum("format", "hf", lora_export.FORMATS,
+                            "hf: a transformers directory (LoRA: merged); "
+                            "peft: a PEFT adapter directory (LoRA runs).")
+_BASE = flags.DEFINE_string("base", "", "LoRA: the base model, where it is no "
+                            "longer at the run's model.source (checked by "
+                            "checksum).")
 
 
 def main(argv):
@@ -37,7 +51,7 @@ def main(argv):
     outdir.check_empty(_OUT.value, _OVERWRITE.value)   # before reading anything
     directory, step = checkpoint.find_step(_WORKDIR.value, _STEP.value)
     with outdir.staged(_OUT.value) as staging:
-      checkpoint.export_checkpoint(directory, step, staging)
+      lora_export.export(directory, step, staging, _FORMAT.value, _BASE.value)
   print(f"exported step {step} of {directory} to {_OUT.value}")
 
 

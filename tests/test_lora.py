@@ -245,3 +245,50 @@ def test_peft_adapter_loads_onto_transformers_with_our_logits(arch, tmp_path):
   with torch.no_grad():
     err = np.abs(merged(torch.tensor(tokens)).logits.numpy() - theirs).max()
   assert err < 1e-4, err
+
+
+# ----------------------------------------------------------------------------
+# The trainer: exact resume from adapters-only checkpoints, and export.
+# ----------------------------------------------------------------------------
+
+def _tiny_lora(steps):
+  config = tiny.get_config()
+  config.model.lora.rank, config.model.lora.alpha = 4, 8.0
+  config.rl.kl_beta = 0.05                  # the base is the reference
+  config.train.steps, config.train.checkpoint_every = steps, 1
+  config.train.eval_at_start = config.train.eval_at_end = False
+  return config
+
+
+def test_resume_is_exact_and_checkpoints_hold_adapters_only(tmp_path):
+  from grpo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from grpo_jax.harness import experiment, lora_export  # pylint: disable=import-outside-toplevel
+  from grpo_jax.rl import train  # pylint: disable=import-outside-toplevel
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  summary = train.run(_tiny_lora(2), straight)
+  train.run(_tiny_lora(1), resumed)
+  train.run(_tiny_lora(2), resumed)          # resumes at step 1
+  a, b = checkpoint.load_params(straight), checkpoint.load_params(resumed)
+  assert list(a) == ["layers"] and list(a["layers"]) == ["lora"]
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)      # bitwise on CPU
+  assert np.any(a["layers"]["lora"]["wq"]["b"])
+  host = checkpoint.load_host_state(straight)
+  assert host["lora_base"] == experiment.base_identity(
+      _tiny_lora(2), summary["base"])
+  # Merged export = the policy the run trained (base + adapters).
+  lora_export.export(straight, None, tmp_path / "merged", "hf")
+  from grpo_jax.models import load_pretrained  # pylint: disable=import-outside-toplevel
+  model_config, merged = load_pretrained(tmp_path / "merged")
+  want = transformer.forward(model_config, lora.attach(
+      summary["base"], a, 2.0), TOKENS)
+  np.testing.assert_allclose(transformer.forward(model_config, merged, TOKENS),
+                             want, atol=1e-5)
+  lora_export.export(straight, None, tmp_path / "peft", "peft")
+  assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == [
+      "adapter_config.json", "adapter_model.safetensors"]
+  # Another base: neither a resume nor an export goes ahead.
+  other = _tiny_lora(2)
+  other.seed = 1          # the tiny base is random from the seed
+  with pytest.raises(errors.CheckpointError, match="trained on"):
+    lora_export.load_base(other, straight, 2)

@@ -42,4 +42,5 @@ from grpo_jax.checkpoint.paths import (
     finalized_steps, find_step, latest_checkpoint, latest_step, locate,
     resolve_init)
 from grpo_jax.checkpoint.storage import (export_checkpoint, load_config,
-                                         load_model_config, load_params)
+                                         load_host_state, load_model_config,
+                                         load_params)

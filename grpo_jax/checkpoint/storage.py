@@ -150,6 +150,19 @@ def load_config(source: PathLike, step: Optional[int] = None) -> Optional[dict]:
     manager.close()
 
 
+def load_host_state(source: PathLike, step: Optional[int] = None) -> dict:
+  """The host state (JSON) a checkpoint was saved with, e.g. a LoRA run's
+  "lora_base" (what identifies the frozen base)."""
+  manager, step = _open(source, step)
+  try:
+    return manager.restore(step, args=ocp.args.Composite(
+        host=ocp.args.JsonRestore())).host or {}
+  except READ_ERRORS as e:
+    raise damaged(manager.directory, step, e) from e
+  finally:
+    manager.close()
+
+
 def export_checkpoint(source: PathLike, step: Optional[int], out_dir: PathLike,
                       *, tokenizer=None, params_key: str = "params") -> epath.Path:
   """Writes a checkpoint's policy params as a Hugging Face directory.
