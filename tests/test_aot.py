@@ -59,6 +59,17 @@ def test_tiny_fits():
   assert "fits: every program leaves >= 5%" in out
 
 
+def test_lora_state_is_the_adapters_and_the_base_is_the_reference():
+  """model.lora: the state is the adapters (+ Adam), the frozen base an
+  argument of the update and of the scoring with β > 0 (no reference copy)."""
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 "--config.model.lora.rank=4", "--config.rl.kl_beta=0.01",
+                 "--config.rl.packing=off")
+  assert rc == 0, out
+  assert "(LoRA rank 4: adapters + optimizer state; frozen base" in out
+  assert _names(out) == ["sampler", "update", "score", "eval greedy"], out
+
+
 def test_packed_update_and_scoring_compile_and_fit():
   """rl.packing = on: only the packed update and packed scoring (π_old
   recomputed), 4 rows of 16 + 8 tokens per micro-batch on 4 row shards."""
