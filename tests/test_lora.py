@@ -255,6 +255,7 @@ def _tiny_lora(steps):
   config = tiny.get_config()
   config.model.lora.rank, config.model.lora.alpha = 4, 8.0
   config.rl.kl_beta = 0.05                  # the base is the reference
+  config.rl.packing = "off"                 # one update program to compile
   config.train.steps, config.train.checkpoint_every = steps, 1
   config.train.eval_at_start = config.train.eval_at_end = False
   return config
@@ -291,4 +292,23 @@ def test_resume_is_exact_and_checkpoints_hold_adapters_only(tmp_path):
   other = _tiny_lora(2)
   other.seed = 1          # the tiny base is random from the seed
   with pytest.raises(errors.CheckpointError, match="trained on"):
-    lora_export.load_base(other, straight, 2)
+    experiment.load_lora_base(other, straight, 2)
+
+
+def test_star_finetune_trains_fresh_adapters_on_the_frozen_original():
+  """STaR with LoRA: M_n = the original with adapters trained from B = 0,
+  merged; the original is left as it was."""
+  from configs import star_tiny  # pylint: disable=import-outside-toplevel
+  from grpo_jax.star import loop, sft  # pylint: disable=import-outside-toplevel
+  config = star_tiny.get_config()
+  config.model.lora.rank, config.model.lora.targets = 4, ("wq", "wv")
+  original = _base()
+  before = jax.device_get(original)
+  examples = [sft.SFTExample(tuple(range(5, 15)), tuple(range(20, 28)))] * 4
+  params, m = loop.finetune(config, MODEL, original, examples, 3, 0, 0)
+  assert m["sft/loss_last"] < m["sft/loss_first"]
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(original)):
+    np.testing.assert_array_equal(x, y)
+  changed = {k for k in params["layers"]
+             if not np.array_equal(params["layers"][k], before["layers"][k])}
+  assert changed == {"wq", "wv"}

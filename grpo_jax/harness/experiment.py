@@ -29,6 +29,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
+from ml_collections import ConfigDict
 import numpy as np
 import yaml
 
@@ -119,6 +120,35 @@ def check_base(host: Mapping, identity: dict, where: str) -> None:
         f"model.source (and model.compute_dtype), or a fresh --workdir.")
 
 
+def lora_run_config(source, step) -> ConfigDict | None:
+  """The run config of a checkpoint if it trained LoRA adapters, else None."""
+  saved = checkpoint.load_config(source, step)
+  if not saved or not saved.get("model", {}).get("lora", {}).get("rank"):
+    return None
+  return ConfigDict(saved)
+
+
+def load_lora_base(config, source, step, base_source: str = ""):
+  """The frozen base the checkpoint's adapters belong to (from model.source,
+  or `base_source` where the base has moved), checked against its
+  "lora_base" identity."""
+  saved = checkpoint.load_host_state(source, step).get("lora_base")
+  if saved is None:
+    raise errors.CheckpointError(
+        f"checkpoint {source} step {step} trained LoRA adapters but does not "
+        "record its base (host state 'lora_base')")
+  config.model.source = base_source or config.model.source
+  config.model.compute_dtype = saved["dtype"]
+  _, base = load_model(config)   # LoRA: in the compute dtype
+  identity = base_identity(config, base)
+  if identity["checksum"] != saved["checksum"]:
+    raise errors.CheckpointError(
+        f"the base {config.model.source!r} is not the one the adapters of "
+        f"{source} step {step} were trained on: checksum "
+        f"{identity['checksum']} != {saved['checksum']} (saved {saved})")
+  return base
+
+
 def policy_params(config, params: Params, base: Params | None,
                   dtype: str) -> Params:
   """The policy the sampler and evaluation run, in `dtype`: `params`, or
@@ -200,9 +230,14 @@ def load_policy(config, source: str = "", step: int | None = None
   """
   if not source:
     return (*load_model_and_tokenizer(config), None)
-  _, step = checkpoint.find_step(source, step)
+  directory, step = checkpoint.find_step(source, step)
   model_config = checkpoint.load_model_config(source, step)
   params = checkpoint.load_params(source, step=step)
+  run_config = lora_run_config(directory, step)
+  if run_config is not None and lora.is_adapters(params):
+    # adapters: merged onto the base they belong to
+    params = lora.merge(load_lora_base(run_config, directory, step), params,
+                        lora.LoraSpec.from_config(run_config).scale)
   return model_config, params, load_tokenizer(config), step
 
 

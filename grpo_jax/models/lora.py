@@ -118,6 +118,13 @@ def init_adapters(model_config: ModelConfig, spec: LoraSpec, key: jax.Array,
   return {"layers": {KEY: out}}
 
 
+def is_adapters(params: Params) -> bool:
+  """Whether a params tree is adapters alone (a LoRA RL checkpoint's),
+  not full weights (e.g. STaR's merged M_n)."""
+  return (isinstance(params, dict) and set(params) == {"layers"}
+          and set(params["layers"]) == {KEY})
+
+
 def _scaled(adapters: Params, scale: float) -> Params:
   """The adapters with α/r folded into A: (x·sA)·B = s·(x·A)·B."""
   return {name: {"a": ab["a"] * jnp.asarray(scale, ab["a"].dtype),
