@@ -77,3 +77,25 @@ WORKDIR = {str(tmp_path / "run")!r}
   assert "=== Kept" in shown and "=== Rationalised" in shown
   assert has_image(cell_with(nb, "plt.subplots(1, 2"))
   assert (tmp_path / "run" / "star" / "iteration_1.jsonl").exists()
+
+
+def test_lora_grpo_notebook(tmp_path):
+  nb = execute("lora_grpo.ipynb", f"""
+MODEL = "tiny"
+RANK = 4
+STEPS, PROMPTS_PER_STEP, EVAL_EXAMPLES = 2, 1, 4
+WORKDIR = {str(tmp_path / "run")!r}
+""")
+  shapes = printed(cell_with(nb, "trainable = sum"))
+  assert shapes.count(" A (") == 7 and "trainable " in shapes
+  share = float(shapes.rsplit("(", 1)[1].split("%")[0])
+  assert 0 < share < 50, shapes
+  same = printed(cell_with(nb, "max |logits(adapted) - logits(base)|"))
+  assert same.strip().endswith("= 0.0"), same
+  trained = printed(cell_with(nb, "train.run(config, WORKDIR)"))
+  assert "eval_before" in trained and "eval_after" in trained
+  assert has_image(cell_with(nb, 'Image(summary["plot"])'))
+  saved = printed(cell_with(nb, 'fmt="peft"'))
+  assert "['layers/lora']" in saved, saved
+  assert "adapter_config.json" in saved and "adapter_model.safetensors" in saved
+  assert (tmp_path / "run" / "peft_adapter" / "adapter_model.safetensors").exists()

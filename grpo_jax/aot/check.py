@@ -43,7 +43,7 @@ from grpo_jax import sharding, validation
 from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot.programs import (SPARE, GiB, Plan, Program, chip_memory,
                                    chip_spec, compile_program,
-                                   model_config_from_source, per_chip_bytes,
+                                   model_config_from_source,
                                    replicated, row_sharded, topology_devices)
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import transformer

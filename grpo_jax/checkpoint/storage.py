@@ -24,9 +24,12 @@ def manager(directory: epath.Path, *, keep: Optional[int] = None,
              partial: bool = False) -> ocp.CheckpointManager:
   """A manager of the three items; `partial` restores subtrees of `state`."""
   state = ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler()
+  # A reader saves nothing: save_interval_steps=0 says so (orbax warns
+  # that it sets it otherwise, once per manager).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, enable_async_checkpointing=async_save,
-      read_only=read_only, create=not read_only)
+      read_only=read_only, create=not read_only,
+      **({"save_interval_steps": 0} if read_only else {}))
   return ocp.CheckpointManager(
       directory, options=options,
       item_handlers={"state": state, "host": ocp.JsonCheckpointHandler(),
