@@ -106,10 +106,10 @@ def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
   C = P // Z + 1 (column c of prompt b is its position c; zeros past it)."""
   B, K, P, E = kv_bkpe.shape
   C = P // Z + 1
-  col_c = jnp.arange(C * Z)
-  src_bc = jnp.minimum(col_c[None] + (P - prompt_len_b)[:, None], P - 1)
-  kept = jnp.take_along_axis(kv_bkpe, src_bc[:, None, :, None], axis=2)
-  kept = jnp.where((col_c[None] < prompt_len_b[:, None])[:, None, :, None],
+  col = jnp.arange(C * Z)
+  src = jnp.minimum(col[None] + (P - prompt_len_b)[:, None], P - 1)
+  kept = jnp.take_along_axis(kv_bkpe, src[:, None, :, None], axis=2)
+  kept = jnp.where((col[None] < prompt_len_b[:, None])[:, None, :, None],
                    kept, 0)
   return kept.reshape(B, K, C, Z, E)
 
@@ -121,16 +121,16 @@ def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
   L, B, K, _, E = pp.k.shape
   C = pp.k.shape[3] // Z + 1
 
-  def one_shard(pool_kxze, pages_bkcze, table_bc):
-    src = jnp.moveaxis(pages_bkcze, 1, 0)              # (K, B, C, Z, E)
-    return pool_kxze.at[:, table_bc].set(src, mode="drop")
+  def one_shard(pool_kxze, pages_bkjze, table_bj):
+    src = jnp.moveaxis(pages_bkjze, 1, 0)              # (K, B, C, Z, E)
+    return pool_kxze.at[:, table_bj].set(src, mode="drop")
 
   def layer(kv_bkpe):
-    pages_bkcze = _compact(kv_bkpe, prompt_len_b, Z)
+    pages_bkjze = _compact(kv_bkpe, prompt_len_b, Z)
     tail = jnp.take_along_axis(
-        pages_bkcze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
+        pages_bkjze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
     pool = jnp.zeros((R, K, X, Z, E), kv_bkpe.dtype)
-    pool = jax.vmap(one_shard)(pool, continuous._per_shard(R, pages_bkcze),
+    pool = jax.vmap(one_shard)(pool, continuous._per_shard(R, pages_bkjze),
                                continuous._per_shard(R, table_bj[:, :C]))
     pin = (lambda x, a: x) if layout is None else layout.constrain
     return pin(pool, POOL_AXES), pin(tail, TAIL_AXES)
