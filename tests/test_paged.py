@@ -206,3 +206,11 @@ def test_config_fields_are_validated():
     sampling.SamplingConfig(kv_cache="paged")
   with pytest.raises(ValueError, match="stop_check_every"):
     sampling.SamplingConfig(stop_check_every=0)
+
+
+@pytest.mark.slow
+def test_sharded_rows_on_eight_fake_devices(run_sharding_checks):
+  """tests/paged_sharding_checks.py in a subprocess: the paged sampler with
+  rows over 8 (then 4 x tensor 2) row shards gives one device's static
+  samples, one page pool per row shard, every page returned."""
+  run_sharding_checks("paged_sharding_checks.py", ["8,1,1", "2,2,2"])
