@@ -19,7 +19,7 @@ from grpo_jax.algorithms import dynamic_sampling, losses, rollout_correction
 from grpo_jax.config import base_config
 from grpo_jax.data.files import MAX_RECORD_BYTES, check_reading_options
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import attention, transformer
+from grpo_jax.models import attention, paged, transformer
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -34,6 +34,7 @@ _CHOICES = {
     "model.remat": tuple(transformer.REMAT_POLICIES),
     "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
+    "sampling.attention": paged.ATTENTION,      # the paged decode attention
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
@@ -30,8 +31,8 @@ def _prompts(lengths=LENGTHS, seed=0):
 
 
 def _cfg(**kwargs):
-  kwargs = {"stop_ids": STOPS, **kwargs}
-  return sampling.SamplingConfig(max_new_tokens=20, continuous_batching=True,
+  kwargs = {"stop_ids": STOPS, "max_new_tokens": 20, **kwargs}
+  return sampling.SamplingConfig(continuous_batching=True,
                                  slots=4, **kwargs)
 
 
@@ -98,6 +99,11 @@ def test_paged_attention_equals_dense(window):
   cut = paged.bucketed_attention(q, *pools, length_m, table_mj, jnp.int32(5),
                                  window, block=8)
   np.testing.assert_allclose(cut, want, atol=1e-5)
+  if window is None:      # the TPU kernel, interpreted on this CPU
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+      kernel = paged.kernel_attention(q, *pools, length_m, table_mj)
+    np.testing.assert_allclose(kernel, want, atol=2e-2)
+    assert np.abs(np.asarray(kernel) - np.asarray(want)).max() > 0  # ran
 
 
 def test_greedy_equals_the_dense_sampler(params):
@@ -186,12 +192,41 @@ def test_release_and_conflicts():
       [[0, 1, X], [X, X, X], [2, X, X]])
 
 
+@pytest.mark.slow
+def test_the_kernel_in_the_sampler_equals_the_reference(params):
+  """sampling.attention = 'pallas' (the TPU kernel, interpreted on this
+  CPU) in the whole paged sampler: the reference path's greedy tokens, its
+  log-probs to the kernel's precision (~5e-3 here: over 12 tokens these
+  chaotic weights flip a near-tie at token 10, so 8 tokens)."""
+  prompts = _prompts([5, 12, 3])
+  loud = jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params)
+  cfg = _cfg(greedy=True, stop_ids=(33, 121, 1, 197), kv_cache="paged",
+             page_size=4, max_new_tokens=8)
+  ref, _ = _paged(loud, prompts, dataclasses.replace(cfg,
+                                                     attention="reference"), 2)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    out, stats = _paged(loud, prompts, dataclasses.replace(
+        cfg, attention="pallas"), 2)
+  np.testing.assert_array_equal(out.tokens_nt, ref.tokens_nt)
+  np.testing.assert_allclose(out.logp_nt, ref.logp_nt, atol=2e-2)
+  _assert_accounting(stats)
+
+
+def test_attention_choice():
+  assert paged.resolve("auto", CONFIG) == "reference"     # a CPU
+  windowed = dataclasses.replace(CONFIG, sliding_window=8)
+  assert paged.resolve("auto", windowed) == "reference"
+  with pytest.raises(ValueError, match="sliding window"):
+    paged.resolve("pallas", windowed)
+
+
 def test_config_fields_are_validated():
   for field, value, match in [("kv_cache", "paged_v2", "sampling.kv_cache"),
                               ("page_size", 0, "sampling.page_size"),
                               ("pages", -1, "sampling.pages"),
                               ("stop_check_every", 0,
-                               "sampling.stop_check_every")]:
+                               "sampling.stop_check_every"),
+                              ("attention", "splash", "sampling.attention")]:
     c = config_lib.base_config()
     c.sampling.continuous_batching = True
     c.sampling[field] = value

@@ -48,6 +48,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from grpo_jax import sharding
 from grpo_jax.generate import continuous, decoding, pages
@@ -151,6 +152,28 @@ def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int) -> tuple:
                for pool, tail in zip(pools, tails))
 
 
+def _kernel_fn(layout: Layout):
+  """The kernel over R shards' pools: one shard per device (Mosaic kernels
+  are not partitioned automatically), rows over the batch axes and KV
+  heads (and their query heads) as the rules split the pool."""
+  one = lambda q, k, v, n, t: paged.kernel_attention(
+      q[0], k[0], v[0], n[0], t[0])[None]
+  if layout is None:
+    return one
+
+  def attend(q, k, v, n, t):
+    spec = sharding.spec_for(POOL_AXES, k.shape, layout.mesh, layout.rules)
+    rows, heads = (tuple(spec) + (None, None))[:2]
+    pool = PartitionSpec(rows, heads)
+    f = jax.shard_map(one, mesh=layout.mesh,
+                      in_specs=(PartitionSpec(rows, None, heads), pool, pool,
+                                PartitionSpec(rows), PartitionSpec(rows)),
+                      out_specs=PartitionSpec(rows, None, heads),
+                      check_vma=False)
+    return f(q, k, v, n, t)
+  return attend
+
+
 def _victims(live_m, waiting_m, row_m):
   """One shard: the youngest live slot when the oldest live one waits for
   a page (and is not itself the youngest)."""
@@ -241,6 +264,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                      f"{R} row shards")
   J = pages_needed(P, T, Z)
   split = functools.partial(continuous._per_shard, R)
+  impl = paged.resolve(cfg.attention, model_config)
 
   # PREFILL: each prompt once into shared pages; first tokens.
   prompt_bp, prompt_len_b = (continuous._pin(layout, x)
@@ -294,9 +318,11 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                                   1)[:, 0]
     prev_m = continuous._read(c.tokens_nt, c.row_m, c.t_m - 1, R)
     filled = jnp.max(jnp.where(active_m, j_m + 1, 0))
+    attend = (paged.reference_fn(model_config, filled) if impl == "reference"
+              else _kernel_fn(layout))
     logits_mv, k, v = paged.decode_step(
         model_config, params, c.k, c.v, prev_m, column_m,
-        jnp.where(active_m, entry_m, X), c.table_mj, filled, layers, R)
+        jnp.where(active_m, entry_m, X), c.table_mj, attend, layers, R)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, c.t_m)
     tokens_nt = continuous._write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m,
                                   R)

@@ -13,7 +13,9 @@ of it clipped and masked.
 
 `paged_attention_reference` is the plain-JAX decode attention (CPU, GPU, and
 the check of the kernel): it gathers the row's pages through its table and
-masks columns at or past its length. `decode_step` is `ragged.decode_step`
+masks columns at or past its length. `kernel_attention` is the same by the
+TPU Pallas kernel (one shard; `paged_slots` wraps it in `jax.shard_map`),
+chosen by `sampling.attention` (ATTENTION, `resolve`). `decode_step` is `ragged.decode_step`
 over pages: each row writes its new key and value at one (page, offset) and
 attends over its own pages, up to the longest row's page count (bucketed
 like `ragged.filled_attention`, so short calls do not read empty pages).
@@ -25,11 +27,30 @@ entries per row; per-shard arrays add a leading R (row shards).
 from __future__ import annotations
 
 import jax
+from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import attention, ragged, transformer
 from grpo_jax.models.config import ModelConfig
+
+# sampling.attention: the decode attention over pages. auto: the TPU kernel
+# on TPU (where the model has no sliding window), else the reference.
+ATTENTION = ("auto", "reference", "pallas")
+
+
+def resolve(impl: str, model_config: ModelConfig) -> str:
+  """"reference" or "pallas" for `impl` (one of ATTENTION) on this backend."""
+  if impl not in ATTENTION:
+    raise ValueError(f"paged attention {impl!r}; allowed: {ATTENTION}")
+  if impl == "pallas" and model_config.sliding_window is not None:
+    raise ValueError("sampling.attention = 'pallas': the TPU paged-attention "
+                     "kernel has no sliding window; use 'reference'")
+  if impl == "auto":
+    tpu = jax.default_backend() == "tpu"
+    return ("pallas" if tpu and model_config.sliding_window is None
+            else "reference")
+  return impl
 
 
 def no_page(pool_kxze: jax.Array) -> int:
@@ -95,6 +116,29 @@ def bucketed_attention(q_mhe, k_kxze, v_kxze, length_m, table_mj,
                         v_kxze, length_m, table_mj)
 
 
+def kernel_attention(q_mhe: jax.Array, k_kxze: jax.Array, v_kxze: jax.Array,
+                     length_m: jax.Array, table_mj: jax.Array) -> jax.Array:
+  """`paged_attention_reference` (no window) by the TPU Pallas kernel, one
+  row shard. The kernel does not scale the scores, so q is scaled here; it
+  reads whole compute blocks of pages, so the table is padded to whole
+  blocks and its no-page entries point at a real page (masked by length,
+  never read past it)."""
+  X, Z, E = k_kxze.shape[1], k_kxze.shape[2], k_kxze.shape[3]
+  J = table_mj.shape[1]
+  block = min(J, max(1, ragged.BLOCK_S // Z))
+  table_mj = jnp.pad(jnp.minimum(table_mj, X - 1), [(0, 0), (0, -J % block)])
+  q_mhe = (q_mhe / np.sqrt(E)).astype(k_kxze.dtype)
+  return tpu_paged.paged_attention(
+      q_mhe, k_kxze, v_kxze, length_m.astype(jnp.int32),
+      table_mj.astype(jnp.int32), pages_per_compute_block=block)
+
+
+def reference_fn(model_config: ModelConfig, filled_pages: jax.Array):
+  """The reference over R shards' pools: `decode_step`'s `attend`."""
+  return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
+      q, k, v, n, t, filled_pages, model_config.sliding_window))
+
+
 def write_pages(pool_kxze: jax.Array, new_mke: jax.Array, page_m: jax.Array,
                 offset_m: jax.Array) -> jax.Array:
   """pool[:, page_m[m], offset_m[m]] = new_mke[m]; rows whose page is
@@ -106,23 +150,23 @@ def write_pages(pool_kxze: jax.Array, new_mke: jax.Array, page_m: jax.Array,
 def decode_step(model_config: ModelConfig, params: transformer.Params,
                 k_pools: tuple, v_pools: tuple, tokens_m: jax.Array,
                 column_m: jax.Array, page_m: jax.Array, table_mj: jax.Array,
-                filled_pages: jax.Array, layers: list, R: int) -> tuple:
+                attend, layers: list, R: int) -> tuple:
   """One token per row: row m (at position column_m[m]) writes its key and
   value at (page_m[m], column_m[m] % Z) of its shard's pool (no_page: it
   writes nowhere), then attends over its columns [0, column_m + 1).
 
   k_pools, v_pools: one (R, K, X, Z, E) pool per layer; rows (M) and their
   tables are split in R contiguous parts, shard r's rows reading and
-  writing only pool r (vmapped). `layers` as `transformer.unstack_layers`
-  gives them. Returns float32 logits (M, V) and the updated pools."""
+  writing only pool r. attend: (q (R, M/R, H, E), k pool, v pool, lengths
+  (R, M/R), tables (R, M/R, J)) -> (R, M/R, H, E), `reference_fn` or the
+  kernel per shard. `layers` as `transformer.unstack_layers` gives them.
+  Returns float32 logits (M, V) and the updated pools."""
   M = tokens_m.shape[0]
   Z = k_pools[0].shape[3]
   split = lambda x: x.reshape(R, M // R, *x.shape[1:])
   page, offset = split(page_m), split(column_m % Z)
   length, table = split(column_m + 1), split(table_mj)
   write = jax.vmap(write_pages)
-  attend = jax.vmap(lambda q, k, v, n, t: bucketed_attention(
-      q, k, v, n, t, filled_pages, model_config.sliding_window))
   x = transformer.embed(params, tokens_m[:, None])
   ks, vs = list(k_pools), list(v_pools)
   for i, lp in enumerate(layers):
