@@ -8,7 +8,9 @@ params and the layout, at temperature 1 with stop ids (ragged rows, slots
 refilled mid-call) gives one device's static samples; the outputs' rows are
 split data x fsdp ways; the compiled program's page pool is a per-device
 slice (one row shard's pool, KV heads over tensor), never whole on one
-device; every page returns to its shard's pool. Prints one JSON line per
+device; every page returns to its shard's pool; with a tensor axis, the
+TPU kernel (sampling.attention = "pallas", inside jax.shard_map, in TPU
+interpret mode) gives the same samples. Prints one JSON line per
 mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
 import os
@@ -22,6 +24,7 @@ import dataclasses
 import sys
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,6 +70,15 @@ def check_mesh(shape, params, ref) -> None:
   assert f"f32[1,{heads},{X},{Z},{E}]" in hlo, (
       f"no per-device pool f32[1,{heads},{X},{Z},{E}]")
   assert f"f32[{R},{K},{X},{Z},{E}]" not in hlo, "a whole pool on a device"
+  if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
+    kernel_cfg = dataclasses.replace(PAGED, attention="pallas")
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+      kernel = jax.device_get(sampling.sample(     # 4 prompts: interpreting
+          MODEL, sharded, PROMPTS[:4], jax.random.key(3), kernel_cfg, G,
+          layout=layout))                           # is slow
+    rows = 4 * G          # the noise is (key, row, t): the same rows' samples
+    np.testing.assert_array_equal(kernel.tokens_nt, ref.tokens_nt[:rows])
+    np.testing.assert_allclose(kernel.logp_nt, ref.logp_nt[:rows], atol=2e-2)
 
 
 def main(argv) -> int:
