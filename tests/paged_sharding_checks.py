@@ -62,7 +62,7 @@ def check_mesh(shape, params, ref) -> None:
   args = (MODEL, sharded, layout.rows(prompt_bp), layout.rows(len_b),
           jax.random.key(3), dataclasses.replace(PAGED, slots=0), G, SLOTS, X,
           jnp.int32(len(PROMPTS)), layout)
-  _, stats = paged_slots.sample_pages(*args)
+  _, stats = paged_slots.sample_pages(*args, check_pages=True)
   assert int(stats.in_use_end) == 0 and int(stats.conflicts) == 0, stats
   hlo = paged_slots.sample_pages.lower(*args).compile().as_text()
   K, E, Z = MODEL.num_kv_heads, MODEL.head_dim, PAGED.page_size

@@ -45,7 +45,7 @@ def _paged(params, prompts, cfg, G, key=5):
   return paged_slots.sample_pages(
       CONFIG, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
       jax.random.key(key), dataclasses.replace(cfg, slots=0, pages=0), G,
-      cfg.slots, pool, jnp.int32(len(prompts)))
+      cfg.slots, pool, jnp.int32(len(prompts)), check_pages=True)
 
 
 def _assert_same(a, b, atol=1e-5):

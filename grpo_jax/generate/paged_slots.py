@@ -66,7 +66,8 @@ class PageStats(NamedTuple):
   waited: jax.Array         # slot-steps a live row waited for a page
   peak_pages: jax.Array     # most pages in use at once, summed over shards
   in_use_end: jax.Array     # pages still counted at the end (0: all returned)
-  conflicts: jax.Array      # page-steps writable by two slots (0: sound)
+  conflicts: jax.Array      # page-steps writable by two slots (0: sound;
+                            # counted with check_pages only)
 
 
 class _Carry(NamedTuple):
@@ -244,16 +245,18 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
 
 @functools.partial(jax.jit, static_argnames=("model_config", "cfg",
                                              "num_generations", "slots",
-                                             "pool_pages", "layout"))
+                                             "pool_pages", "layout",
+                                             "check_pages"))
 def sample_pages(model_config: ModelConfig, params: transformer.Params,
                  prompt_bp: jax.Array, prompt_len_b: jax.Array, key: jax.Array,
                  cfg: decoding.SamplingConfig, num_generations: int,
                  slots: int, pool_pages: int, real_prompts: jax.Array,
-                 layout: Layout = None) -> tuple:
+                 layout: Layout = None, check_pages: bool = False) -> tuple:
   """G completions of each left-padded prompt (B, P) by continuous batching
   over `slots` slots and a pool of `pool_pages` pages of cfg.page_size
   columns per row shard (module docstring). The pool must hold the shard's
-  prompts' full pages plus `pages_needed` (the host checks). Returns
+  prompts' full pages plus `pages_needed` (the host checks). check_pages:
+  count `pages.conflicts` every step (tests; O(pool) per step). Returns
   (Samples, PageStats)."""
   B, P = prompt_bp.shape
   G, T, Z, X = num_generations, cfg.max_new_tokens, cfg.page_size, pool_pages
@@ -333,8 +336,9 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                                   split(jnp.zeros_like(c.row_m)))
     table_mj = jnp.where(ended_m[:, None], X, c.table_mj)
     live_m = c.live_m & ~ended_m
-    bad = jax.vmap(pages.conflicts)(ref, split(table_mj),
-                                    split(live_m | c.wait_m), split(full_m))
+    bad = (jax.vmap(pages.conflicts)(ref, split(table_mj),
+                                     split(live_m | c.wait_m), split(full_m))
+           if check_pages else zero)
     c = c._replace(steps=steps, t_m=jnp.where(active_m, c.t_m + 1, c.t_m),
                    live_m=live_m, table_mj=table_mj, ref=ref, k=k, v=v,
                    tokens_nt=tokens_nt, logp_nt=logp_nt,
