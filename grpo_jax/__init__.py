@@ -20,7 +20,7 @@ Shape letters, one meaning in every name and file (`reward_bg`, `logp_nt`,
     m  cache slots (continuous      r  packed rows: rows of s
        batching, continuous.py)        columns holding several
                                        sequences (packing.py)
-    x  pages of a KV page pool      z  columns of a page
+    w  pages of a KV page pool      z  columns of a page
        (models/paged.py)            j  a row's page-table entries
 
 A name's shape suffix is its last `_` part: these letters in axis order

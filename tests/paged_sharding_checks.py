@@ -58,18 +58,18 @@ def check_mesh(shape, params, ref) -> None:
   R = layout.batch_shards
   P = sampling.bucket(max(map(len, PROMPTS)))
   prompt_bp, len_b = sampling.left_pad(PROMPTS, P, len(PROMPTS), 0)
-  X = sampling.pool_pages(PAGED, len_b, len(PROMPTS), SLOTS, R, P)
+  W = sampling.pool_pages(PAGED, len_b, len(PROMPTS), SLOTS, R, P)
   args = (MODEL, sharded, layout.rows(prompt_bp), layout.rows(len_b),
-          jax.random.key(3), dataclasses.replace(PAGED, slots=0), G, SLOTS, X,
+          jax.random.key(3), dataclasses.replace(PAGED, slots=0), G, SLOTS, W,
           jnp.int32(len(PROMPTS)), layout)
   _, stats = paged_slots.sample_pages(*args, check_pages=True)
   assert int(stats.in_use_end) == 0 and int(stats.conflicts) == 0, stats
   hlo = paged_slots.sample_pages.lower(*args).compile().as_text()
   K, E, Z = MODEL.num_kv_heads, MODEL.head_dim, PAGED.page_size
   heads = K // tensor if K % tensor == 0 else K
-  assert f"f32[1,{heads},{X},{Z},{E}]" in hlo, (
-      f"no per-device pool f32[1,{heads},{X},{Z},{E}]")
-  assert f"f32[{R},{K},{X},{Z},{E}]" not in hlo, "a whole pool on a device"
+  assert f"f32[1,{heads},{W},{Z},{E}]" in hlo, (
+      f"no per-device pool f32[1,{heads},{W},{Z},{E}]")
+  assert f"f32[{R},{K},{W},{Z},{E}]" not in hlo, "a whole pool on a device"
   if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
     kernel_cfg = dataclasses.replace(PAGED, attention="pallas")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):

@@ -22,7 +22,7 @@ LENGTHS = [5, 12, 9, 16, 3]      # page size 4: 12 and 16 fill whole pages
 
 @pytest.fixture(scope="module")
 def params():
-  return init_params(CONFIG, jax.random.key(0))
+  return jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
 
 
 def _prompts(lengths=LENGTHS, seed=0):
@@ -65,7 +65,7 @@ def test_paged_attention_equals_dense(window):
   their first pages (a prompt's), unused table entries past the pool:
   the reference (and its bucketed form) equals attention.attention over
   each row's dense columns."""
-  M, K, H, E, Z, J, X = 4, 2, 6, 8, 4, 5, 24
+  M, K, H, E, Z, J, W = 4, 2, 6, 8, 4, 5, 24
   ks = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(ks[0], (M, H, E))
   k_mkse = jax.random.normal(ks[1], (M, K, J * Z, E))
@@ -73,8 +73,8 @@ def test_paged_attention_equals_dense(window):
   k_mkse = k_mkse.at[1, :, :2 * Z].set(k_mkse[0, :, :2 * Z])   # shared pages
   v_mkse = v_mkse.at[1, :, :2 * Z].set(v_mkse[0, :, :2 * Z])
   length_m = jnp.array([9, 17, 1, 12])
-  order = np.random.RandomState(1).permutation(X)
-  table_mj = np.full((M, J), X)
+  order = np.random.RandomState(1).permutation(W)
+  table_mj = np.full((M, J), W)
   used = 0
   for m in range(M):
     for j in range(-(-int(length_m[m]) // Z)):
@@ -84,8 +84,8 @@ def test_paged_attention_equals_dense(window):
         table_mj[m, j], used = order[used], used + 1
   pools = []
   for dense in (np.asarray(k_mkse), np.asarray(v_mkse)):
-    pool = np.zeros((K, X, Z, E), np.float32)
-    for m, j in zip(*np.nonzero(table_mj < X)):
+    pool = np.zeros((K, W, Z, E), np.float32)
+    for m, j in zip(*np.nonzero(table_mj < W)):
       pool[:, table_mj[m, j]] = dense[m, :, j * Z:(j + 1) * Z]
     pools.append(jnp.asarray(pool))
   col = jnp.arange(J * Z)
@@ -147,11 +147,13 @@ def test_a_small_pool_waits_and_preempts_with_the_same_samples(
     _paged(params, _prompts(), dataclasses.replace(cfg, pages=12), 3)
 
 
+@pytest.mark.slow
 def test_stop_check_every_k_steps_gives_the_same_samples(
     params, dense_samples):
   """The dense continuous loop checking for live rows every 4 steps: the
   same samples and step count (steps after the last row ends are not
-  counted). (The paged loop: test_greedy_equals_the_dense_sampler.)"""
+  counted). (The paged loop, in the default suite:
+  test_greedy_equals_the_dense_sampler.)"""
   every = sampling.sample(CONFIG, params, _prompts(), jax.random.key(5),
                           _cfg(top_p=0.9, stop_check_every=4), 3)
   _assert_same(every, dense_samples, atol=0)
@@ -159,37 +161,37 @@ def test_stop_check_every_k_steps_gives_the_same_samples(
 
 
 def test_grant_is_oldest_first_and_leaves_pages():
-  ref_x = jnp.array([1, 0, 0, 2, 0, 0])          # pages 1, 2, 4, 5 free
+  ref_w = jnp.array([1, 0, 0, 2, 0, 0])          # pages 1, 2, 4, 5 free
   want_m = jnp.array([True, True, False, True])
   order_m = jnp.array([7, 3, 0, 5])
   keep_m = jnp.array([0, 0, 0, 3])                # slot 3 must leave 3 free
-  ref, page_m, got_m = pages.grant(ref_x, want_m, order_m, keep_m)
+  ref, page_m, got_m = pages.grant(ref_w, want_m, order_m, keep_m)
   np.testing.assert_array_equal(got_m, [True, True, False, False])
   np.testing.assert_array_equal(page_m, [4, 1, 6, 6])   # order 3 first
   np.testing.assert_array_equal(ref, [1, 1, 0, 2, 1, 0])
 
 
 def test_release_and_conflicts():
-  X = 6
-  table_mj = jnp.array([[0, 1, 2], [0, 3, X], [4, X, X]])
-  ref_x = jnp.array([2, 1, 1, 1, 1, 0])           # page 0: a shared prompt page
+  W = 6
+  table_mj = jnp.array([[0, 1, 2], [0, 3, W], [4, W, W]])
+  ref_w = jnp.array([2, 1, 1, 1, 1, 0])           # page 0: a shared prompt page
   full_m = jnp.array([1, 1, 0])
   holds_m = jnp.array([True, True, True])
-  assert int(pages.conflicts(ref_x, table_mj, holds_m, full_m)) == 0
+  assert int(pages.conflicts(ref_w, table_mj, holds_m, full_m)) == 0
   # Slot 2 taking slot 0's own page 2, or a page freed while in use: caught.
   bad = table_mj.at[2, 1].set(2)
-  assert int(pages.conflicts(ref_x, bad, holds_m, full_m)) == 1
-  assert int(pages.conflicts(ref_x.at[3].set(0), table_mj, holds_m,
+  assert int(pages.conflicts(ref_w, bad, holds_m, full_m)) == 1
+  assert int(pages.conflicts(ref_w.at[3].set(0), table_mj, holds_m,
                              full_m)) == 1
   # Slot 0 preempted (own pages only), slot 1 ends (all its references).
-  ref = pages.release(ref_x, table_mj, jnp.array([True, False, False]), full_m)
+  ref = pages.release(ref_w, table_mj, jnp.array([True, False, False]), full_m)
   np.testing.assert_array_equal(ref, [2, 0, 0, 1, 1, 0])
   ref = pages.release(ref, table_mj, jnp.array([False, True, False]),
                       jnp.zeros(3, jnp.int32))
   np.testing.assert_array_equal(ref, [1, 0, 0, 0, 1, 0])
   np.testing.assert_array_equal(
-      pages.prompt_tables(jnp.array([2, 0, 1]), 3, X),
-      [[0, 1, X], [X, X, X], [2, X, X]])
+      pages.prompt_tables(jnp.array([2, 0, 1]), 3, W),
+      [[0, 1, W], [W, W, W], [2, W, W]])
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 `continuous.sample_slots` gives each slot a dense cache of P + T columns
 and copies a group's prompt into each of its G slots; every step attends
 over every slot up to the longest live row. Here the keys and values live
-in a pool of pages per row shard (`models.paged`: (K, X, Z, E) per layer,
+in a pool of pages per row shard (`models.paged`: (K, W, Z, E) per layer,
 the TPU kernel's layout) and each slot has a page table:
 
   prefill   every prompt once (decoding.prompt_pass); its full pages are
@@ -56,7 +56,7 @@ from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Layout = Optional[sharding.Layout]
-POOL_AXES = (sharding.BATCH, "kv_heads", None, None, "head_dim")  # (R,K,X,Z,E)
+POOL_AXES = (sharding.BATCH, "kv_heads", None, None, "head_dim")  # (R,K,W,Z,E)
 TAIL_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")        # (B,K,Z,E)
 
 
@@ -77,9 +77,9 @@ class _Carry(NamedTuple):
   live_m: jax.Array         # bool: decoding
   wait_m: jax.Array         # bool: holds a row that has not started
   next_row: jax.Array       # int32 (R,)
-  table_mj: jax.Array       # int32: local page ids (X: none)
-  ref: jax.Array            # int32 (R, X): each page's count
-  k: tuple                  # (R, K, X, Z, E) per layer
+  table_mj: jax.Array       # int32: local page ids (W: none)
+  ref: jax.Array            # int32 (R, W): each page's count
+  k: tuple                  # (R, K, W, Z, E) per layer
   v: tuple
   tokens_nt: jax.Array
   logp_nt: jax.Array
@@ -117,21 +117,21 @@ def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
 
 
 def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
-                  X: int, Z: int, R: int, layout: Layout):
-  """Pools (R, K, X, Z, E) holding every prompt's full pages at its table's
+                  W: int, Z: int, R: int, layout: Layout):
+  """Pools (R, K, W, Z, E) holding every prompt's full pages at its table's
   pages, and the tails (B, K, Z, E) per layer, for keys and values."""
   L, B, K, _, E = pp.k.shape
   C = pp.k.shape[3] // Z + 1
 
-  def one_shard(pool_kxze, pages_bkjze, table_bj):
+  def one_shard(pool_kwze, pages_bkjze, table_bj):
     src = jnp.moveaxis(pages_bkjze, 1, 0)              # (K, B, C, Z, E)
-    return pool_kxze.at[:, table_bj].set(src, mode="drop")
+    return pool_kwze.at[:, table_bj].set(src, mode="drop")
 
   def layer(kv_bkpe):
     pages_bkjze = _compact(kv_bkpe, prompt_len_b, Z)
     tail = jnp.take_along_axis(
         pages_bkjze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
-    pool = jnp.zeros((R, K, X, Z, E), kv_bkpe.dtype)
+    pool = jnp.zeros((R, K, W, Z, E), kv_bkpe.dtype)
     pool = jax.vmap(one_shard)(pool, continuous._per_shard(R, pages_bkjze),
                                continuous._per_shard(R, table_bj[:, :C]))
     pin = (lambda x, a: x) if layout is None else layout.constrain
@@ -145,8 +145,8 @@ def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
 def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int) -> tuple:
   """Prompt prompt_m[m]'s tail into page page_m[m] of slot m's shard
   (no_page: nowhere), every layer."""
-  def one_shard(pool_kxze, tail_mkze, page):
-    return pool_kxze.at[:, page].set(jnp.swapaxes(tail_mkze, 0, 1),
+  def one_shard(pool_kwze, tail_mkze, page):
+    return pool_kwze.at[:, page].set(jnp.swapaxes(tail_mkze, 0, 1),
                                      mode="drop")
   split = functools.partial(continuous._per_shard, R)
   return tuple(jax.vmap(one_shard)(pool, split(tail[prompt_m]), split(page_m))
@@ -207,13 +207,13 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
   """PAGES (module docstring): grants, tail copies, preemption. Returns the
   carry and the slots that decode this step."""
   M, J = c.table_mj.shape
-  X = c.ref.shape[1]
+  W = c.ref.shape[1]
   N = c.tokens_nt.shape[0]
   split = functools.partial(continuous._per_shard, R)
   j_m = column_m // c.k[0].shape[3]
   entry_m = jnp.take_along_axis(c.table_mj, jnp.minimum(j_m, J - 1)[:, None],
                                 1)[:, 0]
-  grow_m = c.live_m & (entry_m >= X)
+  grow_m = c.live_m & (entry_m >= W)
   order_m = jnp.where(c.live_m, c.row_m, c.row_m + N)
   n_live = split(c.live_m).sum(1, keepdims=True)
   keep_m = jnp.where(c.wait_m, jnp.repeat(n_live, M // R), 0)
@@ -223,15 +223,15 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
   start_m = c.wait_m & got_m
   table_mj = pages.set_entry(c.table_mj, jnp.where(start_m, full_m, j_m),
                              page_m, got_m)
-  k = _copy_tails(c.k, tails[0], prompt_m, jnp.where(start_m, page_m, X), R)
-  v = _copy_tails(c.v, tails[1], prompt_m, jnp.where(start_m, page_m, X), R)
+  k = _copy_tails(c.k, tails[0], prompt_m, jnp.where(start_m, page_m, W), R)
+  v = _copy_tails(c.v, tails[1], prompt_m, jnp.where(start_m, page_m, W), R)
   waiting_m = grow_m & ~got_m
   victim_m = jax.vmap(_victims)(split(c.live_m), split(waiting_m),
                                 split(c.row_m)).reshape(M)
   ref = jax.vmap(pages.release)(ref, split(table_mj), split(victim_m),
                                 split(full_m))
   own_mj = jnp.arange(J)[None] >= full_m[:, None]
-  table_mj = jnp.where(victim_m[:, None] & own_mj, X, table_mj)
+  table_mj = jnp.where(victim_m[:, None] & own_mj, W, table_mj)
   live_m = (c.live_m | start_m) & ~victim_m
   stats = c.stats._replace(
       preempted=c.stats.preempted + victim_m.sum(),
@@ -259,7 +259,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   count `pages.conflicts` every step (tests; O(pool) per step). Returns
   (Samples, PageStats)."""
   B, P = prompt_bp.shape
-  G, T, Z, X = num_generations, cfg.max_new_tokens, cfg.page_size, pool_pages
+  G, T, Z, W = num_generations, cfg.max_new_tokens, cfg.page_size, pool_pages
   N, M = B * G, slots
   R = 1 if layout is None else layout.batch_shards
   if B % R or M % R:
@@ -286,13 +286,13 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
 
   real_b = jnp.arange(B) < real_prompts
   full_b = jnp.where(real_b, prompt_len_b // Z, 0)
-  table_bj = jax.vmap(lambda f: pages.prompt_tables(f, J, X))(
+  table_bj = jax.vmap(lambda f: pages.prompt_tables(f, J, W))(
       split(full_b)).reshape(B, J)
-  ref = jax.vmap(lambda t: pages.count(jnp.zeros((X,), jnp.int32), t,
+  ref = jax.vmap(lambda t: pages.count(jnp.zeros((W,), jnp.int32), t,
                                        jnp.ones(t.shape, bool), G))(
       split(table_bj))
   ks, vs, k_tails, v_tails = _prefill_pool(pp, prompt_len_b, full_b, table_bj,
-                                           X, Z, R, layout)
+                                           W, Z, R, layout)
   N_local = N // R
   first_row = jnp.arange(R, dtype=jnp.int32) * N_local
   row_limit = first_row + jnp.clip(real_prompts * G - first_row, 0, N_local)
@@ -301,7 +301,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   zeros_m, no_m = jnp.zeros((M,), jnp.int32), jnp.zeros((M,), bool)
   carry = _pin_carry(layout, take(_Carry(
       zero, zeros_m, zeros_m, no_m, no_m, first_row,
-      jnp.full((M, J), X, jnp.int32), ref, ks, vs, tokens_nt, logp_nt,
+      jnp.full((M, J), W, jnp.int32), ref, ks, vs, tokens_nt, logp_nt,
       PageStats(zero, zero, zero, zero, zero))))
   layers = transformer.unstack_layers(params, model_config.num_layers)
 
@@ -325,7 +325,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
               else _kernel_fn(layout))
     logits_mv, k, v = paged.decode_step(
         model_config, params, c.k, c.v, prev_m, column_m,
-        jnp.where(active_m, entry_m, X), c.table_mj, attend, layers, R)
+        jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, c.t_m)
     tokens_nt = continuous._write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m,
                                   R)
@@ -334,7 +334,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                           | (c.t_m + 1 >= T))
     ref = jax.vmap(pages.release)(c.ref, split(c.table_mj), split(ended_m),
                                   split(jnp.zeros_like(c.row_m)))
-    table_mj = jnp.where(ended_m[:, None], X, c.table_mj)
+    table_mj = jnp.where(ended_m[:, None], W, c.table_mj)
     live_m = c.live_m & ~ended_m
     bad = (jax.vmap(pages.conflicts)(ref, split(table_mj),
                                      split(live_m | c.wait_m), split(full_m))
