@@ -2,7 +2,7 @@
 
     python benchmarks/ragged.py [--prompts 8] [--generations 8]
         [--new-tokens 256] [--slots 0] [--micro-batch 16] [--threads N]
-        [--skip-trl] [--samplers-only] [--quick]
+        [--skip-trl] [--samplers-only] [--quick] [--paged [--page-size 16]]
 
 SmolLM2-135M-Instruct in float32, EOS on, temperature 1: completion lengths
 are the model's own on chat-templated arithmetic prompts of mixed
@@ -17,7 +17,8 @@ Side by side, in one process:
      on the same prompts: grpo_jax's static sampler (all rows decode in
      lockstep until the longest ends), its continuous-batching sampler
      (`SamplingConfig(continuous_batching=True, slots=m)` for each --slots
-     count, 0 = automatic) and transformers `generate` (EOS on). The grpo_jax
+     count, 0 = automatic; with --paged also on the paged KV cache,
+     `kv_cache="paged"`) and transformers `generate` (EOS on). The grpo_jax
      samplers (benchmarks/sampler.py's runners) run once to compile, then
      --repeats rounds interleaved so load hits them alike (best kept; a
      compilation inside a timed round is an error); both draw the same
@@ -84,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--slots", default="0",
                  help="comma-separated slot counts of continuous batching "
                       "(0: automatic, sampling.auto_slots)")
+  p.add_argument("--paged", action="store_true",
+                 help="also the paged KV cache (sampling.kv_cache='paged', "
+                      "automatic pool) at each --slots count")
+  p.add_argument("--page-size", type=int, default=16,
+                 help="columns per page with --paged")
   p.add_argument("--repeats", type=int, default=1,
                  help="timed rounds of the grpo_jax samplers (best kept)")
   p.add_argument("--micro-batch", type=int, default=16,
@@ -145,6 +151,11 @@ def jax_samplers(args, step, prompt_ids) -> dict:
   for m in args.slot_counts:
     runners[f"continuous, {m or 'auto'} slots"] = sampler_bench.ours_runner(
         *common, continuous_batching=True, slots=m)
+    if args.paged:
+      runners[f"continuous paged, {m or 'auto'} slots"] = (
+          sampler_bench.ours_runner(*common, continuous_batching=True, slots=m,
+                                    kv_cache="paged",
+                                    page_size=args.page_size))
   return runners
 
 

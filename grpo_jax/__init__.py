@@ -20,6 +20,8 @@ Shape letters, one meaning in every name and file (`reward_bg`, `logp_nt`,
     m  cache slots (continuous      r  packed rows: rows of s
        batching, continuous.py)        columns holding several
                                        sequences (packing.py)
+    w  pages of a KV page pool      z  columns of a page
+       (models/paged.py)            j  a row's page-table entries
 
 A name's shape suffix is its last `_` part: these letters in axis order
 (`logits_nsv` is [n, s, v]); a trailing 1 is a kept axis of size one

@@ -174,6 +174,18 @@ def base_config() -> ConfigDict:
                                        # slots (grpo_jax/generate/continuous.py);
                                        # chunk_rows is then not used
       slots=0,                         # 0: automatic (sampling.auto_slots)
+      kv_cache="dense",                # continuous batching's cache: dense
+                                       # (P + T columns per slot) | paged (a
+                                       # page pool, prompt pages shared;
+                                       # generate/paged_slots.py)
+      page_size=16,                    # columns per page (paged)
+      pages=0,                         # pages per row shard (paged; 0: as
+                                       # many as dense slots hold)
+      stop_check_every=1,              # continuous batching: decode steps
+                                       # per check of "any row still live"
+      attention="auto",                # paged decode attention: reference
+                                       # (plain JAX) | pallas (the TPU
+                                       # kernel) | auto (pallas on TPU)
       compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = _rl_defaults()

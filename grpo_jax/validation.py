@@ -19,7 +19,7 @@ from grpo_jax.algorithms import dynamic_sampling, losses, rollout_correction
 from grpo_jax.config import base_config
 from grpo_jax.data.files import MAX_RECORD_BYTES, check_reading_options
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import attention, lora, transformer
+from grpo_jax.models import attention, lora, paged, transformer
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -33,6 +33,8 @@ _CHOICES = {
     "model.compute_dtype": DTYPES,
     "model.remat": tuple(transformer.REMAT_POLICIES),
     "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
+    "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
+    "sampling.attention": paged.ATTENTION,      # the paged decode attention
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),
@@ -263,6 +265,9 @@ _AT_LEAST_1 = {
     "train.keep_checkpoints": " (the run resumes from the newest checkpoint "
                               "it keeps)",
     "sampling.max_new_tokens": "", "model.logprob_chunk": "",
+    "sampling.page_size": " (columns per page of the paged KV cache)",
+    "sampling.stop_check_every": " (decode steps per check of whether any "
+                                 "row is still live)",
     "mesh.init_timeout_s": ""}
 # Fields that must be >= 0; 0 means "off" or "all" for the *_every and
 # *_batch_size fields (the loops test them before dividing).
@@ -284,10 +289,16 @@ def _check_ranges(config: ConfigDict) -> None:
     if _get(config, path) < 0:
       raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
                         "be >= 0")
-  for path in ("sampling.chunk_rows", "sampling.slots"):
+  for path in ("sampling.chunk_rows", "sampling.slots", "sampling.pages"):
     if _get(config, path) < 0:
       raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
                         f"be >= 0 (0: automatic)")
+  if (config.sampling.kv_cache == "paged"
+      and not config.sampling.continuous_batching):
+    raise ConfigError("config field 'sampling.kv_cache' = 'paged' is the "
+                      "continuous-batching sampler's cache: set "
+                      "sampling.continuous_batching = True (or kv_cache = "
+                      "'dense')")
   if not 0 < config.sampling.top_p <= 1:
     raise ConfigError(f"config field 'sampling.top_p' = "
                       f"{config.sampling.top_p} must be in (0, 1]")

@@ -197,6 +197,9 @@ def check(config, topology: str, prompt_len: int,
   G = rl.num_generations
   rows_per_call = b_call * G
   if config.sampling.continuous_batching:
+    if config.sampling.kv_cache == "paged":
+      log("  note: sampling.kv_cache = 'paged': this check compiles the "
+          "dense-slot sampler (the paged one is not compiled here yet)")
     slots = rows_per_call = auto_slots(config, plan, hbm)
     build = lambda m: continuous_sampler(plan, m)
     run(build(slots), lambda: largest_fitting(

@@ -162,6 +162,17 @@ def _write(x_nt: jax.Array, row_m: jax.Array, t_m: jax.Array,
                        _per_shard(R, value_m)).reshape(x_nt.shape)
 
 
+def every(step, k: int):
+  """A while loop's body of `k` steps: the loop checks its condition (an
+  all-reduce of the slots' live flags when they are sharded) once per k
+  steps. A step must be a no-op once nothing is left to decode (slots
+  that finished stay masked), so any k gives the same samples; k = 1 is
+  the step itself."""
+  if k == 1:
+    return step
+  return lambda c: jax.lax.fori_loop(0, k, lambda _, c: step(c), c)
+
+
 def _refill(c: _Carry, pp: decoding.PromptPass, first_n: jax.Array,
             row_limit: jax.Array, G: int, T: int, cfg, R: int) -> _Carry:
   """Idle slots take the next rows: prompt cache copied, first token in.
@@ -235,11 +246,12 @@ def sample_slots(model_config: ModelConfig, params: transformer.Params,
     tokens_nt = _write(c.tokens_nt, c.row_m, t_m, tok_m, c.live_m, R)
     logp_nt = _write(c.logp_nt, c.row_m, t_m, logp_m, c.live_m, R)
     ended = decoding.is_stop(tok_m, cfg.stop_ids) | (t_m + 1 >= T)
-    c = c._replace(steps=c.steps + 1, t_m=t_m + 1, live_m=c.live_m & ~ended,
+    c = c._replace(steps=c.steps + cond(c).astype(jnp.int32), t_m=t_m + 1,
+                   live_m=c.live_m & ~ended,
                    cache=cache, tokens_nt=tokens_nt, logp_nt=logp_nt)
     return _pin_carry(layout, refill(c))
 
-  final = jax.lax.while_loop(cond, body, carry)
+  final = jax.lax.while_loop(cond, every(body, cfg.stop_check_every), carry)
   out = decoding.finish(final.tokens_nt, final.logp_nt, final.steps, cfg)
   return decoding.Samples(*(_pin(layout, x) for x in out[:-1]),
                           steps=out.steps)

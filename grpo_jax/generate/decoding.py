@@ -25,8 +25,11 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import transformer
+from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
+
+
+KV_CACHES = ("dense", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,17 @@ class SamplingConfig:
   continuous_batching: decode with `slots` cache slots that rows take in
   turn (`grpo_jax.generate.continuous`) instead of all rows of a call in lockstep;
   slots 0 is automatic (`sampling.auto_slots`); chunk_rows is then not used
-  (the slots bound the cache)."""
+  (the slots bound the cache).
+
+  kv_cache (continuous batching): "dense", a cache of P + T columns per
+  slot (`continuous`), or "paged", a pool of `pages` pages of `page_size`
+  columns per row shard that rows take as they grow, a prompt's pages
+  shared by its rows (`paged_slots`; pages 0: as many as dense slots would
+  hold, so rows never wait). stop_check_every: the decode loop checks
+  whether any row is still live every that many steps (finished slots stay
+  masked meanwhile; the samples do not change). attention (paged): the
+  decode attention over pages, "reference" (plain JAX), "pallas" (the TPU
+  kernel) or "auto" (the kernel on TPU)."""
   max_new_tokens: int = 64
   temperature: float = 1.0
   top_p: float = 1.0
@@ -47,6 +60,11 @@ class SamplingConfig:
   chunk_rows: int = 0            # rows per sampler call (0: automatic)
   continuous_batching: bool = False
   slots: int = 0                 # continuous batching's slots (0: automatic)
+  kv_cache: str = "dense"        # continuous batching's cache: KV_CACHES
+  page_size: int = 16            # columns per page (kv_cache "paged")
+  pages: int = 0                 # pages per row shard (0: automatic)
+  stop_check_every: int = 1      # decode steps per check of "any row live"
+  attention: str = "auto"        # paged decode attention: models.paged.ATTENTION
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -61,6 +79,22 @@ class SamplingConfig:
       raise ValueError(f"chunk_rows must be >= 0, got {self.chunk_rows}")
     if self.slots < 0:
       raise ValueError(f"slots must be >= 0 (0: automatic), got {self.slots}")
+    if self.kv_cache not in KV_CACHES:
+      raise ValueError(f"kv_cache must be one of {KV_CACHES}, got "
+                       f"{self.kv_cache!r}")
+    if self.kv_cache == "paged" and not self.continuous_batching:
+      raise ValueError("kv_cache 'paged' is continuous batching's cache: "
+                       "set continuous_batching=True")
+    if self.attention not in paged.ATTENTION:
+      raise ValueError(f"attention must be one of {paged.ATTENTION}, got "
+                       f"{self.attention!r}")
+    if self.page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+    if self.pages < 0:
+      raise ValueError(f"pages must be >= 0 (0: automatic), got {self.pages}")
+    if self.stop_check_every < 1:
+      raise ValueError(f"stop_check_every must be >= 1, got "
+                       f"{self.stop_check_every}")
 
   @property
   def is_greedy(self) -> bool:

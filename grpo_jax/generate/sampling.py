@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding
-from grpo_jax.generate import continuous, decoding
+from grpo_jax.generate import continuous, decoding, paged_slots
 from grpo_jax.models import transformer
 from grpo_jax.models.config import ModelConfig
 
@@ -373,6 +373,30 @@ def auto_slots(model_config: ModelConfig, rows: int, prompts: int,
   return min(up(rows), up(max(int(free // per_slot) // shards * shards, 1)))
 
 
+def pool_pages(cfg: SamplingConfig, real_len_b: np.ndarray, prompts: int,
+               slots: int, shards: int, prompt_len: int) -> int:
+  """Pages per row shard of a paged call: `cfg.pages`, or (0) what dense
+  slots would hold (every slot a whole row, beside the prompts' pages),
+  checked to hold the fullest shard's prompt pages plus one whole row (so
+  the oldest row can always finish: `paged_slots`)."""
+  Z, T = cfg.page_size, cfg.max_new_tokens
+  row = paged_slots.pages_needed(prompt_len, T, Z)
+  full_b = np.zeros(prompts, np.int64)
+  full_b[:len(real_len_b)] = np.asarray(real_len_b) // Z
+  prompt_pages = int(full_b.reshape(shards, -1).sum(1).max())
+  need = prompt_pages + row
+  if not cfg.pages:
+    return max(need, prompts // shards * (prompt_len // Z)
+               + slots // shards * row)
+  if cfg.pages < need:
+    raise ValueError(
+        f"sampling.pages = {cfg.pages} pages of {Z} columns per row shard "
+        f"cannot hold this call: its prompts take {prompt_pages} pages on "
+        f"the fullest shard and one row of {prompt_len} + {T} columns "
+        f"{row}; use at least {need} (or 0: automatic)")
+  return cfg.pages
+
+
 def _sample_continuous(model_config: ModelConfig, params: Params,
                        prompts: Sequence[Sequence[int]], key: jax.Array,
                        cfg: SamplingConfig, num_generations: int,
@@ -389,14 +413,20 @@ def _sample_continuous(model_config: ModelConfig, params: Params,
       layout, jax.tree.leaves(params)[0].dtype.itemsize)
   slots = -(-slots // shards) * shards
   prompt_bp, len_b = left_pad(prompts, P, b, cfg.pad_id)
-  jit_cfg = dataclasses.replace(cfg, chunk_rows=0, slots=0)
-  COMPILES.note((model_config, jit_cfg, G, b, P, layout, slots),
+  jit_cfg = dataclasses.replace(cfg, chunk_rows=0, slots=0, pages=0)
+  pool = (pool_pages(cfg, len_b[:B], b, slots, shards, P)
+          if cfg.kv_cache == "paged" else 0)
+  COMPILES.note((model_config, jit_cfg, G, b, P, layout, slots, pool),
                 f"continuous rows={b * G} slots={slots} prompt_len={P} G={G} "
-                f"T={cfg.max_new_tokens} greedy={cfg.is_greedy}")
+                f"T={cfg.max_new_tokens} greedy={cfg.is_greedy} "
+                f"kv_cache={cfg.kv_cache} pages={pool}")
   put = jnp.asarray if layout is None else layout.rows
-  out = continuous.sample_slots(model_config, params, put(prompt_bp),
-                                put(len_b), key, jit_cfg, G, slots,
-                                jnp.int32(B), layout)
+  args = (model_config, params, put(prompt_bp), put(len_b), key, jit_cfg, G,
+          slots)
+  if cfg.kv_cache == "paged":
+    out, _ = paged_slots.sample_pages(*args, pool, jnp.int32(B), layout)
+  else:
+    out = continuous.sample_slots(*args, jnp.int32(B), layout)
   if b == B:
     return out
   return Samples(*(x[:B * G] for x in out[:-1]), steps=out.steps)

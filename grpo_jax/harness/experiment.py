@@ -174,7 +174,9 @@ def sampling_config(config, tokenizer) -> sampling.SamplingConfig:
       max_new_tokens=s.max_new_tokens, temperature=s.temperature,
       top_p=s.top_p, top_k=s.top_k, stop_ids=tuple(tokenizer.stop_ids),
       pad_id=tokenizer.pad_id or 0, chunk_rows=s.chunk_rows,
-      continuous_batching=s.continuous_batching, slots=s.slots)
+      continuous_batching=s.continuous_batching, slots=s.slots,
+      kv_cache=s.kv_cache, page_size=s.page_size, pages=s.pages,
+      stop_check_every=s.stop_check_every, attention=s.attention)
 
 
 def load_examples(config) -> tuple[list, list]:

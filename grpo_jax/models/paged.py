@@ -1,0 +1,183 @@
+"""Decoding over a paged KV cache: every row's keys and values live in pages
+of a shared pool, found through the row's page table.
+
+Layout (one row shard): per layer, keys (and values) are a pool
+(K, W, Z, E) of W pages of Z columns each - the layout of the TPU kernel
+(`jax.experimental.pallas.ops.tpu.paged_attention`'s `k_pages`), so the
+kernel reads the pool as it is. Row m's column c lives in page
+`table_mj[m, c // Z]` at offset `c % Z`. Columns are the row's positions:
+prompts are stored without their left padding, so a row's keys are its
+columns [0, length) and no validity or position arrays exist. A table entry
+of W (past the pool, `no_page`) is no page: writes to it are dropped, reads
+of it clipped and masked.
+
+`paged_attention_reference` is the plain-JAX decode attention (CPU, GPU, and
+the check of the kernel): it gathers the row's pages through its table and
+masks columns at or past its length. `kernel_attention` is the same by the
+TPU Pallas kernel (one shard; `paged_slots` wraps it in `jax.shard_map`),
+chosen by `sampling.attention` (ATTENTION, `resolve`). `decode_step` is `ragged.decode_step`
+over pages: each row writes its new key and value at one (page, offset) and
+attends over its own pages, up to the longest row's page count (bucketed
+like `ragged.filled_attention`, so short calls do not read empty pages).
+
+Shapes use the letters of `grpo_jax`: M rows (slots), K KV heads, H query
+heads, E head width, W pages in the pool, Z columns per page, J page-table
+entries per row; per-shard arrays add a leading R (row shards).
+"""
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models import attention, ragged, transformer
+from grpo_jax.models.config import ModelConfig
+
+# sampling.attention: the decode attention over pages. auto: the TPU kernel
+# on TPU (where the model has no sliding window), else the reference.
+ATTENTION = ("auto", "reference", "pallas")
+
+
+def resolve(impl: str, model_config: ModelConfig) -> str:
+  """"reference" or "pallas" for `impl` (one of ATTENTION) on this backend."""
+  if impl not in ATTENTION:
+    raise ValueError(f"paged attention {impl!r}; allowed: {ATTENTION}")
+  if impl == "pallas" and model_config.sliding_window is not None:
+    raise ValueError("sampling.attention = 'pallas': the TPU paged-attention "
+                     "kernel has no sliding window; use 'reference'")
+  if impl == "auto":
+    tpu = jax.default_backend() == "tpu"
+    return ("pallas" if tpu and model_config.sliding_window is None
+            else "reference")
+  return impl
+
+
+def no_page(pool_kwze: jax.Array) -> int:
+  """The table entry that means no page: one past the pool."""
+  return pool_kwze.shape[1]
+
+
+def gather_pages(pool_kwze: jax.Array, table_mj: jax.Array) -> jax.Array:
+  """Row m's pages in table order, as columns: (K, M, J * Z, E). Entries
+  past the pool read its last page (clipped; the caller masks them)."""
+  K, _, Z, E = pool_kwze.shape
+  M, J = table_mj.shape
+  pages = jnp.take(pool_kwze, table_mj, axis=1, mode="clip")  # (K, M, J, Z, E)
+  return pages.reshape(K, M, J * Z, E)
+
+
+def paged_attention_reference(q_mhe: jax.Array, k_kwze: jax.Array,
+                              v_kwze: jax.Array, length_m: jax.Array,
+                              table_mj: jax.Array, window=None) -> jax.Array:
+  """Decode attention (one query per row) over row m's first length_m[m]
+  columns, read through its page table; grouped-query (H a multiple of K),
+  softmax in float32. The query is at column length_m - 1 (its own key
+  written); with a sliding window it sees the last `window` columns.
+  The kernel's contract (`paged_attention(q, k_pages, v_pages, lengths,
+  page_indices)`) plus the window. Returns (M, H, E)."""
+  M, H, E = q_mhe.shape
+  K = k_kwze.shape[0]
+  k_kmse = gather_pages(k_kwze, table_mj)
+  v_kmse = gather_pages(v_kwze, table_mj)
+  q_mkre = q_mhe.reshape(M, K, H // K, E)
+  scores = jnp.einsum("mkre,kmse->mkrs", q_mkre, k_kmse,
+                      preferred_element_type=jnp.float32) / np.sqrt(E)
+  col_s = jnp.arange(k_kmse.shape[2])
+  mask_ms = col_s[None] < length_m[:, None]
+  if window is not None:
+    mask_ms &= col_s[None] > length_m[:, None] - 1 - window
+  scores = jnp.where(mask_ms[:, None, None], scores,
+                     attention._NEG_INF)  # pylint: disable=protected-access
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_kwze.dtype)
+  out = jnp.einsum("mkrs,kmse->mkre", probs, v_kmse)
+  return out.reshape(M, H, E)
+
+
+def bucketed_attention(q_mhe, k_kwze, v_kwze, length_m, table_mj,
+                       filled_pages: jax.Array, window=None,
+                       block: int = ragged.BLOCK_S) -> jax.Array:
+  """`paged_attention_reference` over the first `filled_pages` table entries
+  only, rounded up to whole blocks of `block` columns: one `lax.switch`
+  branch per prefix (as `ragged.filled_attention`), so a step reads the
+  pages up to the longest row's, not the table's width."""
+  Z, J = k_kwze.shape[2], table_mj.shape[1]
+  per_block = max(1, block // Z)
+  cuts = sorted({min(J, per_block * (i + 1))
+                 for i in range(-(-J // per_block))})
+
+  def prefix(cut: int):
+    return lambda q, k, v, n, t: paged_attention_reference(
+        q, k, v, n, t[:, :cut], window)
+
+  index = jnp.searchsorted(jnp.asarray(cuts), filled_pages)
+  index = jnp.clip(index, 0, len(cuts) - 1)
+  return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_kwze,
+                        v_kwze, length_m, table_mj)
+
+
+def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
+                     length_m: jax.Array, table_mj: jax.Array) -> jax.Array:
+  """`paged_attention_reference` (no window) by the TPU Pallas kernel, one
+  row shard. The kernel does not scale the scores, so q is scaled here; it
+  reads whole compute blocks of pages, so the table is padded to whole
+  blocks and its no-page entries point at a real page (masked by length,
+  never read past it)."""
+  W, Z, E = k_kwze.shape[1], k_kwze.shape[2], k_kwze.shape[3]
+  J = table_mj.shape[1]
+  block = min(J, max(1, ragged.BLOCK_S // Z))
+  table_mj = jnp.pad(jnp.minimum(table_mj, W - 1), [(0, 0), (0, -J % block)])
+  q_mhe = (q_mhe / np.sqrt(E)).astype(k_kwze.dtype)
+  return tpu_paged.paged_attention(
+      q_mhe, k_kwze, v_kwze, length_m.astype(jnp.int32),
+      table_mj.astype(jnp.int32), pages_per_compute_block=block)
+
+
+def reference_fn(model_config: ModelConfig, filled_pages: jax.Array):
+  """The reference over R shards' pools: `decode_step`'s `attend`."""
+  return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
+      q, k, v, n, t, filled_pages, model_config.sliding_window))
+
+
+def write_pages(pool_kwze: jax.Array, new_mke: jax.Array, page_m: jax.Array,
+                offset_m: jax.Array) -> jax.Array:
+  """pool[:, page_m[m], offset_m[m]] = new_mke[m]; rows whose page is
+  `no_page` write nowhere."""
+  return pool_kwze.at[:, page_m, offset_m].set(
+      jnp.swapaxes(new_mke, 0, 1).astype(pool_kwze.dtype), mode="drop")
+
+
+def decode_step(model_config: ModelConfig, params: transformer.Params,
+                k_pools: tuple, v_pools: tuple, tokens_m: jax.Array,
+                column_m: jax.Array, page_m: jax.Array, table_mj: jax.Array,
+                attend, layers: list, R: int) -> tuple:
+  """One token per row: row m (at position column_m[m]) writes its key and
+  value at (page_m[m], column_m[m] % Z) of its shard's pool (no_page: it
+  writes nowhere), then attends over its columns [0, column_m + 1).
+
+  k_pools, v_pools: one (R, K, W, Z, E) pool per layer; rows (M) and their
+  tables are split in R contiguous parts, shard r's rows reading and
+  writing only pool r. attend: (q (R, M/R, H, E), k pool, v pool, lengths
+  (R, M/R), tables (R, M/R, J)) -> (R, M/R, H, E), `reference_fn` or the
+  kernel per shard. `layers` as `transformer.unstack_layers` gives them.
+  Returns float32 logits (M, V) and the updated pools."""
+  M = tokens_m.shape[0]
+  Z = k_pools[0].shape[3]
+  split = lambda x: x.reshape(R, M // R, *x.shape[1:])
+  page, offset = split(page_m), split(column_m % Z)
+  length, table = split(column_m + 1), split(table_mj)
+  write = jax.vmap(write_pages)
+  x = transformer.embed(params, tokens_m[:, None])
+  ks, vs = list(k_pools), list(v_pools)
+  for i, lp in enumerate(layers):
+    # pylint: disable-next=protected-access
+    q, k, v = transformer._qkv(model_config, lp, x, column_m[:, None])
+    ks[i] = write(ks[i], split(k[:, :, 0]), page, offset)
+    vs[i] = write(vs[i], split(v[:, :, 0]), page, offset)
+    attn = attend(split(q[:, 0]), ks[i], vs[i], length, table)
+    # pylint: disable-next=protected-access
+    x = transformer._attn_out_and_mlp(model_config, lp, x,
+                                      attn.reshape(M, 1, *attn.shape[2:]))
+  h = transformer.rms_norm(x, params["final_norm"], model_config.norm_eps)
+  logits = transformer.unembed(model_config, params, h)[:, 0]
+  return logits, tuple(ks), tuple(vs)

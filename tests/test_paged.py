@@ -1,0 +1,253 @@
+"""The paged KV cache (grpo_jax/models/paged.py, grpo_jax/generate/pages.py,
+grpo_jax/generate/paged_slots.py): decode attention over pages equals dense
+attention; the paged continuous sampler gives the dense one's samples, also
+when its pool runs out mid-row; the pool's accounting holds."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from grpo_jax import config as config_lib
+from grpo_jax import errors, validation
+from grpo_jax.generate import decoding, pages, paged_slots, sampling
+from grpo_jax.models import attention, get_preset, init_params, paged
+
+CONFIG = get_preset("tiny")
+STOPS = (7, 11, 200, 3, 50)
+LENGTHS = [5, 12, 9, 16, 3]      # page size 4: 12 and 16 fill whole pages
+
+
+@pytest.fixture(scope="module")
+def params():
+  return jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
+
+
+def _prompts(lengths=LENGTHS, seed=0):
+  rng = np.random.RandomState(seed)
+  return [list(rng.randint(1, CONFIG.vocab_size, n)) for n in lengths]
+
+
+def _cfg(**kwargs):
+  kwargs = {"stop_ids": STOPS, "max_new_tokens": 20, **kwargs}
+  return sampling.SamplingConfig(continuous_batching=True,
+                                 slots=4, **kwargs)
+
+
+def _paged(params, prompts, cfg, G, key=5):
+  """paged_slots.sample_pages as `sampling.sample` calls it, with its
+  PageStats."""
+  P = sampling.bucket(max(map(len, prompts)))
+  prompt_bp, len_b = sampling.left_pad(prompts, P, len(prompts), 0)
+  pool = sampling.pool_pages(cfg, len_b, len(prompts), cfg.slots, 1, P)
+  return paged_slots.sample_pages(
+      CONFIG, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
+      jax.random.key(key), dataclasses.replace(cfg, slots=0, pages=0), G,
+      cfg.slots, pool, jnp.int32(len(prompts)), check_pages=True)
+
+
+def _assert_same(a, b, atol=1e-5):
+  for name in ("tokens_nt", "mask_nt", "length_n", "truncated_n"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+  np.testing.assert_allclose(a.logp_nt, b.logp_nt, rtol=0, atol=atol)
+
+
+def _assert_accounting(stats):
+  assert int(stats.in_use_end) == 0, "pages not returned to the pool"
+  assert int(stats.conflicts) == 0, "a page writable by two slots"
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_equals_dense(window):
+  """Ragged lengths, GQA (H = 3K), pages in random order, two rows sharing
+  their first pages (a prompt's), unused table entries past the pool:
+  the reference (and its bucketed form) equals attention.attention over
+  each row's dense columns."""
+  M, K, H, E, Z, J, W = 4, 2, 6, 8, 4, 5, 24
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (M, H, E))
+  k_mkse = jax.random.normal(ks[1], (M, K, J * Z, E))
+  v_mkse = jax.random.normal(ks[2], (M, K, J * Z, E))
+  k_mkse = k_mkse.at[1, :, :2 * Z].set(k_mkse[0, :, :2 * Z])   # shared pages
+  v_mkse = v_mkse.at[1, :, :2 * Z].set(v_mkse[0, :, :2 * Z])
+  length_m = jnp.array([9, 17, 1, 12])
+  order = np.random.RandomState(1).permutation(W)
+  table_mj = np.full((M, J), W)
+  used = 0
+  for m in range(M):
+    for j in range(-(-int(length_m[m]) // Z)):
+      if m == 1 and j < 2:
+        table_mj[m, j] = table_mj[0, j]
+      else:
+        table_mj[m, j], used = order[used], used + 1
+  pools = []
+  for dense in (np.asarray(k_mkse), np.asarray(v_mkse)):
+    pool = np.zeros((K, W, Z, E), np.float32)
+    for m, j in zip(*np.nonzero(table_mj < W)):
+      pool[:, table_mj[m, j]] = dense[m, :, j * Z:(j + 1) * Z]
+    pools.append(jnp.asarray(pool))
+  col = jnp.arange(J * Z)
+  mask = col[None] < length_m[:, None]
+  if window is not None:
+    mask &= col[None] > length_m[:, None] - 1 - window
+  want = attention.attention(q[:, None], k_mkse, v_mkse, mask[:, None])[:, 0]
+  table_mj = jnp.asarray(table_mj)
+  got = paged.paged_attention_reference(q, *pools, length_m, table_mj, window)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  cut = paged.bucketed_attention(q, *pools, length_m, table_mj, jnp.int32(5),
+                                 window, block=8)
+  np.testing.assert_allclose(cut, want, atol=1e-5)
+  if window is None:      # the TPU kernel, interpreted on this CPU
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+      kernel = paged.kernel_attention(q, *pools, length_m, table_mj)
+    np.testing.assert_allclose(kernel, want, atol=2e-2)
+    assert np.abs(np.asarray(kernel) - np.asarray(want)).max() > 0  # ran
+
+
+def test_greedy_equals_the_dense_sampler(params):
+  """Greedy, float32, ragged rows (stop ids on; weights x3 so that greedy
+  does not repeat one token), prompts with and without a partly-filled last
+  page, the loop checking for live rows every 4 steps: the dense continuous
+  sampler's tokens and log-probs (checking every step) and steps; every
+  page back in the pool."""
+  prompts = _prompts()
+  loud = jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params)
+  cfg = _cfg(greedy=True, stop_ids=(33, 121, 1, 197))
+  dense = sampling.sample(CONFIG, loud, prompts, jax.random.key(0), cfg, 2)
+  out, stats = _paged(loud, prompts, dataclasses.replace(
+      cfg, kv_cache="paged", page_size=4, stop_check_every=4), 2)
+  assert len(set(np.asarray(dense.length_n))) > 3, dense.length_n
+  _assert_same(out, dense, atol=1e-6)
+  assert int(out.steps) == int(dense.steps)
+  assert int(stats.preempted) == 0 and int(stats.waited) == 0
+  _assert_accounting(stats)
+
+
+@pytest.fixture(scope="module")
+def dense_samples(params):
+  return sampling.sample(CONFIG, params, _prompts(), jax.random.key(5),
+                         _cfg(top_p=0.9), 3)
+
+
+def test_a_small_pool_waits_and_preempts_with_the_same_samples(
+    params, dense_samples):
+  """A pool of 20 pages of 4 columns (the prompts take 8; a whole row is
+  9): rows wait for pages and the youngest is preempted, restarting from
+  its first token; the samples are still the dense sampler's for the same
+  key, nothing deadlocks, and no page is shared but prompt pages."""
+  cfg = _cfg(top_p=0.9, kv_cache="paged", page_size=4, pages=20)
+  out, stats = _paged(params, _prompts(), cfg, 3)
+  _assert_same(out, dense_samples)
+  assert int(stats.preempted) > 0 and int(stats.waited) > 0
+  assert int(stats.peak_pages) == 20
+  _assert_accounting(stats)
+  with pytest.raises(ValueError, match="sampling.pages = 12"):
+    _paged(params, _prompts(), dataclasses.replace(cfg, pages=12), 3)
+
+
+@pytest.mark.slow
+def test_stop_check_every_k_steps_gives_the_same_samples(
+    params, dense_samples):
+  """The dense continuous loop checking for live rows every 4 steps: the
+  same samples and step count (steps after the last row ends are not
+  counted). (The paged loop, in the default suite:
+  test_greedy_equals_the_dense_sampler.)"""
+  every = sampling.sample(CONFIG, params, _prompts(), jax.random.key(5),
+                          _cfg(top_p=0.9, stop_check_every=4), 3)
+  _assert_same(every, dense_samples, atol=0)
+  assert int(every.steps) == int(dense_samples.steps)
+
+
+def test_grant_is_oldest_first_and_leaves_pages():
+  ref_w = jnp.array([1, 0, 0, 2, 0, 0])          # pages 1, 2, 4, 5 free
+  want_m = jnp.array([True, True, False, True])
+  order_m = jnp.array([7, 3, 0, 5])
+  keep_m = jnp.array([0, 0, 0, 3])                # slot 3 must leave 3 free
+  ref, page_m, got_m = pages.grant(ref_w, want_m, order_m, keep_m)
+  np.testing.assert_array_equal(got_m, [True, True, False, False])
+  np.testing.assert_array_equal(page_m, [4, 1, 6, 6])   # order 3 first
+  np.testing.assert_array_equal(ref, [1, 1, 0, 2, 1, 0])
+
+
+def test_release_and_conflicts():
+  W = 6
+  table_mj = jnp.array([[0, 1, 2], [0, 3, W], [4, W, W]])
+  ref_w = jnp.array([2, 1, 1, 1, 1, 0])           # page 0: a shared prompt page
+  full_m = jnp.array([1, 1, 0])
+  holds_m = jnp.array([True, True, True])
+  assert int(pages.conflicts(ref_w, table_mj, holds_m, full_m)) == 0
+  # Slot 2 taking slot 0's own page 2, or a page freed while in use: caught.
+  bad = table_mj.at[2, 1].set(2)
+  assert int(pages.conflicts(ref_w, bad, holds_m, full_m)) == 1
+  assert int(pages.conflicts(ref_w.at[3].set(0), table_mj, holds_m,
+                             full_m)) == 1
+  # Slot 0 preempted (own pages only), slot 1 ends (all its references).
+  ref = pages.release(ref_w, table_mj, jnp.array([True, False, False]), full_m)
+  np.testing.assert_array_equal(ref, [2, 0, 0, 1, 1, 0])
+  ref = pages.release(ref, table_mj, jnp.array([False, True, False]),
+                      jnp.zeros(3, jnp.int32))
+  np.testing.assert_array_equal(ref, [1, 0, 0, 0, 1, 0])
+  np.testing.assert_array_equal(
+      pages.prompt_tables(jnp.array([2, 0, 1]), 3, W),
+      [[0, 1, W], [W, W, W], [2, W, W]])
+
+
+@pytest.mark.slow
+def test_the_kernel_in_the_sampler_equals_the_reference(params):
+  """sampling.attention = 'pallas' (the TPU kernel, interpreted on this
+  CPU) in the whole paged sampler: the reference path's greedy tokens, its
+  log-probs to the kernel's precision (~5e-3 here: over 12 tokens these
+  chaotic weights flip a near-tie at token 10, so 8 tokens)."""
+  prompts = _prompts([5, 12, 3])
+  loud = jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params)
+  cfg = _cfg(greedy=True, stop_ids=(33, 121, 1, 197), kv_cache="paged",
+             page_size=4, max_new_tokens=8)
+  ref, _ = _paged(loud, prompts, dataclasses.replace(cfg,
+                                                     attention="reference"), 2)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    out, stats = _paged(loud, prompts, dataclasses.replace(
+        cfg, attention="pallas"), 2)
+  np.testing.assert_array_equal(out.tokens_nt, ref.tokens_nt)
+  np.testing.assert_allclose(out.logp_nt, ref.logp_nt, atol=2e-2)
+  _assert_accounting(stats)
+
+
+def test_attention_choice():
+  assert paged.resolve("auto", CONFIG) == "reference"     # a CPU
+  windowed = dataclasses.replace(CONFIG, sliding_window=8)
+  assert paged.resolve("auto", windowed) == "reference"
+  with pytest.raises(ValueError, match="sliding window"):
+    paged.resolve("pallas", windowed)
+
+
+def test_config_fields_are_validated():
+  for field, value, match in [("kv_cache", "paged_v2", "sampling.kv_cache"),
+                              ("page_size", 0, "sampling.page_size"),
+                              ("pages", -1, "sampling.pages"),
+                              ("stop_check_every", 0,
+                               "sampling.stop_check_every"),
+                              ("attention", "splash", "sampling.attention")]:
+    c = config_lib.base_config()
+    c.sampling.continuous_batching = True
+    c.sampling[field] = value
+    with pytest.raises(errors.ConfigError, match=match):
+      validation.validate(c)
+  c = config_lib.base_config()
+  c.sampling.kv_cache = "paged"
+  with pytest.raises(errors.ConfigError, match="continuous_batching"):
+    validation.validate(c)
+  assert validation._CHOICES["sampling.kv_cache"] == decoding.KV_CACHES
+  with pytest.raises(ValueError, match="kv_cache"):
+    sampling.SamplingConfig(kv_cache="paged")
+  with pytest.raises(ValueError, match="stop_check_every"):
+    sampling.SamplingConfig(stop_check_every=0)
+
+
+@pytest.mark.slow
+def test_sharded_rows_on_eight_fake_devices(run_sharding_checks):
+  """tests/paged_sharding_checks.py in a subprocess: the paged sampler with
+  rows over 8 (then 4 x tensor 2) row shards gives one device's static
+  samples, one page pool per row shard, every page returned."""
+  run_sharding_checks("paged_sharding_checks.py", ["8,1,1", "2,2,2"])
