@@ -138,6 +138,7 @@ QWEN_HALF_B_4_LAYERS = dict(
     tie_word_embeddings=True, hidden_act="silu")
 
 
+@pytest.mark.slow
 def test_qwen_half_b_fits_with_scoring(tmp_path):
   """Qwen2.5-0.5B's widths, 4 layers, bf16 compute, KL to a reference
   (scoring compiled)."""
@@ -157,6 +158,7 @@ def test_qwen_half_b_fits_with_scoring(tmp_path):
     assert _row(out, name).endswith("yes"), out
 
 
+@pytest.mark.slow
 def test_oversized_micro_batch_is_reported():
   """Dense attention at 12k tokens: 16 rows per micro-batch need far more
   than a v5e chip; the tool says so and names a micro-batch that fits."""

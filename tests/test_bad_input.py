@@ -605,6 +605,7 @@ def test_tensorboard_keeps_each_step_once_after_a_resume(tmp_path):
   assert sorted(seen) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0)]
 
 
+@pytest.mark.slow
 def test_a_corrupt_run_store_is_named_and_does_not_block_training(tmp_path):
   store = tmp_path / "store"
   store.mkdir()

@@ -91,7 +91,8 @@ def test_zero_b_equals_base_exactly():
                                 decode(MODEL, base, *args)[0])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [
+    "float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_adapted_forward_equals_merged_forward(dtype):
   base, adapters = transformer.cast(_base(), dtype), _trained_adapters()
   adapted = _forward(
@@ -262,6 +263,7 @@ def _tiny_lora(steps):
   return config
 
 
+@pytest.mark.slow
 def test_resume_is_exact_and_checkpoints_hold_adapters_only(tmp_path):
   from grpo_jax import checkpoint  # pylint: disable=import-outside-toplevel
   from grpo_jax.harness import experiment, lora_export  # pylint: disable=import-outside-toplevel

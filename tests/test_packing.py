@@ -283,6 +283,7 @@ def test_auto_packs_only_when_packed_rows_cost_fewer_tokens():
 SHARDED_MESHES = ["1,8,1", "2,2,2", "1,2,4"]
 
 
+@pytest.mark.slow
 def test_packed_update_and_scoring_on_eight_fake_devices(
     run_sharding_checks):
   """tests/packing_sharding_checks.py in a subprocess (the device count is

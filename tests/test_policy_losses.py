@@ -630,7 +630,8 @@ def test_config_validation_of_losses_and_correction():
     validation.validate(dapo_aime.get_config(variant))
 
 
-@pytest.mark.parametrize("old_logp", ["recompute", "sampler"])
+@pytest.mark.parametrize("old_logp", [
+    pytest.param("recompute", marks=pytest.mark.slow), "sampler"])
 def test_bf16_sampler_run_logs_the_mismatch(tmp_path, old_logp):
   import json  # pylint: disable=import-outside-toplevel
   from configs import tiny  # pylint: disable=import-outside-toplevel

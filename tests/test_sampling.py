@@ -201,6 +201,7 @@ def test_bad_settings_are_named():
     sampling.SamplingConfig(max_new_tokens=0)
 
 
+@pytest.mark.slow
 def test_greedy_equals_uncached_argmax_on_bundled_smollm2():
   from grpo_jax.models import load_pretrained  # pylint: disable=import-outside-toplevel
   from grpo_jax.models.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel

@@ -103,8 +103,9 @@ def _grouped_batch(prompt_lens=(3, 6), G=4, P=6, comp=5, seed=1):
       jnp.zeros((N, comp)), jnp.asarray(rng.randn(N).astype(np.float32)))
 
 
-@pytest.mark.parametrize("variant,remat", [("tiny", "none"), ("tiny", "dots"),
-                                           ("window+bias+qk_norm", "none")])
+@pytest.mark.parametrize("variant,remat", [
+    ("tiny", "none"), pytest.param("tiny", "dots", marks=pytest.mark.slow),
+    pytest.param("window+bias+qk_norm", "none", marks=pytest.mark.slow)])
 def test_shared_prompt_pass_equals_full_rows(variant, remat):
   """Running each group's prompt once gives the loss, gradient and log-probs
   of running every row whole, for any micro-batching."""
