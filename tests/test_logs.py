@@ -230,7 +230,6 @@ runpy.run_path("experiments/run.py", run_name="__main__")
 """
 
 
-@pytest.mark.slow
 def test_the_tiny_run_prints_a_few_lines_none_from_a_library(tmp_path):
   """Also: the entry work happens once on the path run.py -> method."""
   workdir = tmp_path / "run"
