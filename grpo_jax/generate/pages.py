@@ -1,7 +1,7 @@
 """The page pool's bookkeeping for one row shard: reference counts, page
 tables, grants in priority order, release. Pure functions of small int
 arrays (the keys and values themselves live in `models.paged`'s pools);
-`paged_sampler` vmaps them over the row shards.
+`paged_slots` vmaps them over the row shards.
 
 A page is free when its count is 0. A prompt's full pages are counted once
 per row of its group that has not ended (G at the start), a row's own pages
