@@ -14,6 +14,7 @@ from configs import tiny
 from grpo_jax import errors, validation
 from grpo_jax.models import get_preset, init_params, lora, transformer
 from grpo_jax.rl import update
+from update_batches import random_update_batch
 
 MODEL = get_preset("tiny")
 SPEC = lora.LoraSpec(rank=4, alpha=8.0)
@@ -31,19 +32,6 @@ def _trained_adapters(seed=1):
   return jax.tree_util.tree_map_with_path(
       lambda p, x: (0.05 * jax.random.normal(next(keys), x.shape)
                     if p[-1].key == "b" else x), adapters)
-
-
-def _batch(n=8, prompt=6, comp=5, seed=0):
-  rng = np.random.RandomState(seed)
-  lengths = rng.randint(1, comp + 1, n)
-  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
-  tokens = rng.randint(1, 256, (n, prompt + comp)).astype(np.int32)
-  pos = np.broadcast_to(np.arange(prompt + comp), (n, prompt + comp))
-  return update.UpdateBatch(
-      jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
-      jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
-      jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
-      jnp.zeros((n, comp)), jnp.asarray(rng.randn(n).astype(np.float32)))
 
 
 TOKENS = jax.random.randint(jax.random.key(9), (3, 11), 0, 256)
@@ -116,7 +104,7 @@ def test_gradients_reach_only_the_adapters():
   """The gradient is a tree of the adapters only; with B = 0 only B moves
   (dL/dA = x^T (dL/dy) B^T = 0), and update_step leaves the base as it was
   (not donated, not updated)."""
-  base, batch = _base(), _batch()
+  base, batch = _base(), random_update_batch()
   adapters = lora.init_adapters(MODEL, SPEC, jax.random.key(1))
   grads, loss, _ = _grads(adapters, MODEL, batch, 1, 0.0, SETTINGS,
                           base=base)
@@ -142,7 +130,7 @@ def test_gradients_reach_only_the_adapters():
 
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean"])
 def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
-  base, adapters, batch = _base(), _trained_adapters(), _batch()
+  base, adapters, batch = _base(), _trained_adapters(), random_update_batch()
   s = dataclasses.replace(SETTINGS, loss=dataclasses.replace(
       SETTINGS.loss, agg=agg))
   results = [_grads(adapters, MODEL, batch, k, 0.0, s, base=base)
@@ -156,7 +144,7 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
 def test_kl_to_the_base_with_adapters_off_is_zero():
   """The reference is the base itself (adapters off): at B = 0 the policy
   equals it, so the KL term is exactly 0; trained adapters make it > 0."""
-  base, batch = _base(), _batch()
+  base, batch = _base(), random_update_batch()
   s = dataclasses.replace(SETTINGS, kl_beta=0.1)
   args = (batch.tokens_ns, batch.positions_ns, batch.valid_ns, MODEL, 5, s)
   ref = update.score_logprobs(base, *args)

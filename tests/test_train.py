@@ -17,6 +17,7 @@ from grpo_jax.generate import rollout
 from grpo_jax.algorithms import losses
 from grpo_jax.rl import step, train, update
 from grpo_jax.models import get_preset, init_params
+from update_batches import random_update_batch
 
 
 def test_three_step_run_of_tiny_config(tmp_path):
@@ -52,24 +53,11 @@ def test_first_update_ratio_is_one_with_sampler_logprobs(tmp_path):
   assert row["clip/low_frac"] == 0 and row["clip/high_frac"] == 0
 
 
-def _random_batch(n=8, prompt=6, comp=5, seed=0):
-  rng = np.random.RandomState(seed)
-  lengths = rng.randint(1, comp + 1, n)
-  mask = (np.arange(comp)[None] < lengths[:, None]).astype(np.float32)
-  tokens = rng.randint(1, 256, (n, prompt + comp)).astype(np.int32)
-  pos = np.broadcast_to(np.arange(prompt + comp), (n, prompt + comp))
-  return update.UpdateBatch(
-      jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
-      jnp.ones((n, prompt + comp), bool), jnp.asarray(mask),
-      jnp.asarray(rng.randn(n, comp).astype(np.float32) * 0.1 - 2.0),
-      jnp.zeros((n, comp)), jnp.asarray(rng.randn(n).astype(np.float32)))
-
-
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0))
-  batch = _random_batch()
+  batch = random_update_batch()
   s = update.LossSettings(loss=losses.PolicyLossSpec(agg=agg), chunk=4)
   results = [jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))(
       params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
