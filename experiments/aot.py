@@ -36,6 +36,12 @@ _TOPOLOGY = flags.DEFINE_string("topology", None,
 _SEARCH = flags.DEFINE_bool(
     "search", True, "When a program does not fit, compile smaller "
     "micro-batches / chunks to name the largest that fits.")
+_LENGTHS = flags.DEFINE_string(
+    "lengths", "cap", "Completion lengths of the continuous sampler's "
+    "simulated slot schedule: cap (every row at max_new_tokens), "
+    "lognormal:F (sigma 1, mean F of the cap), or a run's metrics.jsonl "
+    "(a lognormal fitted to its mean length and truncation rate).")
+_SEED = flags.DEFINE_integer("lengths_seed", 0, "Seed of the drawn lengths.")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 512, "Prompt tokens per row (the sampler's power-of-two "
     "bucket of the longest prompt).")
@@ -51,8 +57,12 @@ def main(argv):
 
 
 def _check(config, topology: str) -> None:
-  from grpo_jax.aot import check as aot, programs  # pylint: disable=import-outside-toplevel
-  report = aot.check(config, topology, _PROMPT_LEN.value, search=_SEARCH.value)
+  from grpo_jax.aot import check as aot, programs, schedule  # pylint: disable=import-outside-toplevel
+  rows = config.rl.prompts_per_step * config.rl.num_generations
+  lengths = schedule.lengths_from_flag(
+      _LENGTHS.value, rows, config.sampling.max_new_tokens, _SEED.value)
+  report = aot.check(config, topology, _PROMPT_LEN.value, search=_SEARCH.value,
+                     lengths=lengths)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
         "and HBM bandwidth):")
   for line in aot.format_step(report):
