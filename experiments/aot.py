@@ -42,6 +42,16 @@ _LENGTHS = flags.DEFINE_string(
     "lognormal:F (sigma 1, mean F of the cap), or a run's metrics.jsonl "
     "(a lognormal fitted to its mean length and truncation rate).")
 _SEED = flags.DEFINE_integer("lengths_seed", 0, "Seed of the drawn lengths.")
+_SCHEDULE_ONLY = flags.DEFINE_bool(
+    "schedule_only", False, "Compile nothing: print the simulated slot "
+    "schedule and the step's roofline only.")
+_SAMPLER_DEVICES = flags.DEFINE_list(
+    "sampler_devices", [], "Sampler and trainer apart: chip counts of the "
+    "sampler's share to try (the first N chips sample, the rest train), "
+    "e.g. 64,128,192; prints each split's step time against the colocated "
+    "loop and compiles the fastest split's sampler and update (none with "
+    "--schedule_only). Stands in for the config field of issue 27 "
+    "(rollout.sampler_devices) until it exists.")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 512, "Prompt tokens per row (the sampler's power-of-two "
     "bucket of the longest prompt).")
@@ -57,16 +67,23 @@ def main(argv):
 
 
 def _check(config, topology: str) -> None:
-  from grpo_jax.aot import check as aot, programs, schedule  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import check as aot, programs, schedule, split  # pylint: disable=import-outside-toplevel
+  if _SAMPLER_DEVICES.value:
+    fits = split.run(config, topology, _PROMPT_LEN.value, _LENGTHS.value,
+                     _SEED.value, [int(x) for x in _SAMPLER_DEVICES.value],
+                     not _SCHEDULE_ONLY.value)
+    sys.exit(0 if fits else 1)
   rows = config.rl.prompts_per_step * config.rl.num_generations
   lengths = schedule.lengths_from_flag(
       _LENGTHS.value, rows, config.sampling.max_new_tokens, _SEED.value)
   report = aot.check(config, topology, _PROMPT_LEN.value, search=_SEARCH.value,
-                     lengths=lengths)
+                     lengths=lengths, compile_programs=not _SCHEDULE_ONLY.value)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
         "and HBM bandwidth):")
   for line in aot.format_step(report):
     print("  " + line)
+  if _SCHEDULE_ONLY.value:
+    return
   if not report.fits:
     print("DOES NOT FIT: " + "; ".join(report.advice))
     sys.exit(1)

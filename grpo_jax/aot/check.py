@@ -93,8 +93,7 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   """Prompts per training sampler call: sampling.chunk_rows, or the
   automatic chunk `sampling.auto_chunk_prompts` picks for this chip."""
   rl = config.rl
-  budget = (hbm - plan.state_bytes - plan.reference_bytes()
-            - plan.compute_copy_bytes() - plan.base_bytes)
+  budget = plan.sampler_budget(hbm)
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
@@ -131,8 +130,7 @@ def auto_slots(config, plan: Plan, hbm: float, configured: bool = True
   if configured and config.sampling.slots:
     return config.sampling.slots
   rl = config.rl
-  budget = (hbm - plan.state_bytes - plan.reference_bytes()
-            - plan.compute_copy_bytes() - plan.base_bytes)
+  budget = plan.sampler_budget(hbm)
   return sampling.auto_slots(
       plan.model_config, rl.prompts_per_step * rl.num_generations,
       rl.prompts_per_step, plan.prompt_len,
@@ -159,12 +157,14 @@ def update_paths(mode: str) -> tuple[bool, bool]:
 
 def check(config, topology: str, prompt_len: int,
           log: Callable[[str], None] = print, search: bool = True,
-          lengths: Optional[tuple] = None) -> Report:
+          lengths: Optional[tuple] = None, compile_programs: bool = True
+          ) -> Report:
   """Compiles every program of `config` for `topology`; see module doc.
   search: when a program does not fit, compile smaller sizes to name the
   largest that does (each one more compile). lengths: (completion lengths
   of a step's rows, a description) for the continuous sampler's simulated
-  schedule (`schedule.lengths_from_flag`; None: every row at the cap)."""
+  schedule (`schedule.lengths_from_flag`; None: every row at the cap).
+  compile_programs False: the schedule and the roofline only."""
   validation.validate(config, data_files=False)
   devices = topology_devices(topology)
   spec = chip_spec(devices)
@@ -188,7 +188,11 @@ def check(config, topology: str, prompt_len: int,
       f"tokens (--prompt_len), completions {T}")
   programs, advice = [], []
 
-  def run(program: Program, retry: Callable[[], Optional[Program]], what):
+  def run(build_one: Callable[[], Program],
+          retry: Callable[[], Optional[Program]], what):
+    if not compile_programs:
+      return
+    program = build_one()
     programs.append(program)
     log(format_program(program, hbm))
     if not program.fits(hbm):
@@ -229,51 +233,56 @@ def check(config, topology: str, prompt_len: int,
       slots = dense_slots
       build = lambda m: continuous_sampler(plan, m)
     rows_per_call = slots
-    log(HEADER)
-    run(build(slots), lambda: largest_fitting(
+    if compile_programs:
+      log(HEADER)
+    run(lambda: build(slots), lambda: largest_fitting(
         halvings(slots, plan.layout.batch_shards)[1:], build, hbm), "slots")
   else:
-    log(HEADER)
+    if compile_programs:
+      log(HEADER)
     build = lambda b: plan.sampler(b, G, cfg, "sampler")
-    run(build(b_call), lambda: largest_fitting(
+    run(lambda: build(b_call), lambda: largest_fitting(
         halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
   micro = plan.micro_rows()
   padded, packed = update_paths(rl.packing)
   if padded:
-    run(plan.update(micro), lambda: largest_fitting(
+    run(lambda: plan.update(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)")
   if packed:
-    run(plan.packed_update(micro), lambda: largest_fitting(
+    run(lambda: plan.packed_update(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.packed_update, hbm),
         "packed micro-batch (rows)")
   if plan.uses_scoring and padded:
-    run(plan.score(micro), lambda: largest_fitting(
+    run(lambda: plan.score(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.score, hbm), "scoring micro-batch (rows)")
   if plan.uses_scoring and packed:
-    run(plan.packed_score(micro), lambda: largest_fitting(
+    run(lambda: plan.packed_score(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.packed_score, hbm),
         "packed scoring micro-batch (rows)")
   for prompts, g, greedy in _eval_calls(config, plan):
     name = "eval greedy" if greedy else f"eval n={g}"
     build_eval = lambda b, g=g, greedy=greedy, name=name: plan.sampler(
         b, g, plan.sampling_config(greedy), name)
-    run(build_eval(prompts), lambda: largest_fitting(
+    run(lambda: build_eval(prompts), lambda: largest_fitting(
         halvings(prompts)[1:], build_eval, hbm), "eval batch (prompts x g)")
   step = step_roofline(plan, spec, len(devices), rows_per_call, (
       None if comparison is None else
       comparison.paged if config.sampling.kv_cache == "paged" else
-      comparison.dense))
+      comparison.dense), None if lengths is None else lengths[0])
   return Report(topology, len(devices), spec["kind"], hbm,
                 dict(layout.mesh.shape), programs, advice, step, comparison)
 
 
 def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
-                  slot_schedule: Optional[schedule.Schedule] = None) -> dict:
+                  slot_schedule: Optional[schedule.Schedule] = None,
+                  lengths_n=None) -> dict:
   """Analytic FLOPs and roofline seconds of one training step's stages.
   The sampler: with a simulated `slot_schedule` (continuous batching), its
   decode steps' roofline; else it decodes `rows_per_call` rows at a time
   (a static call's prompts x G), every row to the cap: the b·g rows take
-  ceil(b·g / rows_per_call) waves of t decode steps."""
+  ceil(b·g / rows_per_call) waves of t decode steps. The update and
+  scoring: at the rows' `lengths_n` when they may run packed (rl.packing
+  on or auto: packed rows hold only real tokens), else at t."""
   c, config = plan.model_config, plan.config
   rl, p, t = config.rl, plan.prompt_len, config.sampling.max_new_tokens
   b, g = rl.prompts_per_step, rl.num_generations
@@ -296,14 +305,16 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
         prefill / (chips * spec["flops"]) + slot_schedule.seconds,
         "memory" if slot_schedule.memory_bound > 0.5 else "compute")
   shared = rl.shared_prompt and g > 1
+  rows = None if rl.packing == "off" else lengths_n
   out["update"] = flops_lib.roofline(
       rl.num_updates * flops_lib.update_flops(c, b, g, p, t,
-                                              config.model.remat, shared),
+                                              config.model.remat, shared,
+                                              rows),
       chips, spec["flops"])
   passes = int(plan.settings.use_kl) + int(rl.old_logp == "recompute")
   if passes:
     out["score"] = flops_lib.roofline(
-        passes * flops_lib.score_flops(c, b, g, p, t, shared), chips,
+        passes * flops_lib.score_flops(c, b, g, p, t, shared, rows), chips,
         spec["flops"])
   return out
 

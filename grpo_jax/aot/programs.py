@@ -293,6 +293,13 @@ class Plan:
     return self.state_bytes + self.reference_bytes() - (
         0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
 
+  def sampler_budget(self, hbm: float) -> float:
+    """Per-chip bytes the sampler's caches may take a share of (sampling
+    .KV_FRACTION): what the train state, the reference and the compute copy
+    leave."""
+    return (hbm - self.state_bytes - self.reference_bytes()
+            - self.compute_copy_bytes() - self.base_bytes)
+
   def weight_bytes(self) -> int:
     """The per-chip bytes of the weights the sampler reads each decode step."""
     if self.base is not None:

@@ -98,10 +98,11 @@ def shard_lengths(plan: Plan, lengths_n: np.ndarray) -> np.ndarray:
 
 def compare(plan: Plan, spec: dict, chips: int, dense_slots: int,
             lengths_n: np.ndarray, description: str,
-            log=lambda s: None) -> Comparison:
+            log=lambda s: None, all_rows: bool = False) -> Comparison:
   """Both samplers' schedules on the same rows: the dense slots and the
   paged pool of the same bytes; paged slots sampling.slots, or the fastest
-  of SLOT_MULTIPLES x the dense slots and all of a shard's rows."""
+  of SLOT_MULTIPLES x the dense slots and all of a shard's rows (all_rows:
+  that one only)."""
   R, G = plan.layout.batch_shards, plan.config.rl.num_generations
   cost = step_cost(plan, spec, chips)
   lengths_rn = shard_lengths(plan, lengths_n)
@@ -110,6 +111,8 @@ def compare(plan: Plan, spec: dict, chips: int, dense_slots: int,
   dense = schedule.dense(lengths_rn, dense_slots // R, cost)
   if plan.config.sampling.slots and plan.config.sampling.kv_cache == "paged":
     candidates = [plan.config.sampling.slots // R]
+  elif all_rows:
+    candidates = [lengths_rn.shape[1]]
   else:
     candidates = sorted({min(k * dense_slots // R, lengths_rn.shape[1])
                          for k in SLOT_MULTIPLES} | {lengths_rn.shape[1]})
@@ -130,23 +133,23 @@ def format_comparison(cmp: Comparison, shards: int) -> list[str]:
   lines = [f"slot schedule (simulated, {cmp.lengths}; mean "
            f"{cmp.mean_fraction:.3f} of the cap; per-chip memory-bound "
            f"roofline, module grpo_jax/aot/schedule.py):",
-           f"  {'sampler':8s} {'slots':>6s} {'pages':>7s} {'rows in flight':>15s}"
+           f"  {'sampler':8s} {'slots':>6s} {'pages':>7s} {'in flight (peak)':>15s}"
            f" {'steps':>7s} {'GB/step':>8s} {'ms/step':>8s} {'seconds':>8s}"
            f" {'tail steps':>11s} {'tail s':>7s} {'mem-bound':>9s}"
            f" {'preempted':>9s}"]
   for s in (cmp.dense, cmp.paged):
-    queued = s.live_k[s.queued_k] if s.queued_k.any() else s.live_k
     lines.append(
         f"  {s.kind:8s} {s.slots:6d} {s.pages or '-':>7} "
-        f"{queued.mean():7.1f} ({s.live_k.max():5.0f})"
+        f"{s.in_flight:7.1f} ({s.live_k.max():5.0f})"
         f" {s.steps:7d} {s.bytes_k.mean() / GB:8.2f} "
         f"{1e3 * s.seconds / s.steps:8.2f} {s.seconds:8.1f} {s.tail:11d} "
         f"{s.tail_seconds:7.1f} {100 * s.memory_bound:8.0f}% {s.preempted:9d}")
   d, p = cmp.dense, cmp.paged
-  dq = d.live_k[d.queued_k].mean() if d.queued_k.any() else d.live_k.mean()
-  pq = p.live_k[p.queued_k].mean() if p.queued_k.any() else p.live_k.mean()
   lines.append(
-      f"  paged / dense: time {p.seconds / d.seconds:.2f}x, rows in flight "
-      f"{pq / dq:.2f}x while rows are queued ({p.live_k.max() / d.live_k.max():.2f}x"
-      f" at the peak), per row shard of {shards}")
+      f"  paged / dense: time {p.seconds / d.seconds:.2f}x, time per decode "
+      f"step {p.seconds / p.steps / (d.seconds / d.steps):.2f}x, rows in "
+      f"flight {p.in_flight / d.in_flight:.2f}x on average over the steps "
+      f"({p.live_k.max() / d.live_k.max():.2f}x at the peak); per row shard "
+      f"({shards} shards), each of its chips holding their KV for its share "
+      "of the KV heads")
   return lines

@@ -88,13 +88,25 @@ class Schedule(NamedTuple):
     return float(self.seconds_k.sum())
 
   @property
+  def busy(self) -> int:
+    """Steps up to the last one with a row not started (or waiting to
+    restart): the slots are full, or waiting for pages."""
+    queued = np.nonzero(self.queued_k)[0]
+    return int(queued[-1]) + 1 if len(queued) else 0
+
+  @property
   def tail(self) -> int:
-    """Steps after every row has started (the drain)."""
-    return int(self.steps - self.queued_k.sum())
+    """Steps after `busy`: the drain, as rows end and none replaces them."""
+    return self.steps - self.busy
 
   @property
   def tail_seconds(self) -> float:
-    return float(self.seconds_k[~self.queued_k].sum())
+    return float(self.seconds_k[self.busy:].sum())
+
+  @property
+  def in_flight(self) -> float:
+    """Rows decoding per shard, mean over the call's decode steps."""
+    return float(self.live_k.mean())
 
   @property
   def memory_bound(self) -> float:

@@ -1,0 +1,233 @@
+"""Sampler and trainer on disjoint chips of one topology (issue 27's pod
+check): the step time of the synchronous colocated loop against the
+asynchronous split, from the simulated slot schedule and the rooflines.
+
+  colocated   all chips sample a step's rows (the paged sampler beside the
+              train state), then all chips update: step = sampler + update.
+  split       the first `sampler_devices` chips sample, the rest train; the
+              sampler holds only its weights (compute dtype) and a staging
+              copy for the weight sync, so its KV pool takes what the train
+              state took. Fed continuously, its slots never drain, so a
+              step costs its steady-state time: the simulated time of
+              STEADY_STEPS steps' rows minus that of one step, per extra
+              step (the tail is paid once per run, not per step).
+              step = max(sampler side, trainer side) + the weight sync.
+  sync        the sampler-dtype weights moved from the trainer's chips to
+              the sampler's over ICI: each sampler chip receives its slice,
+              each trainer chip sends its share of all the sampler's
+              replicas; the time is the larger per-chip byte count over one
+              chip's ICI bandwidth (ICI_BANDWIDTH; every link busy, no
+              contention, no overlap with compute: an estimate).
+
+A split is feasible when the trainer's mini-batch and micro-batch split
+over its row shards; the update keeps the colocated loop's rows per row
+shard per micro-batch (so it needs the same memory per chip beside a
+larger share of the train state).
+"""
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from grpo_jax import sharding
+from grpo_jax.aot import check as aot
+from grpo_jax.aot import sampler as pod_sampler
+from grpo_jax.aot import schedule
+from grpo_jax.aot.programs import Plan
+
+# Per-chip ICI bandwidth, bytes/s (public spec sheets: v5p 4,800 Gbps,
+# v6e 3,584 Gbps, v5e 1,600 Gbps, v4 2,400 Gbps).
+ICI_BANDWIDTH = {"TPU v5": 600e9, "TPU v6 lite": 448e9, "TPU v5 lite": 200e9,
+                 "TPU v4": 300e9}
+STEADY_STEPS = 2
+
+
+class SamplerSide(Plan):
+  """The sampler's own chips: no train state; its weights in the compute
+  dtype and one staging copy (the next weights, swapped in atomically)."""
+
+  def sampler_params(self):
+    return self.compute_params()
+
+  def sampler_resident(self) -> int:
+    return self.weight_bytes()
+
+  def sampler_budget(self, hbm: float) -> float:
+    return hbm - 2 * self.weight_bytes()
+
+
+def layout(config, devices: list) -> sharding.Layout:
+  return sharding.Layout(sharding.make_mesh(config.mesh, devices),
+                         sharding.logical_rules(config.mesh))
+
+
+def trainer_config(config, micro_rows: int, colocated_shards: int,
+                   trainer_shards: int):
+  """The config with the update's micro-batch scaled to the trainer's row
+  shards (the colocated rows per shard)."""
+  out = copy.deepcopy(config)
+  out.rl.micro_batch_size = max(1, micro_rows * trainer_shards
+                                // colocated_shards)
+  return out
+
+
+def feasible(plan: Plan) -> bool:
+  shards, micro = plan.layout.batch_shards, plan.micro_rows()
+  return plan.mini % micro == 0 and micro % shards == 0
+
+
+class Sides(NamedTuple):
+  sampler_chips: int
+  sampler: Plan
+  trainer: Plan
+  sampler_seconds: float      # steady state, per step
+  one_step: schedule.Schedule  # the sampler side on one step's rows
+  trainer_seconds: float
+  sync_bytes: float           # per sampler chip received
+  sync_seconds: float
+
+  @property
+  def step(self) -> float:
+    return max(self.sampler_seconds, self.trainer_seconds) + self.sync_seconds
+
+
+def sync_cost(sampler: Plan, trainer_chips: int, spec: dict) -> tuple:
+  """(bytes each sampler chip receives, seconds): module docstring."""
+  chips = sampler.layout.mesh.size
+  receive = sampler.weight_bytes()
+  send = receive * chips / trainer_chips
+  return receive, max(receive, send) / ICI_BANDWIDTH[spec["kind"]]
+
+
+def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
+                   lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
+  """(one step's paged Schedule, steady-state seconds per step): the paged
+  sampler on one step's rows, then on STEADY_STEPS steps' rows (each
+  shard's rows of one step after the other's) at the same slots."""
+  dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
+  one = pod_sampler.compare(plan, spec, chips, dense_slots, lengths_n,
+                            "", log, all_rows=True)
+  cost = pod_sampler.step_cost(plan, spec, chips)
+  rows_rn = np.concatenate(
+      [pod_sampler.shard_lengths(plan, x)
+       for x in np.split(more_n, STEADY_STEPS)], axis=1)
+  G = plan.config.rl.num_generations
+  many = schedule.paged(rows_rn, one.paged.slots, one.paged.pages,
+                        plan.config.sampling.page_size, G, cost)
+  return one, (many.seconds - one.paged.seconds) / (STEADY_STEPS - 1)
+
+
+def sides(config, model_config, devices: list, sampler_chips: int,
+          prompt_len: int, spec: dict, hbm: float, lengths_n, more_n,
+          colocated: Plan, log=lambda s: None) -> Optional[Sides]:
+  """The split with `sampler_chips` sampling chips, or None when the
+  trainer's batch does not split over the rest."""
+  trainer_chips = len(devices) - sampler_chips
+  s_layout = layout(config, devices[:sampler_chips])
+  t_layout = layout(config, devices[sampler_chips:])
+  t_config = trainer_config(config, colocated.micro_rows(),
+                            colocated.layout.batch_shards,
+                            t_layout.batch_shards)
+  trainer = Plan(t_config, model_config, t_layout, prompt_len)
+  if not feasible(trainer):
+    log(f"  split {sampler_chips} + {trainer_chips}: the mini-batch of "
+        f"{trainer.mini} rows does not split into micro-batches over "
+        f"{t_layout.batch_shards} row shards")
+    return None
+  sampler = SamplerSide(config, model_config, s_layout, prompt_len)
+  one, steady = steady_seconds(sampler, spec, sampler_chips, hbm, lengths_n,
+                               more_n, log)
+  roof = aot.step_roofline(trainer, spec, trainer_chips, 1, None, lengths_n)
+  train = sum(r.seconds for k, r in roof.items() if k != "sampler")
+  receive, seconds = sync_cost(sampler, trainer_chips, spec)
+  return Sides(sampler_chips, sampler, trainer, steady, one.paged, train,
+               receive, seconds)
+
+
+def colocated_step(plan: Plan, spec: dict, chips: int, hbm: float,
+                   lengths_n) -> tuple:
+  """(paged Schedule, sampler seconds incl. prefill, trainer seconds) of
+  the synchronous loop on all chips."""
+  dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
+  cmp = pod_sampler.compare(plan, spec, chips, dense_slots, lengths_n, "",
+                            all_rows=True)
+  roof = aot.step_roofline(plan, spec, chips, 1, cmp.paged, lengths_n)
+  train = sum(r.seconds for k, r in roof.items() if k != "sampler")
+  return cmp.paged, roof["sampler"].seconds, train
+
+
+def format_split(s: Sides, colocated: tuple) -> list[str]:
+  """One split against the colocated loop, and what it buys."""
+  paged, sample, train = colocated
+  sync_step = sample + train
+  w = lambda sch: sch.cost.weight_bytes / sch.bytes_k.mean()
+  idle = lambda side: 1 - side / (s.step - s.sync_seconds)
+  return [
+      f"  split {s.sampler_chips} sampling + {s.trainer.layout.mesh.size}"
+      f" training chips: sampler {s.sampler_seconds:.1f} s per step (steady "
+      f"state; one step alone {s.one_step.seconds:.1f} s, tail "
+      f"{s.one_step.tail_seconds:.1f} s), trainer {s.trainer_seconds:.1f} s, "
+      f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per sampler "
+      f"chip, {100 * s.sync_seconds / s.step:.2f}% of the step) -> step "
+      f"{s.step:.1f} s = {s.step / sync_step:.2f}x the colocated "
+      f"{sync_step:.1f} s (sampler {sample:.1f} + update {train:.1f})",
+      f"    idle: sampler {100 * idle(s.sampler_seconds):.0f}%, trainer "
+      f"{100 * idle(s.trainer_seconds):.0f}%; rows in flight per row shard "
+      f"{s.one_step.in_flight:.1f} (colocated {paged.in_flight:.1f}), pool "
+      f"{s.one_step.pages} pages (colocated {paged.pages}); weights "
+      f"{100 * w(s.one_step):.0f}% of a decode step's bytes (colocated "
+      f"{100 * w(paged):.0f}%); colocated tail {paged.tail_seconds:.1f} s of "
+      f"{paged.seconds:.1f} s"]
+
+
+def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
+        sampler_chips: list, compile_programs: bool, log=print) -> bool:
+  """Prints the colocated loop and each split (`format_split`); with
+  compile_programs, compiles the fastest split's paged sampler on its
+  chips and its update on the others. Returns whether they fit (True when
+  not compiled)."""
+  from grpo_jax.aot import programs as programs_lib  # pylint: disable=import-outside-toplevel
+  devices = programs_lib.topology_devices(topology)
+  spec, hbm = programs_lib.chip_spec(devices), programs_lib.chip_memory(devices)
+  model_config = programs_lib.model_config_from_source(config.model.source)
+  colocated = Plan(config, model_config, layout(config, devices), prompt_len)
+  rows = config.rl.prompts_per_step * config.rl.num_generations
+  more_n, what = schedule.lengths_from_flag(
+      lengths_flag, rows * STEADY_STEPS, config.sampling.max_new_tokens, seed)
+  lengths_n = more_n[:rows]      # the first step's rows
+  log(f"split check on {topology} ({len(devices)} chips, {spec['kind']}); "
+      f"rows: {what}, mean {lengths_n.mean() / config.sampling.max_new_tokens:.3f}"
+      " of the cap; paged sampler on both sides")
+  base = colocated_step(colocated, spec, len(devices), hbm, lengths_n)
+  log(f"  colocated: sampler {base[1]:.1f} s (paged, {base[0].slots} slots "
+      f"per row shard, tail {base[0].tail_seconds:.1f} s) + update "
+      f"{base[2]:.1f} s = {base[1] + base[2]:.1f} s per step")
+  found = []
+  for chips in sampler_chips:
+    s = sides(config, model_config, devices, chips, prompt_len, spec, hbm,
+              lengths_n, more_n, colocated, log)
+    if s is not None:
+      found.append(s)
+      for line in format_split(s, base):
+        log(line)
+  if not found or not compile_programs:
+    return True
+  best = min(found, key=lambda s: s.step)
+  log(f"compiling the fastest split: {best.sampler_chips} sampling chips")
+  log(aot.HEADER)
+  paged = pod_sampler.paged_sampler(best.sampler,
+                                    best.one_step.slots
+                                    * best.sampler.layout.batch_shards,
+                                    best.one_step.pages)
+  t = best.trainer
+  micro = t.micro_rows()
+  update = (t.update(micro) if config.rl.packing == "off"
+            else t.packed_update(micro))
+  fits = True
+  for program in (paged, update):
+    log(aot.format_program(program, hbm))
+    fits &= program.fits(hbm)
+  return fits
+
