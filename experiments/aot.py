@@ -52,6 +52,17 @@ _SAMPLER_DEVICES = flags.DEFINE_list(
     "loop and compiles the fastest split's sampler and update (none with "
     "--schedule_only). Stands in for the config field of issue 27 "
     "(rollout.sampler_devices) until it exists.")
+_SAMPLER_TOPOLOGY = flags.DEFINE_string(
+    "sampler_topology", "", "Sampler and trainer on two slices: the sampler "
+    "on all chips of this topology (e.g. v6e:16x16), the trainer on all of "
+    "--topology's; the weights cross DCN (--dcn_gbps).")
+_SAMPLER_MESH = flags.DEFINE_string(
+    "sampler_mesh", "", "The sampler side's mesh.shape, e.g. (1,64,4) "
+    "(default: config.mesh.shape).")
+_DCN_GBPS = flags.DEFINE_float(
+    "dcn_gbps", 50.0, "With --sampler_topology: the DCN bandwidth each "
+    "sampler chip receives the weights at, Gbit/s (an assumption: give the "
+    "pod's figure).")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 512, "Prompt tokens per row (the sampler's power-of-two "
     "bucket of the longest prompt).")
@@ -68,10 +79,13 @@ def main(argv):
 
 def _check(config, topology: str) -> None:
   from grpo_jax.aot import check as aot, programs, schedule, split  # pylint: disable=import-outside-toplevel
-  if _SAMPLER_DEVICES.value:
+  if _SAMPLER_DEVICES.value or _SAMPLER_TOPOLOGY.value:
+    mesh = (tuple(int(x) for x in _SAMPLER_MESH.value.strip("()").split(","))
+            if _SAMPLER_MESH.value else ())
     fits = split.run(config, topology, _PROMPT_LEN.value, _LENGTHS.value,
                      _SEED.value, [int(x) for x in _SAMPLER_DEVICES.value],
-                     not _SCHEDULE_ONLY.value)
+                     not _SCHEDULE_ONLY.value, print, _SAMPLER_TOPOLOGY.value,
+                     mesh, _DCN_GBPS.value * 1e9 / 8)
     sys.exit(0 if fits else 1)
   rows = config.rl.prompts_per_step * config.rl.num_generations
   lengths = schedule.lengths_from_flag(

@@ -235,8 +235,8 @@ def test_split_sync_and_memory():
   assert side.sampler_budget(10 * w) == 8 * w
   assert side.sampler_resident() == w
   ici = split.ICI_BANDWIDTH["TPU v5"]
-  assert split.sync_cost(side, 4, {"kind": "TPU v5"}) == (w, w / ici)
-  assert split.sync_cost(side, 1, {"kind": "TPU v5"})[1] == w / ici
+  assert split.sync_cost(side, 4, ici) == (w, w / ici)    # receive > send
+  assert split.sync_cost(side, 1, ici) == (w, w / ici)
   trainer = programs.Plan(split.trainer_config(config, 8, 4, 1),
                           get_preset(config.model.source), layout, 16)
   assert trainer.micro_rows() == 2 and split.feasible(trainer)
@@ -279,6 +279,6 @@ def test_split_compiles_the_paged_sampler_and_the_update(tmp_path):
                  "--config.sampling.kv_cache=paged",
                  "--lengths=lognormal:0.3", "--sampler_devices=2")
   assert rc == 0, out
-  assert "split 2 sampling + 2 training chips" in out
+  assert "split 2 sampling (v5e:2x2) + 2 training chips (v5e:2x2)" in out
   assert _row(out, "sampler paged").endswith("yes"), out
   assert _row(out, "update").endswith("yes"), out

@@ -93,12 +93,12 @@ class Sides(NamedTuple):
     return max(self.sampler_seconds, self.trainer_seconds) + self.sync_seconds
 
 
-def sync_cost(sampler: Plan, trainer_chips: int, spec: dict) -> tuple:
+def sync_cost(sampler: Plan, trainer_chips: int, bandwidth: float) -> tuple:
   """(bytes each sampler chip receives, seconds): module docstring."""
   chips = sampler.layout.mesh.size
   receive = sampler.weight_bytes()
   send = receive * chips / trainer_chips
-  return receive, max(receive, send) / ICI_BANDWIDTH[spec["kind"]]
+  return receive, max(receive, send) / bandwidth
 
 
 def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
@@ -119,30 +119,40 @@ def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
   return one, (many.seconds - one.paged.seconds) / (STEADY_STEPS - 1)
 
 
-def sides(config, model_config, devices: list, sampler_chips: int,
-          prompt_len: int, spec: dict, hbm: float, lengths_n, more_n,
-          colocated: Plan, log=lambda s: None) -> Optional[Sides]:
-  """The split with `sampler_chips` sampling chips, or None when the
-  trainer's batch does not split over the rest."""
-  trainer_chips = len(devices) - sampler_chips
-  s_layout = layout(config, devices[:sampler_chips])
-  t_layout = layout(config, devices[sampler_chips:])
+class Chips(NamedTuple):
+  """One side's chips: the devices, their spec (programs.chip_spec) and
+  HBM per chip."""
+  devices: list
+  spec: dict
+  hbm: float
+
+
+def sides(config, sampler_config, model_config, sampler: Chips,
+          trainer: Chips, prompt_len: int, lengths_n, more_n,
+          colocated: Plan, sync_bandwidth: float, log=lambda s: None
+          ) -> Optional[Sides]:
+  """The split sampling on `sampler`'s chips (with sampler_config's mesh)
+  and training on `trainer`'s, or None when the trainer's batch does not
+  split over its row shards."""
+  t_layout = layout(config, trainer.devices)
   t_config = trainer_config(config, colocated.micro_rows(),
                             colocated.layout.batch_shards,
                             t_layout.batch_shards)
-  trainer = Plan(t_config, model_config, t_layout, prompt_len)
-  if not feasible(trainer):
-    log(f"  split {sampler_chips} + {trainer_chips}: the mini-batch of "
-        f"{trainer.mini} rows does not split into micro-batches over "
-        f"{t_layout.batch_shards} row shards")
+  t_plan = Plan(t_config, model_config, t_layout, prompt_len)
+  if not feasible(t_plan):
+    log(f"  split {len(sampler.devices)} + {len(trainer.devices)}: the "
+        f"mini-batch of {t_plan.mini} rows does not split into micro-batches "
+        f"over {t_layout.batch_shards} row shards")
     return None
-  sampler = SamplerSide(config, model_config, s_layout, prompt_len)
-  one, steady = steady_seconds(sampler, spec, sampler_chips, hbm, lengths_n,
-                               more_n, log)
-  roof = aot.step_roofline(trainer, spec, trainer_chips, 1, None, lengths_n)
+  s_plan = SamplerSide(sampler_config, model_config,
+                       layout(sampler_config, sampler.devices), prompt_len)
+  one, steady = steady_seconds(s_plan, sampler.spec, len(sampler.devices),
+                               sampler.hbm, lengths_n, more_n, log)
+  roof = aot.step_roofline(t_plan, trainer.spec, len(trainer.devices), 1,
+                           None, lengths_n)
   train = sum(r.seconds for k, r in roof.items() if k != "sampler")
-  receive, seconds = sync_cost(sampler, trainer_chips, spec)
-  return Sides(sampler_chips, sampler, trainer, steady, one.paged, train,
+  receive, seconds = sync_cost(s_plan, len(trainer.devices), sync_bandwidth)
+  return Sides(len(sampler.devices), s_plan, t_plan, steady, one.paged, train,
                receive, seconds)
 
 
@@ -158,15 +168,17 @@ def colocated_step(plan: Plan, spec: dict, chips: int, hbm: float,
   return cmp.paged, roof["sampler"].seconds, train
 
 
-def format_split(s: Sides, colocated: tuple) -> list[str]:
+def format_split(s: Sides, colocated: tuple, sampler_topology: str,
+                 trainer_topology: str) -> list[str]:
   """One split against the colocated loop, and what it buys."""
   paged, sample, train = colocated
   sync_step = sample + train
   w = lambda sch: sch.cost.weight_bytes / sch.bytes_k.mean()
-  idle = lambda side: 1 - side / (s.step - s.sync_seconds)
+  idle = lambda side: max(0.0, 1 - side / (s.step - s.sync_seconds))
   return [
-      f"  split {s.sampler_chips} sampling + {s.trainer.layout.mesh.size}"
-      f" training chips: sampler {s.sampler_seconds:.1f} s per step (steady "
+      f"  split {s.sampler_chips} sampling ({sampler_topology}) + "
+      f"{s.trainer.layout.mesh.size} training chips ({trainer_topology}): "
+      f"sampler {s.sampler_seconds:.1f} s per step (steady "
       f"state; one step alone {s.one_step.seconds:.1f} s, tail "
       f"{s.one_step.tail_seconds:.1f} s), trainer {s.trainer_seconds:.1f} s, "
       f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per sampler "
@@ -183,51 +195,67 @@ def format_split(s: Sides, colocated: tuple) -> list[str]:
 
 
 def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
-        sampler_chips: list, compile_programs: bool, log=print) -> bool:
-  """Prints the colocated loop and each split (`format_split`); with
+        sampler_chips: list, compile_programs: bool, log=print,
+        sampler_topology: str = "", sampler_mesh: tuple = (),
+        dcn_bandwidth: float = 0.0) -> bool:
+  """Prints the colocated loop and each split (`format_split`): the first
+  N chips of `topology` sampling for each N of `sampler_chips`, or with
+  `sampler_topology` all of its chips (mesh `sampler_mesh`; the weights
+  cross DCN at `dcn_bandwidth` bytes/s per sampler chip). With
   compile_programs, compiles the fastest split's paged sampler on its
   chips and its update on the others. Returns whether they fit (True when
   not compiled)."""
   from grpo_jax.aot import programs as programs_lib  # pylint: disable=import-outside-toplevel
-  devices = programs_lib.topology_devices(topology)
-  spec, hbm = programs_lib.chip_spec(devices), programs_lib.chip_memory(devices)
+  chips = lambda d: Chips(d, programs_lib.chip_spec(d),
+                          programs_lib.chip_memory(d))
+  whole = chips(programs_lib.topology_devices(topology))
   model_config = programs_lib.model_config_from_source(config.model.source)
-  colocated = Plan(config, model_config, layout(config, devices), prompt_len)
+  colocated = Plan(config, model_config, layout(config, whole.devices),
+                   prompt_len)
   rows = config.rl.prompts_per_step * config.rl.num_generations
   more_n, what = schedule.lengths_from_flag(
       lengths_flag, rows * STEADY_STEPS, config.sampling.max_new_tokens, seed)
   lengths_n = more_n[:rows]      # the first step's rows
-  log(f"split check on {topology} ({len(devices)} chips, {spec['kind']}); "
-      f"rows: {what}, mean {lengths_n.mean() / config.sampling.max_new_tokens:.3f}"
-      " of the cap; paged sampler on both sides")
-  base = colocated_step(colocated, spec, len(devices), hbm, lengths_n)
+  log(f"split check on {topology} ({len(whole.devices)} chips, "
+      f"{whole.spec['kind']}); rows: {what}, mean "
+      f"{lengths_n.mean() / config.sampling.max_new_tokens:.3f} of the cap; "
+      "paged sampler on both sides")
+  base = colocated_step(colocated, whole.spec, len(whole.devices), whole.hbm,
+                        lengths_n)
   log(f"  colocated: sampler {base[1]:.1f} s (paged, {base[0].slots} slots "
       f"per row shard, tail {base[0].tail_seconds:.1f} s) + update "
       f"{base[2]:.1f} s = {base[1] + base[2]:.1f} s per step")
+  sampler_config = copy.deepcopy(config)
+  if sampler_mesh:
+    sampler_config.mesh.shape = tuple(sampler_mesh)
+  if sampler_topology:
+    splits = [(chips(programs_lib.topology_devices(sampler_topology)), whole,
+               dcn_bandwidth)]
+  else:
+    ici = ICI_BANDWIDTH[whole.spec["kind"]]
+    splits = [(Chips(whole.devices[:n], whole.spec, whole.hbm),
+               Chips(whole.devices[n:], whole.spec, whole.hbm), ici)
+              for n in sampler_chips]
   found = []
-  for chips in sampler_chips:
-    s = sides(config, model_config, devices, chips, prompt_len, spec, hbm,
-              lengths_n, more_n, colocated, log)
+  for s_chips, t_chips, bandwidth in splits:
+    s = sides(config, sampler_config, model_config, s_chips, t_chips,
+              prompt_len, lengths_n, more_n, colocated, bandwidth, log)
     if s is not None:
-      found.append(s)
-      for line in format_split(s, base):
+      found.append((s, s_chips.hbm, t_chips.hbm))
+      for line in format_split(s, base, sampler_topology or topology,
+                               topology):
         log(line)
   if not found or not compile_programs:
     return True
-  best = min(found, key=lambda s: s.step)
+  best, s_hbm, t_hbm = min(found, key=lambda x: x[0].step)
   log(f"compiling the fastest split: {best.sampler_chips} sampling chips")
   log(aot.HEADER)
-  paged = pod_sampler.paged_sampler(best.sampler,
-                                    best.one_step.slots
-                                    * best.sampler.layout.batch_shards,
-                                    best.one_step.pages)
+  paged = pod_sampler.paged_sampler(
+      best.sampler, best.one_step.slots * best.sampler.layout.batch_shards,
+      best.one_step.pages)
   t = best.trainer
-  micro = t.micro_rows()
-  update = (t.update(micro) if config.rl.packing == "off"
-            else t.packed_update(micro))
-  fits = True
-  for program in (paged, update):
+  update = (t.update(t.micro_rows()) if config.rl.packing == "off"
+            else t.packed_update(t.micro_rows()))
+  for program, hbm in ((paged, s_hbm), (update, t_hbm)):
     log(aot.format_program(program, hbm))
-    fits &= program.fits(hbm)
-  return fits
-
+  return paged.fits(s_hbm) and update.fits(t_hbm)
