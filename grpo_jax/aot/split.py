@@ -10,8 +10,13 @@ asynchronous split, from the simulated slot schedule and the rooflines.
               state took. Fed continuously, its slots never drain, so a
               step costs its steady-state time: the simulated time of
               STEADY_STEPS steps' rows minus that of one step, per extra
-              step (the tail is paid once per run, not per step).
+              step, at the slots (STEADY_MULTIPLES x the dense slots) that
+              make it least (the tail is paid once per run, not per step).
+              New weights are taken between decode steps; rows in flight
+              go on with them (each row records its versions).
               step = max(sampler side, trainer side) + the weight sync.
+  other slice (--sampler_topology) all chips of another topology sample;
+              the weights cross DCN at a given bandwidth per sampler chip.
   sync        the sampler-dtype weights moved from the trainer's chips to
               the sampler's over ICI: each sampler chip receives its slice,
               each trainer chip sends its share of all the sampler's
@@ -22,7 +27,9 @@ asynchronous split, from the simulated slot schedule and the rooflines.
 A split is feasible when the trainer's mini-batch and micro-batch split
 over its row shards; the update keeps the colocated loop's rows per row
 shard per micro-batch (so it needs the same memory per chip beside a
-larger share of the train state).
+larger share of the train state). The update is compute-bound: a split
+whose trainer alone is slower than the colocated step is not simulated.
+Host work (verifier, tokenisation) is not in either step time.
 """
 from __future__ import annotations
 
@@ -42,6 +49,9 @@ from grpo_jax.aot.programs import Plan
 ICI_BANDWIDTH = {"TPU v5": 600e9, "TPU v6 lite": 448e9, "TPU v5 lite": 200e9,
                  "TPU v4": 300e9}
 STEADY_STEPS = 2
+# Paged slots per row shard tried for the steady state: these multiples of
+# the dense slots (more rows than the pool sustains only preempt).
+STEADY_MULTIPLES = (1, 2)
 
 
 class SamplerSide(Plan):
@@ -103,20 +113,31 @@ def sync_cost(sampler: Plan, trainer_chips: int, bandwidth: float) -> tuple:
 
 def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
                    lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
-  """(one step's paged Schedule, steady-state seconds per step): the paged
-  sampler on one step's rows, then on STEADY_STEPS steps' rows (each
-  shard's rows of one step after the other's) at the same slots."""
+  """(one step's paged Schedule, steady-state seconds per step): at
+  STEADY_MULTIPLES x the dense slots per row shard, the paged sampler on
+  one step's rows and on STEADY_STEPS steps' rows (each shard's rows of
+  one step after the other's); the slots with the least marginal time."""
   dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
-  one = pod_sampler.compare(plan, spec, chips, dense_slots, lengths_n,
-                            "", log, all_rows=True)
   cost = pod_sampler.step_cost(plan, spec, chips)
-  rows_rn = np.concatenate(
+  R, G = plan.layout.batch_shards, plan.config.rl.num_generations
+  one_rn = pod_sampler.shard_lengths(plan, lengths_n)
+  many_rn = np.concatenate(
       [pod_sampler.shard_lengths(plan, x)
        for x in np.split(more_n, STEADY_STEPS)], axis=1)
-  G = plan.config.rl.num_generations
-  many = schedule.paged(rows_rn, one.paged.slots, one.paged.pages,
-                        plan.config.sampling.page_size, G, cost)
-  return one, (many.seconds - one.paged.seconds) / (STEADY_STEPS - 1)
+  pages = pod_sampler.pool_pages(plan, dense_slots)
+  Z = plan.config.sampling.page_size
+  best = None
+  for m in sorted({min(k * dense_slots // R, one_rn.shape[1])
+                   for k in STEADY_MULTIPLES}):
+    one = schedule.paged(one_rn, m, pages, Z, G, cost)
+    many = schedule.paged(many_rn, m, pages, Z, G, cost)
+    marginal = (many.seconds - one.seconds) / (STEADY_STEPS - 1)
+    log(f"  simulated paged, {m} slots per row shard: one step {one.seconds:.1f}"
+        f" s, {STEADY_STEPS} steps {many.seconds:.1f} s ({many.preempted} "
+        "preempted)")
+    if best is None or marginal < best[1]:
+      best = (one, marginal)
+  return best
 
 
 class Chips(NamedTuple):
@@ -129,11 +150,12 @@ class Chips(NamedTuple):
 
 def sides(config, sampler_config, model_config, sampler: Chips,
           trainer: Chips, prompt_len: int, lengths_n, more_n,
-          colocated: Plan, sync_bandwidth: float, log=lambda s: None
-          ) -> Optional[Sides]:
+          colocated: Plan, sync_bandwidth: float, colocated_seconds: float,
+          log=lambda s: None) -> Optional[Sides]:
   """The split sampling on `sampler`'s chips (with sampler_config's mesh)
   and training on `trainer`'s, or None when the trainer's batch does not
-  split over its row shards."""
+  split over its row shards or the trainer alone is slower than the
+  colocated step (`colocated_seconds`)."""
   t_layout = layout(config, trainer.devices)
   t_config = trainer_config(config, colocated.micro_rows(),
                             colocated.layout.batch_shards,
@@ -144,15 +166,20 @@ def sides(config, sampler_config, model_config, sampler: Chips,
         f"mini-batch of {t_plan.mini} rows does not split into micro-batches "
         f"over {t_layout.batch_shards} row shards")
     return None
+  roof = aot.step_roofline(t_plan, trainer.spec, len(trainer.devices), 1,
+                           None, lengths_n)
+  train = sum(r.seconds for k, r in roof.items() if k != "sampler")
+  if train >= colocated_seconds:
+    log(f"  split {len(sampler.devices)} + {len(trainer.devices)}: the "
+        f"trainer alone takes {train:.1f} s >= the colocated step "
+        f"{colocated_seconds:.1f} s (sampler not simulated)")
+    return None
   s_plan = SamplerSide(sampler_config, model_config,
                        layout(sampler_config, sampler.devices), prompt_len)
   one, steady = steady_seconds(s_plan, sampler.spec, len(sampler.devices),
                                sampler.hbm, lengths_n, more_n, log)
-  roof = aot.step_roofline(t_plan, trainer.spec, len(trainer.devices), 1,
-                           None, lengths_n)
-  train = sum(r.seconds for k, r in roof.items() if k != "sampler")
   receive, seconds = sync_cost(s_plan, len(trainer.devices), sync_bandwidth)
-  return Sides(len(sampler.devices), s_plan, t_plan, steady, one.paged, train,
+  return Sides(len(sampler.devices), s_plan, t_plan, steady, one, train,
                receive, seconds)
 
 
@@ -239,7 +266,8 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
   found = []
   for s_chips, t_chips, bandwidth in splits:
     s = sides(config, sampler_config, model_config, s_chips, t_chips,
-              prompt_len, lengths_n, more_n, colocated, bandwidth, log)
+              prompt_len, lengths_n, more_n, colocated, bandwidth,
+              base[1] + base[2], log)
     if s is not None:
       found.append((s, s_chips.hbm, t_chips.hbm))
       for line in format_split(s, base, sampler_topology or topology,
