@@ -186,10 +186,10 @@ def sides(config, sampler_config, model_config, sampler: Chips,
 def colocated_step(plan: Plan, spec: dict, chips: int, hbm: float,
                    lengths_n) -> tuple:
   """(paged Schedule, sampler seconds incl. prefill, trainer seconds) of
-  the synchronous loop on all chips."""
+  the synchronous loop on all chips (its paged slots searched as `check`
+  searches them)."""
   dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
-  cmp = pod_sampler.compare(plan, spec, chips, dense_slots, lengths_n, "",
-                            all_rows=True)
+  cmp = pod_sampler.compare(plan, spec, chips, dense_slots, lengths_n, "")
   roof = aot.step_roofline(plan, spec, chips, 1, cmp.paged, lengths_n)
   train = sum(r.seconds for k, r in roof.items() if k != "sampler")
   return cmp.paged, roof["sampler"].seconds, train
