@@ -14,6 +14,12 @@ prints per-chip memory against the chip's HBM, then the step's analytic
 FLOPs and roofline time (grpo_jax/aot/check.py). Exit status 0 only when every
 program fits with 5% to spare; otherwise it names what does not and the
 largest micro-batch / sampler chunk that would.
+
+With continuous batching it first simulates the slot schedule of dense
+slots and of the paged KV cache on the same drawn rows (--lengths;
+grpo_jax/aot/schedule.py) and compiles the configured one (the paged one
+with the TPU kernel). --sampler_devices / --sampler_topology: sampler and
+trainer apart (grpo_jax/aot/split.py), docs/pod.md.
 """
 import os
 import sys

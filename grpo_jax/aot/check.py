@@ -14,7 +14,10 @@ step and its evaluation run:
   sampler    `sampling.sample_padded` at the rows of one sampler call, or
              with `sampling.continuous_batching` `continuous.sample_slots`
              on all of a step's rows (its slots: `sampling.slots`, or the
-             most the chip's free memory holds, `sampling.auto_slots`)
+             most the chip's free memory holds, `sampling.auto_slots`), or
+             with `sampling.kv_cache = paged` `paged_slots.sample_pages`
+             (the TPU kernel; a pool of the dense slots' bytes, its slots
+             from the simulated schedule: `sampler.compare`)
   update     `update.update_step` on one mini-batch split in micro-batches
   score      `update.score_logprobs` (π_ref, or π_old recomputed) when used
   update packed, score packed
