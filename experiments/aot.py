@@ -14,6 +14,12 @@ prints per-chip memory against the chip's HBM, then the step's analytic
 FLOPs and roofline time (grpo_jax/aot/check.py). Exit status 0 only when every
 program fits with 5% to spare; otherwise it names what does not and the
 largest micro-batch / sampler chunk that would.
+
+With continuous batching it first simulates the slot schedule of dense
+slots and of the paged KV cache on the same drawn rows (--lengths;
+grpo_jax/aot/schedule.py) and compiles the configured one (the paged one
+with the TPU kernel). --sampler_devices / --sampler_topology: sampler and
+trainer apart (grpo_jax/aot/split.py), docs/pod.md.
 """
 import os
 import sys
@@ -36,6 +42,33 @@ _TOPOLOGY = flags.DEFINE_string("topology", None,
 _SEARCH = flags.DEFINE_bool(
     "search", True, "When a program does not fit, compile smaller "
     "micro-batches / chunks to name the largest that fits.")
+_LENGTHS = flags.DEFINE_string(
+    "lengths", "cap", "Completion lengths of the continuous sampler's "
+    "simulated slot schedule: cap (every row at max_new_tokens), "
+    "lognormal:F (sigma 1, mean F of the cap), or a run's metrics.jsonl "
+    "(a lognormal fitted to its mean length and truncation rate).")
+_SEED = flags.DEFINE_integer("lengths_seed", 0, "Seed of the drawn lengths.")
+_SCHEDULE_ONLY = flags.DEFINE_bool(
+    "schedule_only", False, "Compile nothing: print the simulated slot "
+    "schedule and the step's roofline only.")
+_SAMPLER_DEVICES = flags.DEFINE_list(
+    "sampler_devices", [], "Sampler and trainer apart: chip counts of the "
+    "sampler's share to try (the first N chips sample, the rest train), "
+    "e.g. 64,128,192; prints each split's step time against the colocated "
+    "loop and compiles the fastest split's sampler and update (none with "
+    "--schedule_only). Stands in for the config field of issue 27 "
+    "(rollout.sampler_devices) until it exists.")
+_SAMPLER_TOPOLOGY = flags.DEFINE_string(
+    "sampler_topology", "", "Sampler and trainer on two slices: the sampler "
+    "on all chips of this topology (e.g. v6e:16x16), the trainer on all of "
+    "--topology's; the weights cross DCN (--dcn_gbps).")
+_SAMPLER_MESH = flags.DEFINE_string(
+    "sampler_mesh", "", "The sampler side's mesh.shape, e.g. (1,64,4) "
+    "(default: config.mesh.shape).")
+_DCN_GBPS = flags.DEFINE_float(
+    "dcn_gbps", 50.0, "With --sampler_topology: the DCN bandwidth each "
+    "sampler chip receives the weights at, Gbit/s (an assumption: give the "
+    "pod's figure).")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 512, "Prompt tokens per row (the sampler's power-of-two "
     "bucket of the longest prompt).")
@@ -51,12 +84,26 @@ def main(argv):
 
 
 def _check(config, topology: str) -> None:
-  from grpo_jax.aot import check as aot, programs  # pylint: disable=import-outside-toplevel
-  report = aot.check(config, topology, _PROMPT_LEN.value, search=_SEARCH.value)
+  from grpo_jax.aot import check as aot, programs, schedule, split  # pylint: disable=import-outside-toplevel
+  if _SAMPLER_DEVICES.value or _SAMPLER_TOPOLOGY.value:
+    mesh = (tuple(int(x) for x in _SAMPLER_MESH.value.strip("()").split(","))
+            if _SAMPLER_MESH.value else ())
+    fits = split.run(config, topology, _PROMPT_LEN.value, _LENGTHS.value,
+                     _SEED.value, [int(x) for x in _SAMPLER_DEVICES.value],
+                     not _SCHEDULE_ONLY.value, print, _SAMPLER_TOPOLOGY.value,
+                     mesh, _DCN_GBPS.value * 1e9 / 8)
+    sys.exit(0 if fits else 1)
+  rows = config.rl.prompts_per_step * config.rl.num_generations
+  lengths = schedule.lengths_from_flag(
+      _LENGTHS.value, rows, config.sampling.max_new_tokens, _SEED.value)
+  report = aot.check(config, topology, _PROMPT_LEN.value, search=_SEARCH.value,
+                     lengths=lengths, compile_programs=not _SCHEDULE_ONLY.value)
   print("per training step (analytic FLOPs, roofline at peak bf16 FLOP/s "
         "and HBM bandwidth):")
   for line in aot.format_step(report):
     print("  " + line)
+  if _SCHEDULE_ONLY.value:
+    return
   if not report.fits:
     print("DOES NOT FIT: " + "; ".join(report.advice))
     sys.exit(1)

@@ -205,3 +205,80 @@ def test_flops_by_hand():
   r = flops.roofline(2e12, 4, 1e12, bytes_per_chip=1e9, bandwidth=1e10)
   assert (r.seconds, r.bound) == (0.5, "compute")
   assert aot.halvings(48) == [48, 24, 12, 6, 3]
+
+
+def test_update_flops_at_the_rows_lengths():
+  """Packed rows compute their own tokens: at every row's length = t the
+  padded count; shorter rows, fewer FLOPs, by the hand count."""
+  c = get_preset("tiny")
+  full = flops.update_flops(c, 2, 2, 3, 5, "none", True)
+  assert flops.update_flops(c, 2, 2, 3, 5, "none", True, [5] * 4) == full
+  got = flops.update_flops(c, 2, 2, 3, 5, "none", False, [1, 2, 3, 4])
+  tokens, pairs = 4 * 3 + 10, 4 * 6 + sum(L * 3 + L * (L + 1) / 2
+                                          for L in (1, 2, 3, 4))
+  want = (3 * 2.0 * flops.body_weights(c) * tokens
+          + 4 * 2.0 * flops.head_weights(c) * 10
+          + 3 * flops.attention_flops(c, pairs))
+  assert got == pytest.approx(want)
+
+
+def test_split_sync_and_memory():
+  """The sampler's own chips hold its weights and a staging copy; the
+  sync moves the larger of what a sampler chip receives and a trainer chip
+  sends over one chip's ICI."""
+  from grpo_jax.aot import split  # pylint: disable=import-outside-toplevel
+  config = cli.load_config(os.path.join(ROOT, "configs", "tiny.py"))
+  config.mesh.shape = (1, 1, 1)
+  layout = sharding.Layout.from_config(config, jax.devices()[:1])
+  side = split.SamplerSide(config, get_preset(config.model.source), layout, 16)
+  w = side.weight_bytes()
+  assert side.sampler_budget(10 * w) == 8 * w
+  assert side.sampler_resident() == w
+  ici = split.ICI_BANDWIDTH["TPU v5"]
+  assert split.sync_cost(side, 4, ici) == (w, w / ici)    # receive > send
+  assert split.sync_cost(side, 1, ici) == (w, w / ici)
+  trainer = programs.Plan(split.trainer_config(config, 8, 4, 1),
+                          get_preset(config.model.source), layout, 16)
+  assert trainer.micro_rows() == 2 and split.feasible(trainer)
+
+
+def test_schedule_only_compares_dense_and_paged_slots():
+  """--schedule_only: no compile, the simulated schedules of both samplers
+  on the same lognormal rows, and the step's roofline from the paged one."""
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 "--config.sampling.continuous_batching=True",
+                 "--config.sampling.kv_cache=paged",
+                 "--config.sampling.max_new_tokens=64",
+                 "--lengths=lognormal:0.3", "--schedule_only")
+  assert rc == 0, out
+  assert "clipped mean 0.3 of the cap" in out
+  dense, paged = _row(out, "  dense").split(), _row(out, "  paged ").split()
+  assert dense[1] == "2" and int(paged[1]) >= 2, out
+  assert "paged / dense: time" in out and "program" not in out
+  roof = next(x for x in out.splitlines() if "FLOPs  roofline" in x)
+  assert roof.startswith("  sampler") and roof.endswith("(memory-bound)")
+
+
+# Qwen2.5-32B's head width (128, the TPU kernel's lane width) at a toy size.
+KERNEL_SIZED = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=512,
+    hidden_size=512, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=512,
+    max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, hidden_act="silu")
+
+
+@pytest.mark.slow
+def test_split_compiles_the_paged_sampler_and_the_update(tmp_path):
+  """--sampler_devices=2 on v5e:2x2: the paged sampler (the Pallas kernel
+  inside shard_map) on 2 chips, the update on the other 2, both fit."""
+  (tmp_path / "config.json").write_text(json.dumps(KERNEL_SIZED))
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 f"--config.model.source={tmp_path}",
+                 "--config.sampling.continuous_batching=True",
+                 "--config.sampling.kv_cache=paged",
+                 "--lengths=lognormal:0.3", "--sampler_devices=2")
+  assert rc == 0, out
+  assert "split 2 sampling (v5e:2x2) + 2 training chips (v5e:2x2)" in out
+  assert _row(out, "sampler paged").endswith("yes"), out
+  assert _row(out, "update").endswith("yes"), out

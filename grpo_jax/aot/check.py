@@ -14,7 +14,10 @@ step and its evaluation run:
   sampler    `sampling.sample_padded` at the rows of one sampler call, or
              with `sampling.continuous_batching` `continuous.sample_slots`
              on all of a step's rows (its slots: `sampling.slots`, or the
-             most the chip's free memory holds, `sampling.auto_slots`)
+             most the chip's free memory holds, `sampling.auto_slots`), or
+             with `sampling.kv_cache = paged` `paged_slots.sample_pages`
+             (the TPU kernel; a pool of the dense slots' bytes, its slots
+             from the simulated schedule: `sampler.compare`)
   update     `update.update_step` on one mini-batch split in micro-batches
   score      `update.score_logprobs` (π_ref, or π_old recomputed) when used
   update packed, score packed
@@ -41,6 +44,8 @@ import jax.numpy as jnp
 
 from grpo_jax import sharding, validation
 from grpo_jax.aot import flops as flops_lib
+from grpo_jax.aot import sampler as pod_sampler
+from grpo_jax.aot import schedule
 from grpo_jax.aot.programs import (SPARE, GiB, Plan, Program, chip_memory,
                                    chip_spec, compile_program,
                                    model_config_from_source,
@@ -80,6 +85,7 @@ class Report(NamedTuple):
   programs: list          # Program, as configured
   advice: list            # strings: what would fit instead
   step: dict              # name -> flops.Roofline per training step
+  comparison: Optional[pod_sampler.Comparison] = None   # continuous batching
 
   @property
   def fits(self) -> bool:
@@ -90,8 +96,7 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   """Prompts per training sampler call: sampling.chunk_rows, or the
   automatic chunk `sampling.auto_chunk_prompts` picks for this chip."""
   rl = config.rl
-  budget = (hbm - plan.state_bytes - plan.reference_bytes()
-            - plan.compute_copy_bytes() - plan.base_bytes)
+  budget = plan.sampler_budget(hbm)
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
@@ -117,13 +122,18 @@ def continuous_sampler(plan: Plan, slots: int) -> Program:
   return compile_program("sampler slots", slots, lower, resident)
 
 
-def auto_slots(config, plan: Plan, hbm: float) -> int:
-  """sampling.slots, or the automatic count for this chip's free memory."""
-  if config.sampling.slots:
+def padded_rows(plan: Plan) -> int:
+  return pod_sampler.padded_prompts(plan) * plan.config.rl.num_generations
+
+
+def auto_slots(config, plan: Plan, hbm: float, configured: bool = True
+               ) -> int:
+  """sampling.slots (when `configured`), or the automatic count for this
+  chip's free memory."""
+  if configured and config.sampling.slots:
     return config.sampling.slots
   rl = config.rl
-  budget = (hbm - plan.state_bytes - plan.reference_bytes()
-            - plan.compute_copy_bytes() - plan.base_bytes)
+  budget = plan.sampler_budget(hbm)
   return sampling.auto_slots(
       plan.model_config, rl.prompts_per_step * rl.num_generations,
       rl.prompts_per_step, plan.prompt_len,
@@ -149,10 +159,15 @@ def update_paths(mode: str) -> tuple[bool, bool]:
 
 
 def check(config, topology: str, prompt_len: int,
-          log: Callable[[str], None] = print, search: bool = True) -> Report:
+          log: Callable[[str], None] = print, search: bool = True,
+          lengths: Optional[tuple] = None, compile_programs: bool = True
+          ) -> Report:
   """Compiles every program of `config` for `topology`; see module doc.
   search: when a program does not fit, compile smaller sizes to name the
-  largest that does (each one more compile)."""
+  largest that does (each one more compile). lengths: (completion lengths
+  of a step's rows, a description) for the continuous sampler's simulated
+  schedule (`schedule.lengths_from_flag`; None: every row at the cap).
+  compile_programs False: the schedule and the roofline only."""
   validation.validate(config, data_files=False)
   devices = topology_devices(topology)
   spec = chip_spec(devices)
@@ -174,10 +189,13 @@ def check(config, topology: str, prompt_len: int,
          if plan.base is not None else "")
       + f"; prompts {prompt_len} "
       f"tokens (--prompt_len), completions {T}")
-  log(HEADER)
   programs, advice = [], []
 
-  def run(program: Program, retry: Callable[[], Optional[Program]], what):
+  def run(build_one: Callable[[], Program],
+          retry: Callable[[], Optional[Program]], what):
+    if not compile_programs:
+      return
+    program = build_one()
     programs.append(program)
     log(format_program(program, hbm))
     if not program.fits(hbm):
@@ -196,51 +214,78 @@ def check(config, topology: str, prompt_len: int,
   cfg = plan.sampling_config()
   G = rl.num_generations
   rows_per_call = b_call * G
+  comparison = None
   if config.sampling.continuous_batching:
-    if config.sampling.kv_cache == "paged":
-      log("  note: sampling.kv_cache = 'paged': this check compiles the "
-          "dense-slot sampler (the paged one is not compiled here yet)")
-    slots = rows_per_call = auto_slots(config, plan, hbm)
-    build = lambda m: continuous_sampler(plan, m)
-    run(build(slots), lambda: largest_fitting(
+    paged = config.sampling.kv_cache == "paged"
+    dense_slots = auto_slots(config, plan, hbm, configured=not paged)
+    comparison = pod_sampler.compare(
+        plan, spec, len(devices), dense_slots,
+        *(lengths or schedule.lengths_from_flag(
+            "cap", padded_rows(plan), T)), log=log)
+    for line in pod_sampler.format_comparison(comparison,
+                                              plan.layout.batch_shards):
+      log(line)
+    if paged:
+      pages = comparison.paged.pages
+      slots = comparison.paged.slots * plan.layout.batch_shards
+      log(f"  paged: {pages} pages of {config.sampling.page_size} columns per "
+          f"row shard (the KV bytes of {dense_slots} dense slots), "
+          f"{slots} slots, decode attention {plan.paged_kernel()!r}")
+      build = lambda m: pod_sampler.paged_sampler(plan, m, pages)
+    else:
+      slots = dense_slots
+      build = lambda m: continuous_sampler(plan, m)
+    rows_per_call = slots
+    if compile_programs:
+      log(HEADER)
+    run(lambda: build(slots), lambda: largest_fitting(
         halvings(slots, plan.layout.batch_shards)[1:], build, hbm), "slots")
   else:
+    if compile_programs:
+      log(HEADER)
     build = lambda b: plan.sampler(b, G, cfg, "sampler")
-    run(build(b_call), lambda: largest_fitting(
+    run(lambda: build(b_call), lambda: largest_fitting(
         halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
   micro = plan.micro_rows()
   padded, packed = update_paths(rl.packing)
   if padded:
-    run(plan.update(micro), lambda: largest_fitting(
+    run(lambda: plan.update(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)")
   if packed:
-    run(plan.packed_update(micro), lambda: largest_fitting(
+    run(lambda: plan.packed_update(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.packed_update, hbm),
         "packed micro-batch (rows)")
   if plan.uses_scoring and padded:
-    run(plan.score(micro), lambda: largest_fitting(
+    run(lambda: plan.score(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.score, hbm), "scoring micro-batch (rows)")
   if plan.uses_scoring and packed:
-    run(plan.packed_score(micro), lambda: largest_fitting(
+    run(lambda: plan.packed_score(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.packed_score, hbm),
         "packed scoring micro-batch (rows)")
   for prompts, g, greedy in _eval_calls(config, plan):
     name = "eval greedy" if greedy else f"eval n={g}"
     build_eval = lambda b, g=g, greedy=greedy, name=name: plan.sampler(
         b, g, plan.sampling_config(greedy), name)
-    run(build_eval(prompts), lambda: largest_fitting(
+    run(lambda: build_eval(prompts), lambda: largest_fitting(
         halvings(prompts)[1:], build_eval, hbm), "eval batch (prompts x g)")
-  step = step_roofline(plan, spec, len(devices), rows_per_call)
+  step = step_roofline(plan, spec, len(devices), rows_per_call, (
+      None if comparison is None else
+      comparison.paged if config.sampling.kv_cache == "paged" else
+      comparison.dense), None if lengths is None else lengths[0])
   return Report(topology, len(devices), spec["kind"], hbm,
-                dict(layout.mesh.shape), programs, advice, step)
+                dict(layout.mesh.shape), programs, advice, step, comparison)
 
 
-def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int
-                  ) -> dict:
+def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
+                  slot_schedule: Optional[schedule.Schedule] = None,
+                  lengths_n=None) -> dict:
   """Analytic FLOPs and roofline seconds of one training step's stages.
-  The sampler decodes `rows_per_call` rows at a time (a static call's
-  prompts x G, or continuous batching's slots), every row to the cap: the
-  b·g rows take ceil(b·g / rows_per_call) waves of t decode steps."""
+  The sampler: with a simulated `slot_schedule` (continuous batching), its
+  decode steps' roofline; else it decodes `rows_per_call` rows at a time
+  (a static call's prompts x G), every row to the cap: the b·g rows take
+  ceil(b·g / rows_per_call) waves of t decode steps. The update and
+  scoring: at the rows' `lengths_n` when they may run packed (rl.packing
+  on or auto: packed rows hold only real tokens), else at t."""
   c, config = plan.model_config, plan.config
   rl, p, t = config.rl, plan.prompt_len, config.sampling.max_new_tokens
   b, g = rl.prompts_per_step, rl.num_generations
@@ -255,15 +300,24 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int
   out = {"sampler": flops_lib.roofline(
       flops_lib.sampler_flops(c, b, g, p, t), chips, spec["flops"], read,
       spec["bandwidth"])}
+  if slot_schedule is not None:   # + the prefill, compute-bound
+    prefill = flops_lib.forward_flops(c, b * p, b,
+                                      b * flops_lib.causal_pairs(p, 0))
+    out["sampler"] = flops_lib.Roofline(
+        prefill + float(slot_schedule.flops_k.sum()) * chips,
+        prefill / (chips * spec["flops"]) + slot_schedule.seconds,
+        "memory" if slot_schedule.memory_bound > 0.5 else "compute")
   shared = rl.shared_prompt and g > 1
+  rows = None if rl.packing == "off" else lengths_n
   out["update"] = flops_lib.roofline(
       rl.num_updates * flops_lib.update_flops(c, b, g, p, t,
-                                              config.model.remat, shared),
+                                              config.model.remat, shared,
+                                              rows),
       chips, spec["flops"])
   passes = int(plan.settings.use_kl) + int(rl.old_logp == "recompute")
   if passes:
     out["score"] = flops_lib.roofline(
-        passes * flops_lib.score_flops(c, b, g, p, t, shared), chips,
+        passes * flops_lib.score_flops(c, b, g, p, t, shared, rows), chips,
         spec["flops"])
   return out
 

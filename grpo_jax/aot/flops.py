@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from grpo_jax.models.config import ModelConfig
 
 
@@ -60,31 +62,42 @@ def sampler_flops(c: ModelConfig, b: int, g: int, p: int, t: int) -> float:
 _PASSES = {"none": (3, 3), "dots": (3, 4), "full": (4, 4)}   # (body, attn)
 
 
+def _rows(n: int, p: int, t: int, lengths_n) -> tuple[float, float]:
+  """(completion tokens, their (query, key) pairs after the prompt) of n
+  rows: each at t, or at its own length (`lengths_n`, packed rows)."""
+  if lengths_n is None:
+    return n * t, n * causal_pairs(t, p)
+  x = np.asarray(lengths_n, np.float64)
+  return float(x.sum()), float(causal_pairs(x, p).sum())
+
+
 def update_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
-                 remat: str, shared_prompt: bool) -> float:
+                 remat: str, shared_prompt: bool, lengths_n=None) -> float:
   """Forward + backward over n rows of [prompt | completion]; with a shared
   prompt each group's prompt runs once. The chunked head recomputes its
-  logits in the backward (jax.checkpoint): 4 passes."""
+  logits in the backward (jax.checkpoint): 4 passes. lengths_n: the rows'
+  completion lengths (packed rows compute only those), else t each."""
   body, attn = _PASSES[remat]
   n = b * g
+  done, pairs_t = _rows(n, p, t, lengths_n)
   if shared_prompt:
-    tokens = b * p + n * t
-    pairs = b * causal_pairs(p, 0) + n * causal_pairs(t, p)
+    tokens = b * p + done
+    pairs = b * causal_pairs(p, 0) + pairs_t
   else:
-    tokens = n * (p + t)
-    pairs = n * causal_pairs(p + t, 0)
+    tokens = n * p + done
+    pairs = n * causal_pairs(p, 0) + pairs_t
   return (body * 2.0 * body_weights(c) * tokens
-          + 4 * 2.0 * head_weights(c) * n * t
+          + 4 * 2.0 * head_weights(c) * done
           + attn * attention_flops(c, pairs))
 
 
 def score_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
-                shared_prompt: bool) -> float:
+                shared_prompt: bool, lengths_n=None) -> float:
   n = b * g
-  if shared_prompt:
-    return forward_flops(c, b * p + n * t, n * t,
-                         b * causal_pairs(p, 0) + n * causal_pairs(t, p))
-  return forward_flops(c, n * (p + t), n * t, n * causal_pairs(p + t, 0))
+  done, pairs_t = _rows(n, p, t, lengths_n)
+  prompts = b if shared_prompt else n
+  return forward_flops(c, prompts * p + done, done,
+                       prompts * causal_pairs(p, 0) + pairs_t)
 
 
 class Roofline(NamedTuple):

@@ -293,6 +293,13 @@ class Plan:
     return self.state_bytes + self.reference_bytes() - (
         0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
 
+  def sampler_budget(self, hbm: float) -> float:
+    """Per-chip bytes the sampler's caches may take a share of (sampling
+    .KV_FRACTION): what the train state, the reference and the compute copy
+    leave."""
+    return (hbm - self.state_bytes - self.reference_bytes()
+            - self.compute_copy_bytes() - self.base_bytes)
+
   def weight_bytes(self) -> int:
     """The per-chip bytes of the weights the sampler reads each decode step."""
     if self.base is not None:
@@ -305,7 +312,24 @@ class Plan:
     s = self.config.sampling
     return sampling.SamplingConfig(
         max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-        top_p=s.top_p, top_k=s.top_k, greedy=greedy, stop_ids=(0,))
+        top_p=s.top_p, top_k=s.top_k, greedy=greedy, stop_ids=(0,),
+        stop_check_every=s.stop_check_every)
+
+  def paged_kernel(self) -> str:
+    """The paged decode attention a TPU run uses: `sampling.attention`, with
+    auto resolved as on a TPU backend (the Pallas kernel unless the model
+    has a sliding window); this process itself runs on the CPU backend."""
+    chosen = self.config.sampling.attention
+    if chosen != "auto":
+      return chosen
+    return "pallas" if self.model_config.sliding_window is None else "reference"
+
+  def paged_sampling_config(self) -> sampling.SamplingConfig:
+    """The training sampler's config with the paged KV cache."""
+    return dataclasses.replace(
+        self.sampling_config(), continuous_batching=True, kv_cache="paged",
+        page_size=self.config.sampling.page_size,
+        attention=self.paged_kernel())
 
   def sequence_columns(self, n: int) -> tuple:
     """Abstract (tokens, positions, valid) [n, s] of n padded rows, split

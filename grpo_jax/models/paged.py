@@ -122,9 +122,12 @@ def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
   row shard. The kernel does not scale the scores, so q is scaled here; it
   reads whole compute blocks of pages, so the table is padded to whole
   blocks and its no-page entries point at a real page (masked by length,
-  never read past it)."""
+  never read past it). A slot holding no row (its first entry no page)
+  gets length 0, which the kernel skips: it reads nothing, and its output
+  (unused) is 0."""
   W, Z, E = k_kwze.shape[1], k_kwze.shape[2], k_kwze.shape[3]
   J = table_mj.shape[1]
+  length_m = jnp.where(table_mj[:, 0] < W, length_m, 0)
   block = min(J, max(1, ragged.BLOCK_S // Z))
   table_mj = jnp.pad(jnp.minimum(table_mj, W - 1), [(0, 0), (0, -J % block)])
   q_mhe = (q_mhe / np.sqrt(E)).astype(k_kwze.dtype)

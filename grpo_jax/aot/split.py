@@ -1,0 +1,289 @@
+"""Sampler and trainer on disjoint chips of one topology (issue 27's pod
+check): the step time of the synchronous colocated loop against the
+asynchronous split, from the simulated slot schedule and the rooflines.
+
+  colocated   all chips sample a step's rows (the paged sampler beside the
+              train state), then all chips update: step = sampler + update.
+  split       the first `sampler_devices` chips sample, the rest train; the
+              sampler holds only its weights (compute dtype) and a staging
+              copy for the weight sync, so its KV pool takes what the train
+              state took. Fed continuously, its slots never drain, so a
+              step costs its steady-state time: the simulated time of
+              STEADY_STEPS steps' rows minus that of one step, per extra
+              step, at the slots (STEADY_MULTIPLES x the dense slots) that
+              make it least (the tail is paid once per run, not per step).
+              New weights are taken between decode steps; rows in flight
+              go on with them (each row records its versions).
+              step = max(sampler side, trainer side) + the weight sync.
+  other slice (--sampler_topology) all chips of another topology sample;
+              the weights cross DCN at a given bandwidth per sampler chip.
+  sync        the sampler-dtype weights moved from the trainer's chips to
+              the sampler's over ICI: each sampler chip receives its slice,
+              each trainer chip sends its share of all the sampler's
+              replicas; the time is the larger per-chip byte count over one
+              chip's ICI bandwidth (ICI_BANDWIDTH; every link busy, no
+              contention, no overlap with compute: an estimate).
+
+A split is feasible when the trainer's mini-batch and micro-batch split
+over its row shards; the update keeps the colocated loop's rows per row
+shard per micro-batch (so it needs the same memory per chip beside a
+larger share of the train state). The update is compute-bound: a split
+whose trainer alone is slower than the colocated step is not simulated.
+Host work (verifier, tokenisation) is not in either step time.
+"""
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from grpo_jax import sharding
+from grpo_jax.aot import check as aot
+from grpo_jax.aot import sampler as pod_sampler
+from grpo_jax.aot import schedule
+from grpo_jax.aot.programs import Plan
+
+# Per-chip ICI bandwidth, bytes/s (public spec sheets: v5p 4,800 Gbps,
+# v6e 3,584 Gbps, v5e 1,600 Gbps, v4 2,400 Gbps).
+ICI_BANDWIDTH = {"TPU v5": 600e9, "TPU v6 lite": 448e9, "TPU v5 lite": 200e9,
+                 "TPU v4": 300e9}
+STEADY_STEPS = 2
+# Paged slots per row shard tried for the steady state: these multiples of
+# the dense slots (more rows than the pool sustains only preempt).
+STEADY_MULTIPLES = (1, 2)
+
+
+class SamplerSide(Plan):
+  """The sampler's own chips: no train state; its weights in the compute
+  dtype and one staging copy (the next weights, swapped in atomically)."""
+
+  def sampler_params(self):
+    return self.compute_params()
+
+  def sampler_resident(self) -> int:
+    return self.weight_bytes()
+
+  def sampler_budget(self, hbm: float) -> float:
+    return hbm - 2 * self.weight_bytes()
+
+
+def layout(config, devices: list) -> sharding.Layout:
+  return sharding.Layout(sharding.make_mesh(config.mesh, devices),
+                         sharding.logical_rules(config.mesh))
+
+
+def trainer_config(config, micro_rows: int, colocated_shards: int,
+                   trainer_shards: int):
+  """The config with the update's micro-batch scaled to the trainer's row
+  shards (the colocated rows per shard)."""
+  out = copy.deepcopy(config)
+  out.rl.micro_batch_size = max(1, micro_rows * trainer_shards
+                                // colocated_shards)
+  return out
+
+
+def feasible(plan: Plan) -> bool:
+  shards, micro = plan.layout.batch_shards, plan.micro_rows()
+  return plan.mini % micro == 0 and micro % shards == 0
+
+
+class Sides(NamedTuple):
+  sampler_chips: int
+  sampler: Plan
+  trainer: Plan
+  sampler_seconds: float      # steady state, per step
+  one_step: schedule.Schedule  # the sampler side on one step's rows
+  trainer_seconds: float
+  sync_bytes: float           # per sampler chip received
+  sync_seconds: float
+
+  @property
+  def step(self) -> float:
+    return max(self.sampler_seconds, self.trainer_seconds) + self.sync_seconds
+
+
+def sync_cost(sampler: Plan, trainer_chips: int, bandwidth: float) -> tuple:
+  """(bytes each sampler chip receives, seconds): module docstring."""
+  chips = sampler.layout.mesh.size
+  receive = sampler.weight_bytes()
+  send = receive * chips / trainer_chips
+  return receive, max(receive, send) / bandwidth
+
+
+def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
+                   lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
+  """(one step's paged Schedule, steady-state seconds per step): at
+  STEADY_MULTIPLES x the dense slots per row shard, the paged sampler on
+  one step's rows and on STEADY_STEPS steps' rows (each shard's rows of
+  one step after the other's); the slots with the least marginal time."""
+  dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
+  cost = pod_sampler.step_cost(plan, spec, chips)
+  R, G = plan.layout.batch_shards, plan.config.rl.num_generations
+  one_rn = pod_sampler.shard_lengths(plan, lengths_n)
+  many_rn = np.concatenate(
+      [pod_sampler.shard_lengths(plan, x)
+       for x in np.split(more_n, STEADY_STEPS)], axis=1)
+  pages = pod_sampler.pool_pages(plan, dense_slots)
+  Z = plan.config.sampling.page_size
+  best = None
+  for m in sorted({min(k * dense_slots // R, one_rn.shape[1])
+                   for k in STEADY_MULTIPLES}):
+    one = schedule.paged(one_rn, m, pages, Z, G, cost)
+    many = schedule.paged(many_rn, m, pages, Z, G, cost)
+    marginal = (many.seconds - one.seconds) / (STEADY_STEPS - 1)
+    log(f"  simulated paged, {m} slots per row shard: one step {one.seconds:.1f}"
+        f" s, {STEADY_STEPS} steps {many.seconds:.1f} s ({many.preempted} "
+        "preempted)")
+    if best is None or marginal < best[1]:
+      best = (one, marginal)
+  return best
+
+
+class Chips(NamedTuple):
+  """One side's chips: the devices, their spec (programs.chip_spec) and
+  HBM per chip."""
+  devices: list
+  spec: dict
+  hbm: float
+
+
+def sides(config, sampler_config, model_config, sampler: Chips,
+          trainer: Chips, prompt_len: int, lengths_n, more_n,
+          colocated: Plan, sync_bandwidth: float, colocated_seconds: float,
+          log=lambda s: None) -> Optional[Sides]:
+  """The split sampling on `sampler`'s chips (with sampler_config's mesh)
+  and training on `trainer`'s, or None when the trainer's batch does not
+  split over its row shards or the trainer alone is slower than the
+  colocated step (`colocated_seconds`)."""
+  t_layout = layout(config, trainer.devices)
+  t_config = trainer_config(config, colocated.micro_rows(),
+                            colocated.layout.batch_shards,
+                            t_layout.batch_shards)
+  t_plan = Plan(t_config, model_config, t_layout, prompt_len)
+  if not feasible(t_plan):
+    log(f"  split {len(sampler.devices)} + {len(trainer.devices)}: the "
+        f"mini-batch of {t_plan.mini} rows does not split into micro-batches "
+        f"over {t_layout.batch_shards} row shards")
+    return None
+  roof = aot.step_roofline(t_plan, trainer.spec, len(trainer.devices), 1,
+                           None, lengths_n)
+  train = sum(r.seconds for k, r in roof.items() if k != "sampler")
+  if train >= colocated_seconds:
+    log(f"  split {len(sampler.devices)} + {len(trainer.devices)}: the "
+        f"trainer alone takes {train:.1f} s >= the colocated step "
+        f"{colocated_seconds:.1f} s (sampler not simulated)")
+    return None
+  s_plan = SamplerSide(sampler_config, model_config,
+                       layout(sampler_config, sampler.devices), prompt_len)
+  one, steady = steady_seconds(s_plan, sampler.spec, len(sampler.devices),
+                               sampler.hbm, lengths_n, more_n, log)
+  receive, seconds = sync_cost(s_plan, len(trainer.devices), sync_bandwidth)
+  return Sides(len(sampler.devices), s_plan, t_plan, steady, one, train,
+               receive, seconds)
+
+
+def colocated_step(plan: Plan, spec: dict, chips: int, hbm: float,
+                   lengths_n) -> tuple:
+  """(paged Schedule, sampler seconds incl. prefill, trainer seconds) of
+  the synchronous loop on all chips (its paged slots searched as `check`
+  searches them)."""
+  dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
+  cmp = pod_sampler.compare(plan, spec, chips, dense_slots, lengths_n, "")
+  roof = aot.step_roofline(plan, spec, chips, 1, cmp.paged, lengths_n)
+  train = sum(r.seconds for k, r in roof.items() if k != "sampler")
+  return cmp.paged, roof["sampler"].seconds, train
+
+
+def format_split(s: Sides, colocated: tuple, sampler_topology: str,
+                 trainer_topology: str) -> list[str]:
+  """One split against the colocated loop, and what it buys."""
+  paged, sample, train = colocated
+  sync_step = sample + train
+  w = lambda sch: sch.cost.weight_bytes / sch.bytes_k.mean()
+  idle = lambda side: max(0.0, 1 - side / (s.step - s.sync_seconds))
+  return [
+      f"  split {s.sampler_chips} sampling ({sampler_topology}) + "
+      f"{s.trainer.layout.mesh.size} training chips ({trainer_topology}): "
+      f"sampler {s.sampler_seconds:.1f} s per step (steady "
+      f"state; one step alone {s.one_step.seconds:.1f} s, tail "
+      f"{s.one_step.tail_seconds:.1f} s), trainer {s.trainer_seconds:.1f} s, "
+      f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per sampler "
+      f"chip, {100 * s.sync_seconds / s.step:.2f}% of the step) -> step "
+      f"{s.step:.1f} s = {s.step / sync_step:.2f}x the colocated "
+      f"{sync_step:.1f} s (sampler {sample:.1f} + update {train:.1f})",
+      f"    idle: sampler {100 * idle(s.sampler_seconds):.0f}%, trainer "
+      f"{100 * idle(s.trainer_seconds):.0f}%; rows in flight per row shard "
+      f"{s.one_step.in_flight:.1f} (colocated {paged.in_flight:.1f}), pool "
+      f"{s.one_step.pages} pages (colocated {paged.pages}); weights "
+      f"{100 * w(s.one_step):.0f}% of a decode step's bytes (colocated "
+      f"{100 * w(paged):.0f}%); colocated tail {paged.tail_seconds:.1f} s of "
+      f"{paged.seconds:.1f} s"]
+
+
+def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
+        sampler_chips: list, compile_programs: bool, log=print,
+        sampler_topology: str = "", sampler_mesh: tuple = (),
+        dcn_bandwidth: float = 0.0) -> bool:
+  """Prints the colocated loop and each split (`format_split`): the first
+  N chips of `topology` sampling for each N of `sampler_chips`, or with
+  `sampler_topology` all of its chips (mesh `sampler_mesh`; the weights
+  cross DCN at `dcn_bandwidth` bytes/s per sampler chip). With
+  compile_programs, compiles the fastest split's paged sampler on its
+  chips and its update on the others. Returns whether they fit (True when
+  not compiled)."""
+  from grpo_jax.aot import programs as programs_lib  # pylint: disable=import-outside-toplevel
+  chips = lambda d: Chips(d, programs_lib.chip_spec(d),
+                          programs_lib.chip_memory(d))
+  whole = chips(programs_lib.topology_devices(topology))
+  model_config = programs_lib.model_config_from_source(config.model.source)
+  colocated = Plan(config, model_config, layout(config, whole.devices),
+                   prompt_len)
+  rows = config.rl.prompts_per_step * config.rl.num_generations
+  more_n, what = schedule.lengths_from_flag(
+      lengths_flag, rows * STEADY_STEPS, config.sampling.max_new_tokens, seed)
+  lengths_n = more_n[:rows]      # the first step's rows
+  log(f"split check on {topology} ({len(whole.devices)} chips, "
+      f"{whole.spec['kind']}); rows: {what}, mean "
+      f"{lengths_n.mean() / config.sampling.max_new_tokens:.3f} of the cap; "
+      "paged sampler on both sides")
+  base = colocated_step(colocated, whole.spec, len(whole.devices), whole.hbm,
+                        lengths_n)
+  log(f"  colocated: sampler {base[1]:.1f} s (paged, {base[0].slots} slots "
+      f"per row shard, tail {base[0].tail_seconds:.1f} s) + update "
+      f"{base[2]:.1f} s = {base[1] + base[2]:.1f} s per step")
+  sampler_config = copy.deepcopy(config)
+  if sampler_mesh:
+    sampler_config.mesh.shape = tuple(sampler_mesh)
+  if sampler_topology:
+    splits = [(chips(programs_lib.topology_devices(sampler_topology)), whole,
+               dcn_bandwidth)]
+  else:
+    ici = ICI_BANDWIDTH[whole.spec["kind"]]
+    splits = [(Chips(whole.devices[:n], whole.spec, whole.hbm),
+               Chips(whole.devices[n:], whole.spec, whole.hbm), ici)
+              for n in sampler_chips]
+  found = []
+  for s_chips, t_chips, bandwidth in splits:
+    s = sides(config, sampler_config, model_config, s_chips, t_chips,
+              prompt_len, lengths_n, more_n, colocated, bandwidth,
+              base[1] + base[2], log)
+    if s is not None:
+      found.append((s, s_chips.hbm, t_chips.hbm))
+      for line in format_split(s, base, sampler_topology or topology,
+                               topology):
+        log(line)
+  if not found or not compile_programs:
+    return True
+  best, s_hbm, t_hbm = min(found, key=lambda x: x[0].step)
+  log(f"compiling the fastest split: {best.sampler_chips} sampling chips")
+  log(aot.HEADER)
+  paged = pod_sampler.paged_sampler(
+      best.sampler, best.one_step.slots * best.sampler.layout.batch_shards,
+      best.one_step.pages)
+  t = best.trainer
+  update = (t.update(t.micro_rows()) if config.rl.packing == "off"
+            else t.packed_update(t.micro_rows()))
+  for program, hbm in ((paged, s_hbm), (update, t_hbm)):
+    log(aot.format_program(program, hbm))
+  return paged.fits(s_hbm) and update.fits(t_hbm)
