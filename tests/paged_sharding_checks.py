@@ -9,7 +9,7 @@ refilled mid-call) gives one device's static samples; the outputs' rows are
 split data x fsdp ways; the compiled program's page pool is a per-device
 slice (one row shard's pool, KV heads over tensor), never whole on one
 device; every page returns to its shard's pool; with a tensor axis, the
-TPU kernel (sampling.attention = "pallas", inside jax.shard_map, in TPU
+TPU kernel (sampling.paged_kernel = "pallas", inside jax.shard_map, in TPU
 interpret mode) gives the same samples. Prints one JSON line per
 mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
@@ -71,7 +71,7 @@ def check_mesh(shape, params, ref) -> None:
       f"no per-device pool f32[1,{heads},{W},{Z},{E}]")
   assert f"f32[{R},{K},{W},{Z},{E}]" not in hlo, "a whole pool on a device"
   if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
-    kernel_cfg = dataclasses.replace(PAGED, attention="pallas")
+    kernel_cfg = dataclasses.replace(PAGED, paged_kernel="pallas")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       kernel = jax.device_get(sampling.sample(     # 4 prompts: interpreting
           MODEL, sharded, PROMPTS[:4], jax.random.key(3), kernel_cfg, G,

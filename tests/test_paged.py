@@ -196,7 +196,7 @@ def test_release_and_conflicts():
 
 @pytest.mark.slow
 def test_the_kernel_in_the_sampler_equals_the_reference(params):
-  """sampling.attention = 'pallas' (the TPU kernel, interpreted on this
+  """sampling.paged_kernel = 'pallas' (the TPU kernel, interpreted on this
   CPU) in the whole paged sampler: the reference path's greedy tokens, its
   log-probs to the kernel's precision (~5e-3 here: over 12 tokens these
   chaotic weights flip a near-tie at token 10, so 8 tokens)."""
@@ -204,11 +204,11 @@ def test_the_kernel_in_the_sampler_equals_the_reference(params):
   loud = jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params)
   cfg = _cfg(greedy=True, stop_ids=(33, 121, 1, 197), kv_cache="paged",
              page_size=4, max_new_tokens=8)
-  ref, _ = _paged(loud, prompts, dataclasses.replace(cfg,
-                                                     attention="reference"), 2)
+  ref, _ = _paged(loud, prompts,
+                  dataclasses.replace(cfg, paged_kernel="reference"), 2)
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
     out, stats = _paged(loud, prompts, dataclasses.replace(
-        cfg, attention="pallas"), 2)
+        cfg, paged_kernel="pallas"), 2)
   np.testing.assert_array_equal(out.tokens_nt, ref.tokens_nt)
   np.testing.assert_allclose(out.logp_nt, ref.logp_nt, atol=2e-2)
   _assert_accounting(stats)
@@ -228,7 +228,8 @@ def test_config_fields_are_validated():
                               ("pages", -1, "sampling.pages"),
                               ("stop_check_every", 0,
                                "sampling.stop_check_every"),
-                              ("attention", "splash", "sampling.attention")]:
+                              ("paged_kernel", "splash",
+                               "sampling.paged_kernel")]:
     c = config_lib.base_config()
     c.sampling.continuous_batching = True
     c.sampling[field] = value

@@ -267,7 +267,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                      f"{R} row shards")
   J = pages_needed(P, T, Z)
   split = functools.partial(continuous._per_shard, R)
-  impl = paged.resolve(cfg.attention, model_config)
+  impl = paged.resolve(cfg.paged_kernel, model_config)
 
   # PREFILL: each prompt once into shared pages; first tokens.
   prompt_bp, prompt_len_b = (continuous._pin(layout, x)

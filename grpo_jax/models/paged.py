@@ -15,10 +15,11 @@ of it clipped and masked.
 the check of the kernel): it gathers the row's pages through its table and
 masks columns at or past its length. `kernel_attention` is the same by the
 TPU Pallas kernel (one shard; `paged_slots` wraps it in `jax.shard_map`),
-chosen by `sampling.attention` (ATTENTION, `resolve`). `decode_step` is `ragged.decode_step`
-over pages: each row writes its new key and value at one (page, offset) and
-attends over its own pages, up to the longest row's page count (bucketed
-like `ragged.filled_attention`, so short calls do not read empty pages).
+chosen by `sampling.paged_kernel` (KERNELS, `resolve`). `decode_step` is
+`ragged.decode_step` over pages: each row writes its new key and value at
+one (page, offset) and attends over its own pages, up to the longest row's
+page count (bucketed like `ragged.filled_attention`, so short calls do not
+read empty pages).
 
 Shapes use the letters of `grpo_jax`: M rows (slots), K KV heads, H query
 heads, E head width, W pages in the pool, Z columns per page, J page-table
@@ -34,18 +35,19 @@ import numpy as np
 from grpo_jax.models import attention, ragged, transformer
 from grpo_jax.models.config import ModelConfig
 
-# sampling.attention: the decode attention over pages. auto: the TPU kernel
+# sampling.paged_kernel: the decode attention over pages. auto: the TPU kernel
 # on TPU (where the model has no sliding window), else the reference.
-ATTENTION = ("auto", "reference", "pallas")
+KERNELS = ("auto", "reference", "pallas")
 
 
 def resolve(impl: str, model_config: ModelConfig) -> str:
-  """"reference" or "pallas" for `impl` (one of ATTENTION) on this backend."""
-  if impl not in ATTENTION:
-    raise ValueError(f"paged attention {impl!r}; allowed: {ATTENTION}")
+  """"reference" or "pallas" for `impl` (one of KERNELS) on this backend."""
+  if impl not in KERNELS:
+    raise ValueError(f"sampling.paged_kernel {impl!r}; allowed: {KERNELS}")
   if impl == "pallas" and model_config.sliding_window is not None:
-    raise ValueError("sampling.attention = 'pallas': the TPU paged-attention "
-                     "kernel has no sliding window; use 'reference'")
+    raise ValueError("sampling.paged_kernel = 'pallas': the TPU "
+                     "paged-attention kernel has no sliding window; use "
+                     "'reference'")
   if impl == "auto":
     tpu = jax.default_backend() == "tpu"
     return ("pallas" if tpu and model_config.sliding_window is None
