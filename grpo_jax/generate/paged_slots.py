@@ -56,7 +56,6 @@ from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Layout = Optional[sharding.Layout]
-POOL_AXES = (sharding.BATCH, "kv_heads", None, None, "head_dim")  # (R,K,W,Z,E)
 TAIL_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")        # (B,K,Z,E)
 
 
@@ -91,11 +90,17 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
   return -(-(prompt_len + max_new_tokens) // page_size)
 
 
-def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
+def pool_axes(pool_layout: paged.PoolLayout) -> tuple:
+  """Logical axes of the (R, ...) pools: R over the batch axes."""
+  return (sharding.BATCH,) + pool_layout.axes
+
+
+def _pin_carry(layout: Layout, pool_layout: paged.PoolLayout, c: _Carry
+               ) -> _Carry:
   if layout is None:
     return c
   rows = lambda x: layout.constrain(x, (sharding.BATCH,))
-  pool = lambda x: layout.constrain(x, POOL_AXES)
+  pool = lambda x: layout.constrain(x, pool_axes(pool_layout))
   return c._replace(
       row_m=rows(c.row_m), t_m=rows(c.t_m), live_m=rows(c.live_m),
       wait_m=rows(c.wait_m), table_mj=rows(c.table_mj), ref=rows(c.ref),
@@ -117,39 +122,37 @@ def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
 
 
 def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
-                  W: int, Z: int, R: int, layout: Layout):
-  """Pools (R, K, W, Z, E) holding every prompt's full pages at its table's
-  pages, and the tails (B, K, Z, E) per layer, for keys and values."""
+                  W: int, Z: int, R: int, layout: Layout,
+                  pool_layout: paged.PoolLayout):
+  """Pools ((R,) + pool_layout.shape) holding every prompt's full pages at
+  its table's pages, and the tails (B, K, Z, E) per layer, for keys and
+  values."""
   L, B, K, _, E = pp.k.shape
   C = pp.k.shape[3] // Z + 1
-
-  def one_shard(pool_kwze, pages_bkjze, table_bj):
-    src = jnp.moveaxis(pages_bkjze, 1, 0)              # (K, B, C, Z, E)
-    return pool_kwze.at[:, table_bj].set(src, mode="drop")
 
   def layer(kv_bkpe):
     pages_bkjze = _compact(kv_bkpe, prompt_len_b, Z)
     tail = jnp.take_along_axis(
         pages_bkjze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
-    pool = jnp.zeros((R, K, W, Z, E), kv_bkpe.dtype)
-    pool = jax.vmap(one_shard)(pool, continuous._per_shard(R, pages_bkjze),
-                               continuous._per_shard(R, table_bj[:, :C]))
+    pool = jnp.zeros((R,) + pool_layout.shape(K, W, Z, E), kv_bkpe.dtype)
+    pool = jax.vmap(pool_layout.put)(
+        pool, continuous._per_shard(R, jnp.moveaxis(pages_bkjze, 2, 1)),
+        continuous._per_shard(R, table_bj[:, :C]))
     pin = (lambda x, a: x) if layout is None else layout.constrain
-    return pin(pool, POOL_AXES), pin(tail, TAIL_AXES)
+    return pin(pool, pool_axes(pool_layout)), pin(tail, TAIL_AXES)
 
   ks, k_tails = zip(*(layer(pp.k[i]) for i in range(L)))
   vs, v_tails = zip(*(layer(pp.v[i]) for i in range(L)))
   return ks, vs, k_tails, v_tails
 
 
-def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int) -> tuple:
+def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int,
+                pool_layout: paged.PoolLayout) -> tuple:
   """Prompt prompt_m[m]'s tail into page page_m[m] of slot m's shard
-  (no_page: nowhere), every layer."""
-  def one_shard(pool_kwze, tail_mkze, page):
-    return pool_kwze.at[:, page].set(jnp.swapaxes(tail_mkze, 0, 1),
-                                     mode="drop")
+  (W, no page: nowhere), every layer."""
   split = functools.partial(continuous._per_shard, R)
-  return tuple(jax.vmap(one_shard)(pool, split(tail[prompt_m]), split(page_m))
+  return tuple(jax.vmap(pool_layout.put)(pool, split(tail[prompt_m]),
+                                         split(page_m))
                for pool, tail in zip(pools, tails))
 
 
@@ -163,7 +166,8 @@ def _kernel_fn(layout: Layout):
     return one
 
   def attend(q, k, v, n, t):
-    spec = sharding.spec_for(POOL_AXES, k.shape, layout.mesh, layout.rules)
+    spec = sharding.spec_for(pool_axes(paged.KERNEL_LAYOUT), k.shape,
+                             layout.mesh, layout.rules)
     rows, heads = (tuple(spec) + (None, None))[:2]
     pool = PartitionSpec(rows, heads)
     f = jax.shard_map(one, mesh=layout.mesh,
@@ -203,7 +207,8 @@ def _take_rows(c: _Carry, first_n, row_limit, table_bj, G, T, cfg, R):
                                        table_mj), ref=ref)
 
 
-def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
+def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
+                pool_layout: paged.PoolLayout):
   """PAGES (module docstring): grants, tail copies, preemption. Returns the
   carry and the slots that decode this step."""
   M, J = c.table_mj.shape
@@ -223,8 +228,10 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
   start_m = c.wait_m & got_m
   table_mj = pages.set_entry(c.table_mj, jnp.where(start_m, full_m, j_m),
                              page_m, got_m)
-  k = _copy_tails(c.k, tails[0], prompt_m, jnp.where(start_m, page_m, W), R)
-  v = _copy_tails(c.v, tails[1], prompt_m, jnp.where(start_m, page_m, W), R)
+  copy = functools.partial(_copy_tails, prompt_m=prompt_m,
+                           page_m=jnp.where(start_m, page_m, W), R=R,
+                           pool_layout=pool_layout)
+  k, v = copy(c.k, tails[0]), copy(c.v, tails[1])
   waiting_m = grow_m & ~got_m
   victim_m = jax.vmap(_victims)(split(c.live_m), split(waiting_m),
                                 split(c.row_m)).reshape(M)
@@ -268,6 +275,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   J = pages_needed(P, T, Z)
   split = functools.partial(continuous._per_shard, R)
   impl = paged.resolve(cfg.paged_kernel, model_config)
+  pool_layout = paged.pool_layout(impl)
 
   # PREFILL: each prompt once into shared pages; first tokens.
   prompt_bp, prompt_len_b = (continuous._pin(layout, x)
@@ -292,14 +300,15 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                                        jnp.ones(t.shape, bool), G))(
       split(table_bj))
   ks, vs, k_tails, v_tails = _prefill_pool(pp, prompt_len_b, full_b, table_bj,
-                                           W, Z, R, layout)
+                                           W, Z, R, layout, pool_layout)
   N_local = N // R
   first_row = jnp.arange(R, dtype=jnp.int32) * N_local
   row_limit = first_row + jnp.clip(real_prompts * G - first_row, 0, N_local)
   take = functools.partial(_take_rows, first_n=first_n, row_limit=row_limit,
                            table_bj=table_bj, G=G, T=T, cfg=cfg, R=R)
   zeros_m, no_m = jnp.zeros((M,), jnp.int32), jnp.zeros((M,), bool)
-  carry = _pin_carry(layout, take(_Carry(
+  pin = functools.partial(_pin_carry, layout, pool_layout)
+  carry = pin(take(_Carry(
       zero, zeros_m, zeros_m, no_m, no_m, first_row,
       jnp.full((M, J), W, jnp.int32), ref, ks, vs, tokens_nt, logp_nt,
       PageStats(zero, zero, zero, zero, zero))))
@@ -315,7 +324,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
     steps = c.steps + running(c).astype(jnp.int32)
     # PAGES, then DECODE the slots that have their page.
     c, active_m = _pages_step(c, prompt_m, full_m, column_m,
-                              (k_tails, v_tails), R)
+                              (k_tails, v_tails), R, pool_layout)
     j_m = column_m // Z
     entry_m = jnp.take_along_axis(c.table_mj, jnp.minimum(j_m, J - 1)[:, None],
                                   1)[:, 0]
@@ -325,7 +334,8 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
               else _kernel_fn(layout))
     logits_mv, k, v = paged.decode_step(
         model_config, params, c.k, c.v, prev_m, column_m,
-        jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R)
+        jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R,
+        pool_layout)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, c.t_m)
     tokens_nt = continuous._write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m,
                                   R)
@@ -344,7 +354,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                    tokens_nt=tokens_nt, logp_nt=logp_nt,
                    stats=c.stats._replace(
                        conflicts=c.stats.conflicts + bad.sum()))
-    return _pin_carry(layout, take(c))
+    return pin(take(c))
 
   final = jax.lax.while_loop(running, continuous.every(step,
                                                        cfg.stop_check_every),
