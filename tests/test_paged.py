@@ -152,6 +152,31 @@ def test_a_small_pool_waits_and_preempts_with_the_same_samples(
     _paged(params, _prompts(), dataclasses.replace(cfg, pages=12), 3)
 
 
+def test_a_kept_pool_gives_fresh_pools_samples_and_is_reused(params):
+  """sampling.PagePools across two calls with other weights between them
+  (a weight update): each call's samples equal a fresh pool's, its pages
+  all come back, the previous call's pool buffers were donated (deleted)
+  to the next, and the pool was allocated once."""
+  cfg = _cfg(top_p=0.9, kv_cache="paged", page_size=4)
+  updated = jax.tree.map(lambda w: w * 1.5 if w.ndim > 1 else w, params)
+  pools = sampling.PagePools()
+  tokens = []
+  for weights in (params, updated):
+    before = pools.pool
+    kept = sampling.sample(CONFIG, weights, _prompts(), jax.random.key(5),
+                           cfg, 3, pools=pools)
+    fresh = sampling.sample(CONFIG, weights, _prompts(), jax.random.key(5),
+                            cfg, 3)
+    _assert_same(kept, fresh, atol=0)
+    assert int(pools.stats.in_use_end) == 0, "pages not returned to the pool"
+    if before is not None:
+      assert all(x.is_deleted() for x in before.k + before.v)
+    tokens.append(np.asarray(kept.tokens_nt))
+  assert not np.array_equal(*tokens)       # the update changed the samples
+  assert pools.allocations == 1
+  assert not any(x.is_deleted() for x in pools.pool.k + pools.pool.v)
+
+
 @pytest.mark.slow
 def test_stop_check_every_k_steps_gives_the_same_samples(
     params, dense_samples):

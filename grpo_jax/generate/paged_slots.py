@@ -69,6 +69,17 @@ class PageStats(NamedTuple):
                             # counted with check_pages only)
 
 
+class PagePool(NamedTuple):
+  """The keys' and values' pools of a paged call, one array per layer,
+  (R,) + `paged.pool_layout(impl).shape(K, W, Z, E)`. Kept across calls
+  (`sample_pages_reusing` donates it and returns it, so XLA writes the next
+  call's pages into the same buffers): it depends on no row and no weight.
+  A call's page tables and counts start afresh; stale pages are never read
+  (a row reads only its own columns, masked by length)."""
+  k: tuple
+  v: tuple
+
+
 class _Carry(NamedTuple):
   steps: jax.Array
   row_m: jax.Array          # int32: the (global) row each slot holds
@@ -121,28 +132,38 @@ def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
   return kept.reshape(B, K, C, Z, E)
 
 
+def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
+              layout: Layout, pool_layout: paged.PoolLayout) -> PagePool:
+  """A PagePool of zeros (inside jit: pinned to the layout's shards)."""
+  c = model_config
+  shape = (R,) + pool_layout.shape(c.num_kv_heads, W, Z, c.head_dim)
+  pin = (lambda x: x) if layout is None else (
+      lambda x: layout.constrain(x, pool_axes(pool_layout)))
+  layers = lambda: tuple(pin(jnp.zeros(shape, dtype))
+                         for _ in range(c.num_layers))
+  return PagePool(layers(), layers())
+
+
 def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
-                  W: int, Z: int, R: int, layout: Layout,
+                  pool: PagePool, Z: int, R: int, layout: Layout,
                   pool_layout: paged.PoolLayout):
-  """Pools ((R,) + pool_layout.shape) holding every prompt's full pages at
-  its table's pages, and the tails (B, K, Z, E) per layer, for keys and
-  values."""
-  L, B, K, _, E = pp.k.shape
+  """`pool` with every prompt's full pages written at its table's pages,
+  and the tails (B, K, Z, E) per layer, for keys and values."""
+  L = pp.k.shape[0]
   C = pp.k.shape[3] // Z + 1
 
-  def layer(kv_bkpe):
+  def layer(kv_bkpe, pool):
     pages_bkjze = _compact(kv_bkpe, prompt_len_b, Z)
     tail = jnp.take_along_axis(
         pages_bkjze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
-    pool = jnp.zeros((R,) + pool_layout.shape(K, W, Z, E), kv_bkpe.dtype)
     pool = jax.vmap(pool_layout.put)(
         pool, continuous._per_shard(R, jnp.moveaxis(pages_bkjze, 2, 1)),
         continuous._per_shard(R, table_bj[:, :C]))
     pin = (lambda x, a: x) if layout is None else layout.constrain
     return pin(pool, pool_axes(pool_layout)), pin(tail, TAIL_AXES)
 
-  ks, k_tails = zip(*(layer(pp.k[i]) for i in range(L)))
-  vs, v_tails = zip(*(layer(pp.v[i]) for i in range(L)))
+  ks, k_tails = zip(*(layer(pp.k[i], pool.k[i]) for i in range(L)))
+  vs, v_tails = zip(*(layer(pp.v[i], pool.v[i]) for i in range(L)))
   return ks, vs, k_tails, v_tails
 
 
@@ -250,10 +271,11 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
   return c, live_m & ~waiting_m
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "cfg",
-                                             "num_generations", "slots",
-                                             "pool_pages", "layout",
-                                             "check_pages"))
+_STATIC = ("model_config", "cfg", "num_generations", "slots", "pool_pages",
+           "layout", "check_pages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def sample_pages(model_config: ModelConfig, params: transformer.Params,
                  prompt_bp: jax.Array, prompt_len_b: jax.Array, key: jax.Array,
                  cfg: decoding.SamplingConfig, num_generations: int,
@@ -261,10 +283,52 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                  layout: Layout = None, check_pages: bool = False) -> tuple:
   """G completions of each left-padded prompt (B, P) by continuous batching
   over `slots` slots and a pool of `pool_pages` pages of cfg.page_size
-  columns per row shard (module docstring). The pool must hold the shard's
-  prompts' full pages plus `pages_needed` (the host checks). check_pages:
-  count `pages.conflicts` every step (tests; O(pool) per step). Returns
-  (Samples, PageStats)."""
+  columns per row shard (module docstring), the pool allocated for this
+  call. The pool must hold the shard's prompts' full pages plus
+  `pages_needed` (the host checks). check_pages: count `pages.conflicts`
+  every step (tests; O(pool) per step). Returns (Samples, PageStats)."""
+  return _sample_pages(model_config, params, prompt_bp, prompt_len_b, key,
+                       cfg, num_generations, slots, pool_pages, real_prompts,
+                       layout, check_pages, None)[:2]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="pool")
+def sample_pages_reusing(pool: PagePool, model_config: ModelConfig,
+                         params: transformer.Params, prompt_bp: jax.Array,
+                         prompt_len_b: jax.Array, key: jax.Array,
+                         cfg: decoding.SamplingConfig, num_generations: int,
+                         slots: int, pool_pages: int, real_prompts: jax.Array,
+                         layout: Layout = None, check_pages: bool = False
+                         ) -> tuple:
+  """`sample_pages` in a kept pool (`new_pool`'s, or the previous call's):
+  donated, so its buffers hold this call's pages, and returned. Returns
+  (Samples, PageStats, PagePool)."""
+  return _sample_pages(model_config, params, prompt_bp, prompt_len_b, key,
+                       cfg, num_generations, slots, pool_pages, real_prompts,
+                       layout, check_pages, pool)
+
+
+def pool_dtype(params: transformer.Params):
+  """The dtype of a call's keys and values: the weights'."""
+  return params["embed"].dtype
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "cfg",
+                                             "pool_pages", "layout", "dtype"))
+def new_pool(model_config: ModelConfig, cfg: decoding.SamplingConfig,
+             pool_pages: int, dtype, layout: Layout = None) -> PagePool:
+  """A zero PagePool for `sample_pages_reusing` (made once per run; the
+  layout's row shards each hold their own)."""
+  R = 1 if layout is None else layout.batch_shards
+  impl = paged.resolve(cfg.paged_kernel, model_config)
+  return zero_pool(model_config, pool_pages, cfg.page_size, R, dtype, layout,
+                   paged.pool_layout(impl))
+
+
+def _sample_pages(model_config, params, prompt_bp, prompt_len_b, key, cfg,
+                  num_generations, slots, pool_pages, real_prompts, layout,
+                  check_pages, pool) -> tuple:
+  """The program of both entry points; pool None: zeros of this call."""
   B, P = prompt_bp.shape
   G, T, Z, W = num_generations, cfg.max_new_tokens, cfg.page_size, pool_pages
   N, M = B * G, slots
@@ -288,9 +352,17 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   tokens_nt = jnp.full((N, T), cfg.pad_id, jnp.int32).at[:, 0].set(first_n)
   logp_nt = jnp.zeros((N, T), jnp.float32).at[:, 0].set(logp_n)
   zero = jnp.int32(0)
+  if pool is None:
+    pool = zero_pool(model_config, W, Z, R, pp.k.dtype, layout, pool_layout)
+  want = (R,) + pool_layout.shape(model_config.num_kv_heads, W, Z,
+                                  model_config.head_dim)
+  if pool.k[0].shape != want or pool.k[0].dtype != pp.k.dtype:
+    raise ValueError(f"the kept page pool is {pool.k[0].dtype}"
+                     f"{list(pool.k[0].shape)}; this call needs "
+                     f"{pp.k.dtype}{list(want)}")
   if T == 1:
     return (decoding.finish(tokens_nt, logp_nt, zero, cfg),
-            PageStats(zero, zero, zero, zero, zero))
+            PageStats(zero, zero, zero, zero, zero), pool)
 
   real_b = jnp.arange(B) < real_prompts
   full_b = jnp.where(real_b, prompt_len_b // Z, 0)
@@ -300,7 +372,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                                        jnp.ones(t.shape, bool), G))(
       split(table_bj))
   ks, vs, k_tails, v_tails = _prefill_pool(pp, prompt_len_b, full_b, table_bj,
-                                           W, Z, R, layout, pool_layout)
+                                           pool, Z, R, layout, pool_layout)
   N_local = N // R
   first_row = jnp.arange(R, dtype=jnp.int32) * N_local
   row_limit = first_row + jnp.clip(real_prompts * G - first_row, 0, N_local)
@@ -362,4 +434,5 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   out = decoding.finish(final.tokens_nt, final.logp_nt, final.steps, cfg)
   stats = final.stats._replace(in_use_end=jnp.sum(final.ref != 0))
   return (decoding.Samples(*(continuous._pin(layout, x) for x in out[:-1]),
-                           steps=out.steps), stats)
+                           steps=out.steps), stats,
+          PagePool(final.k, final.v))
