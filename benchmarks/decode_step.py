@@ -134,7 +134,7 @@ def timings(c, params, M: int, filled: int, Z: int, dtype, repeats: int,
   def paged_step(w, s, skip=False):
     tok, k, v, table = s
     page = jnp.take_along_axis(table, (column // Z)[:, None], 1)[:, 0]
-    attend = (lambda q, *a: q) if skip else paged.reference_fn(c, pages)
+    attend = (lambda q, *a: q) if skip else paged.reference_fn(c, pages, layout)
     logits, k, v = paged.decode_step(c, w[0], k, v, tok, column, page, table,
                                      attend, w[1], 1, layout)
     return next_tokens(logits), k, v, table

@@ -186,12 +186,13 @@ def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
       table_mj.astype(jnp.int32), pages_per_compute_block=block)
 
 
-def reference_fn(model_config: ModelConfig, filled_pages: jax.Array):
-  """The reference over R shards' pools (REFERENCE_LAYOUT): `decode_step`'s
+def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
+                 layout: PoolLayout = REFERENCE_LAYOUT):
+  """The reference over R shards' pools of `layout`: `decode_step`'s
   `attend`."""
   return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
       q, k, v, n, t, filled_pages, model_config.sliding_window,
-      layout=REFERENCE_LAYOUT))
+      layout=layout))
 
 
 def decode_step(model_config: ModelConfig, params: transformer.Params,
