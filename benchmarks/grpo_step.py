@@ -49,12 +49,10 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import datasets
 import jax
 import numpy as np
 import torch
 import transformers
-import trl
 
 import _common
 from grpo_jax import validation
@@ -248,6 +246,11 @@ def trl_reward(clock: PhaseClock):
 
 def trl_step_times(args, examples, messages) -> list[dict[str, float]]:
   """Runs GRPOTrainer for 2 steps; returns each step's phase seconds."""
+  # The peer's packages (requirements-bench.txt), imported only when it runs:
+  # the grpo_jax side alone (--skip-trl, ragged.py --samplers-only) needs
+  # neither.
+  import datasets  # pylint: disable=g-import-not-at-top
+  import trl  # pylint: disable=g-import-not-at-top
   directory = loading.preset_directory(_common.MODEL)
   model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, dtype=torch.float32)

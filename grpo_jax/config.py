@@ -183,7 +183,7 @@ def base_config() -> ConfigDict:
                                        # many as dense slots hold)
       stop_check_every=1,              # continuous batching: decode steps
                                        # per check of "any row still live"
-      attention="auto",                # paged decode attention: reference
+      paged_kernel="auto",             # paged decode attention: reference
                                        # (plain JAX) | pallas (the TPU
                                        # kernel) | auto (pallas on TPU)
       compute_dtype=""))               # the sampler's dtype ("" = model's)

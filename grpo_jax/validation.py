@@ -34,7 +34,7 @@ _CHOICES = {
     "model.remat": tuple(transformer.REMAT_POLICIES),
     "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
-    "sampling.attention": paged.ATTENTION,      # the paged decode attention
+    "sampling.paged_kernel": paged.KERNELS,     # the paged decode attention
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),

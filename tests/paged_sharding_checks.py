@@ -9,7 +9,7 @@ refilled mid-call) gives one device's static samples; the outputs' rows are
 split data x fsdp ways; the compiled program's page pool is a per-device
 slice (one row shard's pool, KV heads over tensor), never whole on one
 device; every page returns to its shard's pool; with a tensor axis, the
-TPU kernel (sampling.attention = "pallas", inside jax.shard_map, in TPU
+TPU kernel (sampling.paged_kernel = "pallas", inside jax.shard_map, in TPU
 interpret mode) gives the same samples. Prints one JSON line per
 mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
@@ -31,7 +31,7 @@ import numpy as np
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.generate import paged_slots, sampling
-from grpo_jax.models import get_preset, init_params
+from grpo_jax.models import get_preset, init_params, paged
 from continuous_sharding_checks import G, PROMPTS, SLOTS, STATIC, row_shards
 from sharding_checks import parse_meshes, run_meshes
 
@@ -67,11 +67,12 @@ def check_mesh(shape, params, ref) -> None:
   hlo = paged_slots.sample_pages.lower(*args).compile().as_text()
   K, E, Z = MODEL.num_kv_heads, MODEL.head_dim, PAGED.page_size
   heads = K // tensor if K % tensor == 0 else K
-  assert f"f32[1,{heads},{W},{Z},{E}]" in hlo, (
-      f"no per-device pool f32[1,{heads},{W},{Z},{E}]")
-  assert f"f32[{R},{K},{W},{Z},{E}]" not in hlo, "a whole pool on a device"
+  shape = lambda k: ",".join(map(str, paged.REFERENCE_LAYOUT.shape(k, W, Z, E)))
+  assert f"f32[1,{shape(heads)}]" in hlo, (
+      f"no per-device pool f32[1,{shape(heads)}]")
+  assert f"f32[{R},{shape(K)}]" not in hlo, "a whole pool on a device"
   if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
-    kernel_cfg = dataclasses.replace(PAGED, attention="pallas")
+    kernel_cfg = dataclasses.replace(PAGED, paged_kernel="pallas")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       kernel = jax.device_get(sampling.sample(     # 4 prompts: interpreting
           MODEL, sharded, PROMPTS[:4], jax.random.key(3), kernel_cfg, G,

@@ -82,7 +82,7 @@ def test_paged_attention_equals_dense(window):
         table_mj[m, j] = table_mj[0, j]
       else:
         table_mj[m, j], used = order[used], used + 1
-  pools = []
+  pools = []      # the kernel's layout (K, W, Z, E)
   for dense in (np.asarray(k_mkse), np.asarray(v_mkse)):
     pool = np.zeros((K, W, Z, E), np.float32)
     for m, j in zip(*np.nonzero(table_mj < W)):
@@ -94,11 +94,16 @@ def test_paged_attention_equals_dense(window):
     mask &= col[None] > length_m[:, None] - 1 - window
   want = attention.attention(q[:, None], k_mkse, v_mkse, mask[:, None])[:, 0]
   table_mj = jnp.asarray(table_mj)
-  got = paged.paged_attention_reference(q, *pools, length_m, table_mj, window)
-  np.testing.assert_allclose(got, want, atol=1e-5)
-  cut = paged.bucketed_attention(q, *pools, length_m, table_mj, jnp.int32(5),
-                                 window, block=8)
-  np.testing.assert_allclose(cut, want, atol=1e-5)
+  for layout, layout_pools in [
+      (paged.KERNEL_LAYOUT, pools),
+      (paged.REFERENCE_LAYOUT, [jnp.swapaxes(p, 0, 1) for p in pools])]:
+    got = paged.paged_attention_reference(q, *layout_pools, length_m,
+                                          table_mj, window, layout)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    cut = paged.bucketed_attention(q, *layout_pools, length_m, table_mj,
+                                   jnp.int32(5), window, block=8,
+                                   layout=layout)
+    np.testing.assert_allclose(cut, want, atol=1e-5)
   if window is None:      # the TPU kernel, interpreted on this CPU
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       kernel = paged.kernel_attention(q, *pools, length_m, table_mj)
@@ -145,6 +150,31 @@ def test_a_small_pool_waits_and_preempts_with_the_same_samples(
   _assert_accounting(stats)
   with pytest.raises(ValueError, match="sampling.pages = 12"):
     _paged(params, _prompts(), dataclasses.replace(cfg, pages=12), 3)
+
+
+def test_a_kept_pool_gives_fresh_pools_samples_and_is_reused(params):
+  """sampling.PagePools across two calls with other weights between them
+  (a weight update): each call's samples equal a fresh pool's, its pages
+  all come back, the previous call's pool buffers were donated (deleted)
+  to the next, and the pool was allocated once."""
+  cfg = _cfg(top_p=0.9, kv_cache="paged", page_size=4)
+  updated = jax.tree.map(lambda w: w * 1.5 if w.ndim > 1 else w, params)
+  pools = sampling.PagePools()
+  tokens = []
+  for weights in (params, updated):
+    before = pools.pool
+    kept = sampling.sample(CONFIG, weights, _prompts(), jax.random.key(5),
+                           cfg, 3, pools=pools)
+    fresh = sampling.sample(CONFIG, weights, _prompts(), jax.random.key(5),
+                            cfg, 3)
+    _assert_same(kept, fresh, atol=0)
+    assert int(pools.stats.in_use_end) == 0, "pages not returned to the pool"
+    if before is not None:
+      assert all(x.is_deleted() for x in before.k + before.v)
+    tokens.append(np.asarray(kept.tokens_nt))
+  assert not np.array_equal(*tokens)       # the update changed the samples
+  assert pools.allocations == 1
+  assert not any(x.is_deleted() for x in pools.pool.k + pools.pool.v)
 
 
 @pytest.mark.slow
@@ -196,7 +226,7 @@ def test_release_and_conflicts():
 
 @pytest.mark.slow
 def test_the_kernel_in_the_sampler_equals_the_reference(params):
-  """sampling.attention = 'pallas' (the TPU kernel, interpreted on this
+  """sampling.paged_kernel = 'pallas' (the TPU kernel, interpreted on this
   CPU) in the whole paged sampler: the reference path's greedy tokens, its
   log-probs to the kernel's precision (~5e-3 here: over 12 tokens these
   chaotic weights flip a near-tie at token 10, so 8 tokens)."""
@@ -204,14 +234,36 @@ def test_the_kernel_in_the_sampler_equals_the_reference(params):
   loud = jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params)
   cfg = _cfg(greedy=True, stop_ids=(33, 121, 1, 197), kv_cache="paged",
              page_size=4, max_new_tokens=8)
-  ref, _ = _paged(loud, prompts, dataclasses.replace(cfg,
-                                                     attention="reference"), 2)
+  ref, _ = _paged(loud, prompts,
+                  dataclasses.replace(cfg, paged_kernel="reference"), 2)
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
     out, stats = _paged(loud, prompts, dataclasses.replace(
-        cfg, attention="pallas"), 2)
+        cfg, paged_kernel="pallas"), 2)
   np.testing.assert_array_equal(out.tokens_nt, ref.tokens_nt)
   np.testing.assert_allclose(out.logp_nt, ref.logp_nt, atol=2e-2)
   _assert_accounting(stats)
+
+
+@pytest.mark.parametrize("layout", [paged.KERNEL_LAYOUT,
+                                    paged.REFERENCE_LAYOUT])
+def test_pool_layout_writes_and_gathers(layout):
+  """put (whole pages), write (one column each) then gather: each row's
+  columns in table order; writes to page W go nowhere."""
+  K, W, Z, E = 2, 5, 3, 4
+  pool = jnp.zeros(layout.shape(K, W, Z, E))
+  assert layout.pages(pool) == W
+  page_kze = jnp.arange(K * Z * E, dtype=jnp.float32).reshape(K, Z, E) + 1
+  pool = layout.put(pool, jnp.stack([page_kze, -page_kze]), jnp.array([3, W]))
+  new_mke = jnp.full((2, K, E), 7.0)
+  pool = layout.write(pool, new_mke, jnp.array([1, W]), jnp.array([2, 0]))
+  got = layout.gather(pool, jnp.array([[3, 1], [1, 3]]))     # (M, K, 2Z, E)
+  np.testing.assert_array_equal(got[0, :, :Z], page_kze)
+  np.testing.assert_array_equal(got[0, :, Z + 2], new_mke[0])
+  np.testing.assert_array_equal(got[1, :, Z:], page_kze)
+  assert float(jnp.abs(got[:, :, :, :]).sum()) == float(
+      2 * page_kze.sum() + 2 * new_mke[0].sum())       # nothing else written
+  assert paged.pool_layout("pallas") is paged.KERNEL_LAYOUT
+  assert paged.pool_layout("reference") is paged.REFERENCE_LAYOUT
 
 
 def test_attention_choice():
@@ -228,7 +280,8 @@ def test_config_fields_are_validated():
                               ("pages", -1, "sampling.pages"),
                               ("stop_check_every", 0,
                                "sampling.stop_check_every"),
-                              ("attention", "splash", "sampling.attention")]:
+                              ("paged_kernel", "splash",
+                               "sampling.paged_kernel")]:
     c = config_lib.base_config()
     c.sampling.continuous_batching = True
     c.sampling[field] = value

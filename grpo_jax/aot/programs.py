@@ -316,10 +316,10 @@ class Plan:
         stop_check_every=s.stop_check_every)
 
   def paged_kernel(self) -> str:
-    """The paged decode attention a TPU run uses: `sampling.attention`, with
+    """The paged decode attention a TPU run uses: `sampling.paged_kernel`, with
     auto resolved as on a TPU backend (the Pallas kernel unless the model
     has a sliding window); this process itself runs on the CPU backend."""
-    chosen = self.config.sampling.attention
+    chosen = self.config.sampling.paged_kernel
     if chosen != "auto":
       return chosen
     return "pallas" if self.model_config.sliding_window is None else "reference"
@@ -329,7 +329,7 @@ class Plan:
     return dataclasses.replace(
         self.sampling_config(), continuous_batching=True, kv_cache="paged",
         page_size=self.config.sampling.page_size,
-        attention=self.paged_kernel())
+        paged_kernel=self.paged_kernel())
 
   def sequence_columns(self, n: int) -> tuple:
     """Abstract (tokens, positions, valid) [n, s] of n padded rows, split

@@ -47,7 +47,7 @@ class SamplingConfig:
   shared by its rows (`paged_slots`; pages 0: as many as dense slots would
   hold, so rows never wait). stop_check_every: the decode loop checks
   whether any row is still live every that many steps (finished slots stay
-  masked meanwhile; the samples do not change). attention (paged): the
+  masked meanwhile; the samples do not change). paged_kernel (paged): the
   decode attention over pages, "reference" (plain JAX), "pallas" (the TPU
   kernel) or "auto" (the kernel on TPU)."""
   max_new_tokens: int = 64
@@ -64,7 +64,7 @@ class SamplingConfig:
   page_size: int = 16            # columns per page (kv_cache "paged")
   pages: int = 0                 # pages per row shard (0: automatic)
   stop_check_every: int = 1      # decode steps per check of "any row live"
-  attention: str = "auto"        # paged decode attention: models.paged.ATTENTION
+  paged_kernel: str = "auto"     # paged decode attention: models.paged.KERNELS
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -85,9 +85,9 @@ class SamplingConfig:
     if self.kv_cache == "paged" and not self.continuous_batching:
       raise ValueError("kv_cache 'paged' is continuous batching's cache: "
                        "set continuous_batching=True")
-    if self.attention not in paged.ATTENTION:
-      raise ValueError(f"attention must be one of {paged.ATTENTION}, got "
-                       f"{self.attention!r}")
+    if self.paged_kernel not in paged.KERNELS:
+      raise ValueError(f"paged_kernel must be one of {paged.KERNELS}, got "
+                       f"{self.paged_kernel!r}")
     if self.page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {self.page_size}")
     if self.pages < 0:

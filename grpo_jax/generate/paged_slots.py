@@ -56,7 +56,6 @@ from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Layout = Optional[sharding.Layout]
-POOL_AXES = (sharding.BATCH, "kv_heads", None, None, "head_dim")  # (R,K,W,Z,E)
 TAIL_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")        # (B,K,Z,E)
 
 
@@ -68,6 +67,17 @@ class PageStats(NamedTuple):
   in_use_end: jax.Array     # pages still counted at the end (0: all returned)
   conflicts: jax.Array      # page-steps writable by two slots (0: sound;
                             # counted with check_pages only)
+
+
+class PagePool(NamedTuple):
+  """The keys' and values' pools of a paged call, one array per layer,
+  (R,) + `paged.pool_layout(impl).shape(K, W, Z, E)`. Kept across calls
+  (`sample_pages_reusing` donates it and returns it, so XLA writes the next
+  call's pages into the same buffers): it depends on no row and no weight.
+  A call's page tables and counts start afresh; stale pages are never read
+  (a row reads only its own columns, masked by length)."""
+  k: tuple
+  v: tuple
 
 
 class _Carry(NamedTuple):
@@ -91,11 +101,17 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
   return -(-(prompt_len + max_new_tokens) // page_size)
 
 
-def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
+def pool_axes(pool_layout: paged.PoolLayout) -> tuple:
+  """Logical axes of the (R, ...) pools: R over the batch axes."""
+  return (sharding.BATCH,) + pool_layout.axes
+
+
+def _pin_carry(layout: Layout, pool_layout: paged.PoolLayout, c: _Carry
+               ) -> _Carry:
   if layout is None:
     return c
   rows = lambda x: layout.constrain(x, (sharding.BATCH,))
-  pool = lambda x: layout.constrain(x, POOL_AXES)
+  pool = lambda x: layout.constrain(x, pool_axes(pool_layout))
   return c._replace(
       row_m=rows(c.row_m), t_m=rows(c.t_m), live_m=rows(c.live_m),
       wait_m=rows(c.wait_m), table_mj=rows(c.table_mj), ref=rows(c.ref),
@@ -116,40 +132,48 @@ def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
   return kept.reshape(B, K, C, Z, E)
 
 
+def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
+              layout: Layout, pool_layout: paged.PoolLayout) -> PagePool:
+  """A PagePool of zeros (inside jit: pinned to the layout's shards)."""
+  c = model_config
+  shape = (R,) + pool_layout.shape(c.num_kv_heads, W, Z, c.head_dim)
+  pin = (lambda x: x) if layout is None else (
+      lambda x: layout.constrain(x, pool_axes(pool_layout)))
+  layers = lambda: tuple(pin(jnp.zeros(shape, dtype))
+                         for _ in range(c.num_layers))
+  return PagePool(layers(), layers())
+
+
 def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
-                  W: int, Z: int, R: int, layout: Layout):
-  """Pools (R, K, W, Z, E) holding every prompt's full pages at its table's
-  pages, and the tails (B, K, Z, E) per layer, for keys and values."""
-  L, B, K, _, E = pp.k.shape
+                  pool: PagePool, Z: int, R: int, layout: Layout,
+                  pool_layout: paged.PoolLayout):
+  """`pool` with every prompt's full pages written at its table's pages,
+  and the tails (B, K, Z, E) per layer, for keys and values."""
+  L = pp.k.shape[0]
   C = pp.k.shape[3] // Z + 1
 
-  def one_shard(pool_kwze, pages_bkjze, table_bj):
-    src = jnp.moveaxis(pages_bkjze, 1, 0)              # (K, B, C, Z, E)
-    return pool_kwze.at[:, table_bj].set(src, mode="drop")
-
-  def layer(kv_bkpe):
+  def layer(kv_bkpe, pool):
     pages_bkjze = _compact(kv_bkpe, prompt_len_b, Z)
     tail = jnp.take_along_axis(
         pages_bkjze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
-    pool = jnp.zeros((R, K, W, Z, E), kv_bkpe.dtype)
-    pool = jax.vmap(one_shard)(pool, continuous._per_shard(R, pages_bkjze),
-                               continuous._per_shard(R, table_bj[:, :C]))
+    pool = jax.vmap(pool_layout.put)(
+        pool, continuous._per_shard(R, jnp.moveaxis(pages_bkjze, 2, 1)),
+        continuous._per_shard(R, table_bj[:, :C]))
     pin = (lambda x, a: x) if layout is None else layout.constrain
-    return pin(pool, POOL_AXES), pin(tail, TAIL_AXES)
+    return pin(pool, pool_axes(pool_layout)), pin(tail, TAIL_AXES)
 
-  ks, k_tails = zip(*(layer(pp.k[i]) for i in range(L)))
-  vs, v_tails = zip(*(layer(pp.v[i]) for i in range(L)))
+  ks, k_tails = zip(*(layer(pp.k[i], pool.k[i]) for i in range(L)))
+  vs, v_tails = zip(*(layer(pp.v[i], pool.v[i]) for i in range(L)))
   return ks, vs, k_tails, v_tails
 
 
-def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int) -> tuple:
+def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int,
+                pool_layout: paged.PoolLayout) -> tuple:
   """Prompt prompt_m[m]'s tail into page page_m[m] of slot m's shard
-  (no_page: nowhere), every layer."""
-  def one_shard(pool_kwze, tail_mkze, page):
-    return pool_kwze.at[:, page].set(jnp.swapaxes(tail_mkze, 0, 1),
-                                     mode="drop")
+  (W, no page: nowhere), every layer."""
   split = functools.partial(continuous._per_shard, R)
-  return tuple(jax.vmap(one_shard)(pool, split(tail[prompt_m]), split(page_m))
+  return tuple(jax.vmap(pool_layout.put)(pool, split(tail[prompt_m]),
+                                         split(page_m))
                for pool, tail in zip(pools, tails))
 
 
@@ -163,7 +187,8 @@ def _kernel_fn(layout: Layout):
     return one
 
   def attend(q, k, v, n, t):
-    spec = sharding.spec_for(POOL_AXES, k.shape, layout.mesh, layout.rules)
+    spec = sharding.spec_for(pool_axes(paged.KERNEL_LAYOUT), k.shape,
+                             layout.mesh, layout.rules)
     rows, heads = (tuple(spec) + (None, None))[:2]
     pool = PartitionSpec(rows, heads)
     f = jax.shard_map(one, mesh=layout.mesh,
@@ -203,7 +228,8 @@ def _take_rows(c: _Carry, first_n, row_limit, table_bj, G, T, cfg, R):
                                        table_mj), ref=ref)
 
 
-def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
+def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
+                pool_layout: paged.PoolLayout):
   """PAGES (module docstring): grants, tail copies, preemption. Returns the
   carry and the slots that decode this step."""
   M, J = c.table_mj.shape
@@ -223,8 +249,10 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
   start_m = c.wait_m & got_m
   table_mj = pages.set_entry(c.table_mj, jnp.where(start_m, full_m, j_m),
                              page_m, got_m)
-  k = _copy_tails(c.k, tails[0], prompt_m, jnp.where(start_m, page_m, W), R)
-  v = _copy_tails(c.v, tails[1], prompt_m, jnp.where(start_m, page_m, W), R)
+  copy = functools.partial(_copy_tails, prompt_m=prompt_m,
+                           page_m=jnp.where(start_m, page_m, W), R=R,
+                           pool_layout=pool_layout)
+  k, v = copy(c.k, tails[0]), copy(c.v, tails[1])
   waiting_m = grow_m & ~got_m
   victim_m = jax.vmap(_victims)(split(c.live_m), split(waiting_m),
                                 split(c.row_m)).reshape(M)
@@ -243,10 +271,11 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int):
   return c, live_m & ~waiting_m
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "cfg",
-                                             "num_generations", "slots",
-                                             "pool_pages", "layout",
-                                             "check_pages"))
+_STATIC = ("model_config", "cfg", "num_generations", "slots", "pool_pages",
+           "layout", "check_pages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def sample_pages(model_config: ModelConfig, params: transformer.Params,
                  prompt_bp: jax.Array, prompt_len_b: jax.Array, key: jax.Array,
                  cfg: decoding.SamplingConfig, num_generations: int,
@@ -254,10 +283,52 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                  layout: Layout = None, check_pages: bool = False) -> tuple:
   """G completions of each left-padded prompt (B, P) by continuous batching
   over `slots` slots and a pool of `pool_pages` pages of cfg.page_size
-  columns per row shard (module docstring). The pool must hold the shard's
-  prompts' full pages plus `pages_needed` (the host checks). check_pages:
-  count `pages.conflicts` every step (tests; O(pool) per step). Returns
-  (Samples, PageStats)."""
+  columns per row shard (module docstring), the pool allocated for this
+  call. The pool must hold the shard's prompts' full pages plus
+  `pages_needed` (the host checks). check_pages: count `pages.conflicts`
+  every step (tests; O(pool) per step). Returns (Samples, PageStats)."""
+  return _sample_pages(model_config, params, prompt_bp, prompt_len_b, key,
+                       cfg, num_generations, slots, pool_pages, real_prompts,
+                       layout, check_pages, None)[:2]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames="pool")
+def sample_pages_reusing(pool: PagePool, model_config: ModelConfig,
+                         params: transformer.Params, prompt_bp: jax.Array,
+                         prompt_len_b: jax.Array, key: jax.Array,
+                         cfg: decoding.SamplingConfig, num_generations: int,
+                         slots: int, pool_pages: int, real_prompts: jax.Array,
+                         layout: Layout = None, check_pages: bool = False
+                         ) -> tuple:
+  """`sample_pages` in a kept pool (`new_pool`'s, or the previous call's):
+  donated, so its buffers hold this call's pages, and returned. Returns
+  (Samples, PageStats, PagePool)."""
+  return _sample_pages(model_config, params, prompt_bp, prompt_len_b, key,
+                       cfg, num_generations, slots, pool_pages, real_prompts,
+                       layout, check_pages, pool)
+
+
+def pool_dtype(params: transformer.Params):
+  """The dtype of a call's keys and values: the weights'."""
+  return params["embed"].dtype
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "cfg",
+                                             "pool_pages", "layout", "dtype"))
+def new_pool(model_config: ModelConfig, cfg: decoding.SamplingConfig,
+             pool_pages: int, dtype, layout: Layout = None) -> PagePool:
+  """A zero PagePool for `sample_pages_reusing` (made once per run; the
+  layout's row shards each hold their own)."""
+  R = 1 if layout is None else layout.batch_shards
+  impl = paged.resolve(cfg.paged_kernel, model_config)
+  return zero_pool(model_config, pool_pages, cfg.page_size, R, dtype, layout,
+                   paged.pool_layout(impl))
+
+
+def _sample_pages(model_config, params, prompt_bp, prompt_len_b, key, cfg,
+                  num_generations, slots, pool_pages, real_prompts, layout,
+                  check_pages, pool) -> tuple:
+  """The program of both entry points; pool None: zeros of this call."""
   B, P = prompt_bp.shape
   G, T, Z, W = num_generations, cfg.max_new_tokens, cfg.page_size, pool_pages
   N, M = B * G, slots
@@ -267,7 +338,8 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                      f"{R} row shards")
   J = pages_needed(P, T, Z)
   split = functools.partial(continuous._per_shard, R)
-  impl = paged.resolve(cfg.attention, model_config)
+  impl = paged.resolve(cfg.paged_kernel, model_config)
+  pool_layout = paged.pool_layout(impl)
 
   # PREFILL: each prompt once into shared pages; first tokens.
   prompt_bp, prompt_len_b = (continuous._pin(layout, x)
@@ -280,9 +352,17 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   tokens_nt = jnp.full((N, T), cfg.pad_id, jnp.int32).at[:, 0].set(first_n)
   logp_nt = jnp.zeros((N, T), jnp.float32).at[:, 0].set(logp_n)
   zero = jnp.int32(0)
+  if pool is None:
+    pool = zero_pool(model_config, W, Z, R, pp.k.dtype, layout, pool_layout)
+  want = (R,) + pool_layout.shape(model_config.num_kv_heads, W, Z,
+                                  model_config.head_dim)
+  if pool.k[0].shape != want or pool.k[0].dtype != pp.k.dtype:
+    raise ValueError(f"the kept page pool is {pool.k[0].dtype}"
+                     f"{list(pool.k[0].shape)}; this call needs "
+                     f"{pp.k.dtype}{list(want)}")
   if T == 1:
     return (decoding.finish(tokens_nt, logp_nt, zero, cfg),
-            PageStats(zero, zero, zero, zero, zero))
+            PageStats(zero, zero, zero, zero, zero), pool)
 
   real_b = jnp.arange(B) < real_prompts
   full_b = jnp.where(real_b, prompt_len_b // Z, 0)
@@ -292,14 +372,15 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                                        jnp.ones(t.shape, bool), G))(
       split(table_bj))
   ks, vs, k_tails, v_tails = _prefill_pool(pp, prompt_len_b, full_b, table_bj,
-                                           W, Z, R, layout)
+                                           pool, Z, R, layout, pool_layout)
   N_local = N // R
   first_row = jnp.arange(R, dtype=jnp.int32) * N_local
   row_limit = first_row + jnp.clip(real_prompts * G - first_row, 0, N_local)
   take = functools.partial(_take_rows, first_n=first_n, row_limit=row_limit,
                            table_bj=table_bj, G=G, T=T, cfg=cfg, R=R)
   zeros_m, no_m = jnp.zeros((M,), jnp.int32), jnp.zeros((M,), bool)
-  carry = _pin_carry(layout, take(_Carry(
+  pin = functools.partial(_pin_carry, layout, pool_layout)
+  carry = pin(take(_Carry(
       zero, zeros_m, zeros_m, no_m, no_m, first_row,
       jnp.full((M, J), W, jnp.int32), ref, ks, vs, tokens_nt, logp_nt,
       PageStats(zero, zero, zero, zero, zero))))
@@ -315,7 +396,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
     steps = c.steps + running(c).astype(jnp.int32)
     # PAGES, then DECODE the slots that have their page.
     c, active_m = _pages_step(c, prompt_m, full_m, column_m,
-                              (k_tails, v_tails), R)
+                              (k_tails, v_tails), R, pool_layout)
     j_m = column_m // Z
     entry_m = jnp.take_along_axis(c.table_mj, jnp.minimum(j_m, J - 1)[:, None],
                                   1)[:, 0]
@@ -325,7 +406,8 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
               else _kernel_fn(layout))
     logits_mv, k, v = paged.decode_step(
         model_config, params, c.k, c.v, prev_m, column_m,
-        jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R)
+        jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R,
+        pool_layout)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, c.t_m)
     tokens_nt = continuous._write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m,
                                   R)
@@ -344,7 +426,7 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
                    tokens_nt=tokens_nt, logp_nt=logp_nt,
                    stats=c.stats._replace(
                        conflicts=c.stats.conflicts + bad.sum()))
-    return _pin_carry(layout, take(c))
+    return pin(take(c))
 
   final = jax.lax.while_loop(running, continuous.every(step,
                                                        cfg.stop_check_every),
@@ -352,4 +434,5 @@ def sample_pages(model_config: ModelConfig, params: transformer.Params,
   out = decoding.finish(final.tokens_nt, final.logp_nt, final.steps, cfg)
   stats = final.stats._replace(in_use_end=jnp.sum(final.ref != 0))
   return (decoding.Samples(*(continuous._pin(layout, x) for x in out[:-1]),
-                           steps=out.steps), stats)
+                           steps=out.steps), stats,
+          PagePool(final.k, final.v))

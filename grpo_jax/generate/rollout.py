@@ -78,11 +78,14 @@ def generate_groups(model_config, params, tokenizer, examples, key,
                     cfg: sampling.SamplingConfig, num_generations: int,
                     spec: RewardSpec, template: str, system_prompt: str = "",
                     batch_multiple: int = 1,
-                    layout: sharding.Layout | None = None
+                    layout: sharding.Layout | None = None,
+                    pools: sampling.PagePools | None = None
                     ) -> tuple[Groups, dict[str, float]]:
   """Samples G completions for each example and scores them, group-major.
   With a layout the sampler's rows are split over the mesh; every host gets
-  all of them back (the rewards read every row)."""
+  all of them back (the rewards read every row). pools: the run's page
+  pool holder (`sampling.PagePools`, kv_cache "paged"), kept across
+  calls."""
   B, G = len(examples), num_generations
   t0 = time.perf_counter()
   texts = templates.render_prompts(tokenizer, template, [e.question for e in examples],
@@ -90,7 +93,7 @@ def generate_groups(model_config, params, tokenizer, examples, key,
   prompt_ids = tokenizer.encode_batch(texts)
   out = sharding.to_host(sampling.sample(
       model_config, params, prompt_ids, key, cfg, num_generations=G,
-      batch_multiple=batch_multiple, layout=layout))
+      batch_multiple=batch_multiple, layout=layout, pools=pools))
   t1 = time.perf_counter()
   groups, metrics = score_samples(spec, texts, prompt_ids,
                                   [e.answer for e in examples], out,

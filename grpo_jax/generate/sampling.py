@@ -294,7 +294,8 @@ def prompts_per_call(model_config: ModelConfig, prompts: int,
 def sample(model_config: ModelConfig, params: Params,
            prompts: Sequence[Sequence[int]], key: jax.Array,
            cfg: SamplingConfig, num_generations: int = 1,
-           batch_multiple: int = 1, layout: Layout = None) -> Samples:
+           batch_multiple: int = 1, layout: Layout = None,
+           pools: Optional["PagePools"] = None) -> Samples:
   """G completions for each prompt (rows b*G .. b*G+G-1 belong to prompt b).
 
   Prompt length is padded to a power-of-two bucket and the number of prompts
@@ -312,12 +313,15 @@ def sample(model_config: ModelConfig, params: Params,
   With a `layout` (the run's mesh and rules) the rows and the KV cache are
   split over the batch mesh axes; the returned arrays are then row-sharded
   global arrays (`sharding.to_host` brings them to every host).
+
+  pools (kv_cache "paged"): a `PagePools` made once per run; the page pool
+  then lives across calls (and weight updates) instead of one call.
   """
   if not prompts:
     raise ValueError("sample() needs at least one prompt")
   if cfg.continuous_batching:
     return _sample_continuous(model_config, params, prompts, key, cfg,
-                              num_generations, batch_multiple, layout)
+                              num_generations, batch_multiple, layout, pools)
   B, G = len(prompts), num_generations
   shards = 1 if layout is None else layout.batch_shards
   P = bucket(max(len(p) for p in prompts))
@@ -397,10 +401,40 @@ def pool_pages(cfg: SamplingConfig, real_len_b: np.ndarray, prompts: int,
   return cfg.pages
 
 
+class PagePools:
+  """The paged sampler's page pool, kept across `sample` calls (issue 26:
+  allocated once per run, kept across steps and weight updates). Each call
+  donates the kept pool to `paged_slots.sample_pages_reusing` and keeps the
+  one it returns, so XLA reuses its buffers; the weights are an argument,
+  so a weight update does not touch it, and only the page tables and
+  counts (which depend on the rows) start afresh. A call needing another
+  shape (another prompt bucket, slot count or dtype) allocates anew
+  (`allocations` counts them). `stats`: the last call's PageStats."""
+
+  def __init__(self):
+    self.pool: Optional[paged_slots.PagePool] = None
+    self.stats: Optional[paged_slots.PageStats] = None
+    self.allocations = 0
+    self._signature = None
+
+  def take(self, signature, make) -> "paged_slots.PagePool":
+    """The kept pool if it was made for `signature`, else `make()`; the
+    holder gives it up (it is donated to the call)."""
+    if self.pool is None or signature != self._signature:
+      self.pool, self._signature = make(), signature
+      self.allocations += 1
+    pool, self.pool = self.pool, None
+    return pool
+
+  def keep(self, pool: "paged_slots.PagePool", stats) -> None:
+    self.pool, self.stats = pool, stats
+
+
 def _sample_continuous(model_config: ModelConfig, params: Params,
                        prompts: Sequence[Sequence[int]], key: jax.Array,
                        cfg: SamplingConfig, num_generations: int,
-                       batch_multiple: int, layout: Layout) -> Samples:
+                       batch_multiple: int, layout: Layout,
+                       pools: Optional[PagePools] = None) -> Samples:
   """`sample` by continuous batching: one call, prompts padded to a multiple
   of `batch_multiple` and of the row shards (padded rows are not decoded)."""
   B, G = len(prompts), num_generations
@@ -423,7 +457,16 @@ def _sample_continuous(model_config: ModelConfig, params: Params,
   put = jnp.asarray if layout is None else layout.rows
   args = (model_config, params, put(prompt_bp), put(len_b), key, jit_cfg, G,
           slots)
-  if cfg.kv_cache == "paged":
+  if cfg.kv_cache == "paged" and pools is not None:
+    dtype = paged_slots.pool_dtype(params)
+    shape = (model_config, cfg.page_size, cfg.paged_kernel, pool, dtype,
+             layout)
+    kept = pools.take(shape, lambda: paged_slots.new_pool(
+        model_config, jit_cfg, pool, dtype, layout))
+    out, stats, kept = paged_slots.sample_pages_reusing(
+        kept, *args, pool, jnp.int32(B), layout)
+    pools.keep(kept, stats)
+  elif cfg.kv_cache == "paged":
     out, _ = paged_slots.sample_pages(*args, pool, jnp.int32(B), layout)
   else:
     out = continuous.sample_slots(*args, jnp.int32(B), layout)

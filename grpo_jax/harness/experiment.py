@@ -176,7 +176,7 @@ def sampling_config(config, tokenizer) -> sampling.SamplingConfig:
       pad_id=tokenizer.pad_id or 0, chunk_rows=s.chunk_rows,
       continuous_batching=s.continuous_batching, slots=s.slots,
       kv_cache=s.kv_cache, page_size=s.page_size, pages=s.pages,
-      stop_check_every=s.stop_check_every, attention=s.attention)
+      stop_check_every=s.stop_check_every, paged_kernel=s.paged_kernel)
 
 
 def load_examples(config) -> tuple[list, list]:

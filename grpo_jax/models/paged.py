@@ -1,30 +1,35 @@
 """Decoding over a paged KV cache: every row's keys and values live in pages
 of a shared pool, found through the row's page table.
 
-Layout (one row shard): per layer, keys (and values) are a pool
-(K, W, Z, E) of W pages of Z columns each - the layout of the TPU kernel
-(`jax.experimental.pallas.ops.tpu.paged_attention`'s `k_pages`), so the
-kernel reads the pool as it is. Row m's column c lives in page
+Layout (one row shard): per layer, keys (and values) are a pool of W pages
+of Z columns each, (K, W, Z, E) for the TPU kernel (the layout of
+`jax.experimental.pallas.ops.tpu.paged_attention`'s `k_pages`, so the
+kernel reads the pool as it is) and (W, K, Z, E) for the plain-JAX
+reference (`PoolLayout`: a page's heads contiguous, so gathering a row's
+pages copies whole blocks). Row m's column c lives in page
 `table_mj[m, c // Z]` at offset `c % Z`. Columns are the row's positions:
 prompts are stored without their left padding, so a row's keys are its
 columns [0, length) and no validity or position arrays exist. A table entry
-of W (past the pool, `no_page`) is no page: writes to it are dropped, reads
+of W (past the pool, `PoolLayout.pages`) is no page: writes to it are dropped, reads
 of it clipped and masked.
 
 `paged_attention_reference` is the plain-JAX decode attention (CPU, GPU, and
 the check of the kernel): it gathers the row's pages through its table and
 masks columns at or past its length. `kernel_attention` is the same by the
 TPU Pallas kernel (one shard; `paged_slots` wraps it in `jax.shard_map`),
-chosen by `sampling.attention` (ATTENTION, `resolve`). `decode_step` is `ragged.decode_step`
-over pages: each row writes its new key and value at one (page, offset) and
-attends over its own pages, up to the longest row's page count (bucketed
-like `ragged.filled_attention`, so short calls do not read empty pages).
+chosen by `sampling.paged_kernel` (KERNELS, `resolve`). `decode_step` is
+`ragged.decode_step` over pages: each row writes its new key and value at
+one (page, offset) and attends over its own pages, up to the longest row's
+page count (bucketed like `ragged.filled_attention`, so short calls do not
+read empty pages).
 
 Shapes use the letters of `grpo_jax`: M rows (slots), K KV heads, H query
 heads, E head width, W pages in the pool, Z columns per page, J page-table
 entries per row; per-shard arrays add a leading R (row shards).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
@@ -34,18 +39,19 @@ import numpy as np
 from grpo_jax.models import attention, ragged, transformer
 from grpo_jax.models.config import ModelConfig
 
-# sampling.attention: the decode attention over pages. auto: the TPU kernel
+# sampling.paged_kernel: the decode attention over pages. auto: the TPU kernel
 # on TPU (where the model has no sliding window), else the reference.
-ATTENTION = ("auto", "reference", "pallas")
+KERNELS = ("auto", "reference", "pallas")
 
 
 def resolve(impl: str, model_config: ModelConfig) -> str:
-  """"reference" or "pallas" for `impl` (one of ATTENTION) on this backend."""
-  if impl not in ATTENTION:
-    raise ValueError(f"paged attention {impl!r}; allowed: {ATTENTION}")
+  """"reference" or "pallas" for `impl` (one of KERNELS) on this backend."""
+  if impl not in KERNELS:
+    raise ValueError(f"sampling.paged_kernel {impl!r}; allowed: {KERNELS}")
   if impl == "pallas" and model_config.sliding_window is not None:
-    raise ValueError("sampling.attention = 'pallas': the TPU paged-attention "
-                     "kernel has no sliding window; use 'reference'")
+    raise ValueError("sampling.paged_kernel = 'pallas': the TPU "
+                     "paged-attention kernel has no sliding window; use "
+                     "'reference'")
   if impl == "auto":
     tpu = jax.default_backend() == "tpu"
     return ("pallas" if tpu and model_config.sliding_window is None
@@ -53,67 +59,114 @@ def resolve(impl: str, model_config: ModelConfig) -> str:
   return impl
 
 
-def no_page(pool_kwze: jax.Array) -> int:
-  """The table entry that means no page: one past the pool."""
-  return pool_kwze.shape[1]
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+  """Where a pool's page axis is. heads_first: (K, W, Z, E), the TPU
+  kernel's `k_pages` (the kernel reads the pool as it is). Else pages first,
+  (W, K, Z, E): every page one contiguous block of K * Z * E, so the
+  reference's gather of a row's pages is a copy of whole blocks; on CPU its
+  attention then costs what the dense slots' does, where the heads-first
+  gather made it 2.4x slower (`python benchmarks/decode_step.py`,
+  docs/paged.md). Per-shard pools; `paged_slots` adds a leading R."""
+  heads_first: bool
+
+  def shape(self, K: int, W: int, Z: int, E: int) -> tuple:
+    return (K, W, Z, E) if self.heads_first else (W, K, Z, E)
+
+  @property
+  def axes(self) -> tuple:
+    """Logical axes of a pool (without R): KV heads as the rules say."""
+    heads = ("kv_heads", None) if self.heads_first else (None, "kv_heads")
+    return heads + (None, "head_dim")
+
+  def pages(self, pool: jax.Array) -> int:
+    """W; also the table entry that means no page (one past the pool)."""
+    return pool.shape[1 if self.heads_first else 0]
+
+  def put(self, pool: jax.Array, pages_xkze: jax.Array, ids_x: jax.Array
+          ) -> jax.Array:
+    """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
+    if self.heads_first:
+      return pool.at[:, ids_x].set(jnp.moveaxis(pages_xkze, ids_x.ndim, 0),
+                                   mode="drop")
+    return pool.at[ids_x].set(pages_xkze, mode="drop")
+
+  def write(self, pool: jax.Array, new_mke: jax.Array, page_m: jax.Array,
+            offset_m: jax.Array) -> jax.Array:
+    """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
+    nowhere)."""
+    new_mke = new_mke.astype(pool.dtype)
+    if self.heads_first:
+      return pool.at[:, page_m, offset_m].set(jnp.swapaxes(new_mke, 0, 1),
+                                              mode="drop")
+    return pool.at[page_m, :, offset_m].set(new_mke, mode="drop")
+
+  def gather(self, pool: jax.Array, table_mj: jax.Array) -> jax.Array:
+    """Row m's pages in table order, as the dense cache's columns:
+    (M, K, J * Z, E). Entries past the pool read its last page (clipped;
+    the caller masks them)."""
+    M, J = table_mj.shape
+    axis = 1 if self.heads_first else 0
+    pages = jnp.take(pool, table_mj, axis=axis, mode="clip")
+    # heads first: (K, M, J, Z, E); pages first: (M, J, K, Z, E)
+    pages = jnp.moveaxis(pages, 0, 1) if self.heads_first else jnp.moveaxis(
+        pages, 2, 1)
+    K, Z, E = pages.shape[1], pages.shape[3], pages.shape[4]
+    return pages.reshape(M, K, J * Z, E)
 
 
-def gather_pages(pool_kwze: jax.Array, table_mj: jax.Array) -> jax.Array:
-  """Row m's pages in table order, as columns: (K, M, J * Z, E). Entries
-  past the pool read its last page (clipped; the caller masks them)."""
-  K, _, Z, E = pool_kwze.shape
-  M, J = table_mj.shape
-  pages = jnp.take(pool_kwze, table_mj, axis=1, mode="clip")  # (K, M, J, Z, E)
-  return pages.reshape(K, M, J * Z, E)
+KERNEL_LAYOUT = PoolLayout(heads_first=True)
+REFERENCE_LAYOUT = PoolLayout(heads_first=False)
 
 
-def paged_attention_reference(q_mhe: jax.Array, k_kwze: jax.Array,
-                              v_kwze: jax.Array, length_m: jax.Array,
-                              table_mj: jax.Array, window=None) -> jax.Array:
+def pool_layout(impl: str) -> PoolLayout:
+  """The pools' layout for a resolved `impl` ("reference" or "pallas")."""
+  return KERNEL_LAYOUT if impl == "pallas" else REFERENCE_LAYOUT
+
+
+def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
+                              v_pool: jax.Array, length_m: jax.Array,
+                              table_mj: jax.Array, window=None,
+                              layout: PoolLayout = KERNEL_LAYOUT) -> jax.Array:
   """Decode attention (one query per row) over row m's first length_m[m]
-  columns, read through its page table; grouped-query (H a multiple of K),
-  softmax in float32. The query is at column length_m - 1 (its own key
-  written); with a sliding window it sees the last `window` columns.
-  The kernel's contract (`paged_attention(q, k_pages, v_pages, lengths,
-  page_indices)`) plus the window. Returns (M, H, E)."""
-  M, H, E = q_mhe.shape
-  K = k_kwze.shape[0]
-  k_kmse = gather_pages(k_kwze, table_mj)
-  v_kmse = gather_pages(v_kwze, table_mj)
-  q_mkre = q_mhe.reshape(M, K, H // K, E)
-  scores = jnp.einsum("mkre,kmse->mkrs", q_mkre, k_kmse,
-                      preferred_element_type=jnp.float32) / np.sqrt(E)
-  col_s = jnp.arange(k_kmse.shape[2])
+  columns, read through its page table from pools of `layout`;
+  grouped-query (H a multiple of K), softmax in float32
+  (`attention.attention` over the gathered columns). The query is at
+  column length_m - 1 (its own key written); with a sliding window it sees
+  the last `window` columns. The kernel's contract (`paged_attention(q,
+  k_pages, v_pages, lengths, page_indices)`) plus the window. Returns
+  (M, H, E)."""
+  k_mkse = layout.gather(k_pool, table_mj)
+  v_mkse = layout.gather(v_pool, table_mj)
+  col_s = jnp.arange(k_mkse.shape[2])
   mask_ms = col_s[None] < length_m[:, None]
   if window is not None:
     mask_ms &= col_s[None] > length_m[:, None] - 1 - window
-  scores = jnp.where(mask_ms[:, None, None], scores,
-                     attention._NEG_INF)  # pylint: disable=protected-access
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_kwze.dtype)
-  out = jnp.einsum("mkrs,kmse->mkre", probs, v_kmse)
-  return out.reshape(M, H, E)
+  return attention.attention(q_mhe[:, None], k_mkse, v_mkse,
+                             mask_ms[:, None])[:, 0]
 
 
-def bucketed_attention(q_mhe, k_kwze, v_kwze, length_m, table_mj,
+def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
                        filled_pages: jax.Array, window=None,
-                       block: int = ragged.BLOCK_S) -> jax.Array:
+                       block: int = ragged.BLOCK_S,
+                       layout: PoolLayout = KERNEL_LAYOUT) -> jax.Array:
   """`paged_attention_reference` over the first `filled_pages` table entries
   only, rounded up to whole blocks of `block` columns: one `lax.switch`
   branch per prefix (as `ragged.filled_attention`), so a step reads the
   pages up to the longest row's, not the table's width."""
-  Z, J = k_kwze.shape[2], table_mj.shape[1]
+  Z, J = k_pool.shape[2], table_mj.shape[1]
   per_block = max(1, block // Z)
   cuts = sorted({min(J, per_block * (i + 1))
                  for i in range(-(-J // per_block))})
 
   def prefix(cut: int):
     return lambda q, k, v, n, t: paged_attention_reference(
-        q, k, v, n, t[:, :cut], window)
+        q, k, v, n, t[:, :cut], window, layout)
 
   index = jnp.searchsorted(jnp.asarray(cuts), filled_pages)
   index = jnp.clip(index, 0, len(cuts) - 1)
-  return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_kwze,
-                        v_kwze, length_m, table_mj)
+  return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_pool,
+                        v_pool, length_m, table_mj)
 
 
 def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
@@ -136,31 +189,28 @@ def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
       table_mj.astype(jnp.int32), pages_per_compute_block=block)
 
 
-def reference_fn(model_config: ModelConfig, filled_pages: jax.Array):
-  """The reference over R shards' pools: `decode_step`'s `attend`."""
+def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
+                 layout: PoolLayout = REFERENCE_LAYOUT):
+  """The reference over R shards' pools of `layout`: `decode_step`'s
+  `attend`."""
   return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
-      q, k, v, n, t, filled_pages, model_config.sliding_window))
-
-
-def write_pages(pool_kwze: jax.Array, new_mke: jax.Array, page_m: jax.Array,
-                offset_m: jax.Array) -> jax.Array:
-  """pool[:, page_m[m], offset_m[m]] = new_mke[m]; rows whose page is
-  `no_page` write nowhere."""
-  return pool_kwze.at[:, page_m, offset_m].set(
-      jnp.swapaxes(new_mke, 0, 1).astype(pool_kwze.dtype), mode="drop")
+      q, k, v, n, t, filled_pages, model_config.sliding_window,
+      layout=layout))
 
 
 def decode_step(model_config: ModelConfig, params: transformer.Params,
                 k_pools: tuple, v_pools: tuple, tokens_m: jax.Array,
                 column_m: jax.Array, page_m: jax.Array, table_mj: jax.Array,
-                attend, layers: list, R: int) -> tuple:
+                attend, layers: list, R: int, pool_layout: PoolLayout
+                ) -> tuple:
   """One token per row: row m (at position column_m[m]) writes its key and
-  value at (page_m[m], column_m[m] % Z) of its shard's pool (no_page: it
+  value at (page_m[m], column_m[m] % Z) of its shard's pool (no page, W: it
   writes nowhere), then attends over its columns [0, column_m + 1).
 
-  k_pools, v_pools: one (R, K, W, Z, E) pool per layer; rows (M) and their
-  tables are split in R contiguous parts, shard r's rows reading and
-  writing only pool r. attend: (q (R, M/R, H, E), k pool, v pool, lengths
+  k_pools, v_pools: one pool per layer, (R,) + pool_layout.shape (the
+  page axis as `attend` reads it); rows (M) and their tables are split in
+  R contiguous parts, shard r's rows reading and writing only pool r.
+  attend: (q (R, M/R, H, E), k pool, v pool, lengths
   (R, M/R), tables (R, M/R, J)) -> (R, M/R, H, E), `reference_fn` or the
   kernel per shard. `layers` as `transformer.unstack_layers` gives them.
   Returns float32 logits (M, V) and the updated pools."""
@@ -169,7 +219,7 @@ def decode_step(model_config: ModelConfig, params: transformer.Params,
   split = lambda x: x.reshape(R, M // R, *x.shape[1:])
   page, offset = split(page_m), split(column_m % Z)
   length, table = split(column_m + 1), split(table_mj)
-  write = jax.vmap(write_pages)
+  write = jax.vmap(pool_layout.write)
   x = transformer.embed(params, tokens_m[:, None])
   ks, vs = list(k_pools), list(v_pools)
   for i, lp in enumerate(layers):
