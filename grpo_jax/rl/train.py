@@ -329,7 +329,8 @@ def run(config, workdir: str) -> dict:
   except async_rollouts.SamplerError:
     # the last completed update is saved, with the rows finished so far
     done = int(state.step) // r.updates_per_step
-    r.ckpt.save(done, state, host_state(done, wait=False), force=True)
+    if done > start:
+      r.ckpt.save(done, state, host_state(done, wait=False), force=True)
     progress.close()
     r.ckpt.close()
     writer.close()
