@@ -15,7 +15,7 @@ from grpo_jax import checkpoint, sharding, validation
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout
 from grpo_jax.models import get_preset, init_params
-from grpo_jax.rl import async_rollouts, train
+from grpo_jax.rl import async_rollouts, train, weight_sync
 import async_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,13 +57,13 @@ def test_rollout_fields_are_checked_at_start():
 def test_each_host_gives_its_last_devices_to_the_sampler():
   devices = [types.SimpleNamespace(id=i, process_index=i // 4)
              for i in range(8)]
-  train_d, sample_d = async_rollouts.split_devices(
+  train_d, sample_d = weight_sync.split_devices(
       _settings(0, sampler_devices=2), devices)
   assert [d.id for d in train_d] == [0, 1, 2, 4, 5, 6]
   assert [d.id for d in sample_d] == [3, 7]
   for bad in (3, 8):
     with pytest.raises(ConfigError, match="'rollout.sampler_devices'"):
-      async_rollouts.split_devices(_settings(0, sampler_devices=bad), devices)
+      weight_sync.split_devices(_settings(0, sampler_devices=bad), devices)
 
 
 def test_a_batch_survives_the_host_state_bit_for_bit():
@@ -92,20 +92,20 @@ def _sync(store):
   model_config = get_preset("tiny")
   layout = sharding.Layout(sharding.make_mesh(c.mesh),
                            sharding.logical_rules(c.mesh))
-  return async_rollouts.WeightSync(c, model_config, layout, store, None, None)
+  return weight_sync.WeightSync(c, model_config, layout, store, None, None)
 
 
 def test_a_failed_sync_never_reaches_the_sampler(monkeypatch):
   """A copy that fails part-way (here the third leaf): the sampler keeps
   the version it had, whole; the run gets a SamplerError naming the
   version."""
-  store = async_rollouts.WeightStore()
+  store = weight_sync.WeightStore()
   sync = _sync(store)
   params = init_params(get_preset("tiny"), jax.random.key(0))
   metrics = sync.publish(0, params)
   assert metrics["sync/bytes"] == sum(x.nbytes for x in jax.tree.leaves(params))
   before = [np.asarray(x) for x in jax.tree.leaves(store.get(0))]
-  real, calls = async_rollouts._put, []
+  real, calls = weight_sync._put, []
 
   def failing_put(x, s):
     calls.append(1)
@@ -113,7 +113,7 @@ def test_a_failed_sync_never_reaches_the_sampler(monkeypatch):
       raise RuntimeError("link down")
     return real(x, s)
 
-  monkeypatch.setattr(async_rollouts, "_put", failing_put)
+  monkeypatch.setattr(weight_sync, "_put", failing_put)
   newer = jax.tree.map(lambda x: x + 1, params)
   rollouts = async_rollouts.Threaded.__new__(async_rollouts.Threaded)
   rollouts.settings, rollouts.steps = _settings(0), 4

@@ -28,11 +28,14 @@ chain of `state.key` splits, which no update changes.
     trainer: take(u) -> UPDATE -> publish(u + 1) -> checkpoint
     sampler: wait for w(u) -> SAMPLE + SCORE (rollout.collect) -> finished
 
-Weight sync (`WeightSync.publish`): the parameters cast to the sampler's
-dtype on the trainer's devices, copied onto the sampler's shardings (with
+Weight sync (weight_sync.py): the parameters cast to the sampler's dtype
+on the trainer's devices, copied onto the sampler's shardings (with
 LoRA the adapters only, merged into or attached to the sampler's own copy of
 the frozen base), waited for, and only then entered in the `WeightStore`
-under their version: the sampler never reads a half-copied tree.
+under their version: the sampler never reads a half-copied tree. The
+sampler thread alone runs programs on the sampler's devices (with LoRA it
+merges the adapters there itself), so on several hosts each device set
+sees its programs in one order.
 
 Checkpoints hold the finished batches that the saved version cannot
 regenerate (those with w(u) below it: their policy is gone) and the data
@@ -52,12 +55,9 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
-from ml_collections import ConfigDict
 
-from grpo_jax import sharding as sharding_lib
-from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout
-from grpo_jax.models.transformer import cast
+from grpo_jax.rl.weight_sync import WeightStore, WeightSync
 
 Params = Any
 
@@ -105,126 +105,6 @@ def use_thread(settings: RolloutSettings) -> bool:
   """Whether the run samples in a thread from published weights (else
   inline, the synchronous loop); tests force it on at k = 0, colocated."""
   return settings.asynchronous
-
-
-# ----------------------------------------------------------------------------
-# Devices: one set, two meshes.
-# ----------------------------------------------------------------------------
-
-def split_devices(settings: RolloutSettings, devices=None
-                  ) -> tuple[list, list]:
-  """(trainer devices, sampler devices): on each of the P hosts its last
-  sampler_devices / P devices sample, so both meshes span every host and
-  each host's weight copy stays on that host. (all, []) when colocated."""
-  devices = list(jax.devices() if devices is None else devices)
-  s = settings.sampler_devices
-  if s == 0:
-    return devices, []
-  hosts: dict[int, list] = {}
-  for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
-    hosts.setdefault(d.process_index, []).append(d)
-  per_host = s // len(hosts)
-  local = min(len(h) for h in hosts.values())
-  if s % len(hosts) or not 0 < per_host < local:
-    raise ConfigError(
-        f"config field 'rollout.sampler_devices' = {s}: needs a multiple of "
-        f"the {len(hosts)} host(s) leaving each host at least one trainer "
-        f"device (each has {local}; {len(devices)} devices in all)")
-  train = [d for h in hosts.values() for d in h[:len(h) - per_host]]
-  sample = [d for h in hosts.values() for d in h[len(h) - per_host:]]
-  return train, sample
-
-
-def sampler_layout(config, settings: RolloutSettings, devices
-                   ) -> sharding_lib.Layout:
-  """The sampler's Layout over its devices: rollout.sampler_mesh on
-  mesh.axes, the same logical-axis rules as the trainer."""
-  grid = ConfigDict(dict(shape=settings.sampler_mesh, axes=config.mesh.axes))
-  try:
-    mesh = sharding_lib.make_mesh(grid, devices)
-  except ConfigError as e:
-    raise ConfigError(str(e).replace("'mesh.shape'", "'rollout.sampler_mesh'")
-                      ) from e
-  layout = sharding_lib.Layout(mesh, sharding_lib.logical_rules(config.mesh))
-  logging.info("sampler mesh %s over %d devices", dict(mesh.shape), mesh.size)
-  return layout
-
-
-# ----------------------------------------------------------------------------
-# Weights: published whole, by version.
-# ----------------------------------------------------------------------------
-
-class WeightStore:
-  """The sampler's weights by policy version. `publish` enters a complete,
-  ready tree; `get` waits for a version; versions below the oldest one the
-  sampler still needs are dropped (their buffers freed)."""
-
-  def __init__(self):
-    self._cond = threading.Condition()
-    self._trees: dict[int, Params] = {}
-    self._closed = False
-
-  def publish(self, version: int, tree: Params) -> None:
-    with self._cond:
-      self._trees[version] = tree
-      self._cond.notify_all()
-
-  def versions(self) -> list[int]:
-    with self._cond:
-      return sorted(self._trees)
-
-  def get(self, version: int) -> Params | None:
-    """Waits until `version` is published (None once closed)."""
-    with self._cond:
-      self._cond.wait_for(lambda: version in self._trees or self._closed)
-      return None if self._closed else self._trees[version]
-
-  def drop_below(self, version: int) -> None:
-    with self._cond:
-      for v in [v for v in self._trees if v < version]:
-        del self._trees[v]
-
-  def close(self) -> None:
-    with self._cond:
-      self._closed = True
-      self._trees.clear()
-      self._cond.notify_all()
-
-
-def _put(x, sharding):
-  """One leaf onto the sampler's sharding, new buffers (a staging copy)."""
-  return jax.device_put(x, sharding, may_alias=False)
-
-
-class WeightSync:
-  """Publishes the trainer's parameters to the sampler (module docstring):
-  the staging copy is complete and ready before the store sees it."""
-
-  def __init__(self, config, model_config, layout: sharding_lib.Layout,
-               store: WeightStore, base: Params | None, policy: Callable):
-    self._dtype = config.sampling.compute_dtype or config.model.compute_dtype
-    self._model_config, self._layout = model_config, layout
-    self._store, self._policy = store, policy
-    self._base = None if base is None else sharding_lib.shard_params(
-        base, sharding_lib.param_shardings(layout.mesh, layout.rules,
-                                           model_config, base))
-    self._shardings = None
-
-  def publish(self, version: int, params: Params) -> dict[str, float]:
-    """Stages `params` (the trainer's) as `version`; sync/* metrics."""
-    t0 = time.perf_counter()
-    tree = params if self._base is not None else cast(params, self._dtype)
-    if self._shardings is None:
-      self._shardings = sharding_lib.param_shardings(
-          self._layout.mesh, self._layout.rules, self._model_config, tree)
-    staged = jax.tree.map(_put, tree, self._shardings)
-    if self._base is not None:   # LoRA: the sampler's base + these adapters
-      staged = self._policy(staged, self._base, self._dtype)
-    jax.block_until_ready(staged)
-    self._store.publish(version, staged)
-    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    return {"sync/bytes": float(nbytes),
-            "sync/seconds": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------
@@ -376,7 +256,7 @@ class Threaded(_Rollouts):
   # -- the sampler thread ----------------------------------------------------
 
   def _run(self, first: int, key_data) -> None:
-    u = first
+    u, policy, policy_version = first, None, None
     try:
       keys = step_keys(key_data, self._start, self.steps)
       for u, step_key in keys:
@@ -389,8 +269,10 @@ class Threaded(_Rollouts):
         if params is None or self._stop:
           return
         self._store.drop_below(self.version(u))
-        groups, metrics = self._sample(params, self.data, step_key)
+        if policy_version != self.version(u):   # LoRA: merged once a version
+          policy, policy_version = self._sync.policy(params), self.version(u)
         del params
+        groups, metrics = self._sample(policy, self.data, step_key)
         batch = Batch(u, self.version(u), groups, metrics,
                       self.data.state_dict(),
                       np.asarray(jax.random.key_data(step_key)))

@@ -33,7 +33,7 @@ from grpo_jax.generate import rollout, sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
-from grpo_jax.rl import async_rollouts, nonfinite
+from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
 from grpo_jax.rl.step import train_step
 from grpo_jax.models import lora
 from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
@@ -109,10 +109,10 @@ def _setup(config, workdir: str):
   weights), and restores the last checkpoint: (_Run, state, host state,
   resumed step or None, train examples)."""
   rollout_settings = async_rollouts.RolloutSettings.from_config(config)
-  train_devices, sample_devices = async_rollouts.split_devices(
+  train_devices, sample_devices = weight_sync.split_devices(
       rollout_settings)
   layout = sharding_lib.Layout.from_config(config, train_devices)
-  sampler_layout = (async_rollouts.sampler_layout(config, rollout_settings,
+  sampler_layout = (weight_sync.sampler_layout(config, rollout_settings,
                                                   sample_devices)
                     if sample_devices else layout)
   os.makedirs(workdir, exist_ok=True)
@@ -218,8 +218,8 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
     return async_rollouts.Inline(
         r.rollout, data, config.train.steps, restored, sample,
         lambda params: policy(config, r, params, dtype))
-  store = async_rollouts.WeightStore()
-  sync = async_rollouts.WeightSync(
+  store = weight_sync.WeightStore()
+  sync = weight_sync.WeightSync(
       config, r.model_config, r.sampler_layout, store, r.base,
       lambda adapters, base, dtype: experiment.policy_params(
           config, adapters, base, dtype))
