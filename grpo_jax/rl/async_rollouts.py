@@ -164,6 +164,17 @@ def staleness_metrics(batch: Batch, max_staleness: int) -> dict[str, float]:
   return out
 
 
+def key_value(key) -> np.ndarray:
+  """A (replicated) key's data as numpy on this host, without a collective:
+  on several processes the key is a global array, whose local copy is the
+  whole value."""
+  data = (jax.random.key_data(key)
+          if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
+  if isinstance(data, jax.Array) and not data.is_fully_addressable:
+    data = data.addressable_data(0)
+  return np.asarray(data)
+
+
 def step_keys(key_data, start: int, stop: int):
   """(u, step key) for u in [start, stop): the chain train.run splits off
   state.key (key_data: the chain's key at `start`)."""
@@ -216,7 +227,7 @@ class Inline(_Rollouts):
       groups, metrics = self._sample(compute, self.data, step_key)
       del compute   # the compute-dtype copy is not kept through the update
       batch = Batch(u, u, groups, metrics, self.data.state_dict(),
-                    np.asarray(jax.random.key_data(step_key)))
+                    key_value(step_key))
     self._data_taken = batch.data_after
     return batch, 0.0
 
@@ -275,7 +286,7 @@ class Threaded(_Rollouts):
         groups, metrics = self._sample(policy, self.data, step_key)
         batch = Batch(u, self.version(u), groups, metrics,
                       self.data.state_dict(),
-                      np.asarray(jax.random.key_data(step_key)))
+                      key_value(step_key))
         with self._cond:
           self._finished[u] = batch
           self._cond.notify_all()
@@ -322,7 +333,7 @@ class Threaded(_Rollouts):
     with self._cond:
       self._wait(lambda: u in self._finished, f"step {u + 1}")
       batch = self._finished.pop(u)
-    if not np.array_equal(batch.key_data, jax.random.key_data(step_key)):
+    if not np.array_equal(batch.key_data, key_value(step_key)):
       raise SamplerError(f"the sampler's key for step {u + 1} is not the "
                          "trainer's: the schedule is broken")
     self._data_taken = batch.data_after

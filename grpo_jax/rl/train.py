@@ -225,7 +225,7 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
           config, adapters, base, dtype))
   return async_rollouts.Threaded(
       r.rollout, data, config.train.steps, restored, sample, sync, store,
-      start, np.asarray(jax.device_get(state.key)))
+      start, async_rollouts.key_value(state.key))
 
 
 @registry.register("method", "rl")
