@@ -169,6 +169,19 @@ def test_k1_trains_on_rows_one_version_old(tmp_path):
   assert moved > 1e-4
 
 
+@pytest.mark.slow
+def test_k1_with_lora_syncs_only_the_adapters(tmp_path):
+  c = async_checks.stale(async_checks.config(steps=3))
+  c.model.lora.rank = 4
+  summary = train.run(c, str(tmp_path))
+  rows = async_checks.run_metrics(tmp_path)
+  adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(summary["state"].params))
+  assert rows[0]["sync/bytes"] == adapter_bytes   # version 1, after step 1
+  assert adapter_bytes < sum(x.nbytes for x in jax.tree.leaves(summary["base"]))
+  assert [r["staleness/max"] for r in rows] == [0, 1, 1]
+  assert all(np.isfinite(r["loss"]) for r in rows)
+
+
 def _failing_sampler(monkeypatch, fail_at: int, how):
   """train.sample_step that runs `how` on its `fail_at`-th call."""
   real, calls = train.sample_step, []
