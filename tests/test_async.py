@@ -66,6 +66,13 @@ def test_each_host_gives_its_last_devices_to_the_sampler():
       weight_sync.split_devices(_settings(0, sampler_devices=bad), devices)
 
 
+def test_stale_rows_on_several_hosts_need_a_split(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ConfigError, match="'rollout.max_staleness' = 1 on 2 "
+                     "processes needs rollout.sampler_devices > 0"):
+    weight_sync.split_devices(_settings(1), [])
+
+
 def test_a_batch_survives_the_host_state_bit_for_bit():
   rng = np.random.default_rng(0)
   prompts = np.empty((2,), object)
