@@ -20,6 +20,10 @@ Sampling in bfloat16 while the trainer runs in float32 (π_old recomputed by
 the trainer, so ρ = π_old / π_rollout is what the sampler's dtype changes):
   :local_bf16       no correction
   :local_bf16_tis   token-level truncated IS, C = 2 (verl's default)
+Asynchronous rollouts (docs/async.md):
+  :local_async      rows one policy version stale (a sampler thread samples
+                    step u + 1 while the trainer updates on step u), on the
+                    decoupled objective: π_old recomputed, token TIS, C = 2
 LoRA (docs/lora.md: adapters on a frozen base, the base is the reference):
   :local_lora       the local run with rank-32 adapters on every projection,
                     10x the learning rate (LoRA Without Regret)
@@ -126,6 +130,20 @@ def local_bf16_tis(c):
   return c
 
 
+def local_async(c):
+  """The local run with rows one version stale (rollout.max_staleness = 1):
+  stale rows need a correction, so π_old is recomputed by the trainer and
+  ρ = π_old / π_rollout truncated at 2 (validation refuses stale rows
+  without one)."""
+  c = local(c)
+  c.name = "dapo_local_async"
+  c.rollout.max_staleness = 1
+  c.rl.old_logp = "recompute"
+  c.rl.rollout_correction.is_level = "token"
+  c.rl.rollout_correction.is_threshold = 2.0
+  return c
+
+
 def lora_common(c):
   """Rank-32 adapters on all seven projections (attention and MLP), α = 32
   (scale 1), and 10x full fine-tuning's learning rate: the settings of
@@ -166,6 +184,7 @@ VARIANTS = {
     "local_sapo": _loss("sapo", "seq-mean-token-mean", sapo_tau_pos=1.0,
                         sapo_tau_neg=1.05),
     "local_bf16": local_bf16, "local_bf16_tis": local_bf16_tis,
+    "local_async": local_async,
     "local_lora": local_lora, "paper_lora": paper_lora,
 }
 

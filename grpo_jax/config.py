@@ -114,6 +114,28 @@ def _lora_defaults() -> ConfigDict:
   ))
 
 
+def _rollout_defaults() -> ConfigDict:
+  """config.rollout: where the sampler runs and how stale its rows may be
+  (rl/async_rollouts.py, docs/async.md). The defaults are the synchronous
+  loop: sample on every device, then update, then sample again."""
+  return ConfigDict(dict(
+      sampler_devices=0,               # devices given to the sampler (the
+                                       # last ones of each host); 0: the
+                                       # sampler shares the trainer's
+      sampler_mesh=(-1, 1, 1),         # the sampler's own grid over those
+                                       # devices (axes: mesh.axes, rules:
+                                       # mesh.rules), e.g. more tensor
+      max_staleness=0,                 # k: step u's rows come from policy
+                                       # version u - k (0: synchronous);
+                                       # k >= 1 needs an active
+                                       # rl.rollout_correction
+      sync_every=1,                    # n: weights reach the sampler after
+                                       # every n-th update step (n <= k + 1)
+      timeout_s=3600.0,                # a sampler with no batch for this
+                                       # long is hung: the run stops
+  ))
+
+
 def _mesh_defaults() -> ConfigDict:
   """config.mesh: the device grid, the logical-axis rules, multi-host start-up."""
   return ConfigDict(dict(
@@ -189,6 +211,7 @@ def base_config() -> ConfigDict:
       compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = _rl_defaults()
+  c.rollout = _rollout_defaults()
 
   # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
   c.rewards = ConfigDict({"last_number": 1.0})

@@ -168,7 +168,46 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
   if config.method == "star":
     _check_star(config.star)
   _check_lora(config.model.lora)
+  _check_rollout(config)
   return config
+
+
+def _check_rollout(config: ConfigDict) -> None:
+  """config.rollout (rl/async_rollouts.py): counts in range, sync_every
+  within the staleness bound, and stale rows only with a rollout
+  correction (never π_rollout of an older policy silently taken as π_old).
+  The device split is checked against the devices at start-up
+  (async_rollouts.split_devices)."""
+  r = config.rollout
+  for path in ("rollout.sampler_devices", "rollout.max_staleness"):
+    if _get(config, path) < 0:
+      raise ConfigError(f"config field {path!r} = {_get(config, path)} must "
+                        "be >= 0 (0: off)")
+  if not 1 <= r.sync_every <= r.max_staleness + 1:
+    raise ConfigError(
+        f"config field 'rollout.sync_every' = {r.sync_every} must be in "
+        f"[1, rollout.max_staleness + 1 = {r.max_staleness + 1}]: between two "
+        "syncs the sampler's weights age by sync_every - 1 steps, which the "
+        "staleness bound must cover")
+  if r.timeout_s <= 0:
+    raise ConfigError(f"config field 'rollout.timeout_s' = {r.timeout_s} "
+                      "must be > 0 (seconds the trainer waits for a batch)")
+  if len(r.sampler_mesh) != len(config.mesh.axes):
+    raise ConfigError(f"config field 'rollout.sampler_mesh' = "
+                      f"{tuple(r.sampler_mesh)} needs one size per mesh axis "
+                      f"{tuple(config.mesh.axes)}")
+  correction = rollout_correction.CorrectionSettings.from_config(
+      config.rl.rollout_correction)
+  if config.method == "rl" and r.max_staleness > 0 and not correction.active:
+    raise ConfigError(
+        f"config field 'rollout.max_staleness' = {r.max_staleness}: rows up "
+        "to that many policy versions old are off-policy, and no "
+        "rl.rollout_correction is on, so the update would weigh them as if "
+        "the current policy had sampled them. Use the decoupled objective "
+        "(π_old recomputed, truncated IS on π_old / π_rollout): "
+        "--config.rl.old_logp=recompute "
+        "--config.rl.rollout_correction.is_level=token; or bypass "
+        "(--config.rl.old_logp=sampler) with a correction on")
 
 
 def _check_lora(c: ConfigDict) -> None:

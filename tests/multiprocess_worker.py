@@ -4,8 +4,11 @@ reward, and saves the final parameters to OUT (.npz): what must not depend on
 the number of processes.
 
   python tests/multiprocess_worker.py WORKDIR NUM_PROCESSES PROCESS_ID PORT OUT
+      [async]
 
 NUM_PROCESSES = 1 is the single-process reference (no jax.distributed).
+`async`: rollouts one version stale on a split (rl/async_rollouts.py): the
+last 2 devices in all sample (one per host on two hosts), the rest train.
 The processes of one run share WORKDIR, as hosts of a pod share a bucket:
 Orbax's multi-host checkpointing needs one directory.
 """
@@ -34,7 +37,8 @@ def even_bytes_reward(prompts, completions, answers, completion_lengths):
                      for text in completions], np.float32)
 
 
-def config_for(num_processes: int, process_id: int, port: int):
+def config_for(num_processes: int, process_id: int, port: int,
+               asynchronous: bool = False):
   c = tiny.get_config()
   c.train.steps = 2
   c.train.eval_at_start = False
@@ -51,6 +55,9 @@ def config_for(num_processes: int, process_id: int, port: int):
   # order) moves that weight by up to ~lr. eps = 1e-3 keeps the step linear
   # in small gradients, so the runs can be compared at float32 tolerance.
   c.optim.eps = 1e-3
+  if asynchronous:
+    c.rollout.sampler_devices, c.rollout.max_staleness = 2, 1
+    c.rl.old_logp, c.rl.rollout_correction.is_level = "recompute", "token"
   if num_processes > 1:
     c.mesh.coordinator_address = f"127.0.0.1:{port}"
     c.mesh.num_processes = num_processes
@@ -60,7 +67,8 @@ def config_for(num_processes: int, process_id: int, port: int):
 
 def main(argv) -> None:
   workdir, num, pid, port, out = argv[1], *map(int, argv[2:5]), argv[5]
-  summary = train.run(config_for(num, pid, port), workdir)
+  asynchronous = argv[6:] == ["async"]
+  summary = train.run(config_for(num, pid, port, asynchronous), workdir)
   # Gathered to every host whatever the sharding.
   params = multihost_utils.process_allgather(summary["state"].params,
                                              tiled=True)

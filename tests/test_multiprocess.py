@@ -34,15 +34,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(tmp_path, name: str, args: list) -> subprocess.Popen:
+def _start(tmp_path, name: str, args: list, devices: int = 1
+           ) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                       "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  if devices > 1:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   with open(tmp_path / f"{name}.log", "w", encoding="utf-8") as log:
     return subprocess.Popen(
-        [sys.executable, WORKER, *map(str, args),
-         str(tmp_path / f"{name}.npz")],
+        [sys.executable, WORKER, *map(str, args[:4]),
+         str(tmp_path / f"{name}.npz"), *map(str, args[4:])],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
 
 
@@ -123,3 +126,44 @@ def test_only_process_zero_writes_the_metrics(runs):
   steps = lambda d: [r["step"] for r in metrics.read_jsonl(
       tmp_path / d / "metrics.jsonl")]
   assert steps("pair") == steps("single") == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory):
+  """k = 1 on a split: one process with 4 devices (2 train, 2 sample)
+  against two processes with 2 each (on each host 1 trains, 1 samples):
+  the same mesh shapes on both sides."""
+  tmp_path = tmp_path_factory.mktemp("multiprocess_async")
+  port = _free_port()
+  procs = {}
+  try:
+    procs["single"] = _start(tmp_path, "single",
+                             [tmp_path / "single", 1, 0, 0, "async"], 4)
+    for pid in (0, 1):
+      procs[f"p{pid}"] = _start(tmp_path, f"p{pid}",
+                                [tmp_path / "pair", 2, pid, port, "async"], 2)
+    results = _wait_all(procs, tmp_path)
+  finally:
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+  params = {name: dict(np.load(tmp_path / f"{name}.npz")) for name in procs}
+  return results, params, tmp_path
+
+
+@pytest.mark.slow
+def test_two_processes_train_asynchronously_like_one(async_runs):
+  results, params, tmp_path = async_runs
+  assert results["single"]["devices"] == 4
+  assert results["p0"]["devices"] == results["p1"]["devices"] == 4
+  rows = metrics.read_jsonl(tmp_path / "pair" / "metrics.jsonl")
+  assert [r["staleness/max"] for r in rows] == [0, 1]
+  single = results["single"]
+  for name in ("p0", "p1"):
+    assert results[name]["reward"] == single["reward"]   # same samples
+    np.testing.assert_allclose(results[name]["loss"], single["loss"],
+                               rtol=1e-4, atol=1e-7)
+    for leaf, want in params["single"].items():
+      np.testing.assert_allclose(params[name][leaf], want, rtol=1e-5,
+                                 atol=1e-6, err_msg=f"{name} {leaf}")

@@ -118,18 +118,18 @@ def test_update_whose_parameters_would_turn_nan_is_not_applied():
 
 def _nan_advantages_at_step(monkeypatch, bad_step: int):
   """The RL loop's advantages turn NaN at (1-based) step `bad_step`."""
-  real_step, real_advantages = train.rl_step, train.advantages
+  real_learn, real_advantages = train.learn, train.advantages
   now = {}
 
-  def rl_step(config, r, state, prompts, step_key, step):
+  def learn(config, r, state, groups, metrics, step):
     now["step"] = step + 1
-    return real_step(config, r, state, prompts, step_key, step)
+    return real_learn(config, r, state, groups, metrics, step)
 
   def advantages(*args, **kwargs):
     adv = real_advantages(*args, **kwargs)
     return adv * np.nan if now["step"] == bad_step else adv
 
-  monkeypatch.setattr(train, "rl_step", rl_step)
+  monkeypatch.setattr(train, "learn", learn)
   monkeypatch.setattr(train, "advantages", advantages)
 
 

@@ -17,16 +17,24 @@ STEPS = 6   # a tiny step takes ~80 ms on CPU; leave >= 3 steps after the kill p
 _VOLATILE = ("time/", "tokens_per_second")  # and every "*seconds": timings
 
 
-def _command(workdir):
+# Asynchronous rollouts one version stale (rl/async_rollouts.py): the
+# checkpoint keeps the finished rows of the old version, later rows are
+# regenerated from the saved parameters.
+ASYNC = ("--config.rollout.max_staleness=1", "--config.rl.old_logp=recompute",
+         "--config.rl.rollout_correction.is_level=token")
+
+
+def _command(workdir, extra=()):
   return [sys.executable, os.path.join(ROOT, "experiments", "run.py"),
           f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}",
           f"--workdir={workdir}", f"--config.train.steps={STEPS}",
-          "--config.train.checkpoint_every=1", "--config.train.eval_at_start=false"]
+          "--config.train.checkpoint_every=1", "--config.train.eval_at_start=false",
+          *extra]
 
 
-def _run(workdir, timeout=600):
-  subprocess.run(_command(workdir), check=True, timeout=timeout, cwd=ROOT,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _run(workdir, extra=(), timeout=600):
+  subprocess.run(_command(workdir, extra), check=True, timeout=timeout,
+                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def _metrics(workdir):
@@ -36,15 +44,17 @@ def _metrics(workdir):
           for r in rows]
 
 
-def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("extra", [
+    (), pytest.param(ASYNC, marks=pytest.mark.slow, id="async_k1")])
+def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-  _run(straight)
+  _run(straight, extra)
   # Start, wait until a random checkpoint is finalised, then SIGKILL.
   # The kill lands at most ~70 ms after `kill_after` is finalised, mid-step or
   # mid-write, and always before the last step is finalised (a fast CI machine
   # once finished 2 steps inside a 1 s random sleep).
   kill_after = random.Random(0).randint(1, STEPS - 3)
-  proc = subprocess.Popen(_command(killed), cwd=ROOT, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(_command(killed, extra), cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True)
   try:
     deadline = time.time() + 600
@@ -62,12 +72,14 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path):
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
   assert max(checkpoint.finalized_steps(ckpt_dir)) < STEPS
-  _run(killed)   # resumes from the latest finalised checkpoint
+  _run(killed, extra)   # resumes from the latest finalised checkpoint
   a = checkpoint.load_params(straight)
   b = checkpoint.load_params(killed)
   for x, y in zip(_leaves(a), _leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)   # bitwise on CPU
   assert _metrics(straight) == _metrics(killed)
+  if extra:   # the rows in flight were in the checkpoint it resumed from
+    assert checkpoint.load_host_state(killed, kill_after)["rollouts"]
   # TensorBoard too: the steps the kill discarded are not kept beside the
   # recomputed ones (each (step, tag) once, as in the uninterrupted run).
   assert _tensorboard(killed) == _tensorboard(straight)

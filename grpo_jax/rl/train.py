@@ -2,7 +2,8 @@
 
     for step:
       # SAMPLE + SCORE  (generate/rollout.py: the jitted sampler with π_old,
-      #                  rewards, dynamic sampling)
+      #                  rewards, dynamic sampling; inline, or a sampler
+      #                  thread up to k versions ahead: async_rollouts.py)
       # ADVANTAGE       (vmapped over groups)
       # REFERENCE       (log-probs under π_ref, only when β > 0)
       # UPDATE          (step.py, update.py: μ passes × mini-batches; jitted,
@@ -14,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -31,7 +33,7 @@ from grpo_jax.generate import rollout, sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
-from grpo_jax.rl import nonfinite
+from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
 from grpo_jax.rl.step import train_step
 from grpo_jax.models import lora
 from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
@@ -89,6 +91,8 @@ class _Run(NamedTuple):
   ref_params: Any
   updates_per_step: int
   eval_examples: list
+  rollout: async_rollouts.RolloutSettings
+  sampler_layout: sharding_lib.Layout   # `layout` itself when colocated
   base: Any = None        # LoRA: the frozen base (state.params: adapters)
   base_identity: Any = None   # LoRA: experiment.base_identity, saved
 
@@ -104,7 +108,13 @@ def _setup(config, workdir: str):
   the tokenizer and the model's config against each other, then the
   weights), and restores the last checkpoint: (_Run, state, host state,
   resumed step or None, train examples)."""
-  layout = sharding_lib.Layout.from_config(config)
+  rollout_settings = async_rollouts.RolloutSettings.from_config(config)
+  train_devices, sample_devices = weight_sync.split_devices(
+      rollout_settings)
+  layout = sharding_lib.Layout.from_config(config, train_devices)
+  sampler_layout = (weight_sync.sampler_layout(config, rollout_settings,
+                                                  sample_devices)
+                    if sample_devices else layout)
   os.makedirs(workdir, exist_ok=True)
   train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
@@ -144,30 +154,35 @@ def _setup(config, workdir: str):
              sample_cfg,
              evaluation.EvalSettings.from_config(config, sample_cfg, spec),
              optimizer, learning_rate_schedule(config.optim, total_updates),
-             ref_params, updates_per_step, eval_examples, base, identity)
+             ref_params, updates_per_step, eval_examples, rollout_settings,
+             sampler_layout, base, identity)
   return run, state, host, resumed, train_examples
 
 
-def rl_step(config, r: _Run, state, prompts, step_key, step: int):
-  """One step: SAMPLE + SCORE (with dynamic sampling's refills from
-  `prompts`, an iterator of prompt batches), ADVANTAGE, REFERENCE + UPDATE.
-  Returns the new state and the step's metrics."""
+def sample_step(config, r: _Run, compute, prompts, step_key
+                ) -> tuple[rollout.Groups, dict]:
+  """SAMPLE + SCORE of one step with the policy `compute` (on the
+  sampler's layout, in its dtype), with dynamic sampling's refills from
+  `prompts`, an iterator of prompt batches."""
   rl = config.rl
-  compute = policy(config, r, state.params, config.sampling.compute_dtype
-                   or config.model.compute_dtype)   # the sampler's dtype
 
-  # SAMPLE + SCORE
   def generate(i):
     return rollout.generate_groups(
         r.model_config, compute, r.tokenizer, next(prompts),
         jax.random.fold_in(step_key, i), r.sample_cfg, rl.num_generations,
         r.spec, config.data.template, config.data.system_prompt,
-        layout=r.layout)
+        layout=r.sampler_layout)
 
-  groups, metrics = rollout.collect(generate, rl.prompts_per_step,
-                                    rl.dynamic_sampling, rl.max_gen_batches,
-                                    rl.on_cap)
-  del compute   # the compute-dtype copy is not kept through the update
+  return rollout.collect(generate, rl.prompts_per_step, rl.dynamic_sampling,
+                         rl.max_gen_batches, rl.on_cap)
+
+
+def learn(config, r: _Run, state, groups: rollout.Groups, metrics: dict,
+          step: int):
+  """ADVANTAGE, REFERENCE + UPDATE on one step's groups (`metrics`: their
+  SAMPLE + SCORE metrics). Returns the new state and the step's metrics."""
+  rl = config.rl
+  metrics = dict(metrics)
   packed = rollout.pack(groups, r.tokenizer.pad_id or 0, rl.overlong_filter)
   # ADVANTAGE
   if rl.advantage == "grpo_process":    # per token [N, T]
@@ -191,6 +206,28 @@ def rl_step(config, r: _Run, state, prompts, step_key, step: int):
   return state, metrics
 
 
+def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
+  """Where each step's rows come from (async_rollouts.py): sampled inline
+  with the current parameters (the synchronous colocated loop), or by a
+  sampler thread from published weights (rollout.sampler_devices > 0 or
+  rollout.max_staleness > 0); batches a checkpoint kept come first."""
+  dtype = config.sampling.compute_dtype or config.model.compute_dtype
+  restored = [async_rollouts.decode(b) for b in host.get("rollouts", [])]
+  sample = functools.partial(sample_step, config, r)
+  if not async_rollouts.use_thread(r.rollout):
+    return async_rollouts.Inline(
+        r.rollout, data, config.train.steps, restored, sample,
+        lambda params: policy(config, r, params, dtype))
+  store = weight_sync.WeightStore()
+  sync = weight_sync.WeightSync(
+      config, r.model_config, r.sampler_layout, store, r.base,
+      lambda adapters, base, dtype: experiment.policy_params(
+          config, adapters, base, dtype))
+  return async_rollouts.Threaded(
+      r.rollout, data, config.train.steps, restored, sample, sync, store,
+      start, async_rollouts.key_value(state.key))
+
+
 @registry.register("method", "rl")
 @experiment.guarded   # validation, processes, workdir lock, signals: once
 def run(config, workdir: str) -> dict:
@@ -201,8 +238,9 @@ def run(config, workdir: str) -> dict:
   the checkpoint holds the TrainState (params, optimizer state, step, PRNG
   key) and the host state (data iterator position, held-out accuracy before
   training); mini-batch order is a function of (seed, step). Dynamic
-  sampling discards surplus groups (as DAPO does), so nothing else carries
-  over between steps.
+  sampling discards surplus groups (as DAPO does). Asynchronous rollouts
+  (config.rollout, async_rollouts.py) also save the finished rows that the
+  saved policy cannot regenerate; later rows are regenerated exactly.
   """
   r, state, host, resumed, train_examples = _setup(config, workdir)
   start = int(state.step) // r.updates_per_step
@@ -231,47 +269,74 @@ def run(config, workdir: str) -> dict:
     summary["eval_before"] = evaluate(0)["eval/greedy_accuracy"]
   progress = metrics_lib.progress_bar(
       config.train.steps, config.train.progress and primary, start)
-  interrupts.defer_to_step_boundary()
-  for step in range(start, config.train.steps):
-    t_step = time.perf_counter()
-    key = jax.random.wrap_key_data(state.key)
-    key, step_key = jax.random.split(key)
-    state = state._replace(key=jax.random.key_data(key))
-    state, metrics = rl_step(config, r, state, data, step_key, step)
-    metrics["time/step"] = time.perf_counter() - t_step
-    metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
-        metrics["time/sample"], 1e-9)
-    metrics["sampler/compilations"] = sampling.COMPILES.count
-    code = metrics.pop(nonfinite.CODE)
-    halt = code and config.train.on_non_finite == "stop"
-    if (step % config.train.log_every == 0 or step == config.train.steps - 1
-        or halt):
-      writer.write(step + 1, metrics)
-      logging.info("%s", metrics_lib.step_line(step + 1, config.train.steps,
-                                               metrics))
-    if halt:   # nothing of this step is saved; earlier saves finish first
-      progress.close()
-      r.ckpt.close()
-      writer.close()
-      raise nonfinite.error(code, f"step {step + 1}/{config.train.steps}",
-                            state.params)
-    progress.update(1)
-    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
-                         acc=f"{metrics['accuracy']:.3f}")
-    if (config.train.eval_every and (step + 1) % config.train.eval_every == 0
-        and step + 1 < config.train.steps and r.eval_examples):
-      evaluate(step + 1)
-    summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
-                                            "loss") if k in metrics})
-    stop = interrupts.stop_requested()
-    host_state = {"data": data.state_dict(), "summary": summary}
+  rollouts = make_rollouts(config, r, state, data, start, host)
+
+  def host_state(done: int, wait: bool = True) -> dict:
+    out = {**rollouts.host_state(done, wait), "summary": summary}
     if r.base_identity is not None:
-      host_state["lora_base"] = r.base_identity
-    r.ckpt.save(step + 1, state, host_state,
-                force=step + 1 == config.train.steps or stop)
-    if r.ckpt.preempted or stop:
-      interrupts.mark_preempted(step + 1, str(r.ckpt.step_path(step + 1)))
-      break
+      out["lora_base"] = r.base_identity
+    return out
+
+  interrupts.defer_to_step_boundary()
+  try:
+    rollouts.publish(start, state.params)
+    for step in range(start, config.train.steps):
+      t_step = time.perf_counter()
+      key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+      batch, waited = rollouts.take(step, step_key)
+      state = state._replace(key=jax.random.key_data(key))
+      state, metrics = learn(config, r, state, batch.groups, batch.metrics,
+                             step)
+      metrics.update(rollouts.publish(step + 1, state.params))
+      metrics["time/step"] = time.perf_counter() - t_step
+      metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
+          metrics["time/sample"], 1e-9)
+      metrics["sampler/compilations"] = sampling.COMPILES.count
+      if isinstance(rollouts, async_rollouts.Threaded):
+        metrics.update(async_rollouts.staleness_metrics(
+            batch, r.rollout.max_staleness))
+        metrics["time/trainer_idle_fraction"] = waited / metrics["time/step"]
+        metrics["time/sampler_idle_fraction"] = (
+            rollouts.sampler_idle_fraction())
+      code = metrics.pop(nonfinite.CODE)
+      halt = code and config.train.on_non_finite == "stop"
+      if (step % config.train.log_every == 0
+          or step == config.train.steps - 1 or halt):
+        writer.write(step + 1, metrics)
+        logging.info("%s", metrics_lib.step_line(step + 1, config.train.steps,
+                                                 metrics))
+      if halt:   # nothing of this step is saved; earlier saves finish first
+        progress.close()
+        r.ckpt.close()
+        writer.close()
+        raise nonfinite.error(code, f"step {step + 1}/{config.train.steps}",
+                              state.params)
+      progress.update(1)
+      progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                           acc=f"{metrics['accuracy']:.3f}")
+      if (config.train.eval_every and (step + 1) % config.train.eval_every == 0
+          and step + 1 < config.train.steps and r.eval_examples):
+        evaluate(step + 1)
+      summary.update({k: metrics[k] for k in ("reward/mean", "accuracy",
+                                              "loss") if k in metrics})
+      stop = interrupts.stop_requested()
+      if (step + 1 == config.train.steps or stop
+          or r.ckpt.should_save(step + 1)):
+        r.ckpt.save(step + 1, state, host_state(step + 1), force=True)
+      if r.ckpt.preempted or stop:
+        interrupts.mark_preempted(step + 1, str(r.ckpt.step_path(step + 1)))
+        break
+  except async_rollouts.SamplerError:
+    # the last completed update is saved, with the rows finished so far
+    done = int(state.step) // r.updates_per_step
+    if done > start:
+      r.ckpt.save(done, state, host_state(done, wait=False), force=True)
+    progress.close()
+    r.ckpt.close()
+    writer.close()
+    raise
+  finally:
+    rollouts.close()
   progress.close()
   r.ckpt.close()
   finished = int(state.step) // r.updates_per_step == config.train.steps
