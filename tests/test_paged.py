@@ -3,6 +3,7 @@ grpo_jax/generate/paged_slots.py): decode attention over pages equals dense
 attention; the paged continuous sampler gives the dense one's samples, also
 when its pool runs out mid-row; the pool's accounting holds."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -304,3 +305,34 @@ def test_sharded_rows_on_eight_fake_devices(run_sharding_checks):
   rows over 8 (then 4 x tensor 2) row shards gives one device's static
   samples, one page pool per row shard, every page returned."""
   run_sharding_checks("paged_sharding_checks.py", ["8,1,1", "2,2,2"])
+
+
+@pytest.mark.slow
+def test_a_paged_training_run_keeps_one_pool_and_equals_the_dense_run(
+    tmp_path, monkeypatch):
+  """The RL loop with the paged sampler: one pool for the whole run (made
+  at the first step, reused by the next), and the same rows as the dense
+  continuous sampler, so the same metrics."""
+  from configs import tiny   # pylint: disable=import-outside-toplevel
+  from grpo_jax.rl import train   # pylint: disable=import-outside-toplevel
+  made = []
+  real = sampling.PagePools.take
+
+  def take(self, signature, make):
+    made.append(self.pool is None or signature != self._signature)
+    return real(self, signature, make)
+
+  monkeypatch.setattr(sampling.PagePools, "take", take)
+  rows = {}
+  for cache in ("dense", "paged"):
+    config = tiny.get_config()
+    config.train.steps = 2
+    config.train.eval_at_start = config.train.eval_at_end = False
+    config.sampling.continuous_batching = True
+    config.sampling.kv_cache = cache
+    train.run(config, str(tmp_path / cache))
+    rows[cache] = [json.loads(l) for l in open(tmp_path / cache / "metrics.jsonl")]
+  assert made == [True, False]   # the paged run: made once, then reused
+  for dense_row, paged_row in zip(rows["dense"], rows["paged"]):
+    for k in ("reward/mean", "accuracy", "sample/tokens", "loss"):
+      assert paged_row[k] == pytest.approx(dense_row[k], rel=1e-5, abs=1e-6), k

@@ -93,6 +93,7 @@ class _Run(NamedTuple):
   eval_examples: list
   rollout: async_rollouts.RolloutSettings
   sampler_layout: sharding_lib.Layout   # `layout` itself when colocated
+  pools: sampling.PagePools   # the paged sampler's page pool, kept all run
   base: Any = None        # LoRA: the frozen base (state.params: adapters)
   base_identity: Any = None   # LoRA: experiment.base_identity, saved
 
@@ -155,7 +156,7 @@ def _setup(config, workdir: str):
              evaluation.EvalSettings.from_config(config, sample_cfg, spec),
              optimizer, learning_rate_schedule(config.optim, total_updates),
              ref_params, updates_per_step, eval_examples, rollout_settings,
-             sampler_layout, base, identity)
+             sampler_layout, sampling.PagePools(), base, identity)
   return run, state, host, resumed, train_examples
 
 
@@ -171,7 +172,7 @@ def sample_step(config, r: _Run, compute, prompts, step_key
         r.model_config, compute, r.tokenizer, next(prompts),
         jax.random.fold_in(step_key, i), r.sample_cfg, rl.num_generations,
         r.spec, config.data.template, config.data.system_prompt,
-        layout=r.sampler_layout)
+        layout=r.sampler_layout, pools=r.pools)
 
   return rollout.collect(generate, rl.prompts_per_step, rl.dynamic_sampling,
                          rl.max_gen_batches, rl.on_cap)
