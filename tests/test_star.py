@@ -70,8 +70,8 @@ class ScriptedSampler:
     self.prompts_seen = []
 
   def __call__(self, model_config, params, prompts, key, cfg,
-               num_generations=1, batch_multiple=1, layout=None):
-    del model_config, key, batch_multiple, layout
+               num_generations=1, batch_multiple=1, layout=None, pools=None):
+    del model_config, key, batch_multiple, layout, pools
     self.params_seen.append(jax.tree.map(np.array, params))
     self.prompts_seen.append([TOK.decode(p) for p in prompts])
     T = cfg.max_new_tokens
