@@ -101,7 +101,7 @@ def test_segments_and_queries_after_a_prefix():
 
 
 @pytest.mark.parametrize("group_size,dtype", [
-    (1, jnp.float32), (4, jnp.float32),
+    pytest.param(1, jnp.float32, marks=pytest.mark.slow), (4, jnp.float32),
     pytest.param(4, jnp.bfloat16, marks=pytest.mark.slow)])
 def test_sequence_logprobs_and_gradient_match(group_size, dtype, monkeypatch):
   """The model's log-probs and their parameter gradient are the same with

@@ -22,7 +22,8 @@ def test_micro_batch_rows(mini, seq, size, budget, want):
   assert update.micro_batch_rows(mini, seq, size, budget) == want
 
 
-@pytest.mark.parametrize("num_micro,group_size", [(2, 1), (4, 4), (2, 4)])
+@pytest.mark.parametrize("num_micro,group_size", [
+    (2, 1), pytest.param(4, 4, marks=pytest.mark.slow), (2, 4)])
 def test_scoring_in_micro_batches_equals_one_pass(num_micro, group_size):
   params = init_params(CONFIG, jax.random.key(0))
   B, G, P, T = 2, 4, 5, 6

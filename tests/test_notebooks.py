@@ -8,6 +8,7 @@ fails the test. The outputs are checked for what each notebook promises.
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +80,7 @@ WORKDIR = {str(tmp_path / "run")!r}
   assert (tmp_path / "run" / "star" / "iteration_1.jsonl").exists()
 
 
+@pytest.mark.slow   # LoRA's training path: test_lora.py, test_async.py
 def test_lora_grpo_notebook(tmp_path):
   nb = execute("lora_grpo.ipynb", f"""
 MODEL = "tiny"

@@ -109,7 +109,8 @@ def test_registered_and_validated():
   validation.validate(grpo_process.get_config("local_outcome"))
 
 
-@pytest.mark.parametrize("advantage", ["grpo_process", "grpo"])
+@pytest.mark.parametrize("advantage", [
+    "grpo_process", pytest.param("grpo", marks=pytest.mark.slow)])
 def test_grpo_process_trains_end_to_end(tmp_path, advantage):
   """Process supervision trains; an outcome run with the process reward set
   logs the same process/* metrics (the README compares them)."""
@@ -128,7 +129,7 @@ def test_grpo_process_trains_end_to_end(tmp_path, advantage):
 
 def test_per_token_advantages_are_exact_under_micro_batching():
   """The update with process advantages [N, T] (each row's own) gives the
-  same loss and gradient for 1, 2 and 4 micro-batches."""
+  same loss and gradient for 1 and 4 micro-batches."""
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0))
   rng = np.random.RandomState(3)
@@ -146,7 +147,7 @@ def test_per_token_advantages_are_exact_under_micro_batching():
   s = update.LossSettings(
       loss=losses.PolicyLossSpec(agg="seq-mean-token-mean"), chunk=4)
   step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
-  results = [step(params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
+  results = [step(params, cfg, batch, k, 0.0, s) for k in (1, 4)]
   assert abs(float(results[0][1])) > 1e-3
   for grads, loss, _ in results[1:]:
     np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)

@@ -53,7 +53,10 @@ def test_first_update_ratio_is_one_with_sampler_logprobs(tmp_path):
   assert row["clip/low_frac"] == 0 and row["clip/high_frac"] == 0
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+# seq-mean-token-mean: the same at the loss level (test_losses.py), and
+# through LoRA (test_lora.py); here slow.
+@pytest.mark.parametrize("agg", [
+    "token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow)])
 def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0))
