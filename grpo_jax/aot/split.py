@@ -7,14 +7,18 @@ asynchronous split, from the simulated slot schedule and the rooflines.
   split       the first `sampler_devices` chips sample, the rest train; the
               sampler holds only its weights (compute dtype) and a staging
               copy for the weight sync, so its KV pool takes what the train
-              state took. Fed continuously, its slots never drain, so a
-              step costs its steady-state time: the simulated time of
-              STEADY_STEPS steps' rows minus that of one step, per extra
-              step, at the slots (STEADY_MULTIPLES x the dense slots) that
-              make it least (the tail is paid once per run, not per step).
-              New weights are taken between decode steps; rows in flight
-              go on with them (each row records its versions).
-              step = max(sampler side, trainer side) + the weight sync.
+              state took. As rl/async_rollouts.py samples, each call takes
+              one step's rows and its slots drain at the step's end, so a
+              step costs one step's simulated schedule, tail included, at
+              the slots (STEADY_MULTIPLES x the dense slots) that make it
+              least. step = max(sampler side, trainer side) + weight sync.
+              Also printed, as a what-if: the steady state of partial
+              rollouts (not implemented: slots kept full across steps, new
+              weights taken between decode steps), the simulated time of
+              STEADY_STEPS steps' rows minus one step's, per extra step.
+  colocated asynchronous (sampler_devices = 0, k >= 1): both sides on
+              every chip, one after the other on the device: the
+              synchronous loop's device time, with host work under it.
   other slice (--sampler_topology) all chips of another topology sample;
               the weights cross DCN at a given bandwidth per sampler chip.
   sync        the sampler-dtype weights moved from the trainer's chips to
@@ -92,8 +96,9 @@ class Sides(NamedTuple):
   sampler_chips: int
   sampler: Plan
   trainer: Plan
-  sampler_seconds: float      # steady state, per step
-  one_step: schedule.Schedule  # the sampler side on one step's rows
+  sampler_seconds: float      # one step's rows per call (slots drain)
+  one_step: schedule.Schedule  # that call's schedule
+  steady_seconds: float       # what-if: partial rollouts, per step
   trainer_seconds: float
   sync_bytes: float           # per sampler chip received
   sync_seconds: float
@@ -111,12 +116,13 @@ def sync_cost(sampler: Plan, trainer_chips: int, bandwidth: float) -> tuple:
   return receive, max(receive, send) / bandwidth
 
 
-def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
-                   lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
-  """(one step's paged Schedule, steady-state seconds per step): at
-  STEADY_MULTIPLES x the dense slots per row shard, the paged sampler on
-  one step's rows and on STEADY_STEPS steps' rows (each shard's rows of
-  one step after the other's); the slots with the least marginal time."""
+def sampler_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
+                    lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
+  """(one step's paged Schedule, its seconds, the partial-rollout what-if
+  seconds per step): at STEADY_MULTIPLES x the dense slots per row shard,
+  the paged sampler on one step's rows (the slots with the least time) and
+  on STEADY_STEPS steps' rows (each shard's rows of one step after the
+  other's; the what-if is the least marginal time per extra step)."""
   dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
   cost = pod_sampler.step_cost(plan, spec, chips)
   R, G = plan.layout.batch_shards, plan.config.rl.num_generations
@@ -126,7 +132,7 @@ def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
        for x in np.split(more_n, STEADY_STEPS)], axis=1)
   pages = pod_sampler.pool_pages(plan, dense_slots)
   Z = plan.config.sampling.page_size
-  best = None
+  best, steady = None, None
   for m in sorted({min(k * dense_slots // R, one_rn.shape[1])
                    for k in STEADY_MULTIPLES}):
     one = schedule.paged(one_rn, m, pages, Z, G, cost)
@@ -135,9 +141,10 @@ def steady_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
     log(f"  simulated paged, {m} slots per row shard: one step {one.seconds:.1f}"
         f" s, {STEADY_STEPS} steps {many.seconds:.1f} s ({many.preempted} "
         "preempted)")
-    if best is None or marginal < best[1]:
-      best = (one, marginal)
-  return best
+    if best is None or one.seconds < best.seconds:
+      best = one
+    steady = marginal if steady is None else min(steady, marginal)
+  return best, best.seconds, steady
 
 
 class Chips(NamedTuple):
@@ -176,11 +183,12 @@ def sides(config, sampler_config, model_config, sampler: Chips,
     return None
   s_plan = SamplerSide(sampler_config, model_config,
                        layout(sampler_config, sampler.devices), prompt_len)
-  one, steady = steady_seconds(s_plan, sampler.spec, len(sampler.devices),
-                               sampler.hbm, lengths_n, more_n, log)
+  one, one_seconds, steady = sampler_seconds(
+      s_plan, sampler.spec, len(sampler.devices), sampler.hbm, lengths_n,
+      more_n, log)
   receive, seconds = sync_cost(s_plan, len(trainer.devices), sync_bandwidth)
-  return Sides(len(sampler.devices), s_plan, t_plan, steady, one, train,
-               receive, seconds)
+  return Sides(len(sampler.devices), s_plan, t_plan, one_seconds, one, steady,
+               train, receive, seconds)
 
 
 def colocated_step(plan: Plan, spec: dict, chips: int, hbm: float,
@@ -205,9 +213,10 @@ def format_split(s: Sides, colocated: tuple, sampler_topology: str,
   return [
       f"  split {s.sampler_chips} sampling ({sampler_topology}) + "
       f"{s.trainer.layout.mesh.size} training chips ({trainer_topology}): "
-      f"sampler {s.sampler_seconds:.1f} s per step (steady "
-      f"state; one step alone {s.one_step.seconds:.1f} s, tail "
-      f"{s.one_step.tail_seconds:.1f} s), trainer {s.trainer_seconds:.1f} s, "
+      f"sampler {s.sampler_seconds:.1f} s per step (one step's rows per "
+      f"call, tail {s.one_step.tail_seconds:.1f} s; partial rollouts, not "
+      f"implemented, would give {s.steady_seconds:.1f} s), trainer "
+      f"{s.trainer_seconds:.1f} s, "
       f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per sampler "
       f"chip, {100 * s.sync_seconds / s.step:.2f}% of the step) -> step "
       f"{s.step:.1f} s = {s.step / sync_step:.2f}x the colocated "
@@ -251,7 +260,9 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
                         lengths_n)
   log(f"  colocated: sampler {base[1]:.1f} s (paged, {base[0].slots} slots "
       f"per row shard, tail {base[0].tail_seconds:.1f} s) + update "
-      f"{base[2]:.1f} s = {base[1] + base[2]:.1f} s per step")
+      f"{base[2]:.1f} s = {base[1] + base[2]:.1f} s per step, synchronous "
+      "or asynchronous (sampler_devices=0: the same device time, host work "
+      "under it)")
   sampler_config = copy.deepcopy(config)
   if sampler_mesh:
     sampler_config.mesh.shape = tuple(sampler_mesh)
