@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding, validation
@@ -48,8 +47,7 @@ from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 from grpo_jax.aot.programs import (SPARE, GiB, Plan, Program, chip_memory,
                                    chip_spec, compile_program,
-                                   model_config_from_source,
-                                   replicated, row_sharded, topology_devices)
+                                   model_config_from_source, topology_devices)
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import transformer
 
@@ -109,16 +107,12 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
 def continuous_sampler(plan: Plan, slots: int) -> Program:
   """The continuous-batching sampler (`continuous.sample_slots`) on all of a
   step's prompts x G rows with `slots` slots (rows: the slots)."""
-  rl = plan.config.rl
-  b = -(-rl.prompts_per_step // plan.layout.batch_shards) * (
-      plan.layout.batch_shards)
-  prompt = row_sharded(plan.layout, (b, plan.prompt_len), jnp.int32)
-  lens = row_sharded(plan.layout, (b,), jnp.int32)
-  key = replicated(plan.layout, jax.eval_shape(lambda: jax.random.key(0)))
+  x = pod_sampler.sampler_inputs(plan)
   params, resident = plan.sampler_params(), plan.sampler_resident()
   lower = lambda: continuous.sample_slots.lower(
-      plan.model_config, params, prompt, lens, key, plan.sampling_config(),
-      rl.num_generations, slots, jnp.int32(b), plan.layout)
+      plan.model_config, params, x.prompt_bp, x.prompt_len_b, x.key,
+      plan.sampling_config(), plan.config.rl.num_generations, slots,
+      jnp.int32(x.prompts), plan.layout)
   return compile_program("sampler slots", slots, lower, resident)
 
 

@@ -34,18 +34,31 @@ def padded_prompts(plan: Plan) -> int:
   return -(-plan.config.rl.prompts_per_step // shards) * shards
 
 
+class SamplerInputs(NamedTuple):
+  """The abstract arguments of a slots sampler's call on a step's prompts."""
+  prompts: int             # B, padded to the row shards
+  prompt_bp: jax.ShapeDtypeStruct
+  prompt_len_b: jax.ShapeDtypeStruct
+  key: jax.ShapeDtypeStruct
+
+
+def sampler_inputs(plan: Plan) -> SamplerInputs:
+  b = padded_prompts(plan)
+  return SamplerInputs(
+      b, row_sharded(plan.layout, (b, plan.prompt_len), jnp.int32),
+      row_sharded(plan.layout, (b,), jnp.int32),
+      replicated(plan.layout, jax.eval_shape(lambda: jax.random.key(0))))
+
+
 def paged_sampler(plan: Plan, slots: int, pages: int) -> Program:
   """`paged_slots.sample_pages` on all of a step's prompts x G rows with
   `slots` slots and `pages` pages per row shard (rows: the slots)."""
-  rl = plan.config.rl
-  b = padded_prompts(plan)
-  prompt = row_sharded(plan.layout, (b, plan.prompt_len), jnp.int32)
-  lens = row_sharded(plan.layout, (b,), jnp.int32)
-  key = replicated(plan.layout, jax.eval_shape(lambda: jax.random.key(0)))
+  x = sampler_inputs(plan)
   params, resident = plan.sampler_params(), plan.sampler_resident()
   lower = lambda: paged_slots.sample_pages.lower(
-      plan.model_config, params, prompt, lens, key, plan.paged_sampling_config(),
-      rl.num_generations, slots, pages, jnp.int32(b), plan.layout)
+      plan.model_config, params, x.prompt_bp, x.prompt_len_b, x.key,
+      plan.paged_sampling_config(), plan.config.rl.num_generations, slots,
+      pages, jnp.int32(x.prompts), plan.layout)
   return compile_program("sampler paged", slots, lower, resident)
 
 
