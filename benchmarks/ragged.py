@@ -3,6 +3,7 @@
     python benchmarks/ragged.py [--prompts 8] [--generations 8]
         [--new-tokens 256] [--slots 0] [--micro-batch 16] [--threads N]
         [--skip-trl] [--samplers-only] [--quick] [--paged [--page-size 16]]
+        [--seeds 0,1,2] [--dtype float32|bfloat16 (with --samplers-only)]
 
 SmolLM2-135M-Instruct in float32, EOS on, temperature 1: completion lengths
 are the model's own on chat-templated arithmetic prompts of mixed
@@ -24,7 +25,16 @@ Side by side, in one process:
      compilation inside a timed round is an error); both draw the same
      noise per (row, token), so the rows that differ from the static
      sampler's (float rounding of different matmul shapes flipping a
-     near-tie) are counted. transformers: a 2-token warm-up call, then one
+     near-tie) are counted. Such a flip makes the samplers decode different
+     rows, so one key compares their lengths as much as their speed: with
+     --seeds s1,s2,... each grpo_jax sampler runs on the same prompts with
+     each sampling key (compiled once: the key is an argument), and the
+     run reports per-key and mean useful tokens/s, mean ms per decode step,
+     and each sampler's ratio of means to the static sampler's (with
+     --paged, paged / dense too). --dtype bfloat16 (samplers only) casts
+     the weights, so the KV cache is bf16 as well (the
+     sampling.compute_dtype of configs/dapo_aime.py:local_bf16).
+     transformers: a 2-token warm-up call, then one
      timed call (nothing to compile; a full warm-up would double the
      longest part of the run).
   2. the update (step_lib.train_step, beta = 0, mu = 1) on the static sampler's
@@ -58,7 +68,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax
 import numpy as np
 import torch
 import transformers
@@ -70,7 +79,7 @@ from grpo_jax.data import templates
 from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train
-from grpo_jax.models import loading
+from grpo_jax.models import loading, transformer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MAX_MEAN_FRACTION = 0.35
@@ -97,7 +106,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "micro_batch_size; packed: rows of P+T tokens)")
   p.add_argument("--levels", default="1,2,3,4,5",
                  help="arithmetic levels, cycled over the prompts")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="the prompts' seed (and the sampling key's, without "
+                      "--seeds)")
+  p.add_argument("--seeds", default="",
+                 help="comma-separated sampling keys for the grpo_jax "
+                      "samplers (default: --seed); per-key and mean figures")
+  p.add_argument("--dtype", default="float32",
+                 choices=("float32", "bfloat16"),
+                 help="the grpo_jax samplers' weights and KV cache "
+                      "(bfloat16 needs --samplers-only)")
   p.add_argument("--lr", type=float, default=1e-6)
   p.add_argument("--warmup-steps", type=int, default=0,
                  help="grpo_jax GRPO steps before the measured one")
@@ -115,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.prompts, args.generations, args.new_tokens = 2, 4, 32
     args.micro_batch = 4
   args.slot_counts = _common.parse_ints(args.slots)
+  args.seed_list = _common.parse_ints(args.seeds) or [args.seed]
+  if len(set(args.seed_list)) != len(args.seed_list):
+    p.error(f"--seeds {args.seeds}: repeated keys")
+  if args.dtype != "float32" and not args.samplers_only:
+    p.error("--dtype bfloat16 needs --samplers-only (the update, the GRPO "
+            "step and transformers run in float32)")
   rows = args.prompts * args.generations
   args.micro_batch = min(args.micro_batch or rows, rows)
   if rows % args.micro_batch:
@@ -140,13 +164,13 @@ def hf_lengths(tokens_nt: np.ndarray, stop_ids) -> np.ndarray:
 # 1. Samplers.
 # ----------------------------------------------------------------------------
 
-def jax_samplers(args, step, prompt_ids) -> dict:
-  """benchmarks/sampler.py's runners: the static sampler and continuous
-  batching at each slot count, with the GRPO step's sampler settings."""
+def jax_samplers(args, step, params, prompt_ids, seed: int) -> dict:
+  """benchmarks/sampler.py's runners for sampling key `seed`: the static
+  sampler and continuous batching at each slot count, with the GRPO step's
+  sampler settings."""
   cfg = step.sample_cfg
-  common = (step.model_config, step.state.params, prompt_ids,
-            args.generations, args.new_tokens, cfg.pad_id, args.seed,
-            cfg.stop_ids)
+  common = (step.model_config, params, prompt_ids, args.generations,
+            args.new_tokens, cfg.pad_id, seed, cfg.stop_ids)
   runners = {"static": sampler_bench.ours_runner(*common)}
   for m in args.slot_counts:
     runners[f"continuous, {m or 'auto'} slots"] = sampler_bench.ours_runner(
@@ -159,39 +183,68 @@ def jax_samplers(args, step, prompt_ids) -> dict:
   return runners
 
 
+def _seed_figures(samples, seconds: float, static_tokens) -> dict:
+  lengths = np.asarray(samples.length_n)
+  differ = int(np.sum(np.any(np.asarray(samples.tokens_nt) != static_tokens,
+                             axis=1)))
+  return {"seconds": seconds, "lengths": lengths, "steps": int(samples.steps),
+          "differ": differ, "samples": samples,
+          "useful_tps": float(lengths.sum()) / seconds,
+          "ms_per_step": 1e3 * seconds / max(int(samples.steps), 1)}
+
+
+def _mean_figures(per_seed: list) -> dict:
+  """A sampler's figures over the keys: mean seconds, steps, useful
+  tokens/s and ms per step; lengths of every key's rows; the first key's
+  samples (the update's rollout)."""
+  mean = lambda k: float(np.mean([r[k] for r in per_seed]))
+  return {"seconds": mean("seconds"), "steps": mean("steps"),
+          "useful_tps": mean("useful_tps"), "ms_per_step": mean("ms_per_step"),
+          "lengths": np.concatenate([r["lengths"] for r in per_seed]),
+          "differ": int(sum(r["differ"] for r in per_seed)),
+          "samples": per_seed[0]["samples"], "seeds": per_seed}
+
+
 def time_samplers(args, step, hf_model, prompt_ids, clock) -> dict:
-  """Useful tokens/s of each sampler; the returned entries hold the Samples
-  (grpo_jax) or token ids (transformers) of their timed call."""
+  """Useful tokens/s of each sampler, per sampling key (--seeds) and their
+  mean (`_mean_figures`); the returned entries hold the Samples (grpo_jax)
+  or token ids (transformers) of the first key's timed call. Each grpo_jax
+  sampler compiles on a first call with the first key; then, for each key,
+  --repeats rounds over the samplers interleaved (best kept)."""
   G, T = args.generations, args.new_tokens
-  runners = jax_samplers(args, step, prompt_ids)
-  out, best = {}, {name: float("inf") for name in runners}
-  for name, run in runners.items():
+  params = transformer.cast(step.state.params, args.dtype)
+  runners = {seed: jax_samplers(args, step, params, prompt_ids, seed)
+             for seed in args.seed_list}
+  first_seed = args.seed_list[0]
+  for name, run in runners[first_seed].items():
     mark = clock.mark()
-    out[name], first = _common.timed(run)
+    _, first = _common.timed(run)
     compiles, compile_s = clock.since(mark)
     print(f"sampler {name}: first call {first:.1f} s, of which "
           f"{compile_s:.1f} s tracing + compiling ({compiles} compile(s))")
     sys.stdout.flush()
-  for _ in range(args.repeats):
-    for name, run in runners.items():
-      mark = clock.mark()
-      _, seconds = _common.timed(run)
-      if clock.since(mark)[0]:
-        raise RuntimeError(f"sampler {name}: a JAX compilation inside a "
-                           "timed run")
-      best[name] = min(best[name], seconds)
-  static_tokens = np.asarray(out["static"].tokens_nt)
-  result = {}
-  for name, samples in out.items():
-    lengths = np.asarray(samples.length_n)
-    differ = int(np.sum(np.any(np.asarray(samples.tokens_nt) != static_tokens,
-                               axis=1)))
-    result[name] = {"seconds": best[name], "lengths": lengths,
-                    "steps": int(samples.steps), "differ": differ,
-                    "samples": samples,
-                    "useful_tps": float(lengths.sum()) / best[name]}
-    print(f"sampler {name}: best {best[name]:.1f} s, {lengths.sum()} useful "
-          f"tokens, {int(samples.steps)} decode steps")
+  per_seed = {name: [] for name in runners[first_seed]}
+  for seed in args.seed_list:
+    best = {name: float("inf") for name in per_seed}
+    out = {}
+    for _ in range(args.repeats):
+      for name, run in runners[seed].items():
+        mark = clock.mark()
+        out[name], seconds = _common.timed(run)
+        if clock.since(mark)[0]:
+          raise RuntimeError(f"sampler {name}: a JAX compilation inside a "
+                             "timed run")
+        best[name] = min(best[name], seconds)
+    static_tokens = np.asarray(out["static"].tokens_nt)
+    for name, samples in out.items():
+      r = _seed_figures(samples, best[name], static_tokens)
+      per_seed[name].append(r)
+      print(f"sampler {name}, key {seed}: best {r['seconds']:.1f} s, "
+            f"{r['lengths'].sum()} useful tokens, {r['steps']} decode steps "
+            f"({r['ms_per_step']:.0f} ms each), {r['useful_tps']:.1f} useful "
+            f"tok/s, {r['differ']} rows != static")
+      sys.stdout.flush()
+  result = {name: _mean_figures(rs) for name, rs in per_seed.items()}
   if hf_model is None:
     return result
   cfg = step.sample_cfg
@@ -289,7 +342,8 @@ def main(argv=None) -> int:
   threads = _common.set_torch_threads(args.threads)
   B, G, T = args.prompts, args.generations, args.new_tokens
   _common.print_header("ragged lengths: sampler, update, GRPO step", {
-      "model": f"{_common.MODEL} (float32, both sides)",
+      "model": f"{_common.MODEL} ({args.dtype} grpo_jax samplers; "
+               "float32 elsewhere and in transformers)",
       "rows": f"{B} prompts x G={G} = {B * G}, <= {T} new tokens, EOS on, "
               "temperature 1, top_k 0, top_p 1",
       "prompts": f"arithmetic levels {args.levels} cycled, seed {args.seed}, "
@@ -298,8 +352,9 @@ def main(argv=None) -> int:
           str(m or "auto") for m in args.slot_counts),
       "micro-batch": f"{args.micro_batch} rows (padded rows of P+T tokens; "
                      "packed: as many rows of P+T tokens)",
+      "sampling keys": ", ".join(map(str, args.seed_list)),
       "timing": f"grpo_jax samplers: compile call + best of {args.repeats} "
-                "interleaved round(s); transformers: 1 timed call; update: "
+                "interleaved round(s) per key; transformers: 1 timed call; update: "
                 "compile call, then timed alternately; step: grpo_jax "
                 f"{args.warmup_steps} warm-up step(s) (compiles excluded), "
                 "TRL 1, then 1 each",
@@ -324,16 +379,7 @@ def main(argv=None) -> int:
   clock = step.clock
   samplers = time_samplers(args, step, hf_model, prompt_ids, clock)
   if args.samplers_only:
-    d = distribution(samplers["static"]["lengths"])
-    print(f"lengths (static sampler): mean {d['mean']:.1f} ({d['mean'] / T:.2f}"
-          f" of the cap), p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, max "
-          f"{d['max']:.0f}")
-    base = samplers["static"]["useful_tps"]
-    for name, r in samplers.items():
-      print(f"{name}: {r['seconds']:.1f} s, {r['steps']} decode steps, "
-            f"{r['useful_tps']:.1f} useful tok/s, {r['useful_tps'] / base:.2f}x")
-    best = max(r["useful_tps"] for n, r in samplers.items() if n != "static")
-    print(f"ratios: sampler {best / base:.2f}")
+    report_samplers(args, samplers)
     return 0
   del hf_model
   updates = time_updates(args, step, texts,
@@ -357,6 +403,42 @@ def main(argv=None) -> int:
             f" update {t['update']:.1f}; mean length {t['mean_length']:.0f})")
   report(args, samplers, updates, ours_steps, theirs)
   return 0
+
+
+def report_samplers(args, samplers) -> None:
+  """--samplers-only: the lengths, each sampler's means over the keys and
+  its ratio of means to the static sampler (and paged / dense at each slot
+  count); the last line is `ratios: sampler <best continuous / static>`."""
+  T, n = args.new_tokens, len(args.seed_list)
+  d = distribution(samplers["static"]["lengths"])
+  print(f"lengths (static sampler, {n} key(s)): mean {d['mean']:.1f} "
+        f"({d['mean'] / T:.2f} of the cap), p50 {d['p50']:.0f}, p90 "
+        f"{d['p90']:.0f}, max {d['max']:.0f}")
+  base = samplers["static"]["useful_tps"]
+  rows = []
+  for name, r in samplers.items():
+    useful = np.mean([x["lengths"].sum() for x in r["seeds"]])
+    rows.append((name, f"{r['seconds']:.1f} s", f"{r['steps']:.0f}",
+                 f"{r['ms_per_step']:.0f}", f"{useful:.0f}",
+                 f"{r['useful_tps']:.1f}",
+                 " / ".join(f"{x['useful_tps']:.1f}" for x in r["seeds"]),
+                 f"{r['useful_tps'] / base:.2f}x"))
+  print(f"means over {n} key(s) ({', '.join(map(str, args.seed_list))}):")
+  _common.print_table(("sampler", "wall", "decode steps", "ms per step",
+                       "useful tokens", "useful tok/s", "per key",
+                       "vs static"), rows)
+  for m in args.slot_counts if args.paged else ():
+    dense = samplers[f"continuous, {m or 'auto'} slots"]
+    paged = samplers[f"continuous paged, {m or 'auto'} slots"]
+    per_key = " / ".join(f"{p['useful_tps'] / q['useful_tps']:.2f}"
+                         for p, q in zip(paged["seeds"], dense["seeds"]))
+    print(f"paged / dense, {m or 'auto'} slots: useful tok/s (ratio of the "
+          f"means) {paged['useful_tps'] / dense['useful_tps']:.2f}x (per key "
+          f"{per_key}); ms per decode step "
+          f"{paged['ms_per_step'] / dense['ms_per_step']:.2f}x")
+  best = max(r["useful_tps"] for name, r in samplers.items()
+             if name != "static")
+  print(f"ratios: sampler {best / base:.2f}")
 
 
 def report(args, samplers, updates, ours_steps, theirs) -> None:
@@ -389,7 +471,7 @@ def report(args, samplers, updates, ours_steps, theirs) -> None:
     label = {"static": "grpo_jax static sampler",
              "transformers": "transformers generate"}.get(
                  name, f"grpo_jax {name}")
-    detail = f"{s['seconds']:.1f} s, {s['steps']} steps, mean len " \
+    detail = f"{s['seconds']:.1f} s, {s['steps']:.0f} steps, mean len " \
              f"{s['lengths'].mean():.0f}"
     if s["differ"] is not None:
       detail += f", {s['differ']} rows != static"
