@@ -17,10 +17,15 @@ devices:
   split k=1       the same split, one version ahead
 
 All four run the decoupled objective (rl.old_logp = recompute, token TIS),
-which k = 1 needs, so each step does the same work whatever k. Reported:
-the mean of time/step over the steps after --warmup (the first compiles),
-the trainer's and the sampler's idle fractions, and the sampler's and
-update's own seconds. The last line is `ratios: colocated <x>, split <y>`:
+which k = 1 needs, so each step does the same work whatever k. Reported,
+as means over the steps after --warmup (the first compiles): time/step
+(the trainer's step, its wait for rows included), the sampler's own
+seconds (sample: device work and detokenising; score: the verifier, on the
+host), the trainer's π_old recompute and update seconds, the trainer's and
+the sampler's idle fractions, the weight sync's seconds, the mean
+completion length, sampler compilations inside the timed steps (0 means
+none was timed) and each variant's wall-clock seconds, start-up and
+compiles included. The last line is `ratios: colocated <x>, split <y>`:
 k=0 / k=1 step seconds (above 1: the overlap pays).
 
 On 2 shared cores the devices are one thread pool: device work does not get
@@ -36,6 +41,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -126,18 +132,29 @@ def main(argv=None) -> int:
         f"{sorted(os.sched_getaffinity(0))}")
   names = [args.only] if args.only else list(VARIANTS)
   step_s = {}
-  print(f"{'variant':<15} {'step s':>8} {'sample s':>9} {'update s':>9} "
-        f"{'trainer idle':>13} {'sampler idle':>13} {'sync s':>7} "
-        f"{'resp len':>9}")
+  print(f"{'variant':<15} {'step s':>7} {'sample s':>8} {'score s':>7} "
+        f"{'pi_old s':>8} {'update s':>8} {'trainer idle':>12} "
+        f"{'sampler idle':>12} {'sync s':>7} {'resp len':>8} "
+        f"{'recompiles':>10} {'wall s':>7}")
   for name in names:
-    rows = run_variant(args, name)[args.warmup:]
+    t0 = time.perf_counter()
+    all_rows = run_variant(args, name)
+    wall = time.perf_counter() - t0
+    rows = all_rows[args.warmup:]
+    # sampler compilations inside the timed steps (0: none timed)
+    recompiles = (all_rows[-1].get("sampler/compilations", 0)
+                  - all_rows[args.warmup - 1].get("sampler/compilations", 0)
+                  if args.warmup else float("nan"))
     step_s[name] = _mean(rows, "time/step")
-    print(f"{name:<15} {step_s[name]:>8.2f} {_mean(rows, 'time/sample'):>9.2f}"
-          f" {_mean(rows, 'time/update'):>9.2f}"
-          f" {_mean(rows, 'time/trainer_idle_fraction'):>13.2f}"
-          f" {_mean(rows, 'time/sampler_idle_fraction'):>13.2f}"
+    print(f"{name:<15} {step_s[name]:>7.2f} {_mean(rows, 'time/sample'):>8.2f}"
+          f" {_mean(rows, 'time/score'):>7.2f}"
+          f" {_mean(rows, 'time/reference'):>8.2f}"
+          f" {_mean(rows, 'time/update'):>8.2f}"
+          f" {_mean(rows, 'time/trainer_idle_fraction'):>12.2f}"
+          f" {_mean(rows, 'time/sampler_idle_fraction'):>12.2f}"
           f" {_mean(rows, 'sync/seconds'):>7.3f}"
-          f" {_mean(rows, 'response_length/mean'):>9.1f}", flush=True)
+          f" {_mean(rows, 'response_length/mean'):>8.1f}"
+          f" {recompiles:>10g} {wall:>7.0f}", flush=True)
   if len(step_s) == len(VARIANTS):
     ratio = lambda a, b: step_s[a] / step_s[b]
     print(f"ratios: colocated {ratio('colocated k=0', 'colocated k=1'):.2f}, "
