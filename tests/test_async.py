@@ -14,6 +14,7 @@ import pytest
 from grpo_jax import checkpoint, sharding, validation
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout
+from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import get_preset, init_params
 from grpo_jax.rl import async_rollouts, train, weight_sync
 import async_checks
@@ -168,6 +169,9 @@ def test_k1_trains_on_rows_one_version_old(tmp_path):
   assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]
   assert [r["staleness/rows_1"] for r in rows] == [0, 8, 8, 8]
   assert all(np.isfinite(r["loss"]) for r in rows)
+  timed = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert all(0 <= r[f"time/{side}_idle_fraction"] <= 1 for r in timed
+             if "loss" in r for side in ("sampler", "trainer"))
   # π_old (recomputed) differs from the stale sampler's log-probs
   assert rows[0]["rollout_kl/k3"] < 1e-6 < rows[2]["rollout_kl/k3"]
   init = init_params(get_preset("tiny"), jax.random.key(0))

@@ -6,6 +6,7 @@ any work, signals that save and say so, and messages that name the field,
 file or process. The tiny config and files the tests write stand in for
 real models and data.
 """
+import glob
 import json
 import os
 import shutil
@@ -603,6 +604,24 @@ def test_tensorboard_keeps_each_step_once_after_a_resume(tmp_path):
   seen = [(step, value) for step, _, value in
           metrics.read_tensorboard(str(tmp_path / "tensorboard"))]
   assert sorted(seen) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0)]
+
+
+def test_tensorboard_has_every_scalar_of_a_step_on_disk_when_write_returns(
+    tmp_path):
+  # A run SIGKILLed after the step's checkpoint does not write it again.
+  # (tensorboardX's SummaryWriter.flush left ~9 of these 50 queued.)
+  writer = metrics.MetricWriter(str(tmp_path), enabled=True)
+  writer.write(1, {f"m{i:02d}": float(i) for i in range(50)})
+  writer.write(2, {"loss": 2.0, "kl": float("nan")})
+  logdir = str(tmp_path / "tensorboard")
+  assert sorted(metrics.read_tensorboard(logdir)) == sorted(
+      [(1, f"m{i:02d}", float(i)) for i in range(50)]
+      + [(2, "loss", 2.0), (2, "nonfinite/kl", 1.0)])
+  writer.close()
+  # killed mid-write: the torn record (step 2's) is dropped whole
+  (path,) = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+  os.truncate(path, os.path.getsize(path) - 3)
+  assert {step for step, _, _ in metrics.read_tensorboard(logdir)} == {1}
 
 
 @pytest.mark.slow

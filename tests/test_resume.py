@@ -14,6 +14,7 @@ from grpo_jax import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6   # a tiny step takes ~80 ms on CPU; leave >= 3 steps after the kill point
+ASYNC_STEPS = 12   # 10 after the kill point (_steps)
 _VOLATILE = ("time/", "tokens_per_second")  # and every "*seconds": timings
 
 
@@ -24,12 +25,24 @@ ASYNC = ("--config.rollout.max_staleness=1", "--config.rl.old_logp=recompute",
          "--config.rl.rollout_correction.is_level=token")
 
 
+def _steps(extra) -> int:
+  # The steps after the kill point are the margin for a poll that comes
+  # late on a loaded machine (the kill must land before the last
+  # checkpoint). The asynchronous run's steps overlap sampling with the
+  # update, so it gets 10 of them, not 4 (~0.3 s each on a quiet core).
+  return ASYNC_STEPS if extra else STEPS
+
+
 def _command(workdir, extra=()):
+  steps = _steps(extra)
+  # keep_checkpoints=steps: the kill point stays on disk until the run ends
+  # (the default keeps 2: a poll that came 2 steps late never saw it).
   return [sys.executable, os.path.join(ROOT, "experiments", "run.py"),
           f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}",
-          f"--workdir={workdir}", f"--config.train.steps={STEPS}",
-          "--config.train.checkpoint_every=1", "--config.train.eval_at_start=false",
-          *extra]
+          f"--workdir={workdir}", f"--config.train.steps={steps}",
+          "--config.train.checkpoint_every=1",
+          f"--config.train.keep_checkpoints={steps}",
+          "--config.train.eval_at_start=false", *extra]
 
 
 def _run(workdir, extra=(), timeout=600):
@@ -52,7 +65,10 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):
   # Start, wait until a random checkpoint is finalised, then SIGKILL.
   # The kill lands at most ~70 ms after `kill_after` is finalised, mid-step or
   # mid-write, and always before the last step is finalised (a fast CI machine
-  # once finished 2 steps inside a 1 s random sleep).
+  # once finished 2 steps inside a 1 s random sleep). Every checkpoint is
+  # kept, so the poll sees `kill_after` however late it comes; the steps
+  # after it are the margin (_steps).
+  steps = _steps(extra)
   kill_after = random.Random(0).randint(1, STEPS - 3)
   proc = subprocess.Popen(_command(killed, extra), cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True)
@@ -65,13 +81,17 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):
         time.sleep(random.Random(1).uniform(0.0, 0.05))
         break
       time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    assert proc.poll() is None, (
+        f"the run ended (exit {proc.returncode}) before checkpoint "
+        f"{kill_after} was seen; finalised: "
+        f"{checkpoint.finalized_steps(ckpt_dir)}")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
   finally:
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
-  assert max(checkpoint.finalized_steps(ckpt_dir)) < STEPS
+  resumed_from = max(checkpoint.finalized_steps(ckpt_dir))
+  assert kill_after <= resumed_from < steps, "the kill did not land mid-run"
   _run(killed, extra)   # resumes from the latest finalised checkpoint
   a = checkpoint.load_params(straight)
   b = checkpoint.load_params(killed)
@@ -79,7 +99,7 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):
     np.testing.assert_array_equal(x, y)   # bitwise on CPU
   assert _metrics(straight) == _metrics(killed)
   if extra:   # the rows in flight were in the checkpoint it resumed from
-    assert checkpoint.load_host_state(killed, kill_after)["rollouts"]
+    assert checkpoint.load_host_state(killed, resumed_from)["rollouts"]
   # TensorBoard too: the steps the kill discarded are not kept beside the
   # recomputed ones (each (step, tag) once, as in the uninterrupted run).
   assert _tensorboard(killed) == _tensorboard(straight)

@@ -34,6 +34,18 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
+def _event(step: int, clean: Mapping[str, float]):
+  """One TensorBoard event with every scalar of a `write` (a non-finite
+  one as `nonfinite/<key>` = 1)."""
+  from tensorboardX import summary  # pylint: disable=import-outside-toplevel
+  from tensorboardX.proto import event_pb2, summary_pb2  # pylint: disable=import-outside-toplevel
+  values = [summary.scalar(k, v).value[0] if math.isfinite(v)
+            else summary.scalar(f"nonfinite/{k}", 1.0).value[0]
+            for k, v in clean.items()]
+  return event_pb2.Event(wall_time=time.time(), step=int(step),
+                         summary=summary_pb2.Summary(value=values))
+
+
 class MetricWriter:
   """Appends one JSON line per step to metrics.jsonl and mirrors every scalar
   to TensorBoard (tensorboardX event files under workdir/tensorboard).
@@ -42,6 +54,13 @@ class MetricWriter:
   Python's json writes it (`NaN`, `Infinity`, `-Infinity`, which json.loads
   and `read_jsonl` read back as floats); in TensorBoard, which plots no NaN,
   as `nonfinite/<key>` = 1 in place of the value.
+
+  Both are on disk when `write` returns, before the step's checkpoint: a
+  run killed after that checkpoint must not lose the step's scalars, which
+  the resumed run will not write again. So TensorBoard's file is written
+  here, one event per `write` (a kill mid-write tears only that record,
+  which readers drop), not by tensorboardX's SummaryWriter, whose flush
+  leaves events still queued for its writer thread unwritten.
 
   Writes only where `enabled` (default: on process 0); elsewhere `write`
   just returns the cleaned scalars."""
@@ -56,11 +75,13 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=import-outside-toplevel
+      logdir = os.path.join(workdir, "tensorboard")
+      os.makedirs(logdir, exist_ok=True)
       # tensorboardX names the file by the second and host only: a suffix
       # keeps a writer opened within the same second from truncating it.
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                               filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+      self._tb = EventsWriter(os.path.join(logdir, "events"),
+                              f".{os.getpid()}.{time.time_ns()}")
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
     clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
@@ -69,15 +90,8 @@ class MetricWriter:
     self._file.write(json.dumps({"step": int(step), **clean}) + "\n")
     self._file.flush()
     if self._tb is not None:
-      for k, v in clean.items():
-        if math.isfinite(v):
-          self._tb.add_scalar(k, v, int(step))
-        else:
-          self._tb.add_scalar(f"nonfinite/{k}", 1.0, int(step))
-      # On disk before the step's checkpoint, like the JSONL row: a run killed
-      # after that checkpoint must not lose the step's scalars, which the
-      # resumed run will not write again (tensorboardX buffers up to 120 s).
-      self._tb.flush()
+      self._tb.write_event(_event(step, clean))
+      self._tb.flush()   # and fsync: on disk before the step's checkpoint
     return clean
 
   def close(self) -> None:

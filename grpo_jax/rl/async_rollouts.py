@@ -252,7 +252,8 @@ class Threaded(_Rollouts):
     self._restored.clear()
     self._error: tuple[int, BaseException] | None = None
     self._stop = False
-    self._idle_s = 0.0      # the sampler's waits for weights, in all
+    self._idle_s = 0.0      # the sampler's finished waits for weights
+    self._waiting_since: float | None = None   # the wait under way
     self._idle_mark = (0.0, time.perf_counter())
     first = max([start - 1] + list(self._finished)) + 1
     self._thread = threading.Thread(
@@ -273,10 +274,12 @@ class Threaded(_Rollouts):
       for u, step_key in keys:
         if u < first:
           continue
-        t0 = time.perf_counter()
+        with self._cond:
+          self._waiting_since = time.perf_counter()
         params = self._store.get(self.version(u))
         with self._cond:
-          self._idle_s += time.perf_counter() - t0
+          self._idle_s += time.perf_counter() - self._waiting_since
+          self._waiting_since = None
         if params is None or self._stop:
           return
         self._store.drop_below(self.version(u))
@@ -341,9 +344,12 @@ class Threaded(_Rollouts):
 
   def sampler_idle_fraction(self) -> float:
     """The share of the time since the last call the sampler spent waiting
-    for weights (admission control)."""
+    for weights (admission control); a wait under way counts up to now, so
+    a wait across calls is split between them (the share stays <= 1)."""
     with self._cond:
-      idle, now = self._idle_s, time.perf_counter()
+      now = time.perf_counter()
+      idle = self._idle_s + (0.0 if self._waiting_since is None
+                             else now - self._waiting_since)
     (idle0, t0), self._idle_mark = self._idle_mark, (idle, now)
     return (idle - idle0) / max(now - t0, 1e-9)
 
