@@ -34,9 +34,27 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
+def _tensorboardx():
+  """The tensorboardX package, imported without torch. Where torch is
+  installed (the test requirements: it is the logits reference)
+  tensorboardX imports it, only to accept torch tensors, which this code
+  never passes; that import is ~3 s of every run's start. Torch stays
+  importable afterwards."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+    return tensorboardX
+  sys.modules["torch"] = None   # `import torch` raises ImportError
+  try:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+  finally:
+    del sys.modules["torch"]
+  return tensorboardX
+
+
 def _event(step: int, clean: Mapping[str, float]):
   """One TensorBoard event with every scalar of a `write` (a non-finite
   one as `nonfinite/<key>` = 1)."""
+  _tensorboardx()
   from tensorboardX import summary  # pylint: disable=import-outside-toplevel
   from tensorboardX.proto import event_pb2, summary_pb2  # pylint: disable=import-outside-toplevel
   values = [summary.scalar(k, v).value[0] if math.isfinite(v)
@@ -75,6 +93,7 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
+      _tensorboardx()
       from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=import-outside-toplevel
       logdir = os.path.join(workdir, "tensorboard")
       os.makedirs(logdir, exist_ok=True)
@@ -266,6 +285,7 @@ def _records(path: str) -> Iterator[bytes]:
 
 def read_tensorboard(logdir: str) -> list[tuple[int, str, float]]:
   """(step, tag, value) of every scalar in the event files under `logdir`."""
+  _tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
   out = []
   for path in sorted(glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"),
@@ -280,6 +300,7 @@ def truncate_tensorboard(logdir: str, keep: Callable[[int, str], bool]) -> None:
   """Rewrites the event files under `logdir` without the scalars that
   `keep(step, tag)` rejects, so a resumed run shows each step once (the
   discarded steps of a killed run do not sit beside the recomputed ones)."""
+  _tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
   for path in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"),
                         recursive=True):
