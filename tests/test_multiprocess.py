@@ -66,16 +66,20 @@ def _wait_all(procs: dict, tmp_path) -> dict:
   return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  tmp_path = tmp_path_factory.mktemp("multiprocess")
+def _single_and_pair(tmp_path, extra=(), devices=(1, 1)):
+  """Starts the one-process run ("single", devices[0] devices) and the
+  two-process pair ("p0", "p1", devices[1] each) at once; returns their last
+  JSON lines, final parameters and tmp_path. Kills them all on failure."""
   port = _free_port()
   procs = {}
   try:
-    procs["single"] = _start(tmp_path, "single", [tmp_path / "single", 1, 0, 0])
+    procs["single"] = _start(tmp_path, "single",
+                             [tmp_path / "single", 1, 0, 0, *extra],
+                             devices[0])
     for pid in (0, 1):
       procs[f"p{pid}"] = _start(tmp_path, f"p{pid}",
-                                [tmp_path / "pair", 2, pid, port])
+                                [tmp_path / "pair", 2, pid, port, *extra],
+                                devices[1])
     results = _wait_all(procs, tmp_path)
   finally:
     for proc in procs.values():
@@ -84,6 +88,11 @@ def runs(tmp_path_factory):
         proc.wait(timeout=30)
   params = {name: dict(np.load(tmp_path / f"{name}.npz")) for name in procs}
   return results, params, tmp_path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  return _single_and_pair(tmp_path_factory.mktemp("multiprocess"))
 
 
 def test_two_processes_form_one_two_device_mesh(runs):
@@ -133,23 +142,8 @@ def async_runs(tmp_path_factory):
   """k = 1 on a split: one process with 4 devices (2 train, 2 sample)
   against two processes with 2 each (on each host 1 trains, 1 samples):
   the same mesh shapes on both sides."""
-  tmp_path = tmp_path_factory.mktemp("multiprocess_async")
-  port = _free_port()
-  procs = {}
-  try:
-    procs["single"] = _start(tmp_path, "single",
-                             [tmp_path / "single", 1, 0, 0, "async"], 4)
-    for pid in (0, 1):
-      procs[f"p{pid}"] = _start(tmp_path, f"p{pid}",
-                                [tmp_path / "pair", 2, pid, port, "async"], 2)
-    results = _wait_all(procs, tmp_path)
-  finally:
-    for proc in procs.values():
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=30)
-  params = {name: dict(np.load(tmp_path / f"{name}.npz")) for name in procs}
-  return results, params, tmp_path
+  return _single_and_pair(tmp_path_factory.mktemp("multiprocess_async"),
+                          ("async",), devices=(4, 2))
 
 
 @pytest.mark.slow
