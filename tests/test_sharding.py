@@ -288,7 +288,8 @@ def test_sharded_sampling_loss_grad_update_match_one_device(
 def test_single_axis_meshes_match_one_device(run_sharding_checks):
   """The same checks with all 8 devices on data alone, then fsdp alone."""
   run_sharding_checks("sharding_checks.py", [
-      ",".join(map(str, s)) for s in MESHES if s not in CHECKED_MESHES])
+      ",".join(map(str, s)) for s in MESHES if s not in CHECKED_MESHES],
+      timeout=900)   # 480 s on one shared core
 
 
 # ----------------------------------------------------------------------------
