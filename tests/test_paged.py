@@ -101,10 +101,11 @@ def test_paged_attention_equals_dense(window):
     got = paged.paged_attention_reference(q, *layout_pools, length_m,
                                           table_mj, window, layout)
     np.testing.assert_allclose(got, want, atol=1e-5)
-    cut = paged.bucketed_attention(q, *layout_pools, length_m, table_mj,
-                                   jnp.int32(5), window, block=8,
-                                   layout=layout)
-    np.testing.assert_allclose(cut, want, atol=1e-5)
+    for block in (4, 8, 12, 32):    # cuts of 1, 2, 3 pages; one of all 5
+      cut = paged.bucketed_attention(q, *layout_pools, length_m, table_mj,
+                                     jnp.int32(5), window, block=block,
+                                     layout=layout)
+      np.testing.assert_allclose(cut, want, atol=1e-5)
   if window is None:      # the TPU kernel, interpreted on this CPU
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       kernel = paged.kernel_attention(q, *pools, length_m, table_mj)
@@ -176,6 +177,33 @@ def test_a_kept_pool_gives_fresh_pools_samples_and_is_reused(params):
   assert not np.array_equal(*tokens)       # the update changed the samples
   assert pools.allocations == 1
   assert not any(x.is_deleted() for x in pools.pool.k + pools.pool.v)
+
+
+def test_the_decode_loop_writes_the_pools_in_place(params):
+  """The compiled sampler's decode loop neither copies a pool nor writes
+  one out of place: every pool-shaped `copy` is in the entry computation
+  (the zero pools, once per call), none in a loop body, and each layer's
+  write is a scatter into the loop-carried pool (XLA gives a scatter its
+  operand's buffer, or inserts such a copy)."""
+  cfg = _cfg(kv_cache="paged", page_size=4)
+  P = sampling.bucket(max(LENGTHS))
+  prompt_bp, len_b = sampling.left_pad(_prompts(), P, len(LENGTHS), 0)
+  pool = sampling.pool_pages(cfg, len_b, len(LENGTHS), cfg.slots, 1, P)
+  hlo = paged_slots.sample_pages.lower(
+      CONFIG, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
+      jax.random.key(5), dataclasses.replace(cfg, slots=0, pages=0), 2,
+      cfg.slots, pool, jnp.int32(len(LENGTHS))).compile().as_text()
+  shape = "f32[%s]" % ",".join(map(str, (1,) + paged.REFERENCE_LAYOUT.shape(
+      CONFIG.num_kv_heads, pool, 4, CONFIG.head_dim)))
+  where, copies, scatters = None, [], 0
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" "):
+      where = line.split()[0]
+    elif line.startswith("  ") and f"= {shape}" in line:
+      copies += [where] if " copy(" in line else []
+      scatters += " scatter(" in line and "while/body" in line
+  assert copies and all(w == "ENTRY" for w in copies), copies
+  assert scatters >= 2 * CONFIG.num_layers
 
 
 @pytest.mark.slow

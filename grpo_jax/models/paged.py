@@ -43,6 +43,11 @@ from grpo_jax.models.config import ModelConfig
 # on TPU (where the model has no sliding window), else the reference.
 KERNELS = ("auto", "reference", "pallas")
 
+# Key columns per bucket of the reference (`bucketed_attention`): finer than
+# the dense slots' ragged.BLOCK_S, since its gather and dots cost what the
+# bucket reads.
+BLOCK_S = 32
+
 
 def resolve(impl: str, model_config: ModelConfig) -> str:
   """"reference" or "pallas" for `impl` (one of KERNELS) on this backend."""
@@ -148,7 +153,7 @@ def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
 
 def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
                        filled_pages: jax.Array, window=None,
-                       block: int = ragged.BLOCK_S,
+                       block: int = BLOCK_S,
                        layout: PoolLayout = KERNEL_LAYOUT) -> jax.Array:
   """`paged_attention_reference` over the first `filled_pages` table entries
   only, rounded up to whole blocks of `block` columns: one `lax.switch`
@@ -163,8 +168,7 @@ def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
     return lambda q, k, v, n, t: paged_attention_reference(
         q, k, v, n, t[:, :cut], window, layout)
 
-  index = jnp.searchsorted(jnp.asarray(cuts), filled_pages)
-  index = jnp.clip(index, 0, len(cuts) - 1)
+  index = jnp.clip(-(-filled_pages // per_block) - 1, 0, len(cuts) - 1)
   return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_pool,
                         v_pool, length_m, table_mj)
 
