@@ -206,6 +206,40 @@ def test_the_decode_loop_writes_the_pools_in_place(params):
   assert scatters >= 2 * CONFIG.num_layers
 
 
+@pytest.mark.parametrize("kv_cache", ["paged", "dense"])
+def test_a_bf16_cache_is_written_as_bits(params, kv_cache):
+  """With bf16 weights (so a bf16 KV cache), every write into the cache
+  scatters its bits (u16, `transformer.scatter_in_bits`), never floats: XLA:CPU
+  has no bf16 scatter, and scattering bf16 made it convert every layer's
+  whole cache to float32 and back at every decode step (docs/paged.md)."""
+  from grpo_jax.generate import continuous
+  from grpo_jax.models import ragged, transformer
+  bf16 = transformer.cast(params, "bfloat16")
+  cfg = dataclasses.replace(_cfg(kv_cache=kv_cache, page_size=4), slots=0)
+  P = sampling.bucket(max(LENGTHS))
+  prompt_bp, len_b = sampling.left_pad(_prompts(), P, len(LENGTHS), 0)
+  args = (CONFIG, bf16, jnp.asarray(prompt_bp), jnp.asarray(len_b),
+          jax.random.key(5), cfg, 2, 4)
+  K, E = CONFIG.num_kv_heads, CONFIG.head_dim
+  if kv_cache == "paged":
+    pool = sampling.pool_pages(_cfg(page_size=4), len_b, len(LENGTHS), 4, 1,
+                               P)
+    program = paged_slots.sample_pages.lower(*args, pool,
+                                             jnp.int32(len(LENGTHS)))
+    dims = (1,) + paged.REFERENCE_LAYOUT.shape(K, pool, 4, E)
+  else:
+    program = continuous.sample_slots.lower(*args, jnp.int32(len(LENGTHS)))
+    S = -(-(P + cfg.max_new_tokens) // ragged.BLOCK_S) * ragged.BLOCK_S
+    dims = (4, K, S, E)
+  shape = "[%s]" % ",".join(map(str, dims))
+  scatters = [line.split("=")[1].split()[0].split("{")[0]
+              for line in program.compile().as_text().splitlines()
+              if " scatter(" in line and "while/body" in line]
+  written = [t for t in scatters if t.endswith(shape)]
+  assert len(written) >= 2 * CONFIG.num_layers, scatters
+  assert set(written) == {"u16" + shape}, written
+
+
 @pytest.mark.slow
 def test_stop_check_every_k_steps_gives_the_same_samples(
     params, dense_samples):

@@ -91,20 +91,25 @@ class PoolLayout:
   def put(self, pool: jax.Array, pages_xkze: jax.Array, ids_x: jax.Array
           ) -> jax.Array:
     """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
+    new = transformer.as_bits(pages_xkze.astype(pool.dtype))
     if self.heads_first:
-      return pool.at[:, ids_x].set(jnp.moveaxis(pages_xkze, ids_x.ndim, 0),
-                                   mode="drop")
-    return pool.at[ids_x].set(pages_xkze, mode="drop")
+      new = jnp.moveaxis(new, ids_x.ndim, 0)
+      set_ = lambda bits: bits.at[:, ids_x].set(new, mode="drop")
+    else:
+      set_ = lambda bits: bits.at[ids_x].set(new, mode="drop")
+    return transformer.scatter_in_bits(pool, set_)
 
   def write(self, pool: jax.Array, new_mke: jax.Array, page_m: jax.Array,
             offset_m: jax.Array) -> jax.Array:
     """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
     nowhere)."""
-    new_mke = new_mke.astype(pool.dtype)
+    new = transformer.as_bits(new_mke.astype(pool.dtype))
     if self.heads_first:
-      return pool.at[:, page_m, offset_m].set(jnp.swapaxes(new_mke, 0, 1),
-                                              mode="drop")
-    return pool.at[page_m, :, offset_m].set(new_mke, mode="drop")
+      new = jnp.swapaxes(new, 0, 1)
+      set_ = lambda bits: bits.at[:, page_m, offset_m].set(new, mode="drop")
+    else:
+      set_ = lambda bits: bits.at[page_m, :, offset_m].set(new, mode="drop")
+    return transformer.scatter_in_bits(pool, set_)
 
   def gather(self, pool: jax.Array, table_mj: jax.Array) -> jax.Array:
     """Row m's pages in table order, as the dense cache's columns:

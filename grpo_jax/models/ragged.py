@@ -80,11 +80,13 @@ def decode_step(model_config: ModelConfig, params: transformer.Params,
   kpos = cache.pos_ns.at[rows, columns_n].set(positions_n)
   x = transformer.embed(params, tokens_n[:, None])
   ks, vs = list(cache.k), list(cache.v)
+  write = lambda c, new_nke: transformer.scatter_in_bits(
+      c, lambda bits: bits.at[rows, :, columns_n].set(
+          transformer.as_bits(new_nke.astype(c.dtype))))
   for i, lp in enumerate(layers):
     # pylint: disable-next=protected-access
     q, k, v = transformer._qkv(model_config, lp, x, positions_n[:, None])
-    ks[i] = ks[i].at[rows, :, columns_n].set(k[:, :, 0].astype(ks[i].dtype))
-    vs[i] = vs[i].at[rows, :, columns_n].set(v[:, :, 0].astype(vs[i].dtype))
+    ks[i], vs[i] = write(ks[i], k[:, :, 0]), write(vs[i], v[:, :, 0])
     attn = filled_attention(q, ks[i], vs[i], positions_n, kpos, valid, filled,
                             model_config.sliding_window)
     # pylint: disable-next=protected-access

@@ -205,6 +205,23 @@ def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
   return apply_rope(q, positions_nq, inv_freq), heads_first(k), heads_first(v)
 
 
+def as_bits(x: jax.Array) -> jax.Array:
+  """A 16-bit float array as uint16 (the same bits); others as they are."""
+  if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+  return x
+
+
+def scatter_in_bits(cache: jax.Array, scatter) -> jax.Array:
+  """scatter(cache) done on the cache's bits (`as_bits`; the caller passes
+  its new values through `as_bits` too), for the decode steps' writes of
+  keys and values. XLA:CPU has no bf16 scatter: it converted the whole
+  bf16 cache to float32 and back around each write, two passes over every
+  layer's cache per decode step (docs/paged.md). Bitcasts cost nothing on
+  any backend."""
+  return jax.lax.bitcast_convert_type(scatter(as_bits(cache)), cache.dtype)
+
+
 def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
   """attn · wo summed over heads and head width, as one (H*E, D) matmul.
   wo (H, E, D) and its LoRA A (H, E, r) are flattened in place (free:
