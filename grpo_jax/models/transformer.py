@@ -219,7 +219,10 @@ def scatter_in_bits(cache: jax.Array, scatter) -> jax.Array:
   bf16 cache to float32 and back around each write, two passes over every
   layer's cache per decode step (docs/paged.md). Bitcasts cost nothing on
   any backend."""
-  return jax.lax.bitcast_convert_type(scatter(as_bits(cache)), cache.dtype)
+  bits = as_bits(cache)
+  if bits.dtype == cache.dtype:
+    return scatter(cache)
+  return jax.lax.bitcast_convert_type(scatter(bits), cache.dtype)
 
 
 def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
