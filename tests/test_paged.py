@@ -13,8 +13,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
-from grpo_jax.generate import decoding, pages, paged_slots, sampling
-from grpo_jax.models import attention, get_preset, init_params, paged
+from grpo_jax.generate import (continuous, decoding, pages, paged_slots,
+                               sampling)
+from grpo_jax.models import (attention, get_preset, init_params, paged,
+                             ragged, transformer)
 
 CONFIG = get_preset("tiny")
 STOPS = (7, 11, 200, 3, 50)
@@ -209,11 +211,9 @@ def test_the_decode_loop_writes_the_pools_in_place(params):
 @pytest.mark.parametrize("kv_cache", ["paged", "dense"])
 def test_a_bf16_cache_is_written_as_bits(params, kv_cache):
   """With bf16 weights (so a bf16 KV cache), every write into the cache
-  scatters its bits (u16, `transformer.scatter_in_bits`), never floats: XLA:CPU
+  scatters its bits (u16, `transformer.set_in_bits`), never floats: XLA:CPU
   has no bf16 scatter, and scattering bf16 made it convert every layer's
   whole cache to float32 and back at every decode step (docs/paged.md)."""
-  from grpo_jax.generate import continuous
-  from grpo_jax.models import ragged, transformer
   bf16 = transformer.cast(params, "bfloat16")
   cfg = dataclasses.replace(_cfg(kv_cache=kv_cache, page_size=4), slots=0)
   P = sampling.bucket(max(LENGTHS))

@@ -91,25 +91,24 @@ class PoolLayout:
   def put(self, pool: jax.Array, pages_xkze: jax.Array, ids_x: jax.Array
           ) -> jax.Array:
     """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
-    new = transformer.as_bits(pages_xkze.astype(pool.dtype))
     if self.heads_first:
-      new = jnp.moveaxis(new, ids_x.ndim, 0)
-      set_ = lambda bits: bits.at[:, ids_x].set(new, mode="drop")
-    else:
-      set_ = lambda bits: bits.at[ids_x].set(new, mode="drop")
-    return transformer.scatter_in_bits(pool, set_)
+      return transformer.set_in_bits(
+          pool, jnp.moveaxis(pages_xkze, ids_x.ndim, 0),
+          lambda p, new: p.at[:, ids_x].set(new, mode="drop"))
+    return transformer.set_in_bits(
+        pool, pages_xkze, lambda p, new: p.at[ids_x].set(new, mode="drop"))
 
   def write(self, pool: jax.Array, new_mke: jax.Array, page_m: jax.Array,
             offset_m: jax.Array) -> jax.Array:
     """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
     nowhere)."""
-    new = transformer.as_bits(new_mke.astype(pool.dtype))
     if self.heads_first:
-      new = jnp.swapaxes(new, 0, 1)
-      set_ = lambda bits: bits.at[:, page_m, offset_m].set(new, mode="drop")
-    else:
-      set_ = lambda bits: bits.at[page_m, :, offset_m].set(new, mode="drop")
-    return transformer.scatter_in_bits(pool, set_)
+      return transformer.set_in_bits(
+          pool, jnp.swapaxes(new_mke, 0, 1),
+          lambda p, new: p.at[:, page_m, offset_m].set(new, mode="drop"))
+    return transformer.set_in_bits(
+        pool, new_mke,
+        lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 
   def gather(self, pool: jax.Array, table_mj: jax.Array) -> jax.Array:
     """Row m's pages in table order, as the dense cache's columns:

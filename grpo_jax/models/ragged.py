@@ -80,9 +80,8 @@ def decode_step(model_config: ModelConfig, params: transformer.Params,
   kpos = cache.pos_ns.at[rows, columns_n].set(positions_n)
   x = transformer.embed(params, tokens_n[:, None])
   ks, vs = list(cache.k), list(cache.v)
-  write = lambda c, new_nke: transformer.scatter_in_bits(
-      c, lambda bits: bits.at[rows, :, columns_n].set(
-          transformer.as_bits(new_nke.astype(c.dtype))))
+  write = lambda c, new_nke: transformer.set_in_bits(
+      c, new_nke, lambda c, new: c.at[rows, :, columns_n].set(new))
   for i, lp in enumerate(layers):
     # pylint: disable-next=protected-access
     q, k, v = transformer._qkv(model_config, lp, x, positions_n[:, None])

@@ -205,24 +205,21 @@ def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
   return apply_rope(q, positions_nq, inv_freq), heads_first(k), heads_first(v)
 
 
-def as_bits(x: jax.Array) -> jax.Array:
-  """A 16-bit float array as uint16 (the same bits); others as they are."""
-  if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
-    return jax.lax.bitcast_convert_type(x, jnp.uint16)
-  return x
-
-
-def scatter_in_bits(cache: jax.Array, scatter) -> jax.Array:
-  """scatter(cache) done on the cache's bits (`as_bits`; the caller passes
-  its new values through `as_bits` too), for the decode steps' writes of
-  keys and values. XLA:CPU has no bf16 scatter: it converted the whole
-  bf16 cache to float32 and back around each write, two passes over every
-  layer's cache per decode step (docs/paged.md). Bitcasts cost nothing on
-  any backend."""
-  bits = as_bits(cache)
-  if bits.dtype == cache.dtype:
-    return scatter(cache)
-  return jax.lax.bitcast_convert_type(scatter(bits), cache.dtype)
+def set_in_bits(cache: jax.Array, new: jax.Array, set_) -> jax.Array:
+  """set_(cache, new) (a scatter of `new`, cast to the cache's dtype, into
+  `cache`), done on the bits of a 16-bit float cache: both as uint16, the
+  result bitcast back. For the decode steps' writes of keys and values:
+  XLA:CPU has no bf16 scatter, and converted the whole bf16 cache to
+  float32 and back around each write, two passes over every layer's cache
+  per decode step (docs/paged.md). Bitcasts cost nothing on any backend;
+  other dtypes are scattered as they are."""
+  new = new.astype(cache.dtype)
+  if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype,
+                                                     jnp.floating):
+    return set_(cache, new)
+  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
+  return jax.lax.bitcast_convert_type(set_(bits(cache), bits(new)),
+                                      cache.dtype)
 
 
 def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
@@ -230,8 +227,8 @@ def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
   wo (H, E, D) and its LoRA A (H, E, r) are flattened in place (free:
   row-major); the einsum "nqhe,hed->nqd" let XLA:CPU copy wo into another
   layout inside every decode step (31 weight copies per step for
-  SmolLM2-135M, about 8% of a continuous-batching decode step;
-  docs/paged.md)."""
+  SmolLM2-135M, 2 to 8% of a continuous-batching decode step on
+  this CPU; docs/paged.md)."""
   N, Q, H, E = attn_nqhe.shape
   flat = lambda w: w.reshape((H * E,) + w.shape[2:])
   lp_flat = {"wo": flat(lp["wo"])}
