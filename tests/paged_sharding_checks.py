@@ -8,12 +8,14 @@ params and the layout, at temperature 1 with stop ids (ragged rows, slots
 refilled mid-call) gives one device's static samples; the outputs' rows are
 split data x fsdp ways; the compiled program's page pool is a per-device
 slice (one row shard's pool, KV heads over tensor), never whole on one
-device; every page returns to its shard's pool; with a tensor axis, the
-TPU kernel (sampling.paged_kernel = "pallas", inside jax.shard_map, in TPU
-interpret mode) gives the same samples. Prints one JSON line per
-mesh: {"mesh": [...], "ok": bool, "error": str}.
+device; every page returns to its shard's pool; the decode loop gathers
+no per-prompt or per-row array (tails, page tables) across row shards;
+with a tensor axis, the TPU kernel (sampling.paged_kernel = "pallas",
+inside jax.shard_map, in TPU interpret mode) gives the same samples.
+Prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
 import os
+import re
 
 if __name__ == "__main__":  # before JAX starts a backend
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -71,6 +73,11 @@ def check_mesh(shape, params, ref) -> None:
   assert f"f32[1,{shape(heads)}]" in hlo, (
       f"no per-device pool f32[1,{shape(heads)}]")
   assert f"f32[{R},{shape(K)}]" not in hlo, "a whole pool on a device"
+  B = len(prompt_bp)           # no per-prompt or per-row array (the tails,
+  gathered = [                 # the page tables) gathered across row shards
+      m.group(1) for m in re.finditer(   # at each decode step
+          r"= \w+\[(\d+)[,\]][^\n]* all-gather\([^\n]*while/body", hlo)]
+  assert not {int(n) for n in gathered} & {B, B * G}, gathered
   if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
     kernel_cfg = dataclasses.replace(PAGED, paged_kernel="pallas")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
