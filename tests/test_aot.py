@@ -125,6 +125,22 @@ def test_continuous_batching_sampler_compiles_and_fits():
   assert rc == 0, out
   row = _row(out, "sampler slots")
   assert row.split()[2] == "8" and row.endswith("yes"), row
+  below = out.splitlines()[out.splitlines().index(row) + 1]
+  assert "one decode step's collectives per chip, MB: all-" in below, out
+
+
+def test_decode_collectives_counts_one_decode_step():
+  """Only collectives under the decode loop's body count, each once; an
+  async collective counts its last result array."""
+  scope = 'op_name="jit(f)/decode/while/body/dot"'
+  hlo = "\n".join([
+      f"  %a = bf16[8,4]{{1,0}} all-gather(%x), dimensions={{0}}, metadata={{{scope}}}",
+      f"  %b = (f32[2], f32[6]) all-reduce-start(%y), metadata={{{scope}}}",
+      f"  %c = f32[6]{{0}} all-reduce-done(%b), metadata={{{scope}}}",
+      '  %d = f32[1000] all-reduce(%z), metadata={op_name="jit(f)/while/body/x"}',
+      f"  %e = s32[3] add(%u, %v), metadata={{{scope}}}"])
+  assert programs.decode_collectives(hlo) == (("all-gather", 64),
+                                              ("all-reduce", 24))
 
 
 # Qwen2.5-0.5B's widths (vocab, heads, MLP) with 4 of its 24 layers: the

@@ -323,9 +323,15 @@ def format_program(p: Program, hbm: float) -> str:
             f"{p.temp / GiB:.2f} GiB + {p.resident / GiB:.2f} GiB resident "
             f"> {hbm / GiB:.2f} GiB   NO")
   verdict = "yes" if p.fits(hbm) else "NO"
-  return (f"{p.name:14s} {p.rows:7d} {g(p.argument)} {g(p.output)} "
+  line = (f"{p.name:14s} {p.rows:7d} {g(p.argument)} {g(p.output)} "
           f"{g(p.temp)} {g(p.peak)} {g(p.resident)} {g(p.total)} "
           f"{100 * p.total / hbm:6.1f}%  {verdict}")
+  if p.collectives:
+    each = ", ".join(f"{kind} {b / 1e6:.2f}" for kind, b in p.collectives)
+    line += (f"\n{'':14s} one decode step's collectives per chip, MB: {each}"
+             f" (total {sum(b for _, b in p.collectives) / 1e6:.2f}; not in "
+             "the slot schedule)")
+  return line
 
 
 HEADER = (f"{'program':14s} {'rows':>7s} {'arg GiB':>8s} {'out GiB':>8s} "

@@ -19,7 +19,7 @@ from grpo_jax import sharding
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import packing, update
 from grpo_jax.rl.step import update_group_size
-from grpo_jax.generate import sampling
+from grpo_jax.generate import decoding, sampling
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import hf, lora, transformer
@@ -160,6 +160,8 @@ class Program(NamedTuple):
   temp: int
   resident: int           # per-chip bytes alive beside the program
   refused: str = ""       # the compiler's RESOURCE_EXHAUSTED message
+  collectives: tuple = ()  # samplers: (kind, per-chip bytes) of one decode
+                           # step (`decode_collectives`)
 
   @property
   def peak(self) -> int:
@@ -173,6 +175,31 @@ class Program(NamedTuple):
     return not self.refused and self.total <= (1 - SPARE) * hbm
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+                "u64": 8}
+_COLLECTIVE = re.compile(
+    r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|all-reduce|reduce-scatter|all-to-all"
+    r"|collective-permute)(?:-start)?\(.*op_name=\"[^\"]*/"
+    + decoding.DECODE_SCOPE + r"/while/body/")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([\d,]*)\]")
+
+
+def decode_collectives(hlo: str) -> tuple:
+  """(kind, bytes) of each collective kind in one step of a compiled
+  sampler's decode loop, per chip: the result arrays of the collectives
+  whose op_name is under the decode loop's body (`decoding.DECODE_SCOPE`),
+  each op once (an async op's last result array). What crosses ICI each
+  decode step, which the slot schedule's roofline leaves out."""
+  total = {}
+  for m in _COLLECTIVE.finditer(hlo):
+    dtype, dims = _ARRAY.findall(m.group(1))[-1]
+    size = _DTYPE_BYTES.get(dtype, 4) * math.prod(
+        int(d) for d in dims.split(",") if d)
+    total[m.group(2)] = total.get(m.group(2), 0) + size
+  return tuple(sorted(total.items()))
+
+
 _REQUIRED = re.compile(r"memory required for HLO temporaries \(([\d.]+)([KMGT])\)"
                        r"|total memory required[^(]*\(([\d.]+)([KMGT])\)")
 
@@ -181,7 +208,8 @@ def compile_program(name: str, rows: int, lower: Callable[[], Any],
                     resident: int) -> Program:
   """Compiles `lower()`'s program; a refusal for memory is a result."""
   try:
-    analysis = lower().compile().memory_analysis()
+    compiled = lower().compile()
+    analysis = compiled.memory_analysis()
   except Exception as e:  # pylint: disable=broad-except
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -194,7 +222,8 @@ def compile_program(name: str, rows: int, lower: Callable[[], Any],
     return Program(name, rows, 0, 0, 0, need, resident, message)
   return Program(name, rows, analysis.argument_size_in_bytes,
                  analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
-                 analysis.temp_size_in_bytes, resident)
+                 analysis.temp_size_in_bytes, resident,
+                 collectives=decode_collectives(compiled.as_text()))
 
 
 # ----------------------------------------------------------------------------

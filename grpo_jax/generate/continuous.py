@@ -251,7 +251,9 @@ def sample_slots(model_config: ModelConfig, params: transformer.Params,
                    cache=cache, tokens_nt=tokens_nt, logp_nt=logp_nt)
     return _pin_carry(layout, refill(c))
 
-  final = jax.lax.while_loop(cond, every(body, cfg.stop_check_every), carry)
+  with jax.named_scope(decoding.DECODE_SCOPE):
+    final = jax.lax.while_loop(cond, every(body, cfg.stop_check_every),
+                               carry)
   out = decoding.finish(final.tokens_nt, final.logp_nt, final.steps, cfg)
   return decoding.Samples(*(_pin(layout, x) for x in out[:-1]),
                           steps=out.steps)

@@ -30,6 +30,10 @@ from grpo_jax.models.config import ModelConfig
 
 
 KV_CACHES = ("dense", "paged")
+# Every sampler's decode loop runs under this name scope, so a compiled
+# program's ops of one decode step are found by their op_name
+# (aot/programs.decode_collectives).
+DECODE_SCOPE = "decode"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -445,9 +445,9 @@ def _sample_pages(model_config, params, prompt_bp, prompt_len_b, key, cfg,
                        conflicts=c.stats.conflicts + bad.sum()))
     return pin(take(c))
 
-  final = jax.lax.while_loop(running, continuous.every(step,
-                                                       cfg.stop_check_every),
-                             carry)
+  with jax.named_scope(decoding.DECODE_SCOPE):
+    final = jax.lax.while_loop(
+        running, continuous.every(step, cfg.stop_check_every), carry)
   out = decoding.finish(final.tokens_nt, final.logp_nt, final.steps, cfg)
   stats = final.stats._replace(in_use_end=jnp.sum(final.ref != 0))
   return (decoding.Samples(*(continuous._pin(layout, x) for x in out[:-1]),

@@ -145,7 +145,8 @@ def generate(model_config: ModelConfig, params: Params, carry: _Carry,
     done = c.done_n | decoding.is_stop(tok, cfg.stop_ids)
     return _pin_carry(layout, _Carry(c.t + 1, tokens_nt, logp_nt, done, cache))
 
-  final = jax.lax.while_loop(cond, body, carry)
+  with jax.named_scope(decoding.DECODE_SCOPE):
+    final = jax.lax.while_loop(cond, body, carry)
   return decoding.finish(final.tokens_nt, final.logp_nt, final.t - carry.t,
                          cfg)
 
