@@ -111,8 +111,13 @@ def test_paged_attention_equals_dense(window):
   if window is None:      # the TPU kernel, interpreted on this CPU
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       kernel = paged.kernel_attention(q, *pools, length_m, table_mj)
+      # a page table too big for one call's SMEM: 64 bytes hold 3 slots'
+      # tables of 5 pages, so the 4 slots go through 2 calls of 2
+      assert paged.kernel_slots(5, 64) == 3
+      calls = paged.kernel_attention(q, *pools, length_m, table_mj, 64)
     np.testing.assert_allclose(kernel, want, atol=2e-2)
     assert np.abs(np.asarray(kernel) - np.asarray(want)).max() > 0  # ran
+    np.testing.assert_array_equal(calls, kernel)
 
 
 def test_greedy_equals_the_dense_sampler(params):

@@ -177,24 +177,47 @@ def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
                         v_pool, length_m, table_mj)
 
 
+# Bytes of a TPU core's scalar memory (SMEM) the kernel's page table may
+# take: the kernel prefetches the whole table of its call into SMEM (1 MiB
+# on v5p: 256 slots of 1,312 pages, the paper config's, were refused at
+# 1.34 MB), so a call takes at most this many bytes of table, the rest of
+# SMEM left to its lengths and scalars.
+KERNEL_TABLE_BYTES = 3 << 18    # 768 KiB
+
+
+def kernel_slots(pages_per_row: int, table_bytes: int = KERNEL_TABLE_BYTES
+                 ) -> int:
+  """The most slots one kernel call takes: their int32 page tables fit in
+  `table_bytes`."""
+  return max(1, table_bytes // (4 * pages_per_row))
+
+
 def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
-                     length_m: jax.Array, table_mj: jax.Array) -> jax.Array:
+                     length_m: jax.Array, table_mj: jax.Array,
+                     table_bytes: int = KERNEL_TABLE_BYTES) -> jax.Array:
   """`paged_attention_reference` (no window) by the TPU Pallas kernel, one
   row shard. The kernel does not scale the scores, so q is scaled here; it
   reads whole compute blocks of pages, so the table is padded to whole
   blocks and its no-page entries point at a real page (masked by length,
   never read past it). A slot holding no row (its first entry no page)
   gets length 0, which the kernel skips: it reads nothing, and its output
-  (unused) is 0."""
+  (unused) is 0. The slots go through the kernel in as few equal calls as
+  keep each call's table within `table_bytes` (`kernel_slots`); each slot
+  reads only its own pages, so the calls read what one call would."""
   W, Z, E = k_kwze.shape[1], k_kwze.shape[2], k_kwze.shape[3]
-  J = table_mj.shape[1]
-  length_m = jnp.where(table_mj[:, 0] < W, length_m, 0)
+  M, J = table_mj.shape
+  length_m = jnp.where(table_mj[:, 0] < W, length_m, 0).astype(jnp.int32)
   block = min(J, max(1, ragged.BLOCK_S // Z))
-  table_mj = jnp.pad(jnp.minimum(table_mj, W - 1), [(0, 0), (0, -J % block)])
+  table_mj = jnp.pad(jnp.minimum(table_mj, W - 1),
+                     [(0, 0), (0, -J % block)]).astype(jnp.int32)
   q_mhe = (q_mhe / np.sqrt(E)).astype(k_kwze.dtype)
-  return tpu_paged.paged_attention(
-      q_mhe, k_kwze, v_kwze, length_m.astype(jnp.int32),
-      table_mj.astype(jnp.int32), pages_per_compute_block=block)
+  calls = -(-M // kernel_slots(table_mj.shape[1], table_bytes))
+  size = -(-M // calls)
+  return jnp.concatenate([
+      tpu_paged.paged_attention(q_mhe[i:i + size], k_kwze, v_kwze,
+                                length_m[i:i + size], table_mj[i:i + size],
+                                pages_per_compute_block=block)
+      for i in range(0, M, size)])
 
 
 def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
