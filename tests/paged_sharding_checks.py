@@ -9,7 +9,8 @@ refilled mid-call) gives one device's static samples; the outputs' rows are
 split data x fsdp ways; the compiled program's page pool is a per-device
 slice (one row shard's pool, KV heads over tensor), never whole on one
 device; every page returns to its shard's pool; the decode loop gathers
-no per-prompt or per-row array (tails, page tables) across row shards;
+no per-prompt or per-row array (tails, page tables) across row shards,
+and with an fsdp axis no weight (`paged_slots.decode_constrain`);
 with a tensor axis, the TPU kernel (sampling.paged_kernel = "pallas",
 inside jax.shard_map, in TPU interpret mode) gives the same samples.
 Prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
@@ -78,6 +79,14 @@ def check_mesh(shape, params, ref) -> None:
       m.group(1) for m in re.finditer(   # at each decode step
           r"= \w+\[(\d+)[,\]][^\n]* all-gather\([^\n]*while/body", hlo)]
   assert not {int(n) for n in gathered} & {B, B * G}, gathered
+  if fsdp > 1:   # fewer rows per fsdp group than the width D: activations
+    many = 16 * R  # cross ICI, never weights (XLA gathered w_gate here)
+    W = sampling.pool_pages(PAGED, len_b, len(PROMPTS), many, R, P)
+    hlo = paged_slots.sample_pages.lower(
+        *args[:7], many, W, *args[9:]).compile().as_text()
+    assert 16 * fsdp < MODEL.dim and not re.search(
+        rf"= \w+\[{MODEL.dim},[^\n]* all-gather\([^\n]*decode/while/body",
+        hlo), "a weight gathered in the decode loop"
   if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
     kernel_cfg = dataclasses.replace(PAGED, paged_kernel="pallas")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):

@@ -44,6 +44,7 @@ suffix.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -190,6 +191,38 @@ def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int,
   return tuple(jax.vmap(pool_layout.put)(
       pool, split(_shard_take(tail, prompt_m, R)), split(page_m))
                for pool, tail in zip(pools, tails))
+
+
+def decode_constrain(layout: Layout, slots: int, dim: int
+                     ) -> transformer.Constrain:
+  """The decode step's activation constraints. Where the rows of a group of
+  chips that split the weights' `embed` axis (fsdp) are fewer than the model
+  width D, the residual stream (M, 1, D) gets D split as the weights' is
+  and its rows over the other batch axes only: the projections' contracting
+  dimension is then split as the weights' is, so each chip multiplies its
+  own weight slice and exchanges activations (rows x D), not weights
+  (D x F). Left to itself, XLA all-gathered the weights at every decode
+  step once those rows were many: the paper config's 128 slots per row
+  shard on v5p:8x8x4 (1,024 rows per fsdp group, D = 5,120) moved 16.2 GB
+  per chip per step; so constrained, 1.3 GB (docs/paged.md). Otherwise
+  (small models, many rows) XLA chooses."""
+  if layout is None:
+    return transformer.no_constraint
+  rules = dict(layout.rules)
+  embed = [a for a in rules.get("embed", ()) if layout.mesh.shape[a] > 1]
+  group_rows = slots // layout.batch_shards * math.prod(
+      layout.mesh.shape[a] for a in embed)
+  if not embed or group_rows >= dim:
+    return transformer.no_constraint
+  rows = tuple(a for a in rules.get(sharding.BATCH, ()) if a not in embed)
+  residual = sharding.Layout(layout.mesh, tuple(
+      (k, rows if k == sharding.BATCH else v) for k, v in layout.rules))
+
+  def constrain(x: jax.Array, axes: tuple) -> jax.Array:
+    if tuple(axes) == transformer.RESIDUAL_AXES:
+      return residual.constrain(x, axes[:-1] + ("embed",))
+    return layout.constrain(x, axes)
+  return constrain
 
 
 def _kernel_fn(layout: Layout):
@@ -424,7 +457,7 @@ def _sample_pages(model_config, params, prompt_bp, prompt_len_b, key, cfg,
     logits_mv, k, v = paged.decode_step(
         model_config, params, c.k, c.v, prev_m, column_m,
         jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R,
-        pool_layout)
+        pool_layout, decode_constrain(layout, M, model_config.dim))
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, c.t_m)
     tokens_nt = continuous._write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m,
                                   R)

@@ -232,7 +232,8 @@ def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
 def decode_step(model_config: ModelConfig, params: transformer.Params,
                 k_pools: tuple, v_pools: tuple, tokens_m: jax.Array,
                 column_m: jax.Array, page_m: jax.Array, table_mj: jax.Array,
-                attend, layers: list, R: int, pool_layout: PoolLayout
+                attend, layers: list, R: int, pool_layout: PoolLayout,
+                constrain: transformer.Constrain = transformer.no_constraint
                 ) -> tuple:
   """One token per row: row m (at position column_m[m]) writes its key and
   value at (page_m[m], column_m[m] % Z) of its shard's pool (no page, W: it
@@ -251,17 +252,20 @@ def decode_step(model_config: ModelConfig, params: transformer.Params,
   page, offset = split(page_m), split(column_m % Z)
   length, table = split(column_m + 1), split(table_mj)
   write = jax.vmap(pool_layout.write)
-  x = transformer.embed(params, tokens_m[:, None])
+  x = constrain(transformer.embed(params, tokens_m[:, None]),
+                transformer.RESIDUAL_AXES)
   ks, vs = list(k_pools), list(v_pools)
   for i, lp in enumerate(layers):
     # pylint: disable-next=protected-access
-    q, k, v = transformer._qkv(model_config, lp, x, column_m[:, None])
+    q, k, v = transformer._qkv(model_config, lp, x, column_m[:, None],
+                               constrain)
     ks[i] = write(ks[i], split(k[:, :, 0]), page, offset)
     vs[i] = write(vs[i], split(v[:, :, 0]), page, offset)
     attn = attend(split(q[:, 0]), ks[i], vs[i], length, table)
     # pylint: disable-next=protected-access
     x = transformer._attn_out_and_mlp(model_config, lp, x,
-                                      attn.reshape(M, 1, *attn.shape[2:]))
+                                      attn.reshape(M, 1, *attn.shape[2:]),
+                                      constrain)
   h = transformer.rms_norm(x, params["final_norm"], model_config.norm_eps)
   logits = transformer.unembed(model_config, params, h)[:, 0]
   return logits, tuple(ks), tuple(vs)
