@@ -10,8 +10,8 @@ asynchronous split, from the simulated slot schedule and the rooflines.
               state took. As rl/async_rollouts.py samples, each call takes
               one step's rows and its slots drain at the step's end, so a
               step costs one step's simulated schedule, tail included, at
-              the slots (STEADY_MULTIPLES x the dense slots) that make it
-              least. step = max(sampler side, trainer side) + weight sync.
+              the paged slots that make it least, of those the colocated
+              sampler's search tries (`sampler_seconds`). step = max(sampler side, trainer side) + weight sync.
               Also printed, as a what-if: the steady state of partial
               rollouts (not implemented: slots kept full across steps, new
               weights taken between decode steps), the simulated time of
@@ -53,9 +53,6 @@ from grpo_jax.aot.programs import Plan
 ICI_BANDWIDTH = {"TPU v5": 600e9, "TPU v6 lite": 448e9, "TPU v5 lite": 200e9,
                  "TPU v4": 300e9}
 STEADY_STEPS = 2
-# Paged slots per row shard tried for the steady state: these multiples of
-# the dense slots (more rows than the pool sustains only preempt).
-STEADY_MULTIPLES = (1, 2)
 
 
 class SamplerSide(Plan):
@@ -119,9 +116,11 @@ def sync_cost(sampler: Plan, trainer_chips: int, bandwidth: float) -> tuple:
 def sampler_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
                     lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
   """(one step's paged Schedule, its seconds, the partial-rollout what-if
-  seconds per step): at STEADY_MULTIPLES x the dense slots per row shard,
-  the paged sampler on one step's rows (the slots with the least time) and
-  on STEADY_STEPS steps' rows (each shard's rows of one step after the
+  seconds per step): at each number of paged slots per row shard that the
+  colocated sampler's search tries (`sampler.SLOT_MULTIPLES` x the dense
+  slots, and every row of a shard: admission by pages alone), the paged
+  sampler on one step's rows (the slots with the least time) and on
+  STEADY_STEPS steps' rows (each shard's rows of one step after the
   other's; the what-if is the least marginal time per extra step)."""
   dense_slots = aot.auto_slots(plan.config, plan, hbm, configured=False)
   cost = pod_sampler.step_cost(plan, spec, chips)
@@ -134,7 +133,7 @@ def sampler_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
   Z = plan.config.sampling.page_size
   best, steady = None, None
   for m in sorted({min(k * dense_slots // R, one_rn.shape[1])
-                   for k in STEADY_MULTIPLES}):
+                   for k in pod_sampler.SLOT_MULTIPLES} | {one_rn.shape[1]}):
     one = schedule.paged(one_rn, m, pages, Z, G, cost)
     many = schedule.paged(many_rn, m, pages, Z, G, cost)
     marginal = (many.seconds - one.seconds) / (STEADY_STEPS - 1)
@@ -219,7 +218,7 @@ def format_split(s: Sides, colocated: tuple, sampler_topology: str,
       f"{s.trainer_seconds:.1f} s, "
       f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per sampler "
       f"chip, {100 * s.sync_seconds / s.step:.2f}% of the step) -> step "
-      f"{s.step:.1f} s = {s.step / sync_step:.2f}x the colocated "
+      f"{s.step:.1f} s = {s.step / sync_step:.3f}x the colocated "
       f"{sync_step:.1f} s (sampler {sample:.1f} + update {train:.1f})",
       f"    idle: sampler {100 * idle(s.sampler_seconds):.0f}%, trainer "
       f"{100 * idle(s.trainer_seconds):.0f}%; rows in flight per row shard "
