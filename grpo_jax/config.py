@@ -207,7 +207,8 @@ def base_config() -> ConfigDict:
                                        # per check of "any row still live"
       paged_kernel="auto",             # paged decode attention: reference
                                        # (plain JAX) | pallas (the TPU
-                                       # kernel) | auto (pallas on TPU)
+                                       # kernel) | auto (pallas on TPU where
+                                       # it can take the model)
       compute_dtype=""))               # the sampler's dtype ("" = model's)
 
   c.rl = _rl_defaults()

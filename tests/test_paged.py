@@ -340,6 +340,14 @@ def test_attention_choice():
   assert paged.resolve("auto", windowed) == "reference"
   with pytest.raises(ValueError, match="sliding window"):
     paged.resolve("pallas", windowed)
+  # on a TPU: the kernel where it can take the model (head_dim 128), the
+  # reference where Pallas would refuse it (the tiny model's 16, SmolLM2's 64)
+  wide = dataclasses.replace(CONFIG, head_dim=128)
+  assert paged.resolve("auto", wide, backend="tpu") == "pallas"
+  assert paged.resolve("auto", CONFIG, backend="tpu") == "reference"
+  with pytest.raises(ValueError, match="head_dim a multiple of 128"):
+    paged.resolve("pallas", CONFIG, backend="tpu")
+  assert paged.resolve("pallas", CONFIG) == "pallas"   # interpreted on a CPU
 
 
 def test_config_fields_are_validated():

@@ -22,7 +22,7 @@ from grpo_jax.rl.step import update_group_size
 from grpo_jax.generate import decoding, sampling
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import config as model_config_lib
-from grpo_jax.models import hf, lora, transformer
+from grpo_jax.models import hf, lora, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 SPARE = 0.05           # a program fits when it leaves 5% of the chip free
@@ -345,13 +345,12 @@ class Plan:
         stop_check_every=s.stop_check_every)
 
   def paged_kernel(self) -> str:
-    """The paged decode attention a TPU run uses: `sampling.paged_kernel`, with
-    auto resolved as on a TPU backend (the Pallas kernel unless the model
-    has a sliding window); this process itself runs on the CPU backend."""
-    chosen = self.config.sampling.paged_kernel
-    if chosen != "auto":
-      return chosen
-    return "pallas" if self.model_config.sliding_window is None else "reference"
+    """The paged decode attention a TPU run uses: `sampling.paged_kernel`
+    resolved as on a TPU backend (auto: the Pallas kernel where it can take
+    the model, `paged.kernel_refuses`); this process itself runs on the
+    CPU backend."""
+    return paged.resolve(self.config.sampling.paged_kernel, self.model_config,
+                         backend="tpu")
 
   def paged_sampling_config(self) -> sampling.SamplingConfig:
     """The training sampler's config with the paged KV cache."""

@@ -49,18 +49,36 @@ KERNELS = ("auto", "reference", "pallas")
 BLOCK_S = 32
 
 
-def resolve(impl: str, model_config: ModelConfig) -> str:
-  """"reference" or "pallas" for `impl` (one of KERNELS) on this backend."""
+KERNEL_LANES = 128   # the TPU kernel's blocks hold head_dim on 128 lanes
+
+
+def kernel_refuses(model_config: ModelConfig, backend: str) -> str:
+  """Why the TPU kernel cannot attend for this model on `backend` ("" when
+  it can). Its head_dim limit is Mosaic's (the TPU lowering); interpreted
+  on a CPU (tests) any head_dim runs."""
+  if model_config.sliding_window is not None:
+    return "has no sliding window"
+  if backend == "tpu" and model_config.head_dim % KERNEL_LANES:
+    return (f"needs head_dim a multiple of {KERNEL_LANES} on a TPU (its "
+            f"blocks' lanes); this model's is {model_config.head_dim}")
+  return ""
+
+
+def resolve(impl: str, model_config: ModelConfig, backend: str = "") -> str:
+  """"reference" or "pallas" for `impl` (one of KERNELS) on `backend`
+  (default: this process's). auto: the TPU kernel on a TPU when it can
+  take the model (`kernel_refuses`): SmolLM2-135M's head_dim of 64 it
+  cannot (Pallas refuses to lower it), so auto gives the reference."""
   if impl not in KERNELS:
     raise ValueError(f"sampling.paged_kernel {impl!r}; allowed: {KERNELS}")
-  if impl == "pallas" and model_config.sliding_window is not None:
-    raise ValueError("sampling.paged_kernel = 'pallas': the TPU "
-                     "paged-attention kernel has no sliding window; use "
-                     "'reference'")
+  backend = backend or jax.default_backend()
+  why = kernel_refuses(model_config, backend)
+  if impl == "pallas" and why:
+    raise ValueError(f"sampling.paged_kernel = 'pallas': the TPU "
+                     f"paged-attention kernel {why}; use 'reference' (or "
+                     "'auto', which picks it)")
   if impl == "auto":
-    tpu = jax.default_backend() == "tpu"
-    return ("pallas" if tpu and model_config.sliding_window is None
-            else "reference")
+    return "pallas" if backend == "tpu" and not why else "reference"
   return impl
 
 
