@@ -28,6 +28,14 @@ from grpo_jax.generate import paged_slots, sampling
 SLOT_MULTIPLES = (1, 2, 4)
 
 
+def slot_search(dense_slots_per_shard: int, rows_per_shard: int) -> list:
+  """Paged slots per row shard the schedule is simulated at when not
+  configured: SLOT_MULTIPLES x the dense slots, and every row of a shard
+  (admission by pages alone), none above the shard's rows."""
+  return sorted({min(k * dense_slots_per_shard, rows_per_shard)
+                 for k in SLOT_MULTIPLES} | {rows_per_shard})
+
+
 def padded_prompts(plan: Plan) -> int:
   """The prompts of a step's call, padded to the row shards."""
   shards = plan.layout.batch_shards
@@ -127,8 +135,7 @@ def compare(plan: Plan, spec: dict, chips: int, dense_slots: int,
   elif all_rows:
     candidates = [lengths_rn.shape[1]]
   else:
-    candidates = sorted({min(k * dense_slots // R, lengths_rn.shape[1])
-                         for k in SLOT_MULTIPLES} | {lengths_rn.shape[1]})
+    candidates = slot_search(dense_slots // R, lengths_rn.shape[1])
   tried = []
   for m in candidates:
     tried.append(schedule.paged(lengths_rn, m, pages, Z, G, cost))

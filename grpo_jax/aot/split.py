@@ -11,7 +11,8 @@ asynchronous split, from the simulated slot schedule and the rooflines.
               one step's rows and its slots drain at the step's end, so a
               step costs one step's simulated schedule, tail included, at
               the paged slots that make it least, of those the colocated
-              sampler's search tries (`sampler_seconds`). step = max(sampler side, trainer side) + weight sync.
+              sampler's search tries (`sampler_seconds`).
+              step = max(sampler side, trainer side) + weight sync.
               Also printed, as a what-if: the steady state of partial
               rollouts (not implemented: slots kept full across steps, new
               weights taken between decode steps), the simulated time of
@@ -117,8 +118,7 @@ def sampler_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
                     lengths_n: np.ndarray, more_n: np.ndarray, log) -> tuple:
   """(one step's paged Schedule, its seconds, the partial-rollout what-if
   seconds per step): at each number of paged slots per row shard that the
-  colocated sampler's search tries (`sampler.SLOT_MULTIPLES` x the dense
-  slots, and every row of a shard: admission by pages alone), the paged
+  colocated sampler's search tries (`sampler.slot_search`), the paged
   sampler on one step's rows (the slots with the least time) and on
   STEADY_STEPS steps' rows (each shard's rows of one step after the
   other's; the what-if is the least marginal time per extra step)."""
@@ -132,8 +132,7 @@ def sampler_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
   pages = pod_sampler.pool_pages(plan, dense_slots)
   Z = plan.config.sampling.page_size
   best, steady = None, None
-  for m in sorted({min(k * dense_slots // R, one_rn.shape[1])
-                   for k in pod_sampler.SLOT_MULTIPLES} | {one_rn.shape[1]}):
+  for m in pod_sampler.slot_search(dense_slots // R, one_rn.shape[1]):
     one = schedule.paged(one_rn, m, pages, Z, G, cost)
     many = schedule.paged(many_rn, m, pages, Z, G, cost)
     marginal = (many.seconds - one.seconds) / (STEADY_STEPS - 1)

@@ -168,28 +168,13 @@ def _prefill_pool(pp: decoding.PromptPass, prompt_len_b, full_b, table_bj,
   return ks, vs, k_tails, v_tails
 
 
-def _shard_take(x: jax.Array, index_m: jax.Array, R: int) -> jax.Array:
-  """x[index_m] for a per-prompt or per-row array x (split in R contiguous
-  parts over the row shards), each shard reading its own part: a slot of
-  shard r holds only shard r's rows, so no read crosses row shards. Indexed
-  globally, XLA gathered every shard's part onto every chip at each decode
-  step: for the prompts' tails of the paper config on v5p:8x8x4 (512
-  prompts), 537 MB per chip per step over ICI (docs/paged.md). Slots that
-  never took a row read a clipped index (unused)."""
-  n = x.shape[0] // R
-  local_m = continuous._per_shard(R, index_m) - jnp.arange(R)[:, None] * n
-  take = lambda part, i: jnp.take(part, i, axis=0, mode="clip")
-  return jax.vmap(take)(continuous._per_shard(R, x), local_m).reshape(
-      index_m.shape + x.shape[1:])
-
-
 def _copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int,
                 pool_layout: paged.PoolLayout) -> tuple:
   """Prompt prompt_m[m]'s tail into page page_m[m] of slot m's shard
   (W, no page: nowhere), every layer."""
   split = functools.partial(continuous._per_shard, R)
   return tuple(jax.vmap(pool_layout.put)(
-      pool, split(_shard_take(tail, prompt_m, R)), split(page_m))
+      pool, split(continuous._shard_take(tail, prompt_m, R)), split(page_m))
                for pool, tail in zip(pools, tails))
 
 
@@ -265,9 +250,10 @@ def _take_rows(c: _Carry, first_n, row_limit, table_bj, G, T, cfg, R):
   take_m, new_row_m, next_row = continuous._assign(c.live_m | c.wait_m,
                                                    c.next_row, row_limit)
   row_m = jnp.where(take_m, new_row_m, c.row_m)
-  table_mj = jnp.where(take_m[:, None], _shard_take(table_bj, row_m // G, R),
+  table_mj = jnp.where(take_m[:, None],
+                       continuous._shard_take(table_bj, row_m // G, R),
                        c.table_mj)
-  first_m = _shard_take(first_n, row_m, R)
+  first_m = continuous._shard_take(first_n, row_m, R)
   done_m = take_m & (decoding.is_stop(first_m, cfg.stop_ids) | (T <= 1))
   split = functools.partial(continuous._per_shard, R)
   ref = jax.vmap(pages.release)(c.ref, split(table_mj), split(done_m),
@@ -435,14 +421,15 @@ def _sample_pages(model_config, params, prompt_bp, prompt_len_b, key, cfg,
       jnp.full((M, J), W, jnp.int32), ref, ks, vs, tokens_nt, logp_nt,
       PageStats(zero, zero, zero, zero, zero))))
   layers = transformer.unstack_layers(params, model_config.num_layers)
+  constrain = decode_constrain(layout, M, model_config.dim)
 
   def running(c: _Carry):
     return jnp.any(c.live_m | c.wait_m) | jnp.any(c.next_row < row_limit)
 
   def step(c: _Carry):
     prompt_m = c.row_m // G
-    full_m = _shard_take(full_b, prompt_m, R)
-    column_m = _shard_take(prompt_len_b, prompt_m, R) + c.t_m - 1
+    full_m = continuous._shard_take(full_b, prompt_m, R)
+    column_m = continuous._shard_take(prompt_len_b, prompt_m, R) + c.t_m - 1
     steps = c.steps + running(c).astype(jnp.int32)
     # PAGES, then DECODE the slots that have their page.
     c, active_m = _pages_step(c, prompt_m, full_m, column_m,
@@ -457,7 +444,7 @@ def _sample_pages(model_config, params, prompt_bp, prompt_len_b, key, cfg,
     logits_mv, k, v = paged.decode_step(
         model_config, params, c.k, c.v, prev_m, column_m,
         jnp.where(active_m, entry_m, W), c.table_mj, attend, layers, R,
-        pool_layout, decode_constrain(layout, M, model_config.dim))
+        pool_layout, constrain)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, c.row_m, c.t_m)
     tokens_nt = continuous._write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m,
                                   R)
