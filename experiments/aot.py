@@ -53,18 +53,18 @@ _SCHEDULE_ONLY = flags.DEFINE_bool(
     "schedule and the step's roofline only.")
 _SAMPLER_DEVICES = flags.DEFINE_list(
     "sampler_devices", [], "Sampler and trainer apart: chip counts of the "
-    "sampler's share to try (the first N chips sample, the rest train), "
-    "e.g. 64,128,192; prints each split's step time against the colocated "
-    "loop and compiles the fastest split's sampler and update (none with "
-    "--schedule_only). Stands in for the config field of issue 27 "
-    "(rollout.sampler_devices) until it exists.")
+    "sampler's share to try (rollout.sampler_devices: each host's last N / "
+    "hosts chips sample, the rest train, as a run places them), e.g. "
+    "64,128,192; prints each split's step time against the colocated loop "
+    "and compiles the fastest split's sampler and update (none with "
+    "--schedule_only).")
 _SAMPLER_TOPOLOGY = flags.DEFINE_string(
     "sampler_topology", "", "Sampler and trainer on two slices: the sampler "
     "on all chips of this topology (e.g. v6e:16x16), the trainer on all of "
     "--topology's; the weights cross DCN (--dcn_gbps).")
 _SAMPLER_MESH = flags.DEFINE_string(
     "sampler_mesh", "", "The sampler side's mesh.shape, e.g. (1,64,4) "
-    "(default: config.mesh.shape).")
+    "(default: rollout.sampler_mesh, whose () is config.mesh.shape).")
 _DCN_GBPS = flags.DEFINE_float(
     "dcn_gbps", 50.0, "With --sampler_topology: the DCN bandwidth each "
     "sampler chip receives the weights at, Gbit/s (an assumption: give the "

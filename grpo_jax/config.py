@@ -122,9 +122,11 @@ def _rollout_defaults() -> ConfigDict:
       sampler_devices=0,               # devices given to the sampler (the
                                        # last ones of each host); 0: the
                                        # sampler shares the trainer's
-      sampler_mesh=(-1, 1, 1),         # the sampler's own grid over those
+      sampler_mesh=(),                 # the sampler's own grid over those
                                        # devices (axes: mesh.axes, rules:
-                                       # mesh.rules), e.g. more tensor
+                                       # mesh.rules; (): mesh.shape's),
+                                       # e.g. (-1, 1, 4): more tensor
+                                       # parallelism than the trainer
       max_staleness=0,                 # k: step u's rows come from policy
                                        # version u - k (0: synchronous);
                                        # k >= 1 needs an active

@@ -192,7 +192,7 @@ def _check_rollout(config: ConfigDict) -> None:
   if r.timeout_s <= 0:
     raise ConfigError(f"config field 'rollout.timeout_s' = {r.timeout_s} "
                       "must be > 0 (seconds the trainer waits for a batch)")
-  if len(r.sampler_mesh) != len(config.mesh.axes):
+  if r.sampler_mesh and len(r.sampler_mesh) != len(config.mesh.axes):
     raise ConfigError(f"config field 'rollout.sampler_mesh' = "
                       f"{tuple(r.sampler_mesh)} needs one size per mesh axis "
                       f"{tuple(config.mesh.axes)}")

@@ -298,3 +298,50 @@ def test_split_compiles_the_paged_sampler_and_the_update(tmp_path):
   assert "split 2 sampling (v5e:2x2) + 2 training chips (v5e:2x2)" in out
   assert _row(out, "sampler paged").endswith("yes"), out
   assert _row(out, "update").endswith("yes"), out
+
+
+SPLIT_MESHES = """
+import json, sys
+import ml_collections
+from grpo_jax import sharding
+from grpo_jax.aot import programs, split
+chips = programs.topology_devices("v5p:4x4x4")      # 16 hosts x 4 chips
+grid = ml_collections.ConfigDict(dict(shape=(-1, 4, 4),
+                                      axes=("data", "fsdp", "tensor")))
+out = {}
+for n in (16, 32, 48):
+  train, sample = split.placement(chips, n)
+  for role, devices in (("trainer", train), ("sampler", sample)):
+    mesh = sharding.make_mesh(grid, devices).devices
+    hop = lambda a, b: sum(abs(x - y) for x, y in zip(a.coords, b.coords))
+    out[f"{n} {role}"] = dict(
+        n=len(devices), hosts=len({d.process_index for d in devices}),
+        shape=list(mesh.shape),
+        ids=sorted(d.id for d in mesh.flat),
+        tensor_hops=sorted({hop(m[i], m[i + 1]) for m in
+                            mesh.reshape(-1, mesh.shape[-1])
+                            for i in range(mesh.shape[-1] - 1)}))
+print(json.dumps(out))
+"""
+
+
+def test_a_runs_split_of_a_pod_builds_both_meshes():
+  """rollout.sampler_devices on a v5p slice gives each host's last chips to
+  the sampler: every other row of chips, or a chip in four, not a cuboid,
+  which jax's mesh helper refused (AssertionError). Both roles' meshes now
+  build, span every host, cover their chips once, and keep the tensor axis
+  on chips one link apart."""
+  proc = subprocess.run([sys.executable, "-c", SPLIT_MESHES],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu",
+                             "PYTHONPATH": ROOT})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for n in (16, 32, 48):
+    s, t = out[f"{n} sampler"], out[f"{n} trainer"]
+    assert (s["n"], t["n"]) == (n, 64 - n)
+    assert (s["shape"], t["shape"]) == ([n // 16, 4, 4], [4 - n // 16, 4, 4])
+    assert s["hosts"] == t["hosts"] == 16
+    assert sorted(s["ids"] + t["ids"]) == list(range(64))
+    assert len(set(s["ids"])) == n
+    assert s["tensor_hops"] == t["tensor_hops"] == [1], (n, s, t)

@@ -67,6 +67,21 @@ def test_each_host_gives_its_last_devices_to_the_sampler():
       weight_sync.split_devices(_settings(0, sampler_devices=bad), devices)
 
 
+def test_the_sampler_mesh_defaults_to_the_trainers():
+  """rollout.sampler_mesh = () (the default) is mesh.shape: a 32B config's
+  sampler split FSDP x tensor like its trainer, not replicated per chip."""
+  c = async_checks.config()
+  c.mesh.shape = (-1, 2, 2)
+  assert async_rollouts.RolloutSettings.from_config(c).sampler_mesh == (
+      -1, 2, 2)
+  c.rollout.sampler_mesh = (-1, 1, 4)
+  assert async_rollouts.RolloutSettings.from_config(c).sampler_mesh == (
+      -1, 1, 4)
+  c.rollout.sampler_mesh = (-1, 4)
+  with pytest.raises(ConfigError, match="'rollout.sampler_mesh' = "):
+    validation.validate(c)
+
+
 def test_stale_rows_on_several_hosts_need_a_split(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ConfigError, match="'rollout.max_staleness' = 1 on 2 "

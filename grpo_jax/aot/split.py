@@ -4,7 +4,8 @@ asynchronous split, from the simulated slot schedule and the rooflines.
 
   colocated   all chips sample a step's rows (the paged sampler beside the
               train state), then all chips update: step = sampler + update.
-  split       the first `sampler_devices` chips sample, the rest train; the
+  split       `sampler_devices` chips sample, the rest train, placed as a
+              run places them (`placement`: each host's last chips); the
               sampler holds only its weights (compute dtype) and a staging
               copy for the weight sync, so its KV pool takes what the train
               state took. As rl/async_rollouts.py samples, each call takes
@@ -44,6 +45,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from grpo_jax import sharding
+from grpo_jax.errors import ConfigError
 from grpo_jax.aot import check as aot
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
@@ -68,6 +70,16 @@ class SamplerSide(Plan):
 
   def sampler_budget(self, hbm: float) -> float:
     return hbm - 2 * self.weight_bytes()
+
+
+def placement(devices: list, sampler_chips: int) -> tuple[list, list]:
+  """(trainer chips, sampler chips): the chips a run with
+  rollout.sampler_devices = sampler_chips gives each role on this topology
+  (`weight_sync.split_devices`: each host's last sampler_chips / P chips
+  sample, so on a v5p, 4 chips per host, 128 of 256 are every other row)."""
+  from grpo_jax.rl import async_rollouts, weight_sync  # pylint: disable=import-outside-toplevel
+  return weight_sync.split_devices(
+      async_rollouts.RolloutSettings(sampler_devices=sampler_chips), devices)
 
 
 def layout(config, devices: list) -> sharding.Layout:
@@ -262,16 +274,23 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
       "or asynchronous (sampler_devices=0: the same device time, host work "
       "under it)")
   sampler_config = copy.deepcopy(config)
-  if sampler_mesh:
-    sampler_config.mesh.shape = tuple(sampler_mesh)
+  sampler_config.mesh.shape = (tuple(sampler_mesh)
+                               or tuple(config.rollout.sampler_mesh)
+                               or tuple(config.mesh.shape))
   if sampler_topology:
     splits = [(chips(programs_lib.topology_devices(sampler_topology)), whole,
                dcn_bandwidth)]
   else:
     ici = ICI_BANDWIDTH[whole.spec["kind"]]
-    splits = [(Chips(whole.devices[:n], whole.spec, whole.hbm),
-               Chips(whole.devices[n:], whole.spec, whole.hbm), ici)
-              for n in sampler_chips]
+    splits = []
+    for n in sampler_chips:
+      try:
+        train, sample = placement(whole.devices, n)
+      except ConfigError as e:
+        log(f"  split {n} + {len(whole.devices) - n}: not possible: {e}")
+        continue
+      splits.append((Chips(sample, whole.spec, whole.hbm),
+                     Chips(train, whole.spec, whole.hbm), ici))
   found = []
   for s_chips, t_chips, bandwidth in splits:
     s = sides(config, sampler_config, model_config, s_chips, t_chips,

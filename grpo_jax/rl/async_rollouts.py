@@ -5,7 +5,8 @@ config.rollout (docs/async.md):
   sampler_devices  the last sampler_devices / P devices of each of the P
                    hosts sample, the rest train (0: the sampler shares the
                    trainer's devices and layout)
-  sampler_mesh     the sampler's grid over its devices (its own Layout)
+  sampler_mesh     the sampler's grid over its devices (its own Layout;
+                   (): the trainer's mesh.shape)
   max_staleness    k: rows may come from a policy up to k versions old
   sync_every       n: weights reach the sampler after every n-th step
   timeout_s        how long the trainer waits for a batch before it calls
@@ -79,7 +80,8 @@ class RolloutSettings:
   @classmethod
   def from_config(cls, config) -> "RolloutSettings":
     r = config.rollout
-    return cls(int(r.sampler_devices), tuple(r.sampler_mesh),
+    return cls(int(r.sampler_devices),
+               tuple(r.sampler_mesh) or tuple(config.mesh.shape),
                int(r.max_staleness), int(r.sync_every), float(r.timeout_s))
 
   @property
