@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -251,11 +252,19 @@ def test_split_sync_and_memory():
   assert side.sampler_budget(10 * w) == 8 * w
   assert side.sampler_resident() == w
   ici = split.ICI_BANDWIDTH["TPU v5"]
-  assert split.sync_cost(side, 4, ici) == (w, w / ici)    # receive > send
-  assert split.sync_cost(side, 1, ici) == (w, w / ici)
   trainer = programs.Plan(split.trainer_config(config, 8, 4, 1),
                           get_preset(config.model.source), layout, 16)
   assert trainer.micro_rows() == 2 and split.feasible(trainer)
+  assert split.sync_cost(side, trainer, ici) == (w, w / ici)
+  # Several hosts: the whole model gathered on each trainer chip (here it
+  # holds it all: nothing to gather), then each sampler chip's slice.
+  whole = sum(x.size * x.dtype.itemsize
+              for x in jax.tree.leaves(side.sampler_params()))
+  assert whole == w
+  assert split.sync_cost(side, trainer, ici, hosts=2) == (0, w / ici)
+  quarter = types.SimpleNamespace(weight_bytes=lambda: w // 4)  # 4-way split
+  assert split.sync_cost(side, quarter, ici, hosts=2) == (
+      w - w // 4, (w - w // 4 + w) / ici)
 
 
 def test_schedule_only_compares_dense_and_paged_slots():

@@ -24,11 +24,11 @@ asynchronous split, from the simulated slot schedule and the rooflines.
   other slice (--sampler_topology) all chips of another topology sample;
               the weights cross DCN at a given bandwidth per sampler chip.
   sync        the sampler-dtype weights moved from the trainer's chips to
-              the sampler's over ICI: each sampler chip receives its slice,
-              each trainer chip sends its share of all the sampler's
-              replicas; the time is the larger per-chip byte count over one
-              chip's ICI bandwidth (ICI_BANDWIDTH; every link busy, no
-              contention, no overlap with compute: an estimate).
+              the sampler's over ICI by the route the run takes
+              (`sync_cost`: on several hosts every trainer chip first
+              gathers the whole model), at one chip's ICI bandwidth
+              (ICI_BANDWIDTH; every link busy, no contention, no overlap
+              with compute: an estimate).
 
 A split is feasible when the trainer's mini-batch and micro-batch split
 over its row shards; the update keeps the colocated loop's rows per row
@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 from typing import NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from grpo_jax import sharding
@@ -110,7 +111,7 @@ class Sides(NamedTuple):
   one_step: schedule.Schedule  # that call's schedule
   steady_seconds: float       # what-if: partial rollouts, per step
   trainer_seconds: float
-  sync_bytes: float           # per sampler chip received
+  sync_bytes: float           # per chip received (sync_cost)
   sync_seconds: float
 
   @property
@@ -118,12 +119,25 @@ class Sides(NamedTuple):
     return max(self.sampler_seconds, self.trainer_seconds) + self.sync_seconds
 
 
-def sync_cost(sampler: Plan, trainer_chips: int, bandwidth: float) -> tuple:
-  """(bytes each sampler chip receives, seconds): module docstring."""
-  chips = sampler.layout.mesh.size
+def sync_cost(sampler: Plan, trainer: Plan, bandwidth: float,
+              hosts: int = 1) -> tuple:
+  """(bytes, seconds) of one sync by the route rl/weight_sync.py takes,
+  each chip's ICI at `bandwidth`, nothing overlapped (an estimate).
+  One host: a device_put between the meshes, each sampler chip receiving
+  its slice and each trainer chip sending its share of all the sampler's
+  replicas; bytes: the larger per-chip count. Several hosts
+  (`weight_sync._put_by_host`): each leaf is first replicated over the
+  trainer's chips (each receives the whole sampler-dtype model but its
+  own share: bytes), then each host copies its sampler chips' slices, one
+  after the other."""
   receive = sampler.weight_bytes()
-  send = receive * chips / trainer_chips
-  return receive, max(receive, send) / bandwidth
+  if hosts > 1:
+    whole = sum(x.size * x.dtype.itemsize
+                for x in jax.tree.leaves(sampler.sampler_params()))
+    gather = whole - trainer.weight_bytes()
+    return gather, (gather + receive) / bandwidth
+  send = receive * sampler.layout.mesh.size / trainer.layout.mesh.size
+  return max(receive, send), max(receive, send) / bandwidth
 
 
 def sampler_seconds(plan: Plan, spec: dict, chips: int, hbm: float,
@@ -168,11 +182,12 @@ class Chips(NamedTuple):
 def sides(config, sampler_config, model_config, sampler: Chips,
           trainer: Chips, prompt_len: int, lengths_n, more_n,
           colocated: Plan, sync_bandwidth: float, colocated_seconds: float,
-          log=lambda s: None) -> Optional[Sides]:
+          log=lambda s: None, sync_hosts: int = 1) -> Optional[Sides]:
   """The split sampling on `sampler`'s chips (with sampler_config's mesh)
   and training on `trainer`'s, or None when the trainer's batch does not
   split over its row shards or the trainer alone is slower than the
-  colocated step (`colocated_seconds`)."""
+  colocated step (`colocated_seconds`). sync_hosts: the hosts the weight
+  copy runs on (`sync_cost`)."""
   t_layout = layout(config, trainer.devices)
   t_config = trainer_config(config, colocated.micro_rows(),
                             colocated.layout.batch_shards,
@@ -196,7 +211,7 @@ def sides(config, sampler_config, model_config, sampler: Chips,
   one, one_seconds, steady = sampler_seconds(
       s_plan, sampler.spec, len(sampler.devices), sampler.hbm, lengths_n,
       more_n, log)
-  receive, seconds = sync_cost(s_plan, len(trainer.devices), sync_bandwidth)
+  receive, seconds = sync_cost(s_plan, t_plan, sync_bandwidth, sync_hosts)
   return Sides(len(sampler.devices), s_plan, t_plan, one_seconds, one, steady,
                train, receive, seconds)
 
@@ -227,8 +242,8 @@ def format_split(s: Sides, colocated: tuple, sampler_topology: str,
       f"call, tail {s.one_step.tail_seconds:.1f} s; partial rollouts, not "
       f"implemented, would give {s.steady_seconds:.1f} s), trainer "
       f"{s.trainer_seconds:.1f} s, "
-      f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per sampler "
-      f"chip, {100 * s.sync_seconds / s.step:.2f}% of the step) -> step "
+      f"sync {s.sync_seconds:.3f} s ({s.sync_bytes / 1e9:.2f} GB per chip, "
+      f"{100 * s.sync_seconds / s.step:.2f}% of the step) -> step "
       f"{s.step:.1f} s = {s.step / sync_step:.3f}x the colocated "
       f"{sync_step:.1f} s (sampler {sample:.1f} + update {train:.1f})",
       f"    idle: sampler {100 * idle(s.sampler_seconds):.0f}%, trainer "
@@ -280,8 +295,10 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
   if sampler_topology:
     splits = [(chips(programs_lib.topology_devices(sampler_topology)), whole,
                dcn_bandwidth)]
+    hosts = 1     # the copy as one device_put over DCN (a route not built)
   else:
     ici = ICI_BANDWIDTH[whole.spec["kind"]]
+    hosts = len({d.process_index for d in whole.devices})
     splits = []
     for n in sampler_chips:
       try:
@@ -295,7 +312,7 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
   for s_chips, t_chips, bandwidth in splits:
     s = sides(config, sampler_config, model_config, s_chips, t_chips,
               prompt_len, lengths_n, more_n, colocated, bandwidth,
-              base[1] + base[2], log)
+              base[1] + base[2], log, hosts)
     if s is not None:
       found.append((s, s_chips.hbm, t_chips.hbm))
       for line in format_split(s, base, sampler_topology or topology,
