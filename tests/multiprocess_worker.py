@@ -38,7 +38,7 @@ def even_bytes_reward(prompts, completions, answers, completion_lengths):
 
 
 def config_for(num_processes: int, process_id: int, port: int,
-               asynchronous: bool = False):
+               asynchronous: bool = False, sampler_devices: int = 2):
   c = tiny.get_config()
   c.train.steps = 2
   c.train.eval_at_start = False
@@ -56,7 +56,7 @@ def config_for(num_processes: int, process_id: int, port: int,
   # in small gradients, so the runs can be compared at float32 tolerance.
   c.optim.eps = 1e-3
   if asynchronous:
-    c.rollout.sampler_devices, c.rollout.max_staleness = 2, 1
+    c.rollout.sampler_devices, c.rollout.max_staleness = sampler_devices, 1
     c.rl.old_logp, c.rl.rollout_correction.is_level = "recompute", "token"
   if num_processes > 1:
     c.mesh.coordinator_address = f"127.0.0.1:{port}"
@@ -67,8 +67,11 @@ def config_for(num_processes: int, process_id: int, port: int,
 
 def main(argv) -> None:
   workdir, num, pid, port, out = argv[1], *map(int, argv[2:5]), argv[5]
-  asynchronous = argv[6:] == ["async"]
-  summary = train.run(config_for(num, pid, port, asynchronous), workdir)
+  asynchronous = bool(argv[6:]) and argv[6].startswith("async")
+  # "async3": 3 sampler devices, on two hosts 2 + 1 (uneven host shares).
+  sampler_devices = 3 if argv[6:] == ["async3"] else 2
+  summary = train.run(config_for(num, pid, port, asynchronous,
+                                 sampler_devices), workdir)
   # Gathered to every host whatever the sharding.
   params = multihost_utils.process_allgather(summary["state"].params,
                                              tiled=True)

@@ -307,6 +307,8 @@ def test_split_compiles_the_paged_sampler_and_the_update(tmp_path):
   assert "split 2 sampling (v5e:2x2) + 2 training chips (v5e:2x2)" in out
   assert _row(out, "sampler paged").endswith("yes"), out
   assert _row(out, "update").endswith("yes"), out
+  assert "the colocated loop's paged sampler, for its collectives" in out
+  assert "with the decode steps' collectives not overlapped" in out
 
 
 SPLIT_MESHES = """
@@ -315,10 +317,10 @@ import ml_collections
 from grpo_jax import sharding
 from grpo_jax.aot import programs, split
 chips = programs.topology_devices("v5p:4x4x4")      # 16 hosts x 4 chips
-grid = ml_collections.ConfigDict(dict(shape=(-1, 4, 4),
-                                      axes=("data", "fsdp", "tensor")))
 out = {}
-for n in (16, 32, 48):
+for n in (16, 24, 32, 48):
+  grid = ml_collections.ConfigDict(dict(shape=(-1, 4 if n % 16 == 0 else 2, 4),
+                                        axes=("data", "fsdp", "tensor")))
   train, sample = split.placement(chips, n)
   for role, devices in (("trainer", train), ("sampler", sample)):
     mesh = sharding.make_mesh(grid, devices).devices
@@ -337,20 +339,43 @@ print(json.dumps(out))
 def test_a_runs_split_of_a_pod_builds_both_meshes():
   """rollout.sampler_devices on a v5p slice gives each host's last chips to
   the sampler: every other row of chips, or a chip in four, not a cuboid,
-  which jax's mesh helper refused (AssertionError). Both roles' meshes now
-  build, span every host, cover their chips once, and keep the tensor axis
-  on chips one link apart."""
+  which jax's mesh helper refused (AssertionError); 24 (1.5 per host) is
+  no grid at all. Both roles' meshes now build, span every host, cover
+  their chips once, and keep the tensor axis on chips one link apart."""
   proc = subprocess.run([sys.executable, "-c", SPLIT_MESHES],
                         capture_output=True, text=True, timeout=600, cwd=ROOT,
                         env={**os.environ, "JAX_PLATFORMS": "cpu",
                              "PYTHONPATH": ROOT})
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  for n in (16, 32, 48):
+  for n in (16, 24, 32, 48):
     s, t = out[f"{n} sampler"], out[f"{n} trainer"]
     assert (s["n"], t["n"]) == (n, 64 - n)
-    assert (s["shape"], t["shape"]) == ([n // 16, 4, 4], [4 - n // 16, 4, 4])
+    fsdp = 4 if n % 16 == 0 else 2
+    assert (s["shape"], t["shape"]) == ([n // fsdp // 4, fsdp, 4],
+                                        [(64 - n) // fsdp // 4, fsdp, 4])
     assert s["hosts"] == t["hosts"] == 16
     assert sorted(s["ids"] + t["ids"]) == list(range(64))
     assert len(set(s["ids"])) == n
     assert s["tensor_hops"] == t["tensor_hops"] == [1], (n, s, t)
+
+
+def test_collectives_not_overlapped_add_to_each_sampler():
+  """Per-step collective bytes x the schedule's decode steps at the ICI
+  bandwidth, added to each side's sampler; the split's step is its slower
+  side plus the sync."""
+  from grpo_jax.aot import split  # pylint: disable=import-outside-toplevel
+  program = lambda mb: types.SimpleNamespace(
+      collectives=(("all-gather", mb * 0.75e6), ("all-reduce", mb * 0.25e6)))
+  sched = lambda steps: types.SimpleNamespace(steps=steps)
+  assert split.collective_seconds(program(600), sched(1000), 600e9) == 1.0
+  s = types.SimpleNamespace(sampler_seconds=90.0, trainer_seconds=95.0,
+                            sync_seconds=0.5, step=95.5,
+                            one_step=sched(2000))
+  line, = split.format_collectives(
+      s, program(300), (sched(1000), 60.0, 40.0), program(600),
+      (600e9, 600e9))
+  # colocated 60 + 1 + 40 = 101 s; split max(90 + 1, 95) + 0.5 = 95.5 s
+  assert "+1.0 s (1000 steps), split sampler +1.0 s (2000 steps)" in line
+  assert "step 95.5 s = 0.946x the colocated 101.0 s" in line
+  assert "(all overlapped: 0.955x)" in line

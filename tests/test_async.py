@@ -62,7 +62,12 @@ def test_each_host_gives_its_last_devices_to_the_sampler():
       _settings(0, sampler_devices=2), devices)
   assert [d.id for d in train_d] == [0, 1, 2, 4, 5, 6]
   assert [d.id for d in sample_d] == [3, 7]
-  for bad in (3, 8):
+  # Hosts that do not divide it: the first host gives one more.
+  train_d, sample_d = weight_sync.split_devices(
+      _settings(0, sampler_devices=3), devices)
+  assert [d.id for d in train_d] == [0, 1, 4, 5, 6]
+  assert [d.id for d in sample_d] == [2, 3, 7]
+  for bad in (1, 7, 8):   # a host with no sampler or no trainer device
     with pytest.raises(ConfigError, match="'rollout.sampler_devices'"):
       weight_sync.split_devices(_settings(0, sampler_devices=bad), devices)
 

@@ -161,3 +161,28 @@ def test_two_processes_train_asynchronously_like_one(async_runs):
     for leaf, want in params["single"].items():
       np.testing.assert_allclose(params[name][leaf], want, rtol=1e-5,
                                  atol=1e-6, err_msg=f"{name} {leaf}")
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(tmp_path_factory):
+  """k = 1 with rollout.sampler_devices = 3 on two hosts of 3 devices: the
+  hosts give 2 and 1 (weight_sync.host_shares), against one process of 6
+  devices giving 3: the same mesh shapes (3 + 3)."""
+  return _single_and_pair(tmp_path_factory.mktemp("multiprocess_uneven"),
+                          ("async3",), devices=(6, 3))
+
+
+@pytest.mark.slow
+def test_uneven_host_shares_train_like_one_process(uneven_runs):
+  results, params, tmp_path = uneven_runs
+  assert results["p0"]["devices"] == results["p1"]["devices"] == 6
+  rows = metrics.read_jsonl(tmp_path / "pair" / "metrics.jsonl")
+  assert [r["staleness/max"] for r in rows] == [0, 1]
+  single = results["single"]
+  for name in ("p0", "p1"):
+    assert results[name]["reward"] == single["reward"]   # same samples
+    np.testing.assert_allclose(results[name]["loss"], single["loss"],
+                               rtol=1e-4, atol=1e-7)
+    for leaf, want in params["single"].items():
+      np.testing.assert_allclose(params[name][leaf], want, rtol=1e-5,
+                                 atol=1e-6, err_msg=f"{name} {leaf}")

@@ -91,16 +91,29 @@ def layout(config, devices: list) -> sharding.Layout:
 def trainer_config(config, micro_rows: int, colocated_shards: int,
                    trainer_shards: int):
   """The config with the update's micro-batch scaled to the trainer's row
-  shards (the colocated rows per shard)."""
+  shards (the colocated rows per shard). Packed (rl.packing = on), where
+  that many rows do not divide the mini-batch: the largest micro-batch
+  that does, which `packing.pack_rows` rounds up to the row shards (e.g.
+  24 row shards, one row each: 16, packed as 24 rows)."""
   out = copy.deepcopy(config)
-  out.rl.micro_batch_size = max(1, micro_rows * trainer_shards
-                                // colocated_shards)
+  want = max(1, micro_rows * trainer_shards // colocated_shards)
+  mini = (config.rl.mini_batch_size
+          or config.rl.prompts_per_step * config.rl.num_generations)
+  if mini % want and config.rl.packing == "on":
+    want = max(d for d in range(1, want + 1) if mini % d == 0)
+  out.rl.micro_batch_size = want
   return out
 
 
 def feasible(plan: Plan) -> bool:
+  """The update's batches split over the trainer's row shards: padded, its
+  micro-batch must; packed (rl.packing = on), `pack_rows` pads the packed
+  rows to them (the step's full [rows, s] arrays are then replicated when
+  its rows do not split, which aot.py does not compile)."""
   shards, micro = plan.layout.batch_shards, plan.micro_rows()
-  return plan.mini % micro == 0 and micro % shards == 0
+  if plan.mini % micro:
+    return False
+  return plan.config.rl.packing == "on" or micro % shards == 0
 
 
 class Sides(NamedTuple):
@@ -196,8 +209,15 @@ def sides(config, sampler_config, model_config, sampler: Chips,
   if not feasible(t_plan):
     log(f"  split {len(sampler.devices)} + {len(trainer.devices)}: the "
         f"mini-batch of {t_plan.mini} rows does not split into micro-batches "
-        f"over {t_layout.batch_shards} row shards")
+        f"over {t_layout.batch_shards} row shards"
+        + ("" if config.rl.packing == "on" else
+           " (with rl.packing=on the packed rows would)"))
     return None
+  if t_plan.rows % t_layout.batch_shards:
+    log(f"  split {len(sampler.devices)} + {len(trainer.devices)}: the "
+        f"step's {t_plan.rows} rows do not split over the trainer's "
+        f"{t_layout.batch_shards} row shards: its full-step arrays are "
+        "replicated on each chip (only packed mini-batches split)")
   roof = aot.step_roofline(t_plan, trainer.spec, len(trainer.devices), 1,
                            None, lengths_n)
   train = sum(r.seconds for k, r in roof.items() if k != "sampler")
@@ -314,13 +334,13 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
               prompt_len, lengths_n, more_n, colocated, bandwidth,
               base[1] + base[2], log, hosts)
     if s is not None:
-      found.append((s, s_chips.hbm, t_chips.hbm))
+      found.append((s, s_chips.hbm, t_chips.hbm, s_chips.spec["kind"]))
       for line in format_split(s, base, sampler_topology or topology,
                                topology):
         log(line)
   if not found or not compile_programs:
     return True
-  best, s_hbm, t_hbm = min(found, key=lambda x: x[0].step)
+  best, s_hbm, t_hbm, s_kind = min(found, key=lambda x: x[0].step)
   log(f"compiling the fastest split: {best.sampler_chips} sampling chips")
   log(aot.HEADER)
   paged = pod_sampler.paged_sampler(
@@ -331,4 +351,37 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
             else t.packed_update(t.micro_rows()))
   for program, hbm in ((paged, s_hbm), (update, t_hbm)):
     log(aot.format_program(program, hbm))
+  log("and the colocated loop's paged sampler, for its collectives:")
+  colocated_paged = pod_sampler.paged_sampler(
+      colocated, base[0].slots * colocated.layout.batch_shards, base[0].pages)
+  log(aot.format_program(colocated_paged, whole.hbm))
+  for line in format_collectives(
+      best, paged, base, colocated_paged,
+      (ICI_BANDWIDTH[whole.spec["kind"]], ICI_BANDWIDTH[s_kind])):
+    log(line)
   return paged.fits(s_hbm) and update.fits(t_hbm)
+
+
+def collective_seconds(program, one: schedule.Schedule, ici: float) -> float:
+  """A call's decode-step collectives at `ici` bytes/s per chip, not
+  overlapped with anything: per-step bytes x the schedule's steps."""
+  return sum(b for _, b in program.collectives) / ici * one.steps
+
+
+def format_collectives(s: Sides, sampler_program, colocated: tuple,
+                       colocated_program, ici: tuple) -> list[str]:
+  """The step times again with each sampler's decode-step collectives
+  (from its compiled program; `ici`: the colocated and the split sampler's
+  chips' bandwidth) added, none overlapped: the bound opposite the
+  roofline's, where all of them are."""
+  paged, sample, train = colocated
+  extra_c = collective_seconds(colocated_program, paged, ici[0])
+  extra_s = collective_seconds(sampler_program, s.one_step, ici[1])
+  sync_step = sample + extra_c + train
+  step = max(s.sampler_seconds + extra_s, s.trainer_seconds) + s.sync_seconds
+  return [
+      f"  with the decode steps' collectives not overlapped (at one chip's "
+      f"ICI bandwidth): colocated sampler +{extra_c:.1f} s ({paged.steps} "
+      f"steps), split sampler +{extra_s:.1f} s ({s.one_step.steps} steps) "
+      f"-> step {step:.1f} s = {step / sync_step:.3f}x the colocated "
+      f"{sync_step:.1f} s (all overlapped: {s.step / (sample + train):.3f}x)"]

@@ -37,7 +37,8 @@ Params = Any
 def split_devices(settings, devices=None) -> tuple[list, list]:
   """(trainer devices, sampler devices) for `settings` (an
   async_rollouts.RolloutSettings): on each of the P hosts its last
-  sampler_devices / P devices sample, so both meshes span every host and
+  sampler_devices / P devices sample (`host_shares`: where P does not
+  divide it, some hosts give one more), so both meshes span every host and
   each host's weight copy stays on that host. (all, []) when colocated."""
   devices = list(jax.devices() if devices is None else devices)
   s = settings.sampler_devices
@@ -53,16 +54,37 @@ def split_devices(settings, devices=None) -> tuple[list, list]:
   hosts: dict[int, list] = {}
   for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
     hosts.setdefault(d.process_index, []).append(d)
-  per_host = s // len(hosts)
-  local = min(len(h) for h in hosts.values())
-  if s % len(hosts) or not 0 < per_host < local:
+  share = host_shares(hosts, s)
+  if any(not 0 < share[p] < len(h) for p, h in hosts.items()):
     raise ConfigError(
-        f"config field 'rollout.sampler_devices' = {s}: needs a multiple of "
-        f"the {len(hosts)} host(s) leaving each host at least one trainer "
-        f"device (each has {local}; {len(devices)} devices in all)")
-  train = [d for h in hosts.values() for d in h[:len(h) - per_host]]
-  sample = [d for h in hosts.values() for d in h[len(h) - per_host:]]
+        f"config field 'rollout.sampler_devices' = {s}: needs at least one "
+        f"sampler and one trainer device on each of the {len(hosts)} "
+        f"host(s) (they have {sorted({len(h) for h in hosts.values()})} "
+        f"devices; {len(devices)} in all)")
+  train = [d for p, h in hosts.items() for d in h[:len(h) - share[p]]]
+  sample = [d for p, h in hosts.items() for d in h[len(h) - share[p]:]]
   return train, sample
+
+
+def host_shares(hosts: dict[int, list], sampler_devices: int
+                ) -> dict[int, int]:
+  """Sampler devices per host: sampler_devices / P each; where the P hosts
+  do not divide it, the remainder goes one each to the first hosts in
+  block order: on a TPU slice hosts sorted by their chips' (x, y) and then
+  z, so the extra chips fill whole columns along z (the axis a mesh's
+  tensor axis takes), e.g. 160 of a v5p:8x8x4's 256: 3 chips on the 32
+  hosts with x < 4, 2 on the others; elsewhere by process index."""
+  base, extra = divmod(sampler_devices, len(hosts))
+
+  def block(p):
+    coords = [tuple(getattr(d, "coords", None) or ()) for d in hosts[p]]
+    if all(len(c) == 3 for c in coords):
+      return (min(c[0] for c in coords), min(c[1] for c in coords),
+              min(c[2] for c in coords), p)
+    return (p,)
+
+  order = sorted(hosts, key=block)
+  return {p: base + (i < extra) for i, p in enumerate(order)}
 
 
 def sampler_layout(config, settings, devices
