@@ -75,6 +75,9 @@ def paper(c):
   c.train.eval_every, c.train.eval_examples = 5, 30
   c.train.checkpoint_every = 5
   c.mesh.shape = (-1, 8, 4)    # 32B: FSDP 8 x tensor 4 per replica (docs/pod.md)
+  # Sampler and trainer apart on v5p:8x8x4 (docs/pod.md, simulated):
+  # rollout.sampler_devices = 128 at completions ~0.3 of the cap, 160 (with
+  # rl.packing = "on") at ~0.5; with rollout.max_staleness >= 1.
   return c
 
 
