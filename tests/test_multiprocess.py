@@ -137,6 +137,21 @@ def test_only_process_zero_writes_the_metrics(runs):
   assert steps("pair") == steps("single") == [1, 2]
 
 
+def _assert_k1_pair_like_single(results, params, tmp_path):
+  """A k = 1 pair's metrics show one stale step, and both processes end
+  with the single process's samples, loss and parameters."""
+  rows = metrics.read_jsonl(tmp_path / "pair" / "metrics.jsonl")
+  assert [r["staleness/max"] for r in rows] == [0, 1]
+  single = results["single"]
+  for name in ("p0", "p1"):
+    assert results[name]["reward"] == single["reward"]   # same samples
+    np.testing.assert_allclose(results[name]["loss"], single["loss"],
+                               rtol=1e-4, atol=1e-7)
+    for leaf, want in params["single"].items():
+      np.testing.assert_allclose(params[name][leaf], want, rtol=1e-5,
+                                 atol=1e-6, err_msg=f"{name} {leaf}")
+
+
 @pytest.fixture(scope="module")
 def async_runs(tmp_path_factory):
   """k = 1 on a split: one process with 4 devices (2 train, 2 sample)
@@ -151,16 +166,7 @@ def test_two_processes_train_asynchronously_like_one(async_runs):
   results, params, tmp_path = async_runs
   assert results["single"]["devices"] == 4
   assert results["p0"]["devices"] == results["p1"]["devices"] == 4
-  rows = metrics.read_jsonl(tmp_path / "pair" / "metrics.jsonl")
-  assert [r["staleness/max"] for r in rows] == [0, 1]
-  single = results["single"]
-  for name in ("p0", "p1"):
-    assert results[name]["reward"] == single["reward"]   # same samples
-    np.testing.assert_allclose(results[name]["loss"], single["loss"],
-                               rtol=1e-4, atol=1e-7)
-    for leaf, want in params["single"].items():
-      np.testing.assert_allclose(params[name][leaf], want, rtol=1e-5,
-                                 atol=1e-6, err_msg=f"{name} {leaf}")
+  _assert_k1_pair_like_single(results, params, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +182,4 @@ def uneven_runs(tmp_path_factory):
 def test_uneven_host_shares_train_like_one_process(uneven_runs):
   results, params, tmp_path = uneven_runs
   assert results["p0"]["devices"] == results["p1"]["devices"] == 6
-  rows = metrics.read_jsonl(tmp_path / "pair" / "metrics.jsonl")
-  assert [r["staleness/max"] for r in rows] == [0, 1]
-  single = results["single"]
-  for name in ("p0", "p1"):
-    assert results[name]["reward"] == single["reward"]   # same samples
-    np.testing.assert_allclose(results[name]["loss"], single["loss"],
-                               rtol=1e-4, atol=1e-7)
-    for leaf, want in params["single"].items():
-      np.testing.assert_allclose(params[name][leaf], want, rtol=1e-5,
-                                 atol=1e-6, err_msg=f"{name} {leaf}")
+  _assert_k1_pair_like_single(results, params, tmp_path)

@@ -309,9 +309,10 @@ def run(config, topology: str, prompt_len: int, lengths_flag: str, seed: int,
       "or asynchronous (sampler_devices=0: the same device time, host work "
       "under it)")
   sampler_config = copy.deepcopy(config)
-  sampler_config.mesh.shape = (tuple(sampler_mesh)
-                               or tuple(config.rollout.sampler_mesh)
-                               or tuple(config.mesh.shape))
+  from grpo_jax.rl import async_rollouts  # pylint: disable=import-outside-toplevel
+  sampler_config.mesh.shape = (tuple(sampler_mesh) or async_rollouts
+                               .RolloutSettings.from_config(config)
+                               .sampler_mesh)
   if sampler_topology:
     splits = [(chips(programs_lib.topology_devices(sampler_topology)), whole,
                dcn_bandwidth)]
