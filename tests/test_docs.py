@@ -1,7 +1,10 @@
 """The docs against the tree: docs/modules.md names every module of grpo_jax/
-and nothing that is not there."""
+and nothing that is not there; commit hashes live only in docs/history.md;
+the README stays a front door (at most 250 lines of at most 160 characters)."""
 import os
 import re
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,3 +71,62 @@ def test_modules_md_names_every_module_and_only_modules_that_exist():
       "docs/modules.md against grpo_jax/: "
       f"no row names {missing}; rows name files that do not exist {extra}; "
       f"named twice {twice}")
+
+
+# ----------------------------------------------------------------------------
+# Commit hashes only in docs/history.md.
+# ----------------------------------------------------------------------------
+
+# A commit hash as the docs write one: 7 to 40 lower-case hex characters with
+# at least one digit and one letter, as a word of its own. Hex in code
+# (`0x85EBCA6B`), colours (`#1f77b4`) and words (`decade`, `1e-5`) fail one of
+# the conditions; an all-digit hash cannot be told from a number.
+HASH = re.compile(r"(?<![\w#.-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])")
+
+
+def hashes(text: str) -> list[str]:
+  return HASH.findall(text)
+
+
+@pytest.mark.parametrize("text,found", [
+    ("on 998e26b (2026-12-02)", ["998e26b"]), ("`2856994`", []),
+    ("(c831303: each shard", ["c831303"]), ("a worktree of `ce314ec`", ["ce314ec"]),
+    ("0x85EBCA6B", []), ("color #1f77b4", []), ("a decade", []), ("atol 2e-2", []),
+    ("sha 0123456789abcdef0123456789abcdef01234567", ["0123456789abcdef0123456789abcdef01234567"]),
+    ("1e+5 and 5.83e-03", []), ("abc1234x", []), ("ab12", [])])
+def test_hashes_finds_commit_hashes_and_nothing_else(text, found):
+  assert hashes(text) == found
+
+
+def test_commit_hashes_appear_only_in_history_md():
+  found = {page: hashes(_read(page)) for page in ["README.md"] + _doc_pages()
+           if page != os.path.join("docs", "history.md")}
+  found = {page: h for page, h in found.items() if h}
+  assert not found, ("commit hashes outside docs/history.md (move the run's "
+                     f"story there, keep the figure and its command): {found}")
+
+
+# ----------------------------------------------------------------------------
+# The README: a front door.
+# ----------------------------------------------------------------------------
+
+# CI (`.ci/run`) reads the test command from the README verbatim, and the
+# README's two set-up commands are copied whole: they stay one line each.
+LONG_LINES_ALLOWED = ("pip install -r requirements.txt && ",
+                      "pip install -r requirements-test.txt && ")
+
+
+def test_readme_is_at_most_250_lines():
+  assert len(_read("README.md").splitlines()) <= 250
+
+
+def test_readme_lines_are_at_most_160_characters():
+  long = [(i, len(line)) for i, line in enumerate(_read("README.md").splitlines(), 1)
+          if len(line) > 160 and not line.startswith(LONG_LINES_ALLOWED)]
+  assert not long, f"README.md lines (number, length) over 160 characters: {long}"
+
+
+def test_the_two_set_up_commands_are_single_lines_of_the_readme():
+  lines = _read("README.md").splitlines()
+  for prefix in LONG_LINES_ALLOWED:
+    assert sum(line.startswith(prefix) for line in lines) == 1, prefix
