@@ -1,6 +1,8 @@
 """The docs against the tree: docs/modules.md names every module of grpo_jax/
-and nothing that is not there; commit hashes live only in docs/history.md;
-the README stays a front door (at most 250 lines of at most 160 characters)."""
+and nothing that is not there; every relative link resolves; commit hashes
+live only in docs/history.md; the README stays a front door (at most 250
+lines of at most 160 characters). The README's layout against the import
+graph is tests/test_architecture.py's."""
 import os
 import re
 
@@ -71,6 +73,32 @@ def test_modules_md_names_every_module_and_only_modules_that_exist():
       "docs/modules.md against grpo_jax/: "
       f"no row names {missing}; rows name files that do not exist {extra}; "
       f"named twice {twice}")
+
+
+# ----------------------------------------------------------------------------
+# Every relative link resolves.
+# ----------------------------------------------------------------------------
+
+def _relative_links(path: str) -> list[str]:
+  """The targets of markdown links and images in `path`, outside code, with
+  web links and pure anchors left out and any #anchor cut off."""
+  text = _read(path)
+  text = re.sub(r"```.*?```", "", text, flags=re.S)   # code blocks
+  text = re.sub(r"`[^`\n]*`", "", text)               # inline code
+  targets = re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+  return [t.split("#")[0] for t in targets
+          if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+  missing = set()
+  for page in ["README.md"] + _doc_pages():
+    for target in _relative_links(page):
+      resolved = os.path.relpath(
+          os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target)), ROOT)
+      if not os.path.exists(os.path.join(ROOT, resolved)):
+        missing.add((page, target, resolved))
+  assert not missing, f"links to nothing: {sorted(missing)}"
 
 
 # ----------------------------------------------------------------------------
