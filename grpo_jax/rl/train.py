@@ -104,6 +104,8 @@ def _setup(config, workdir: str):
   the tokenizer and the model's config against each other, then the
   weights), and restores the last checkpoint: (_Run, state, host state,
   resumed step or None, train examples)."""
+  train_examples, eval_examples = experiment.load_examples(config)
+  eval_examples = eval_examples[:config.train.eval_examples]
   tokenizer = experiment.load_tokenizer(config)
   spec = RunSpec.from_config(config, tokenizer)
   train_devices, sample_devices = weight_sync.split_devices(spec.rollout)
@@ -112,8 +114,6 @@ def _setup(config, workdir: str):
                                                   sample_devices)
                     if sample_devices else layout)
   os.makedirs(workdir, exist_ok=True)
-  train_examples, eval_examples = experiment.load_examples(config)
-  eval_examples = eval_examples[:config.train.eval_examples]
   preflight.check_model(
       config, experiment.model_config_of(config), tokenizer,
       preflight.data_prompts(config, tokenizer, train_examples, eval_examples))
