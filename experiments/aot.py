@@ -88,10 +88,11 @@ def _check(config, topology: str) -> None:
   if _SAMPLER_DEVICES.value or _SAMPLER_TOPOLOGY.value:
     mesh = (tuple(int(x) for x in _SAMPLER_MESH.value.strip("()").split(","))
             if _SAMPLER_MESH.value else ())
-    fits = split.run(config, topology, _PROMPT_LEN.value, _LENGTHS.value,
-                     _SEED.value, [int(x) for x in _SAMPLER_DEVICES.value],
-                     not _SCHEDULE_ONLY.value, print, _SAMPLER_TOPOLOGY.value,
-                     mesh, _DCN_GBPS.value * 1e9 / 8)
+    splits = split.Splits(
+        topology, tuple(int(x) for x in _SAMPLER_DEVICES.value),
+        _SAMPLER_TOPOLOGY.value, mesh, _DCN_GBPS.value * 1e9 / 8)
+    fits = split.run(config, splits, _PROMPT_LEN.value, _LENGTHS.value,
+                     _SEED.value, not _SCHEDULE_ONLY.value)
     sys.exit(0 if fits else 1)
   rows = config.rl.prompts_per_step * config.rl.num_generations
   lengths = schedule.lengths_from_flag(
