@@ -365,15 +365,15 @@ def test_collectives_not_overlapped_add_to_each_sampler():
   """Per-step collective bytes x the schedule's decode steps at the ICI
   bandwidth, added to each side's sampler; the split's step is its slower
   side plus the sync."""
-  from grpo_jax.aot import split  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import split, split_check  # pylint: disable=import-outside-toplevel
   program = lambda mb: types.SimpleNamespace(
       collectives=(("all-gather", mb * 0.75e6), ("all-reduce", mb * 0.25e6)))
   sched = lambda steps: types.SimpleNamespace(steps=steps)
-  assert split.collective_seconds(program(600), sched(1000), 600e9) == 1.0
+  assert split_check.collective_seconds(program(600), sched(1000), 600e9) == 1.0
   s = types.SimpleNamespace(sampler_seconds=90.0, trainer_seconds=95.0,
                             sync_seconds=0.5, step=95.5,
                             one_step=sched(2000))
-  line, = split.format_collectives(
+  line, = split_check.format_collectives(
       s, program(300), split.Colocated(None, sched(1000), 60.0, 40.0),
       program(600), (600e9, 600e9))
   # colocated 60 + 1 + 40 = 101 s; split max(90 + 1, 95) + 0.5 = 95.5 s
