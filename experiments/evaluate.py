@@ -65,6 +65,7 @@ def _evaluate(config):
   from grpo_jax import validation
   from grpo_jax import evaluation
   from grpo_jax.harness import experiment, outdir, preflight
+  from grpo_jax.rl.spec import RunSpec
   config = validation.validate(config)
   if _CHECKPOINT.value:   # the run's own config must fit this one
     preflight.check_eval_config(
@@ -82,8 +83,7 @@ def _evaluate(config):
       where=_CHECKPOINT.value or "config.model")
   model_config, params, tokenizer, step = experiment.load_policy(
       config, _CHECKPOINT.value, _STEP.value)
-  settings = evaluation.EvalSettings.from_config(
-      config, experiment.sampling_config(config, tokenizer))
+  settings = RunSpec.from_config(config, tokenizer).eval
   result = evaluation.evaluate_policy(settings, model_config, params,
                                       tokenizer, examples)
   path = os.path.join(workdir, "eval",

@@ -114,36 +114,6 @@ def test_readme_layout_names_every_module_in_import_order():
   assert not upward, f"imports of a module listed above: {upward}"
 
 
-def test_readme_is_at_most_250_lines():
-  assert len(_readme().splitlines()) <= 250
-
-
-def _relative_links(path: str) -> list[str]:
-  """The targets of markdown links and images in `path`, outside code, with
-  web links and pure anchors left out and any #anchor cut off."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  text = re.sub(r"```.*?```", "", text, flags=re.S)   # code blocks
-  text = re.sub(r"`[^`\n]*`", "", text)               # inline code
-  targets = re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
-  return [t.split("#")[0] for t in targets
-          if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
-
-
-def test_every_relative_link_in_the_docs_resolves():
-  pages = ["README.md"] + sorted(
-      os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
-      if name.endswith(".md"))
-  missing = set()
-  for page in pages:
-    for target in _relative_links(os.path.join(ROOT, page)):
-      resolved = os.path.relpath(
-          os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target)), ROOT)
-      if not os.path.exists(os.path.join(ROOT, resolved)):
-        missing.add((page, target, resolved))
-  assert not missing, f"links to nothing: {sorted(missing)}"
-
-
 # ----------------------------------------------------------------------------
 # Every config in configs/ in a fresh interpreter that imports only grpo_jax.
 # ----------------------------------------------------------------------------

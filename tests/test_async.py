@@ -120,7 +120,7 @@ def _sync(store):
   model_config = get_preset("tiny")
   layout = sharding.Layout(sharding.make_mesh(c.mesh),
                            sharding.logical_rules(c.mesh))
-  return weight_sync.WeightSync(c, model_config, layout, store, None, None)
+  return weight_sync.WeightSync(c.sampling.compute_dtype or c.model.compute_dtype, model_config, layout, store, None, None)
 
 
 def test_a_failed_sync_never_reaches_the_sampler(monkeypatch):

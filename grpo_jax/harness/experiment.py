@@ -149,15 +149,14 @@ def load_lora_base(config, source, step, base_source: str = ""):
   return base
 
 
-def policy_params(config, params: Params, base: Params | None,
+def policy_params(spec: lora.LoraSpec, params: Params, base: Params | None,
                   dtype: str) -> Params:
   """The policy the sampler and evaluation run, in `dtype`: `params`, or
   with LoRA (a `base`) the adapters `params` merged into a copy of the
-  base or attached unmerged (model.lora.sampler)."""
+  base or attached unmerged (`spec.sampler`)."""
   if base is None:
     return cast(params, dtype)
-  return lora.policy_params(base, params, lora.LoraSpec.from_config(config),
-                            dtype)
+  return lora.policy_params(base, params, spec, dtype)
 
 
 def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:

@@ -193,12 +193,21 @@ def step_keys(key_data, start: int, stop: int):
 SampleFn = Callable[[Params, Any, Any], tuple[rollout.Groups, dict]]
 
 
+class Source(NamedTuple):
+  """Where a run's batches come from: the rollout settings, the prompt
+  iterator, the run's steps and the batches a checkpoint kept (`decode`)."""
+  settings: RolloutSettings
+  data: Any
+  steps: int
+  restored: list
+
+
 class _Rollouts:
   """What `Inline` and `Threaded` share: the batches a checkpoint restored
   (consumed first) and the data position of the last batch taken."""
 
-  def __init__(self, settings: RolloutSettings, data, steps: int,
-               restored: list[Batch]):
+  def __init__(self, source: Source):
+    settings, data, steps, restored = source
     self.settings, self.data, self.steps = settings, data, steps
     self._restored = {b.step: b for b in restored}
     self._data_taken = (restored[-1].data_after if restored
@@ -212,9 +221,9 @@ class Inline(_Rollouts):
   """The synchronous colocated loop: step u's rows are sampled when the
   trainer asks, with its current parameters (no copy, no thread)."""
 
-  def __init__(self, settings, data, steps, restored, sample: SampleFn,
+  def __init__(self, source: Source, sample: SampleFn,
                policy: Callable[[Params], Params]):
-    super().__init__(settings, data, steps, restored)
+    super().__init__(source)
     self._sample, self._policy, self._params = sample, policy, None
 
   def publish(self, version: int, params: Params) -> dict:
@@ -244,9 +253,9 @@ class Inline(_Rollouts):
 class Threaded(_Rollouts):
   """A sampler thread k steps ahead (module docstring)."""
 
-  def __init__(self, settings, data, steps, restored, sample: SampleFn,
-               sync: WeightSync, store: WeightStore, start: int, key_data):
-    super().__init__(settings, data, steps, restored)
+  def __init__(self, source: Source, sample: SampleFn, sync: WeightSync,
+               store: WeightStore, start: int, key_data):
+    super().__init__(source)
     self._sample, self._sync, self._store = sample, sync, store
     self._start = start    # the version the run (re)started from
     self._cond = threading.Condition()

@@ -35,73 +35,68 @@ from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
 from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
 from grpo_jax.rl.step import train_step
-from grpo_jax.models import lora
-from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
-from grpo_jax.rl.update import LossSettings, init_state
+from grpo_jax.rl.spec import AdvantageSettings, RunSpec
+from grpo_jax.rl.update import init_state
 
 
-def advantages(config, reward_bg: np.ndarray,
+def advantages(spec: AdvantageSettings, reward_bg: np.ndarray,
                mask_nt: np.ndarray | None = None) -> np.ndarray:
   """ADVANTAGE: the configured estimator on the step's whole batch (before
   any mini/micro-batching: REINFORCE++ whitens over all its tokens), [B*G]."""
-  fn = registry.lookup("advantage", config.rl.advantage)
+  fn = registry.lookup("advantage", spec.name)
   length_bg = None if mask_nt is None else jnp.asarray(
       np.asarray(mask_nt, np.float32).sum(axis=1).reshape(reward_bg.shape))
-  adv_bg = fn(jnp.asarray(reward_bg), ddof=config.rl.adv_ddof,
-              eps=config.rl.adv_eps, length_bg=length_bg)
+  adv_bg = fn(jnp.asarray(reward_bg), ddof=spec.ddof, eps=spec.eps,
+              length_bg=length_bg)
   return np.asarray(adv_bg, np.float32).reshape(-1)
 
 
-def process_step_rewards(config, tokenizer, groups
+def process_step_rewards(spec: AdvantageSettings, tokenizer, groups
                          ) -> tuple[np.ndarray, np.ndarray, dict]:
   """The configured process reward's (step_reward_bgt, step_end_bgt,
   process/* metrics) for the step's groups."""
   # the text the rewards read: without the stop token (rollout.generate_groups)
   text_len_bg = groups.length_bg - (~groups.truncated_bg)
   return process.step_rewards(
-      config.rl.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
+      spec.process_reward, tokenizer, groups.tokens_bgt, text_len_bg,
       groups.correct_bg, groups.tokens_bgt.shape[2])
 
 
-def process_advantages(config, tokenizer, groups) -> tuple[np.ndarray, dict]:
+def process_advantages(spec: AdvantageSettings, tokenizer, groups
+                       ) -> tuple[np.ndarray, dict]:
   """ADVANTAGE with process supervision (DeepSeekMath §4.1.3): step rewards
   from the configured process reward at step-end tokens, z-scored over all
   steps of each group and summed over the steps at or after each token:
   per-token advantages [B*G, T]."""
   B, G, T = groups.tokens_bgt.shape
-  step_r, step_end, metrics = process_step_rewards(config, tokenizer, groups)
+  step_r, step_end, metrics = process_step_rewards(spec, tokenizer, groups)
   adv_bgt = adv_lib.grpo_process_advantages(
-      jnp.asarray(step_r), jnp.asarray(step_end), ddof=config.rl.adv_ddof,
-      eps=config.rl.adv_eps)
+      jnp.asarray(step_r), jnp.asarray(step_end), ddof=spec.ddof,
+      eps=spec.eps)
   return np.asarray(adv_bgt, np.float32).reshape(B * G, T), metrics
 
 
 class _Run(NamedTuple):
-  """What the RL loop holds through a run (built by `_setup`)."""
+  """What the RL loop holds through a run (built by `_setup`): the run's
+  settings (`spec`, derived once from the config) and what they were
+  applied to."""
+  spec: RunSpec
   model_config: Any
   tokenizer: Any
   layout: sharding_lib.Layout
-  ckpt: Any
-  spec: rollout.RewardSpec
-  settings: LossSettings
-  sample_cfg: Any
-  eval_settings: evaluation.EvalSettings
-  optimizer: OptimizerSpec
-  lr_schedule: Any
-  ref_params: Any
-  updates_per_step: int
-  eval_examples: list
-  rollout: async_rollouts.RolloutSettings
   sampler_layout: sharding_lib.Layout   # `layout` itself when colocated
+  ckpt: Any
+  ref_params: Any
+  eval_examples: list
   pools: sampling.PagePools   # the paged sampler's page pool, kept all run
   base: Any = None        # LoRA: the frozen base (state.params: adapters)
   base_identity: Any = None   # LoRA: experiment.base_identity, saved
 
 
-def policy(config, r: _Run, params, dtype: str):
+def policy(r: _Run, params, dtype: str):
   """The policy the sampler and evaluation run, in `dtype` (with LoRA the
   adapters merged into, or attached to, the base)."""
-  return experiment.policy_params(config, params, r.base, dtype)
+  return experiment.policy_params(r.spec.lora, params, r.base, dtype)
 
 
 def _setup(config, workdir: str):
@@ -109,54 +104,42 @@ def _setup(config, workdir: str):
   the tokenizer and the model's config against each other, then the
   weights), and restores the last checkpoint: (_Run, state, host state,
   resumed step or None, train examples)."""
-  rollout_settings = async_rollouts.RolloutSettings.from_config(config)
-  train_devices, sample_devices = weight_sync.split_devices(
-      rollout_settings)
+  tokenizer = experiment.load_tokenizer(config)
+  spec = RunSpec.from_config(config, tokenizer)
+  train_devices, sample_devices = weight_sync.split_devices(spec.rollout)
   layout = sharding_lib.Layout.from_config(config, train_devices)
-  sampler_layout = (weight_sync.sampler_layout(config, rollout_settings,
+  sampler_layout = (weight_sync.sampler_layout(config, spec.rollout,
                                                   sample_devices)
                     if sample_devices else layout)
   os.makedirs(workdir, exist_ok=True)
   train_examples, eval_examples = experiment.load_examples(config)
   eval_examples = eval_examples[:config.train.eval_examples]
-  tokenizer = experiment.load_tokenizer(config)
   preflight.check_model(
       config, experiment.model_config_of(config), tokenizer,
       preflight.data_prompts(config, tokenizer, train_examples, eval_examples))
   model_config, params = experiment.load_model(config)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
-  spec = rollout.RewardSpec.from_config(config)
-  settings = LossSettings.from_config(config)
-  sample_cfg = experiment.sampling_config(config, tokenizer)
-  rl = config.rl
-  rows = rl.prompts_per_step * rl.num_generations
-  updates_per_step = rl.num_updates * rows // (rl.mini_batch_size or rows)
-  total_updates = config.train.steps * updates_per_step
-  optimizer = OptimizerSpec.from_config(config.optim, total_updates)
   # Policy and reference on one mesh; the reference is its own copy, as the
   # update donates the policy's buffers. With LoRA the base is frozen (never
   # donated) and is the reference itself: the policy with adapters off.
   params = layout.shard_params(model_config, params)
   base = identity = None
-  if lora.LoraSpec.from_config(config).enabled:
+  use_kl = spec.loss.use_kl
+  if spec.lora.enabled:
     base, identity = params, experiment.base_identity(config, params)
     params = experiment.init_adapters(config, model_config, layout)
-    ref_params = base if settings.use_kl else None
+    ref_params = base if use_kl else None
   else:
-    ref_params = sharding_lib.copy_tree(params) if settings.use_kl else None
-  state = layout.place_state(model_config, optimizer.build(),
-                             init_state(params, optimizer, config.seed))
+    ref_params = sharding_lib.copy_tree(params) if use_kl else None
+  state = layout.place_state(model_config, spec.optimizer.build(),
+                             init_state(params, spec.optimizer, spec.seed))
   del params
   state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
                                                     state)
   if identity is not None and resumed is not None:
     experiment.check_base(host, identity, str(ckpt.step_path(resumed)))
-  run = _Run(model_config, tokenizer, layout, ckpt, spec, settings,
-             sample_cfg,
-             evaluation.EvalSettings.from_config(config, sample_cfg, spec),
-             optimizer, learning_rate_schedule(config.optim, total_updates),
-             ref_params, updates_per_step, eval_examples, rollout_settings,
-             sampler_layout, sampling.PagePools(), base, identity)
+  run = _Run(spec, model_config, tokenizer, layout, sampler_layout, ckpt,
+             ref_params, eval_examples, sampling.PagePools(), base, identity)
   return run, state, host, resumed, train_examples
 
 
@@ -165,45 +148,49 @@ def sample_step(config, r: _Run, compute, prompts, step_key
   """SAMPLE + SCORE of one step with the policy `compute` (on the
   sampler's layout, in its dtype), with dynamic sampling's refills from
   `prompts`, an iterator of prompt batches."""
-  rl = config.rl
+  spec = r.spec
 
   def generate(i):
     return rollout.generate_groups(
         r.model_config, compute, r.tokenizer, next(prompts),
-        jax.random.fold_in(step_key, i), r.sample_cfg, rl.num_generations,
-        r.spec, config.data.template, config.data.system_prompt,
-        layout=r.sampler_layout, pools=r.pools)
+        jax.random.fold_in(step_key, i), spec.sampling,
+        spec.batch.generations, spec.reward, config.data.template,
+        config.data.system_prompt, layout=r.sampler_layout, pools=r.pools)
 
-  return rollout.collect(generate, rl.prompts_per_step, rl.dynamic_sampling,
-                         rl.max_gen_batches, rl.on_cap)
+  return rollout.collect(generate, spec.batch.prompts, spec.groups.enabled,
+                         spec.groups.max_batches, spec.groups.on_cap)
 
 
 def learn(config, r: _Run, state, groups: rollout.Groups, metrics: dict,
           step: int):
   """ADVANTAGE, REFERENCE + UPDATE on one step's groups (`metrics`: their
   SAMPLE + SCORE metrics). Returns the new state and the step's metrics."""
-  rl = config.rl
+  spec = r.spec
   metrics = dict(metrics)
-  packed = rollout.pack(groups, r.tokenizer.pad_id or 0, rl.overlong_filter)
+  packed = rollout.pack(groups, r.tokenizer.pad_id or 0,
+                        config.rl.overlong_filter)
   # ADVANTAGE
-  if rl.advantage == "grpo_process":    # per token [N, T]
-    adv_n, process_metrics = process_advantages(config, r.tokenizer, groups)
+  if spec.advantage.per_token:    # per token [N, T]
+    adv_n, process_metrics = process_advantages(spec.advantage, r.tokenizer,
+                                                groups)
     metrics.update(process_metrics)
   else:
-    adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
-    if rl.process_reward:   # its metrics only, to compare with process runs
-      metrics.update(process_step_rewards(config, r.tokenizer, groups)[2])
+    adv_n = advantages(spec.advantage, packed.reward_bg, packed.mask_nt)
+    if spec.advantage.process_reward:   # its metrics only, to compare
+      metrics.update(process_step_rewards(spec.advantage, r.tokenizer,
+                                          groups)[2])
   metrics.update({"advantage/mean": float(adv_n.mean()),
                   "advantage/std": float(adv_n.std()),
                   "advantage/abs_max": float(np.abs(adv_n).max())})
   # REFERENCE + UPDATE
   state, update_metrics = train_step(
-      config, r.model_config, state, r.optimizer, packed, adv_n, r.ref_params,
-      r.settings, np.random.default_rng([config.seed, step]), r.layout, r.base)
+      config, r.model_config, state, spec.optimizer, packed, adv_n,
+      r.ref_params, spec.loss, np.random.default_rng([spec.seed, step]),
+      r.layout, r.base)
   metrics.update(update_metrics)
   # the rate of this step's last update (optax reads the count before it
   # increments it: update k uses lr_schedule(k), k = 0, 1, ...)
-  metrics["learning_rate"] = float(r.lr_schedule(int(state.step) - 1))
+  metrics["learning_rate"] = spec.learning_rate(int(state.step) - 1)
   return state, metrics
 
 
@@ -212,21 +199,20 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
   with the current parameters (the synchronous colocated loop), or by a
   sampler thread from published weights (rollout.sampler_devices > 0 or
   rollout.max_staleness > 0); batches a checkpoint kept come first."""
-  dtype = config.sampling.compute_dtype or config.model.compute_dtype
+  spec = r.spec
   restored = [async_rollouts.decode(b) for b in host.get("rollouts", [])]
+  source = async_rollouts.Source(spec.rollout, data, spec.batch.steps,
+                                 restored)
   sample = functools.partial(sample_step, config, r)
-  if not async_rollouts.use_thread(r.rollout):
+  if not async_rollouts.use_thread(spec.rollout):
     return async_rollouts.Inline(
-        r.rollout, data, config.train.steps, restored, sample,
-        lambda params: policy(config, r, params, dtype))
+        source, sample, lambda params: policy(r, params, spec.sampler_dtype))
   store = weight_sync.WeightStore()
   sync = weight_sync.WeightSync(
-      config, r.model_config, r.sampler_layout, store, r.base,
-      lambda adapters, base, dtype: experiment.policy_params(
-          config, adapters, base, dtype))
-  return async_rollouts.Threaded(
-      r.rollout, data, config.train.steps, restored, sample, sync, store,
-      start, async_rollouts.key_value(state.key))
+      spec.sampler_dtype, r.model_config, r.sampler_layout, store, r.base,
+      functools.partial(experiment.policy_params, spec.lora))
+  return async_rollouts.Threaded(source, sample, sync, store, start,
+                                 async_rollouts.key_value(state.key))
 
 
 @registry.register("method", "rl")
@@ -244,12 +230,12 @@ def run(config, workdir: str) -> dict:
   saved policy cannot regenerate; later rows are regenerated exactly.
   """
   r, state, host, resumed, train_examples = _setup(config, workdir)
-  start = int(state.step) // r.updates_per_step
+  start = r.spec.batch.steps_done(int(state.step))
   preflight.check_resume_step(start, config, workdir)
   data = (BatchIterator.from_state(train_examples, host["data"])
           if "data" in host else
-          BatchIterator(train_examples, config.rl.prompts_per_step,
-                        seed=config.seed))
+          BatchIterator(train_examples, r.spec.batch.prompts,
+                        seed=r.spec.seed))
   summary: dict[str, Any] = dict(host.get("summary", {}))
   writer = experiment.metric_writer(workdir, None if resumed is None else start,
                                     final=start == config.train.steps)
@@ -257,8 +243,8 @@ def run(config, workdir: str) -> dict:
 
   def evaluate(step):
     m = evaluation.evaluate_policy(
-        r.eval_settings, r.model_config,
-        policy(config, r, state.params, config.model.compute_dtype),
+        r.spec.eval, r.model_config,
+        policy(r, state.params, r.spec.eval.compute_dtype),
         r.tokenizer, r.eval_examples, layout=r.layout).metrics
     writer.write(step, m)
     logging.info("%s", metrics_lib.step_line(
@@ -295,7 +281,7 @@ def run(config, workdir: str) -> dict:
       metrics["sampler/compilations"] = sampling.COMPILES.count
       if isinstance(rollouts, async_rollouts.Threaded):
         metrics.update(async_rollouts.staleness_metrics(
-            batch, r.rollout.max_staleness))
+            batch, r.spec.rollout.max_staleness))
         metrics["time/trainer_idle_fraction"] = waited / metrics["time/step"]
         metrics["time/sampler_idle_fraction"] = (
             rollouts.sampler_idle_fraction())
@@ -329,7 +315,7 @@ def run(config, workdir: str) -> dict:
         break
   except async_rollouts.SamplerError:
     # the last completed update is saved, with the rows finished so far
-    done = int(state.step) // r.updates_per_step
+    done = r.spec.batch.steps_done(int(state.step))
     if done > start:
       r.ckpt.save(done, state, host_state(done, wait=False), force=True)
     progress.close()
@@ -340,7 +326,7 @@ def run(config, workdir: str) -> dict:
     rollouts.close()
   progress.close()
   r.ckpt.close()
-  finished = int(state.step) // r.updates_per_step == config.train.steps
+  finished = r.spec.batch.steps_done(int(state.step)) == config.train.steps
   if finished and config.train.eval_at_end and r.eval_examples:
     summary["eval_after"] = evaluate(config.train.steps)["eval/greedy_accuracy"]
   writer.close()

@@ -176,10 +176,10 @@ class WeightSync:
   sampler thread, on its own devices) merges them into, or attaches them
   to, the sampler's own copy of the frozen base."""
 
-  def __init__(self, config, model_config, layout: sharding_lib.Layout,
+  def __init__(self, dtype: str, model_config, layout: sharding_lib.Layout,
                store: WeightStore, base: Params | None,
                attach: Callable[[Params, Params, str], Params] | None):
-    self._dtype = config.sampling.compute_dtype or config.model.compute_dtype
+    self._dtype = dtype   # the sampler's (RunSpec.sampler_dtype)
     self._model_config, self._layout = model_config, layout
     self._store, self._attach = store, attach
     self._base = None if base is None else sharding_lib.shard_params(
