@@ -155,7 +155,8 @@ def sampler_part(args, c, params, prompts, peak) -> dict:
   bytes_ = flops.decode_bytes_per_chip(c, B * G, c.num_kv_heads, P, T,
                                        weight_bytes(params), item)
   return report("sampler (static, EOS off)", B * G * T, seconds,
-                flops.sampler_flops(c, B, G, P, T), bytes_, peak)
+                flops.sampler_flops(c, flops.StepShape(B, G, P, T)), bytes_,
+                peak)
 
 
 def stop_set(c, T: int) -> tuple:
@@ -222,7 +223,8 @@ def update_part(args, c, params, peak) -> dict:
                                       s).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flop = flops.update_flops(c, B, G, P, T, s.remat, shared_prompt=False)
+  flop = flops.update_flops(c, flops.StepShape(B, G, P, T), s.remat,
+                            shared_prompt=False)
   return report("update (one AdamW step, one micro-batch)", N * S, seconds,
                 flop, float(cost.get("bytes accessed", 0.0)), peak)
 

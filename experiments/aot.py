@@ -84,14 +84,15 @@ def main(argv):
 
 
 def _check(config, topology: str) -> None:
-  from grpo_jax.aot import check as aot, programs, schedule, split  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import check as aot, programs, schedule, split_check  # pylint: disable=import-outside-toplevel
   if _SAMPLER_DEVICES.value or _SAMPLER_TOPOLOGY.value:
     mesh = (tuple(int(x) for x in _SAMPLER_MESH.value.strip("()").split(","))
             if _SAMPLER_MESH.value else ())
-    fits = split.run(config, topology, _PROMPT_LEN.value, _LENGTHS.value,
-                     _SEED.value, [int(x) for x in _SAMPLER_DEVICES.value],
-                     not _SCHEDULE_ONLY.value, print, _SAMPLER_TOPOLOGY.value,
-                     mesh, _DCN_GBPS.value * 1e9 / 8)
+    splits = split_check.Splits(
+        topology, tuple(int(x) for x in _SAMPLER_DEVICES.value),
+        _SAMPLER_TOPOLOGY.value, mesh, _DCN_GBPS.value * 1e9 / 8)
+    fits = split_check.run(config, splits, _PROMPT_LEN.value, _LENGTHS.value,
+                     _SEED.value, not _SCHEDULE_ONLY.value)
     sys.exit(0 if fits else 1)
   rows = config.rl.prompts_per_step * config.rl.num_generations
   lengths = schedule.lengths_from_flag(

@@ -71,8 +71,8 @@ def _sweep():
   outdir.check_writable(base, "the sweep's --workdir")   # before the first run
   store = runs.RunStore(root)
   try:
-    ids = sweeps.run_sweep(_CONFIG.value, sweep, sweeps.run_method, store, name=name,
-                           sweep_name=Path(_SWEEP.value).stem, base_workdir=base,
+    destination = sweeps.Destination(store, name, Path(_SWEEP.value).stem, base)
+    ids = sweeps.run_sweep(_CONFIG.value, sweep, sweeps.run_method, destination,
                            validate=validation.validate)
   except interrupts.Preempted as e:
     print(f"sweep stopped: {e}; run the same sweep command again to resume "

@@ -107,7 +107,7 @@ def _lora_defaults() -> ConfigDict:
       # default: attention-only LoRA trails full fine-tuning ("LoRA Without
       # Regret", Schulman et al. 2025).
       targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
-      dropout=0.0,                     # only 0: see validation._check_lora
+      dropout=0.0,                     # only 0: see validation.groups.check_lora
       sampler="merged",                # merged: W + α/r·A·B once per update
                                        # | unmerged: the low-rank path in
                                        # every decode step (docs/lora.md)
@@ -248,7 +248,7 @@ def base_config() -> ConfigDict:
 
   # Devices as a (data, fsdp, tensor) grid; -1 takes the rest. The rules map
   # the model's logical axes to mesh axes (a mesh axis or a tuple, None:
-  # replicated); see grpo_jax/sharding.py.
+  # replicated); see grpo_jax/sharding/.
   c.mesh = _mesh_defaults()
   return c
 

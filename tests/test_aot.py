@@ -15,6 +15,7 @@ import pytest
 
 from grpo_jax import sharding
 from grpo_jax.aot import check as aot, flops, programs
+from grpo_jax.aot.plan import Plan, packed_shape
 from grpo_jax.harness import cli
 from grpo_jax.generate import sampling
 from grpo_jax.models import get_preset
@@ -87,9 +88,9 @@ def test_packed_update_and_scoring_compile_and_fit():
 def test_packed_shape_is_the_padded_rows_worst_case():
   """R: the micro-batch rounded up to the row shards; M: the padded
   path's micro-batch count; N: 4 slots per row, a power of two."""
-  assert programs.packed_shape(512, 64, 64) == (64, 8, 256)
-  assert programs.packed_shape(16, 2, 4) == (4, 4, 16)
-  assert programs.packed_shape(8192, 64, 8) == (64, 128, 256)
+  assert packed_shape(512, 64, 64) == (64, 8, 256)
+  assert packed_shape(16, 2, 4) == (4, 4, 16)
+  assert packed_shape(8192, 64, 8) == (64, 128, 256)
   assert aot.update_paths("auto") == (True, True)
   assert aot.update_paths("on") == (False, True)
   assert aot.update_paths("off") == (True, False)
@@ -103,7 +104,7 @@ def test_sampler_roofline_counts_waves_of_rows_per_call():
   config.mesh.shape = (1, 1, 1)
   layout = sharding.Layout.from_config(config, jax.devices()[:1])
   model = get_preset(config.model.source)
-  plan = programs.Plan(config, model, layout, 16)
+  plan = Plan(config, model, layout, 16)
   chip = {"flops": 1e30, "bandwidth": 1.0}        # bytes only
   rows = config.rl.prompts_per_step * config.rl.num_generations   # 8
   t = config.sampling.max_new_tokens
@@ -218,7 +219,7 @@ def test_flops_by_hand():
   # 6 causal pairs, head on 1; decode 2 tokens with 3*2 + 3 pairs, head on 2
   want = (2 * body * 3 + 2 * D * V * 1 + 4 * c.num_layers * H * hd * 6
           + 2 * body * 2 + 2 * D * V * 2 + 4 * c.num_layers * H * hd * 9)
-  assert flops.sampler_flops(c, 1, 1, 3, 2) == want
+  assert flops.sampler_flops(c, flops.StepShape(1, 1, 3, 2)) == want
   r = flops.roofline(2e12, 4, 1e12, bytes_per_chip=1e9, bandwidth=1e10)
   assert (r.seconds, r.bound) == (0.5, "compute")
   assert aot.halvings(48) == [48, 24, 12, 6, 3]
@@ -227,10 +228,10 @@ def test_flops_by_hand():
 def test_update_flops_at_the_rows_lengths():
   """Packed rows compute their own tokens: at every row's length = t the
   padded count; shorter rows, fewer FLOPs, by the hand count."""
-  c = get_preset("tiny")
-  full = flops.update_flops(c, 2, 2, 3, 5, "none", True)
-  assert flops.update_flops(c, 2, 2, 3, 5, "none", True, [5] * 4) == full
-  got = flops.update_flops(c, 2, 2, 3, 5, "none", False, [1, 2, 3, 4])
+  c, shape = get_preset("tiny"), flops.StepShape(2, 2, 3, 5)
+  full = flops.update_flops(c, shape, "none", True)
+  assert flops.update_flops(c, shape, "none", True, [5] * 4) == full
+  got = flops.update_flops(c, shape, "none", False, [1, 2, 3, 4])
   tokens, pairs = 4 * 3 + 10, 4 * 6 + sum(L * 3 + L * (L + 1) / 2
                                           for L in (1, 2, 3, 4))
   want = (3 * 2.0 * flops.body_weights(c) * tokens
@@ -252,8 +253,8 @@ def test_split_sync_and_memory():
   assert side.sampler_budget(10 * w) == 8 * w
   assert side.sampler_resident() == w
   ici = split.ICI_BANDWIDTH["TPU v5"]
-  trainer = programs.Plan(split.trainer_config(config, 8, 4, 1),
-                          get_preset(config.model.source), layout, 16)
+  trainer = Plan(split.trainer_config(config, 8, 4, 1),
+                 get_preset(config.model.source), layout, 16)
   assert trainer.micro_rows() == 2 and split.feasible(trainer)
   assert split.sync_cost(side, trainer, ici) == (w, w / ici)
   # Several hosts: the whole model gathered on each trainer chip (here it
@@ -364,17 +365,17 @@ def test_collectives_not_overlapped_add_to_each_sampler():
   """Per-step collective bytes x the schedule's decode steps at the ICI
   bandwidth, added to each side's sampler; the split's step is its slower
   side plus the sync."""
-  from grpo_jax.aot import split  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import split, split_check  # pylint: disable=import-outside-toplevel
   program = lambda mb: types.SimpleNamespace(
       collectives=(("all-gather", mb * 0.75e6), ("all-reduce", mb * 0.25e6)))
   sched = lambda steps: types.SimpleNamespace(steps=steps)
-  assert split.collective_seconds(program(600), sched(1000), 600e9) == 1.0
+  assert split_check.collective_seconds(program(600), sched(1000), 600e9) == 1.0
   s = types.SimpleNamespace(sampler_seconds=90.0, trainer_seconds=95.0,
                             sync_seconds=0.5, step=95.5,
                             one_step=sched(2000))
-  line, = split.format_collectives(
-      s, program(300), (sched(1000), 60.0, 40.0), program(600),
-      (600e9, 600e9))
+  line, = split_check.format_collectives(
+      s, program(300), split.Colocated(None, sched(1000), 60.0, 40.0),
+      program(600), (600e9, 600e9))
   # colocated 60 + 1 + 40 = 101 s; split max(90 + 1, 95) + 0.5 = 95.5 s
   assert "+1.0 s (1000 steps), split sampler +1.0 s (2000 steps)" in line
   assert "step 95.5 s = 0.946x the colocated 101.0 s" in line

@@ -379,8 +379,8 @@ def test_a_sweep_validates_every_point_before_running_the_first(tmp_path):
   points = [{"rl.eps_high": 0.2}, {"optim.learning_rate": -1.0}]
   with pytest.raises(errors.ConfigError, match=r"sweep point 1 \(optim.learning_rate=-1.0\)"):
     sweeps.run_sweep(tiny.get_config(), points, lambda c, w: calls.append(w),
-                     runs.RunStore(tmp_path), name="tiny", sweep_name="s",
-                     base_workdir=tmp_path, validate=validation.validate)
+                     sweeps.Destination(runs.RunStore(tmp_path), "tiny", "s", tmp_path),
+                     validate=validation.validate)
   assert calls == [] and runs.RunStore(tmp_path).list() == []
   sweep_file = tmp_path / "bad_sweep.py"
   sweep_file.write_text("def get_sweep():\n  return [{'rl.eps_high': 0.2}, "
@@ -526,8 +526,8 @@ def test_a_sweep_stops_at_a_preempted_point(tmp_path):
   store = runs.RunStore(tmp_path / "store")
   with pytest.raises(interrupts.Preempted):
     sweeps.run_sweep(tiny.get_config(), [{"rl.eps_high": 0.2}, {"rl.eps_high": 0.28}],
-                     preempted_run, store, name="tiny", sweep_name="s",
-                     base_workdir=tmp_path / "sweep", log=lambda _: None)
+                     preempted_run, sweeps.Destination(store, "tiny", "s", tmp_path / "sweep"),
+                     log=lambda _: None)
   assert len(calls) == 1
   assert [(r.name, r.status) for r in store.list()] == [("tiny[rl.eps_high=0.2]", "preempted")]
 

@@ -367,7 +367,7 @@ def test_config_fields_are_validated():
   c.sampling.kv_cache = "paged"
   with pytest.raises(errors.ConfigError, match="continuous_batching"):
     validation.validate(c)
-  assert validation._CHOICES["sampling.kv_cache"] == decoding.KV_CACHES
+  assert validation.fields._CHOICES["sampling.kv_cache"] == decoding.KV_CACHES
   with pytest.raises(ValueError, match="kv_cache"):
     sampling.SamplingConfig(kv_cache="paged")
   with pytest.raises(ValueError, match="stop_check_every"):

@@ -199,8 +199,9 @@ def test_run_sweep_records_every_point_and_survives_a_failing_one(tmp_path):
   store = runs.RunStore(tmp_path / "store")
   points = [{"rl.eps_high": 0.2}, {"rl.eps_high": 0.28}, {"rl.eps_high": 5.0}]
   log = []
-  ids = sweeps.run_sweep(base_config(), points, fake_run, store, name="toy",
-                         sweep_name="clip", base_workdir=tmp_path / "sweep", log=log.append)
+  ids = sweeps.run_sweep(base_config(), points, fake_run,
+                         sweeps.Destination(store, "toy", "clip", tmp_path / "sweep"),
+                         log=log.append)
   assert calls == [(0.2, str(tmp_path / "sweep/00_rl.eps_high=0.2")),
                    (0.28, str(tmp_path / "sweep/01_rl.eps_high=0.28")),
                    (5.0, str(tmp_path / "sweep/02_rl.eps_high=5.0"))]
@@ -219,8 +220,8 @@ def test_run_sweep_checks_every_point_before_running_any(tmp_path):
   calls = []
   with pytest.raises(KeyError, match="eps_hgh"):
     sweeps.run_sweep(base_config(), [{"rl.eps_high": 0.2}, {"rl.eps_hgh": 0.3}],
-                     lambda c, w: calls.append(w), runs.RunStore(tmp_path),
-                     name="toy", sweep_name="s", base_workdir=tmp_path)
+                     lambda c, w: calls.append(w),
+                     sweeps.Destination(runs.RunStore(tmp_path), "toy", "s", tmp_path))
   assert calls == [] and runs.RunStore(tmp_path).list() == []
 
 

@@ -45,9 +45,10 @@ from grpo_jax import sharding, validation
 from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
-from grpo_jax.aot.programs import (SPARE, GiB, Plan, Program, chip_memory,
-                                   chip_spec, compile_program,
-                                   model_config_from_source, topology_devices)
+from grpo_jax.aot.plan import Plan
+from grpo_jax.aot.programs import (SPARE, Chips, GiB, Program,
+                                   compile_program, model_config_from_source,
+                                   topology_devices)
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import transformer
 
@@ -163,9 +164,8 @@ def check(config, topology: str, prompt_len: int,
   schedule (`schedule.lengths_from_flag`; None: every row at the cap).
   compile_programs False: the schedule and the roofline only."""
   validation.validate(config, data_files=False)
-  devices = topology_devices(topology)
-  spec = chip_spec(devices)
-  hbm = chip_memory(devices)
+  chips = Chips.of(topology_devices(topology))
+  devices, spec, hbm = chips
   layout = sharding.Layout(sharding.make_mesh(config.mesh, devices),
                            sharding.logical_rules(config.mesh))
   model_config = model_config_from_source(config.model.source)
@@ -205,7 +205,7 @@ def check(config, topology: str, prompt_len: int,
       log("  -> " + advice[-1])
 
   b_call = sampler_prompts(config, plan, hbm)
-  cfg = plan.sampling_config()
+  sampling_config = plan.sampling_config()
   G = rl.num_generations
   rows_per_call = b_call * G
   comparison = None
@@ -213,7 +213,7 @@ def check(config, topology: str, prompt_len: int,
     paged = config.sampling.kv_cache == "paged"
     dense_slots = auto_slots(config, plan, hbm, configured=not paged)
     comparison = pod_sampler.compare(
-        plan, spec, len(devices), dense_slots,
+        plan, chips, dense_slots,
         *(lengths or schedule.lengths_from_flag(
             "cap", padded_rows(plan), T)), log=log)
     for line in pod_sampler.format_comparison(comparison,
@@ -237,7 +237,7 @@ def check(config, topology: str, prompt_len: int,
   else:
     if compile_programs:
       log(HEADER)
-    build = lambda b: plan.sampler(b, G, cfg, "sampler")
+    build = lambda b: plan.sampler(b, G, sampling_config, "sampler")
     run(lambda: build(b_call), lambda: largest_fitting(
         halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
   micro = plan.micro_rows()
@@ -283,6 +283,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
   c, config = plan.model_config, plan.config
   rl, p, t = config.rl, plan.prompt_len, config.sampling.max_new_tokens
   b, g = rl.prompts_per_step, rl.num_generations
+  shape = flops_lib.StepShape(b, g, p, t)
   calls = -(-(b * g) // rows_per_call)
   compute_item = jnp.dtype(config.model.compute_dtype).itemsize
   weights = plan.weight_bytes()
@@ -292,7 +293,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
   read = calls * flops_lib.decode_bytes_per_chip(
       c, rows_per_call / shards, kv_heads, p, t, weights, compute_item)
   out = {"sampler": flops_lib.roofline(
-      flops_lib.sampler_flops(c, b, g, p, t), chips, spec["flops"], read,
+      flops_lib.sampler_flops(c, shape), chips, spec["flops"], read,
       spec["bandwidth"])}
   if slot_schedule is not None:   # + the prefill, compute-bound
     prefill = flops_lib.forward_flops(c, b * p, b,
@@ -304,14 +305,13 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
   shared = rl.shared_prompt and g > 1
   rows = None if rl.packing == "off" else lengths_n
   out["update"] = flops_lib.roofline(
-      rl.num_updates * flops_lib.update_flops(c, b, g, p, t,
-                                              config.model.remat, shared,
-                                              rows),
+      rl.num_updates * flops_lib.update_flops(c, shape, config.model.remat,
+                                              shared, rows),
       chips, spec["flops"])
   passes = int(plan.settings.use_kl) + int(rl.old_logp == "recompute")
   if passes:
     out["score"] = flops_lib.roofline(
-        passes * flops_lib.score_flops(c, b, g, p, t, shared, rows), chips,
+        passes * flops_lib.score_flops(c, shape, shared, rows), chips,
         spec["flops"])
   return out
 

@@ -49,8 +49,18 @@ def forward_flops(c: ModelConfig, body_tokens: float, head_tokens: float,
           + 2.0 * head_weights(c) * head_tokens + attention_flops(c, pairs))
 
 
-def sampler_flops(c: ModelConfig, b: int, g: int, p: int, t: int) -> float:
+class StepShape(NamedTuple):
+  """The shape of a step's rows: b prompts x g generations, p prompt
+  tokens, t completion tokens."""
+  b: int
+  g: int
+  p: int
+  t: int
+
+
+def sampler_flops(c: ModelConfig, shape: StepShape) -> float:
   """One sampler call at full length: prefill b prompts once, decode n rows."""
+  b, g, p, t = shape
   prefill = forward_flops(c, b * p, b, b * causal_pairs(p, 0))
   decode = forward_flops(c, b * g * t, b * g * t, b * g * causal_pairs(t, p))
   return prefill + decode
@@ -71,13 +81,14 @@ def _rows(n: int, p: int, t: int, lengths_n) -> tuple[float, float]:
   return float(x.sum()), float(causal_pairs(x, p).sum())
 
 
-def update_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
-                 remat: str, shared_prompt: bool, lengths_n=None) -> float:
+def update_flops(c: ModelConfig, shape: StepShape, remat: str,
+                 shared_prompt: bool, lengths_n=None) -> float:
   """Forward + backward over n rows of [prompt | completion]; with a shared
   prompt each group's prompt runs once. The chunked head recomputes its
   logits in the backward (jax.checkpoint): 4 passes. lengths_n: the rows'
   completion lengths (packed rows compute only those), else t each."""
   body, attn = _PASSES[remat]
+  b, g, p, t = shape
   n = b * g
   done, pairs_t = _rows(n, p, t, lengths_n)
   if shared_prompt:
@@ -91,8 +102,9 @@ def update_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
           + attn * attention_flops(c, pairs))
 
 
-def score_flops(c: ModelConfig, b: int, g: int, p: int, t: int,
-                shared_prompt: bool, lengths_n=None) -> float:
+def score_flops(c: ModelConfig, shape: StepShape, shared_prompt: bool,
+                lengths_n=None) -> float:
+  b, g, p, t = shape
   n = b * g
   done, pairs_t = _rows(n, p, t, lengths_n)
   prompts = b if shared_prompt else n

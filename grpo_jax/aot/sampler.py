@@ -20,7 +20,9 @@ import numpy as np
 
 from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import schedule
-from grpo_jax.aot.programs import Plan, Program, compile_program, replicated, row_sharded
+from grpo_jax.aot.plan import Plan
+from grpo_jax.aot.programs import (Chips, Program, compile_program,
+                                   replicated, row_sharded)
 from grpo_jax.generate import paged_slots, sampling
 
 # Paged slots tried per row shard when sampling.slots is 0: these multiples
@@ -75,20 +77,20 @@ def pool_pages(plan: Plan, dense_slots: int) -> int:
   slots would hold beside the prompts (`sampling.pool_pages`), every
   prompt at the full bucket."""
   b, shards = padded_prompts(plan), plan.layout.batch_shards
-  cfg = dataclasses.replace(plan.paged_sampling_config(),
-                            pages=plan.config.sampling.pages)
+  paged_config = dataclasses.replace(plan.paged_sampling_config(),
+                                     pages=plan.config.sampling.pages)
   lengths_b = np.full(b, plan.prompt_len)
-  return sampling.pool_pages(cfg, lengths_b, b, dense_slots, shards,
+  return sampling.pool_pages(paged_config, lengths_b, b, dense_slots, shards,
                              plan.prompt_len)
 
 
-def step_cost(plan: Plan, spec: dict, chips: int) -> schedule.Cost:
-  """Per-chip costs of one decode step: rows over the batch shards, each
-  shard's heads (and weights' output columns) over its chips."""
+def step_cost(plan: Plan, chips: Chips) -> schedule.Cost:
+  """Per-chip costs of one decode step on `chips`: rows over the batch
+  shards, each shard's heads (and weights' output columns) over its chips."""
   c = plan.model_config
   item = jnp.dtype(plan.config.model.compute_dtype).itemsize
   kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads", c.num_kv_heads)
-  per_shard = chips / plan.layout.batch_shards
+  per_shard = chips.count / plan.layout.batch_shards
   return schedule.Cost(
       prompt_len=plan.prompt_len,
       column_bytes=2 * c.num_layers * kv_heads * c.head_dim * item,
@@ -96,7 +98,7 @@ def step_cost(plan: Plan, spec: dict, chips: int) -> schedule.Cost:
       slot_flops=2.0 * (flops_lib.body_weights(c) + flops_lib.head_weights(c))
       / per_shard,
       column_flops=flops_lib.attention_flops(c, 1) / per_shard,
-      bandwidth=spec["bandwidth"], peak_flops=spec["flops"])
+      bandwidth=chips.spec["bandwidth"], peak_flops=chips.spec["flops"])
 
 
 class Comparison(NamedTuple):
@@ -117,23 +119,20 @@ def shard_lengths(plan: Plan, lengths_n: np.ndarray) -> np.ndarray:
   return out.reshape(R, rows // R)
 
 
-def compare(plan: Plan, spec: dict, chips: int, dense_slots: int,
+def compare(plan: Plan, chips: Chips, dense_slots: int,
             lengths_n: np.ndarray, description: str,
-            log=lambda s: None, all_rows: bool = False) -> Comparison:
-  """Both samplers' schedules on the same rows: the dense slots and the
-  paged pool of the same bytes; paged slots sampling.slots, or the fastest
-  of SLOT_MULTIPLES x the dense slots and all of a shard's rows (all_rows:
-  that one only)."""
+            log=lambda line: None) -> Comparison:
+  """Both samplers' schedules on `chips`, on the same rows: the dense slots
+  and the paged pool of the same bytes; paged slots sampling.slots, or the
+  fastest of SLOT_MULTIPLES x the dense slots and all of a shard's rows."""
   R, G = plan.layout.batch_shards, plan.config.rl.num_generations
-  cost = step_cost(plan, spec, chips)
+  cost = step_cost(plan, chips)
   lengths_rn = shard_lengths(plan, lengths_n)
   pages = pool_pages(plan, dense_slots)
   Z = plan.config.sampling.page_size
   dense = schedule.dense(lengths_rn, dense_slots // R, cost)
   if plan.config.sampling.slots and plan.config.sampling.kv_cache == "paged":
     candidates = [plan.config.sampling.slots // R]
-  elif all_rows:
-    candidates = [lengths_rn.shape[1]]
   else:
     candidates = slot_search(dense_slots // R, lengths_rn.shape[1])
   tried = []

@@ -36,8 +36,9 @@ class Checkpointer:
     async_save: write in the background; `save` returns once the arrays are
       copied to host memory, so the caller may donate them right away.
     config: the run config (ConfigDict or dict), stored with every checkpoint;
-      if this directory already holds checkpoints, fields in `unsafe_fields`
-      must equal the latest checkpoint's or UnsafeResumeError is raised now.
+      if this directory already holds checkpoints, the fields in
+      `UNSAFE_FIELDS` must equal the latest checkpoint's or
+      UnsafeResumeError is raised now (`check_resume`).
     model_config: the ModelConfig, stored so that any checkpoint exports to a
       Hugging Face directory; a change of it is unsafe as well.
     handle_sigterm: on a single host, SIGTERM requests a save at the next
@@ -49,7 +50,6 @@ class Checkpointer:
   def __init__(self, directory: PathLike, *, save_every: int,
                keep: Optional[int] = 3, async_save: bool = True,
                config: Any = None, model_config: Any = None,
-               unsafe_fields: Iterable[str] = UNSAFE_FIELDS,
                handle_sigterm: bool = True):
     if save_every < 0 or (keep is not None and keep < 1):
       raise ValueError(f"save_every={save_every} must be >= 0 and keep={keep} >= 1")
@@ -60,7 +60,7 @@ class Checkpointer:
                           else dataclasses.asdict(model_config))
     self._manager = manager(self.directory, keep=keep, async_save=async_save)
     try:
-      self.check_resume(unsafe_fields)
+      self.check_resume()
     except CheckpointError:
       self._manager.close()
       raise

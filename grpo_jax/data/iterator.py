@@ -31,8 +31,8 @@ class BatchIterator:
   """Infinite iterator of per-host batches (lists of Examples); see the module doc."""
 
   def __init__(self, examples: Sequence[Example], global_batch_size: int, seed: int = 0,
-               shuffle: bool = True, host_index: int = 0, host_count: int = 1,
-               epoch: int = 0, position: int = 0):
+               shuffle: bool = True, host_index: int = 0, host_count: int = 1):
+    """An iterator at the start of epoch 0 (`from_state` resumes one)."""
     if global_batch_size < 1 or global_batch_size % host_count:
       raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple "
                        f"of host_count {host_count}")
@@ -43,7 +43,7 @@ class BatchIterator:
     self._examples, self._batch = examples, global_batch_size
     self._seed, self._shuffle = seed, shuffle
     self._host_index, self._host_count = host_index, host_count
-    self._epoch, self._position = epoch, position
+    self._epoch, self._position = 0, 0
     self._order, self._order_epoch = None, None
 
   @property
@@ -87,6 +87,7 @@ class BatchIterator:
                        "same data set. data.source / data.kwargs (or the data file) changed since "
                        "the checkpoint. Resume with the original data, or start a "
                        "fresh --workdir.")
-    return cls(examples, state["global_batch_size"], seed=state["seed"],
-               shuffle=state["shuffle"], host_index=host_index, host_count=host_count,
-               epoch=state["epoch"], position=state["position"])
+    it = cls(examples, state["global_batch_size"], seed=state["seed"],
+             shuffle=state["shuffle"], host_index=host_index, host_count=host_count)
+    it._epoch, it._position = state["epoch"], state["position"]
+    return it

@@ -20,7 +20,7 @@ import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 from grpo_jax.harness import runs
 
@@ -124,14 +124,23 @@ def run_method(config, workdir: str) -> dict:
   return registry.lookup("method", config.method)(config, workdir)
 
 
-def run_sweep(config, sweep: Sequence[Overrides], run_fn: RunFn, store: runs.RunStore,
-              *, name: str, sweep_name: str, base_workdir: os.PathLike,
-              log: Callable[[str], None] = print,
+class Destination(NamedTuple):
+  """Where a sweep's runs go: each recorded in `store` as "<name>[<label>]"
+  of sweep `sweep_name`, in its workdir under `base_workdir`
+  (`sweep_workdir`)."""
+  store: runs.RunStore
+  name: str
+  sweep_name: str
+  base_workdir: os.PathLike
+
+
+def run_sweep(config, sweep: Sequence[Overrides], run_fn: RunFn,
+              destination: Destination, *, log: Callable[[str], None] = print,
               validate: Optional[Callable[[Any], Any]] = None) -> list[int]:
   """Runs every sweep point with `run_fn(config, workdir) -> final metrics`.
 
-  Every point is checked first (`check_points`). Each run is recorded in
-  `store` (name "<name>[<label>]", sweep `sweep_name`). A failing point is
+  Every point is checked first (`check_points`). Each run is recorded as
+  `destination` says. A failing point is
   recorded as failed and the sweep goes on; a pre-empted point (SIGTERM,
   Ctrl-C: interrupts.Preempted) is recorded "preempted" and stops the sweep,
   as does a second Ctrl-C. Returns the run ids in sweep order.
@@ -140,11 +149,12 @@ def run_sweep(config, sweep: Sequence[Overrides], run_fn: RunFn, store: runs.Run
   configs = check_points(config, sweep, validate)
   ids = []
   for index, (overrides, run_config) in enumerate(zip(sweep, configs)):
-    workdir = sweep_workdir(base_workdir, index, overrides)
+    workdir = sweep_workdir(destination.base_workdir, index, overrides)
     log(f"[{index + 1}/{len(sweep)}] {label(overrides)}: workdir {workdir}")
     try:
-      with store.record(f"{name}[{label(overrides)}]", run_config, workdir,
-                        sweep=sweep_name) as record:
+      with destination.store.record(
+          f"{destination.name}[{label(overrides)}]", run_config, workdir,
+          sweep=destination.sweep_name) as record:
         ids.append(record.id)
         record.metrics = dict(run_fn(run_config, os.fspath(workdir)) or {})
         record.checkpoint = latest_checkpoint(workdir)

@@ -19,7 +19,8 @@ Rules, in order (`extract_answer`):
   4. otherwise the whole text (its last `TAIL_CHARS` characters), which the
      worker reads with math-verify's heuristics.
 An answer wrapped in display math loses the wrapper and a final period
-(`\\[\\frac{2}{5}.\\]`), and doubled parentheses collapse (`((7))` -> `(7)`).
+(`\\[\\frac{2}{5}.\\]`), and doubled parentheses collapse (`((7))` -> `(7)`):
+tex.py, whose functions this module re-exports.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import re
 from typing import NamedTuple
 
 from grpo_jax.rewards import units
+from grpo_jax.rewards.tex import (collapse_parens, light_normalise,  # pylint: disable=unused-import  (extract's API)
+                                  strip_display)
 
 TAIL_CHARS = 2000  # Unanchored text: only the end can hold the answer.
 _BOX_COMMANDS = ("\\boxed", "\\fbox", "\\framebox")
@@ -58,12 +61,6 @@ _CORRECTION = re.compile(
     r"|(?<=\S)\s*\((?=\s*(?:[A-Za-z]+\s+[A-Za-z]|[A-Za-z]{2,}\s*\)|(?:not|or|I)\b))",
     re.IGNORECASE)
 _NOT_BUT = re.compile(r"(?:not|never)\b[^.]{0,80}?\bbut\s+(?:rather\s+)?", re.IGNORECASE)
-_FINAL_PUNCTUATION = ".,;:?!"
-_FACTORIAL_BASE = re.compile(r"[\w)\]]$")
-# "\boxed{\text{The answer is } 5}": the words are no part of the answer.
-_ANSWER_WORDS = re.compile(
-    r"^\\(?:text|textbf|mathrm|textrm)\{\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is)?\s*:?\s*\}\s*",
-    re.IGNORECASE)
 
 
 class Answer(NamedTuple):
@@ -222,59 +219,6 @@ def anchored_span(text: str, match: re.Match[str] | None = None) -> str | None:
   return span or None
 
 
-_DISPLAY = (("\\[", "\\]"), ("$$", "$$"), ("\\(", "\\)"), ("$", "$"))
-
-
-def strip_display(answer: str) -> str:
-  """`\\[\\frac{2}{5}.\\]` -> `\\frac{2}{5}`: one math wrapper around the whole
-  answer and a final period go; `$a$ and $b$` keeps its dollars."""
-  answer = _ANSWER_WORDS.sub("", _strip_punctuation(answer.strip()))
-  for open_, close in _DISPLAY:
-    inner = answer[len(open_):len(answer) - len(close)]
-    if (len(answer) >= len(open_) + len(close) and answer.startswith(open_)
-        and answer.endswith(close) and close not in inner):
-      answer = inner.strip()
-      break
-  return _strip_punctuation(answer)
-
-
-def _strip_punctuation(answer: str) -> str:
-  """One final `.,;:?!` goes; not "1, 2, ...", not LaTeX's `\\!`, and not
-  the `!` of a factorial (`5!`, `(n+1)!`: glued to a number, a letter or a
-  bracket; after a closing brace, `2^{10}!`, it is punctuation)."""
-  answer = answer.rstrip()
-  if (answer[-1:] and answer[-1] in _FINAL_PUNCTUATION and not answer.endswith("..")
-      and not answer[:-1].endswith("\\")
-      and not (answer[-1] == "!" and _FACTORIAL_BASE.search(answer[:-1]))):
-    answer = answer[:-1]
-  return answer.strip()
-
-
-def collapse_parens(answer: str) -> str:
-  """Drops parentheses (and TeX groups) that directly wrap another pair:
-  `((7))` -> `(7)`, `{{x}}` -> `{x}`.
-
-  Linear. Deep wrappers cost the parser time and recursion, and mean
-  nothing: `(1, 2)` keeps its pair; `\\{`, `\\(` are not grouping.
-  """
-  answer = answer.replace("\\left(", "(").replace("\\right)", ")")
-  if "((" not in answer and "{{" not in answer:
-    return answer
-  stacks: dict[str, list[int]] = {"(": [], "{": []}
-  closing: dict[int, int] = {}
-  for i, char in enumerate(answer):
-    escaped = i > 0 and answer[i - 1] == "\\"
-    if char in stacks and not escaped:
-      stacks[char].append(i)
-    elif char in ")}" and not escaped and stacks["(" if char == ")" else "{"]:
-      closing[stacks["(" if char == ")" else "{"].pop()] = i
-  drop = set()
-  for open_at, close_at in closing.items():
-    if closing.get(open_at + 1) == close_at - 1:
-      drop.update((open_at, close_at))
-  return "".join(c for i, c in enumerate(answer) if i not in drop)
-
-
 # ------------------------------------------------------------ final statement
 _FINAL_LINES = 3
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z_^])[A-Za-z]{2,}")
@@ -414,17 +358,3 @@ def extract_answer(text: str) -> Answer:
   if negated:  # Not the whole text: its heuristics would find the 4.
     return Answer("", False)
   return Answer(text[-TAIL_CHARS:].strip(), False)
-
-
-_SIZING = re.compile(r"\\left\b|\\right\b|\\displaystyle\b|\\[Bb]igg?[lrm]?\b")
-_SPACING = re.compile(r"(?:(?<!\\)\\[,;:! ]|\\q?quad\b|~|\s)+")
-
-
-def light_normalise(answer: str) -> str:
-  """Removes only what never changes meaning: delimiting `$`, `\\left`,
-  spacing, a final period. Equal results are equal answers, so the parent
-  can accept them without a worker; anything else goes to sympy."""
-  answer = answer.strip().strip("$").strip().rstrip(".")
-  answer = _SIZING.sub("", answer)
-  answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-  return _SPACING.sub(" ", answer).strip()

@@ -70,7 +70,7 @@ class SamplerError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
-  """config.rollout, checked (validation._check_rollout)."""
+  """config.rollout, checked (validation.groups.check_rollout)."""
   sampler_devices: int = 0
   sampler_mesh: tuple = (-1, 1, 1)
   max_staleness: int = 0

@@ -1,0 +1,263 @@
+"""`Plan`: every program of a config (sampler, update, scoring, packed or
+not, evaluation), lowered on abstract arrays (`programs`) with the
+trainer's own functions and shardings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import sharding
+from grpo_jax.aot.programs import (Program, abstract_adapters,
+                                   abstract_params, abstract_state,
+                                   compile_program, per_chip_bytes,
+                                   replicated, row_sharded)
+from grpo_jax.rl import optimizer as optimizer_lib
+from grpo_jax.rl import packing, update
+from grpo_jax.rl.step import update_group_size
+from grpo_jax.generate import sampling
+from grpo_jax.models import lora, paged
+from grpo_jax.models.config import ModelConfig
+
+@dataclasses.dataclass
+class Plan:
+  """What one training step and its evaluation compile, from a config."""
+  config: Any
+  model_config: ModelConfig
+  layout: sharding.Layout
+  prompt_len: int
+  optimizer: Any = None
+  settings: Any = None
+  state: Any = None
+  base: Any = None     # LoRA: the frozen base (compute dtype), else None
+
+  def __post_init__(self):
+    rl, m = self.config.rl, self.config.model
+    self.rows = rl.prompts_per_step * rl.num_generations
+    self.mini = rl.mini_batch_size or self.rows
+    self.optimizer = optimizer_lib.OptimizerSpec.from_config(self.config.optim, 1)
+    self.settings = update.LossSettings.from_config(self.config)
+    self.lora = lora.LoraSpec.from_config(self.config)
+    adapters = None
+    if self.lora.enabled:   # state = adapters + their optimizer state
+      self.base = abstract_params(self.model_config, m.compute_dtype,
+                                  self.layout)
+      adapters = abstract_adapters(self.model_config, self.lora,
+                                   m.param_dtype, self.layout)
+    self.state = abstract_state(self.model_config, self.optimizer,
+                                m.param_dtype, self.layout, adapters)
+
+  @property
+  def base_bytes(self) -> int:
+    """LoRA: the frozen base, resident all run (0 without LoRA)."""
+    return 0 if self.base is None else per_chip_bytes(self.base)
+
+  @property
+  def seq_len(self) -> int:
+    return self.prompt_len + self.config.sampling.max_new_tokens
+
+  @property
+  def state_bytes(self) -> int:
+    return per_chip_bytes(self.state)
+
+  def compute_params(self):
+    return abstract_params(self.model_config, self.config.model.compute_dtype,
+                           self.layout)
+
+  def compute_copy_bytes(self) -> int:
+    """A separate compute-dtype copy exists only when the dtypes differ
+    (LoRA: the merged copy, model.lora.sampler = merged)."""
+    m = self.config.model
+    if self.base is not None:
+      return (per_chip_bytes(self.compute_params())
+              if self.lora.sampler == "merged" else 0)
+    if m.compute_dtype == m.param_dtype:
+      return 0
+    return per_chip_bytes(self.compute_params())
+
+  def sampler_params(self):
+    """What the sampler decodes with: the compute-dtype params (LoRA: the
+    merged copy, or the base with the adapters attached)."""
+    if self.base is not None and self.lora.sampler == "unmerged":
+      cast = lambda x: jax.ShapeDtypeStruct(
+          x.shape, jnp.dtype(self.config.model.compute_dtype),
+          sharding=x.sharding)
+      return lora.attach(self.base, jax.tree.map(cast, self.state.params),
+                         1.0)
+    return self.compute_params()
+
+  def sampler(self, prompts: int, generations: int,
+              sampling_config: sampling.SamplingConfig, name: str) -> Program:
+    """One sampler call on `prompts` prompts (padded as `sampling.sample`
+    pads them) x `generations` rows each."""
+    b = sampling.padded_prompts(prompts, prompts, self.layout.batch_shards,
+                                generations)
+    prompt = row_sharded(self.layout, (b, self.prompt_len), jnp.int32)
+    lens = row_sharded(self.layout, (b,), jnp.int32)
+    key = replicated(self.layout, jax.eval_shape(lambda: jax.random.key(0)))
+    params, resident = self.sampler_params(), self.sampler_resident()
+    lower = lambda: sampling.sample_padded.lower(
+        self.model_config, params, prompt, lens, key, sampling_config,
+        generations, self.layout)
+    return compile_program(name, b * generations, lower, resident)
+
+  def sampler_resident(self) -> int:
+    """Bytes alive beside a sampler call: the train state (and the reference
+    when β > 0); with equal dtypes the sampler reads the state's own params
+    (its argument). LoRA: the base too, unless the sampler reads it
+    (unmerged)."""
+    if self.base is not None:
+      return self.state_bytes + (self.base_bytes
+                                 if self.compute_copy_bytes() else 0)
+    return self.state_bytes + self.reference_bytes() - (
+        0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
+
+  def sampler_budget(self, hbm: float) -> float:
+    """Per-chip bytes the sampler's caches may take a share of (sampling
+    .KV_FRACTION): what the train state, the reference and the compute copy
+    leave."""
+    return (hbm - self.state_bytes - self.reference_bytes()
+            - self.compute_copy_bytes() - self.base_bytes)
+
+  def weight_bytes(self) -> int:
+    """The per-chip bytes of the weights the sampler reads each decode step."""
+    if self.base is not None:
+      return self.base_bytes
+    return per_chip_bytes(self.state.params) * jnp.dtype(
+        self.config.model.compute_dtype).itemsize // jnp.dtype(
+            self.config.model.param_dtype).itemsize
+
+  def sampling_config(self, greedy=False) -> sampling.SamplingConfig:
+    s = self.config.sampling
+    return sampling.SamplingConfig(
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+        top_p=s.top_p, top_k=s.top_k, greedy=greedy, stop_ids=(0,),
+        stop_check_every=s.stop_check_every)
+
+  def paged_kernel(self) -> str:
+    """The paged decode attention a TPU run uses: `sampling.paged_kernel`
+    resolved as on a TPU backend (auto: the Pallas kernel where it can take
+    the model, `paged.kernel_refuses`); this process itself runs on the
+    CPU backend."""
+    return paged.resolve(self.config.sampling.paged_kernel, self.model_config,
+                         backend="tpu")
+
+  def paged_sampling_config(self) -> sampling.SamplingConfig:
+    """The training sampler's config with the paged KV cache."""
+    return dataclasses.replace(
+        self.sampling_config(), continuous_batching=True, kv_cache="paged",
+        page_size=self.config.sampling.page_size,
+        paged_kernel=self.paged_kernel())
+
+  def sequence_columns(self, n: int) -> tuple:
+    """Abstract (tokens, positions, valid) [n, s] of n padded rows, split
+    over the batch shards: the update's and scoring's decoder inputs."""
+    return tuple(row_sharded(self.layout, (n, self.seq_len), dtype)
+                 for dtype in (jnp.int32, jnp.int32, jnp.bool_))
+
+  def update(self, micro_rows: int) -> Program:
+    """update_step on one mini-batch in micro-batches of `micro_rows`."""
+    n, T = self.mini, self.config.sampling.max_new_tokens
+    batch = update.UpdateBatch(
+        *self.sequence_columns(n),
+        row_sharded(self.layout, (n, T), jnp.bool_),
+        row_sharded(self.layout, (n, T), jnp.float32),
+        row_sharded(self.layout, (n, T), jnp.float32),
+        row_sharded(self.layout, (n,), jnp.float32))
+    group = update_group_size(self.config.rl, n)
+    resident = self.reference_bytes()
+    lower = lambda: update.update_step.lower(
+        self.state, batch, self.model_config, self.optimizer, n // micro_rows,
+        self.settings, self.layout, group, self.base)
+    return compile_program("update", micro_rows, lower, resident)
+
+  def packed_rows(self, rows: int, micro_rows: int
+                  ) -> tuple[packing.PackedRows, int, int]:
+    """Abstract `packing.pack_rows` output for `rows` sequences at
+    `micro_rows` rows per micro-batch (see `PACKED_SEQUENCES_PER_ROW`),
+    with R rows per micro-batch and M micro-batches."""
+    R, M, N = packed_shape(rows, micro_rows, self.layout.batch_shards)
+    S, T = self.seq_len, self.config.sampling.max_new_tokens
+    row = lambda dtype: row_sharded(self.layout, (R * M, S), dtype)
+    return packing.PackedRows(
+        row(jnp.int32), row(jnp.int32), row(jnp.bool_), row(jnp.int32),
+        row(jnp.int32), row_sharded(self.layout, (N * M, T), jnp.int32),
+        row_sharded(self.layout, (N * M,), jnp.int32)), R, M
+
+  def packed_update(self, micro_rows: int) -> Program:
+    """update_step on one mini-batch packed (`rl.packing`): rows of
+    s = prompt + max_new_tokens tokens, `micro_rows` per micro-batch."""
+    n, T = self.mini, self.config.sampling.max_new_tokens
+    rows, R, num_micro = self.packed_rows(n, micro_rows)
+    slots = rows.src_nt.shape[0]
+    batch = update.PackedUpdateBatch(
+        rows, row_sharded(self.layout, (slots, T), jnp.bool_),
+        row_sharded(self.layout, (slots, T), jnp.float32),
+        row_sharded(self.layout, (slots, T), jnp.float32),
+        row_sharded(self.layout, (slots,), jnp.float32))
+    lower = lambda: update.update_step.lower(
+        self.state, batch, self.model_config, self.optimizer, num_micro,
+        self.settings, self.layout, base=self.base)
+    return compile_program("update packed", R, lower, self.reference_bytes())
+
+  def packed_score(self, micro_rows: int) -> Program:
+    """score_packed on the step's rows packed (as `packed_update`)."""
+    rows, R, num_micro = self.packed_rows(self.rows, micro_rows)
+    resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
+        self.state.params)
+    lower = lambda: update.score_packed.lower(
+        self.state.params, rows, self.model_config, self.settings, num_micro,
+        self.rows, self.layout, self.base)
+    return compile_program("score packed", R, lower, resident)
+
+  def reference_bytes(self) -> int:
+    """The reference model's params, alive all run when β > 0 (LoRA: none,
+    the reference is the base, an argument of every program)."""
+    if self.base is not None:
+      return 0
+    return per_chip_bytes(self.state.params) if self.settings.use_kl else 0
+
+  def score(self, micro_rows: int) -> Program:
+    """score_logprobs on the step's rows in micro-batches of `micro_rows`."""
+    T, rows = self.config.sampling.max_new_tokens, self.rows
+    cols = self.sequence_columns(rows)
+    group = update_group_size(self.config.rl, rows)
+    resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
+        self.state.params)
+    lower = lambda: update.score_logprobs.lower(
+        self.state.params, *cols, self.model_config, T, self.settings, group,
+        rows // micro_rows, self.layout, self.base)
+    return compile_program("score", micro_rows, lower, resident)
+
+  def micro_rows(self) -> int:
+    rl = self.config.rl
+    return update.micro_batch_rows(self.mini, self.seq_len,
+                                   rl.micro_batch_size, rl.micro_batch_tokens)
+
+  @property
+  def uses_scoring(self) -> bool:
+    return self.settings.use_kl or self.config.rl.old_logp == "recompute"
+
+
+# Sequences per packed row that aot.py assumes when it sizes the slot arrays
+# ([N, T] per micro-batch, N = this x R): completions of a quarter of
+# max_new_tokens on average (issue 15's long-tailed workload has a mean of at
+# most 0.35). Only the loss's [N, T] float32 arrays depend on it; the
+# decoder's activations are the R rows' whatever they hold.
+PACKED_SEQUENCES_PER_ROW = 4
+
+
+def packed_shape(rows: int, micro_rows: int, shards: int
+                 ) -> tuple[int, int, int]:
+  """(R rows per micro-batch, M micro-batches, N slots per micro-batch) of
+  `rows` sequences packed as `step.train_step` packs them
+  (`packing.pack_rows(..., micro_rows, shards)`), in its worst case for the
+  decoder: every completion at max_new_tokens, so one sequence per row of
+  s = prompt + max_new_tokens tokens and as many rows as the padded path
+  (`packing.micro_batch_shape`). N: `PACKED_SEQUENCES_PER_ROW` per row, a
+  power of two as pack_rows buckets it, a multiple of the shards."""
+  R, M = packing.micro_batch_shape(rows, micro_rows, shards)
+  return R, M, packing.slot_count(PACKED_SEQUENCES_PER_ROW * R, shards)
