@@ -34,7 +34,8 @@ from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
 from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
-from grpo_jax.rl.step import train_step
+from grpo_jax.rl.batch import to_rows
+from grpo_jax.rl.step import Frozen, UpdateSpec, train_step
 from grpo_jax.models import lora
 from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
 from grpo_jax.rl.update import LossSettings, init_state
@@ -184,22 +185,24 @@ def learn(config, r: _Run, state, groups: rollout.Groups, metrics: dict,
   SAMPLE + SCORE metrics). Returns the new state and the step's metrics."""
   rl = config.rl
   metrics = dict(metrics)
-  packed = rollout.pack(groups, r.tokenizer.pad_id or 0, rl.overlong_filter)
+  batch = to_rows(groups, r.tokenizer.pad_id or 0, rl.overlong_filter)
   # ADVANTAGE
   if rl.advantage == "grpo_process":    # per token [N, T]
     adv_n, process_metrics = process_advantages(config, r.tokenizer, groups)
     metrics.update(process_metrics)
   else:
-    adv_n = advantages(config, packed.reward_bg, packed.mask_nt)
+    adv_n = advantages(config, batch.reward_bg, batch.mask_nt)
     if rl.process_reward:   # its metrics only, to compare with process runs
       metrics.update(process_step_rewards(config, r.tokenizer, groups)[2])
   metrics.update({"advantage/mean": float(adv_n.mean()),
                   "advantage/std": float(adv_n.std()),
                   "advantage/abs_max": float(np.abs(adv_n).max())})
   # REFERENCE + UPDATE
+  spec = UpdateSpec.from_config(config)
   state, update_metrics = train_step(
-      config, r.model_config, state, r.optimizer, packed, adv_n, r.ref_params,
-      r.settings, np.random.default_rng([config.seed, step]), r.layout, r.base)
+      spec, spec.program(r.model_config, r.optimizer, r.layout), state,
+      batch, adv_n, Frozen(r.base, r.ref_params),
+      np.random.default_rng([config.seed, step]))
   metrics.update(update_metrics)
   # the rate of this step's last update (optax reads the count before it
   # increments it: update k uses lr_schedule(k), k = 0, 1, ...)
