@@ -175,15 +175,15 @@ def init_state(params: Params, optimizer, seed: int) -> TrainState:
 # ----------------------------------------------------------------------------
 
 def batch_logprobs(params: Params, batch: UpdateBatch, num_completion: int,
-                   program: UpdateProgram, group_size: int = 1):
+                   program: UpdateProgram):
   """log π(token) and entropy of the batch's completion tokens, [N, T],
   temperature-scaled exactly as the sampler's log-probs: over the last
-  `num_completion` columns of padded rows (`group_size` > 1: each group's
-  prompt run once), or gathered from packed rows into their sequence
-  slots. With a layout each chip computes only its rows."""
+  `num_completion` columns of padded rows (program.group_size > 1: each
+  group's prompt run once), or gathered from packed rows into their
+  sequence slots. With a layout each chip computes only its rows."""
   loss = program.loss
   params = cast(params, loss.compute_dtype)
-  forward = loss.forward(program.layout, group_size)
+  forward = loss.forward(program.layout, program.group_size)
   if batch.rows is not None:
     return packing.packed_logprobs(program.model_config, params, batch.rows,
                                    forward)
@@ -193,12 +193,12 @@ def batch_logprobs(params: Params, batch: UpdateBatch, num_completion: int,
 
 
 def loss_fn(policy: Policy, batch: UpdateBatch, norm: losses.Normalisers,
-            kl_beta, program: UpdateProgram, group_size: int = 1):
+            kl_beta, program: UpdateProgram):
   """The configured loss of one (micro-)batch under `policy` and its
-  metrics; `group_size`: see `batch_logprobs`."""
+  metrics (program.group_size: the rows per prompt of this batch)."""
   params = policy.tree(program.loss.lora_scale)
   logp, entropy = batch_logprobs(params, batch, batch.mask_nt.shape[1],
-                                 program, group_size)
+                                 program)
   return policy_loss(logp, entropy, batch, norm, kl_beta, program.loss)
 
 
@@ -233,6 +233,13 @@ def micro_group_size(group_size: int, num_micro: int, rows: int = 0,
       return 1
     return group_size // num_micro
   return 1
+
+
+def _in_micro_batches(program: UpdateProgram, rows: int) -> UpdateProgram:
+  """`program` as each of its micro-batches of a batch of `rows` rows runs:
+  the rows per prompt they keep (`micro_group_size`)."""
+  return dataclasses.replace(program, group_size=micro_group_size(
+      program.group_size, program.num_micro, rows, program.layout))
 
 
 def micro_batches(batch, num_micro: int):
@@ -293,11 +300,10 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, kl_beta,
   normalisers of all its slots; empty ones count nothing).
   Returns (grads, loss, metrics)."""
   norm = global_normalisers(batch.mask_nt, program.loss)
-  group = micro_group_size(program.group_size, program.num_micro,
-                           batch.mask_nt.shape[0], program.layout)
+  micro = _in_micro_batches(program, batch.mask_nt.shape[0])
   grad_fn = jax.value_and_grad(
       lambda params, mb: loss_fn(Policy(params, policy.base), mb, norm,
-                                 kl_beta, program, group),
+                                 kl_beta, micro),
       has_aux=True)
   loss, metrics, grads = micro_batch_sum(
       grad_fn, policy.params, batch, program.num_micro,
@@ -377,8 +383,8 @@ def score_logprobs(policy: Policy, batch: UpdateBatch,
   layout, num_micro = program.layout, program.num_micro
   params = cast(policy.tree(program.loss.lora_scale),
                 program.loss.compute_dtype)   # once
-  group = micro_group_size(program.group_size, num_micro, n, layout)
-  logp = lambda mb: batch_logprobs(params, mb, T, program, group)[0]
+  micro = _in_micro_batches(program, n)
+  logp = lambda mb: batch_logprobs(params, mb, T, micro)[0]
   if batch.rows is None and num_micro == 1:
     return logp(batch)
   logp_nt = _join_micro_batches(
