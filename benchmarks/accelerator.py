@@ -209,21 +209,20 @@ def update_part(args, c, params, peak) -> dict:
       adv_n=jnp.asarray(rng.normal(size=N), jnp.float32))
   config = config_lib.base_config()
   config.model.compute_dtype = args.dtype
-  s = update.LossSettings.from_config(config)
+  loss = update.LossSettings.from_config(config)
   optimizer = optax.adamw(1e-6)
+  program = update.UpdateProgram(c, loss, optimizer)
   state = [update.init_state(transformer.cast(params, "float32"), optimizer,
                              0)]
 
   def run():
-    state[0], metrics = update.update_step(state[0], batch, c, optimizer, 1,
-                                           s)
+    state[0], metrics = update.update_step(state[0], batch, program)
     return metrics["loss"]
   _, seconds = second_call(run)
-  compiled = update.update_step.lower(state[0], batch, c, optimizer, 1,
-                                      s).compile()
+  compiled = update.update_step.lower(state[0], batch, program).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flop = flops.update_flops(c, flops.StepShape(B, G, P, T), s.remat,
+  flop = flops.update_flops(c, flops.StepShape(B, G, P, T), loss.remat,
                             shared_prompt=False)
   return report("update (one AdamW step, one micro-batch)", N * S, seconds,
                 flop, float(cost.get("bytes accessed", 0.0)), peak)

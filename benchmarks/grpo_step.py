@@ -62,6 +62,7 @@ from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import train, update
+from grpo_jax.rl.batch import to_rows
 from grpo_jax import models
 from grpo_jax.models import loading
 from grpo_jax.rewards import last_number
@@ -140,7 +141,7 @@ class OursStep:
     self.model_config, params, self.tokenizer = (
         experiment.load_model_and_tokenizer(config))
     self.spec = rollout.RewardSpec.from_config(config)
-    self.settings = update.LossSettings.from_config(config)
+    self.update = step_lib.UpdateSpec.from_config(config)
     self.sample_cfg = experiment.sampling_config(config, self.tokenizer)
     self.optimizer = optimizer_lib.make_optimizer(config.optim, 100)
     self.state = update.init_state(params, self.optimizer, config.seed)
@@ -168,14 +169,13 @@ class OursStep:
     # SAMPLE + SCORE
     groups, m = rollout.collect(generate, rl.prompts_per_step, False,
                                 rl.max_gen_batches, rl.on_cap)
-    packed = rollout.pack(groups, self.tokenizer.pad_id or 0,
-                          rl.overlong_filter)
+    batch = to_rows(groups, self.tokenizer.pad_id or 0, rl.overlong_filter)
     # ADVANTAGE
-    adv_n = train.advantages(c, packed.reward_bg, packed.mask_nt)
+    adv_n = train.advantages(c, batch.reward_bg, batch.mask_nt)
     # REFERENCE + UPDATE
-    self.state, um = step_lib.train_step(c, self.model_config, self.state,
-                                      self.optimizer, packed, adv_n, None,
-                                      self.settings, self.rng)
+    self.state, um = step_lib.train_step(
+        self.update, self.update.program(self.model_config, self.optimizer),
+        self.state, batch, adv_n, step_lib.Frozen(), self.rng)
     jax.block_until_ready(self.state.params)
     total = time.perf_counter() - t0
     out = {"sample": m["time/sample"], "score": m["time/score"],

@@ -79,6 +79,7 @@ from grpo_jax.data import templates
 from grpo_jax.generate import rollout
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train
+from grpo_jax.rl.batch import to_rows
 from grpo_jax.models import loading, transformer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -297,7 +298,7 @@ def time_updates(args, step, texts, samples, repeats: int = 1) -> dict:
   imposed = natural.mean() > MAX_MEAN_FRACTION * args.new_tokens
   if imposed:
     groups = impose_lengths(groups, args.seed)
-  batch = rollout.pack(groups, step.tokenizer.pad_id or 0, rl.overlong_filter)
+  batch = to_rows(groups, step.tokenizer.pad_id or 0, rl.overlong_filter)
   adv_n = train.advantages(c, batch.reward_bg, batch.mask_nt)
   configs = {}
   for name, packing in (("padded", "off"), ("packed", "on")):
@@ -308,9 +309,10 @@ def time_updates(args, step, texts, samples, repeats: int = 1) -> dict:
   extra = {}
   for i in range(repeats + 1):
     for name, cfg in configs.items():
+      spec = step_lib.UpdateSpec.from_config(cfg)
       step.state, m = step_lib.train_step(
-          cfg, step.model_config, step.state, step.optimizer, batch, adv_n,
-          None, step.settings, np.random.default_rng(i))
+          spec, spec.program(step.model_config, step.optimizer), step.state,
+          batch, adv_n, step_lib.Frozen(), np.random.default_rng(i))
       if i:
         times[name].append(m["time/update"])
       else:

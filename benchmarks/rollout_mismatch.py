@@ -35,6 +35,7 @@ from grpo_jax import models
 from grpo_jax.harness import experiment
 from grpo_jax.generate import rollout
 from grpo_jax.rl import update
+from grpo_jax.rl.batch import to_rows
 from grpo_jax.algorithms import rollout_correction
 
 PAIRS = (("float32", "float32"), ("bfloat16", "float32"),
@@ -88,21 +89,23 @@ def main() -> None:
         model_config, models.cast(params, dtype), tokenizer, examples,
         jax.random.key(args.seed), cfg, args.generations, spec,
         config.data.template, config.data.system_prompt)
-    samples[dtype] = rollout.pack(batch, tokenizer.pad_id or 0, False)
+    samples[dtype] = to_rows(batch, tokenizer.pad_id or 0, False)
     print(f"sampled {args.prompts}x{args.generations} in {dtype}: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
   rows = []
   for sampler_dtype, trainer_dtype in PAIRS:
-    packed = samples[sampler_dtype]
-    settings = update.LossSettings.from_config(config)
-    settings = dataclasses.replace(settings, compute_dtype=trainer_dtype)
-    T = packed.mask_nt.shape[1]
+    sampled = samples[sampler_dtype]
+    loss = update.LossSettings.from_config(config)
+    loss = dataclasses.replace(loss, compute_dtype=trainer_dtype)
     trainer_nt = update.score_logprobs(
-        params, jnp.asarray(packed.tokens_ns), jnp.asarray(packed.positions_ns),
-        jnp.asarray(packed.valid_ns), model_config, T, settings)
+        update.Policy(params), update.UpdateBatch(
+            jnp.asarray(sampled.tokens_ns), jnp.asarray(sampled.positions_ns),
+            jnp.asarray(sampled.valid_ns)),
+        update.UpdateProgram(model_config, loss,
+                             logp_shape=sampled.mask_nt.shape))
     rows.append((sampler_dtype, trainer_dtype,
-                 mismatch_row(trainer_nt, jnp.asarray(packed.old_logp_nt),
-                              jnp.asarray(packed.mask_nt))))
+                 mismatch_row(trainer_nt, jnp.asarray(sampled.old_logp_nt),
+                              jnp.asarray(sampled.mask_nt))))
   keys = list(rows[0][2])
   print(f"\nSmolLM2-135M-Instruct, {args.prompts} arithmetic prompts x "
         f"G={args.generations}, <= {args.max_new_tokens} tokens, T=1.0; "

@@ -12,7 +12,7 @@ shards):
     gradient) on the placed state and row-sharded packed batch, with the
     layout, gives one device's loss, metrics and gradient, and keeps every
     leaf's sharding;
-  - `score_packed` with the layout gives one device's log-probs, its rows
+  - packed `score_logprobs` with the layout gives one device's log-probs, its rows
     split as the padded rows are;
   - the compiled update holds the packed residual stream per device (its
     rows over the batch shards, its length over tensor with sequence
@@ -92,10 +92,13 @@ def run(params, batch, layout=None):
     state = layout.place_state(MODEL, SGD, state)
     pb = jax.tree.map(layout.rows, pb)
   placed = jax.tree.map(lambda x: x.sharding, state)
-  scored = update.score_packed(state.params, pb.rows, MODEL, SETTINGS,
-                               num_micro, N, layout)
-  new_state, metrics = update.update_step(state, pb, MODEL, SGD, num_micro,
-                                          SETTINGS, layout)
+  scored = update.score_logprobs(
+      update.Policy(state.params), update.UpdateBatch(rows=pb.rows),
+      update.UpdateProgram(MODEL, SETTINGS, num_micro=num_micro,
+                           layout=layout, logp_shape=(N, T)))
+  new_state, metrics = update.update_step(
+      state, pb, update.UpdateProgram(MODEL, SETTINGS, SGD, num_micro,
+                                      layout=layout))
   return dict(params=jax.device_get(new_state.params),
               metrics=jax.device_get(metrics), scored=scored,
               placed=placed, new_state=new_state, num_micro=num_micro,
@@ -126,8 +129,9 @@ def check_mesh(shape, params, batch, ref) -> None:
   R, S, D = pb.rows.tokens_rs.shape[0] // out["num_micro"], P + T, MODEL.dim
   state = layout.place_state(MODEL, SGD, update.init_state(
       layout.shard_params(MODEL, params), SGD, 0))
-  hlo = update.update_step.lower(state, pb, MODEL, SGD, out["num_micro"],
-                                 SETTINGS, layout).compile().as_text()
+  hlo = update.update_step.lower(
+      state, pb, update.UpdateProgram(MODEL, SETTINGS, SGD, out["num_micro"],
+                                      layout=layout)).compile().as_text()
   rows = R // layout.batch_shards
   seq = 4 if shape in SEQUENCE_PARALLEL else 1   # length over tensor
   assert f"f32[{rows},{S // seq},{D}]" in hlo, (

@@ -122,8 +122,9 @@ def loss_and_grad(params, batch):
   covers those) - one compile, not two."""
   norm = update.global_normalisers(batch.mask_nt, SETTINGS)
   (loss, _), grads = jax.value_and_grad(update.loss_fn, has_aux=True)(
-      params, MODEL, batch, norm, SETTINGS.kl_beta, SETTINGS)
-  return loss, grads
+      update.Policy(params), batch, norm, SETTINGS.kl_beta,
+      update.UpdateProgram(MODEL, SETTINGS))
+  return loss, grads.params
 
 
 LORA = lora.LoraSpec(rank=4, alpha=8.0)
@@ -141,9 +142,11 @@ def make_adapters():
 @jax.jit
 def lora_loss_and_grad(adapters, base, batch):
   norm = update.global_normalisers(batch.mask_nt, LORA_SETTINGS)
-  (loss, _), grads = jax.value_and_grad(update.loss_fn, has_aux=True)(
-      adapters, MODEL, batch, norm, LORA_SETTINGS.kl_beta, LORA_SETTINGS,
-      base=base)
+  (loss, _), grads = jax.value_and_grad(
+      lambda p: update.loss_fn(update.Policy(p, base), batch, norm,
+                               LORA_SETTINGS.kl_beta,
+                               update.UpdateProgram(MODEL, LORA_SETTINGS)),
+      has_aux=True)(adapters)
   return loss, grads
 
 
@@ -176,8 +179,9 @@ def run_all(params, batch, optimizer, layout=None):
   if layout is not None:
     state = layout.place_state(MODEL, optimizer, state)
   placed = jax.tree.map(lambda x: x.sharding, state)
-  new_state, metrics = update.update_step(state, batch, MODEL, optimizer,
-                                          NUM_MICRO, SETTINGS, layout)
+  new_state, metrics = update.update_step(
+      state, batch, update.UpdateProgram(MODEL, SETTINGS, optimizer,
+                                         NUM_MICRO, layout=layout))
   return dict(samples=jax.device_get(samples), sharded_samples=samples,
               grads=jax.device_get(grads),
               loss=float(loss), new_params=jax.device_get(new_state.params),

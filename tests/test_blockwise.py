@@ -127,8 +127,9 @@ def test_sequence_logprobs_and_gradient_match(group_size, dtype, monkeypatch):
   @functools.partial(jax.jit, static_argnums=1)
   def logp(params, impl):
     out, _ = logprobs.sequence_logprobs(
-        config, params, tokens, pos, valid, completion_len=T, chunk_size=4,
-        group_size=group_size, attention=impl)
+        config, params, tokens, pos, valid, completion_len=T,
+        forward=logprobs.Forward(chunk_size=4, group_size=group_size,
+                                 attention=impl))
     return out
 
   grad = lambda impl: jax.jit(jax.grad(

@@ -56,7 +56,8 @@ def test_chunked_gradients_equal_full_logits():
     logp, entropy = fn(params, tokens_ns)
     return jnp.sum(w_ns * logp) + 0.1 * jnp.sum(w_ns * entropy)
 
-  chunked = functools.partial(logprobs.sequence_logprobs, CONFIG, chunk_size=5)
+  chunked = functools.partial(logprobs.sequence_logprobs, CONFIG,
+                              forward=logprobs.Forward(chunk_size=5))
   grad = jax.jit(jax.grad(lambda p: objective(p, chunked)))(params)
   ref = jax.jit(jax.grad(lambda p: objective(p, _full_logits_reference)))(
       params)
@@ -91,7 +92,8 @@ def test_token_logprobs_gradient_wrt_hidden_states_and_temperature():
 def test_completion_len_selects_the_last_tokens():
   params, tokens_ns, _, _ = _setup()
   logp, _ = jax.jit(functools.partial(
-      logprobs.sequence_logprobs, CONFIG, completion_len=4, chunk_size=3))(
+      logprobs.sequence_logprobs, CONFIG, completion_len=4,
+      forward=logprobs.Forward(chunk_size=3)))(
           params, tokens_ns)
   ref_logp, _ = _full_logits_reference(params, tokens_ns)
   np.testing.assert_allclose(logp, ref_logp[:, -4:], atol=1e-5, rtol=1e-5)

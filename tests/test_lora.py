@@ -37,8 +37,9 @@ def _trained_adapters(seed=1):
 TOKENS = jax.random.randint(jax.random.key(9), (3, 11), 0, 256)
 # jitted: eager op-by-op dispatch of the layer scan costs seconds per call
 _forward = jax.jit(transformer.forward, static_argnums=0)
-_grads = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
-_loss = jax.jit(update.loss_fn, static_argnums=(1, 5))
+_grads = jax.jit(update.accumulate_gradients, static_argnums=3)
+_loss = jax.jit(update.loss_fn, static_argnums=4)
+PROGRAM = update.UpdateProgram(MODEL, SETTINGS)
 
 
 def test_adapter_shapes_init_and_targets():
@@ -106,20 +107,19 @@ def test_gradients_reach_only_the_adapters():
   (not donated, not updated)."""
   base, batch = _base(), random_update_batch()
   adapters = lora.init_adapters(MODEL, SPEC, jax.random.key(1))
-  grads, loss, _ = _grads(adapters, MODEL, batch, 1, 0.0, SETTINGS,
-                          base=base)
+  grads, loss, _ = _grads(update.Policy(adapters, base), batch, 0.0, PROGRAM)
   assert jax.tree.structure(grads) == jax.tree.structure(adapters)
   for ab in grads["layers"]["lora"].values():
     assert not np.any(ab["a"]) and np.any(ab["b"])
-  full_loss = _grads(base, MODEL, batch, 1, 0.0, SETTINGS)[1]
+  full_loss = _grads(update.Policy(base), batch, 0.0, PROGRAM)[1]
   np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
   optim = tiny.get_config().optim
   from grpo_jax.rl.optimizer import OptimizerSpec  # pylint: disable=import-outside-toplevel
   optimizer = OptimizerSpec.from_config(optim, 10)
   before = jax.device_get(base)
   state = update.init_state(adapters, optimizer, 0)
-  state, _ = update.update_step(state, batch, MODEL, optimizer, 2, SETTINGS,
-                                base=base)
+  state, _ = update.update_step(
+      state, batch, update.UpdateProgram(MODEL, SETTINGS, optimizer, 2), base)
   assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
   assert jax.tree.structure(state.opt_state[1][0].mu) == jax.tree.structure(
       adapters)
@@ -133,7 +133,8 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
   base, adapters, batch = _base(), _trained_adapters(), random_update_batch()
   s = dataclasses.replace(SETTINGS, loss=dataclasses.replace(
       SETTINGS.loss, agg=agg))
-  results = [_grads(adapters, MODEL, batch, k, 0.0, s, base=base)
+  results = [_grads(update.Policy(adapters, base), batch, 0.0,
+                    update.UpdateProgram(MODEL, s, num_micro=k))
              for k in (1, 4)]
   for grads, loss, _ in results[1:]:
     np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
@@ -146,16 +147,19 @@ def test_kl_to_the_base_with_adapters_off_is_zero():
   equals it, so the KL term is exactly 0; trained adapters make it > 0."""
   base, batch = _base(), random_update_batch()
   s = dataclasses.replace(SETTINGS, kl_beta=0.1)
-  args = (batch.tokens_ns, batch.positions_ns, batch.valid_ns, MODEL, 5, s)
-  ref = update.score_logprobs(base, *args)
+  rows = update.UpdateBatch(batch.tokens_ns, batch.positions_ns,
+                            batch.valid_ns)
+  program = update.UpdateProgram(MODEL, s, logp_shape=batch.mask_nt.shape)
+  ref = update.score_logprobs(update.Policy(base), rows, program)
   batch = batch._replace(ref_logp_nt=ref)
   fresh = lora.init_adapters(MODEL, SPEC, jax.random.key(1))
   np.testing.assert_array_equal(
-      update.score_logprobs(fresh, *args, base=base), ref)
+      update.score_logprobs(update.Policy(fresh, base), rows, program), ref)
   norm = update.global_normalisers(batch.mask_nt, s)
-  _, m = _loss(fresh, MODEL, batch, norm, 0.1, s, base=base)
+  _, m = _loss(update.Policy(fresh, base), batch, norm, 0.1, program)
   assert float(m["kl"]) == 0.0
-  _, m = _loss(_trained_adapters(), MODEL, batch, norm, 0.1, s, base=base)
+  _, m = _loss(update.Policy(_trained_adapters(), base), batch, norm, 0.1,
+               program)
   assert float(m["kl"]) > 1e-4
 
 

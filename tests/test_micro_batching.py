@@ -34,8 +34,10 @@ def test_scoring_in_micro_batches_equals_one_pass(num_micro, group_size):
   positions = jnp.broadcast_to(jnp.arange(P + T), tokens.shape)
   valid = jnp.asarray(np.arange(P + T)[None] < P + 3 + np.arange(B * G)[:, None] % 4)
   s = update.LossSettings(chunk=4)
-  one = update.score_logprobs(params, tokens, positions, valid, CONFIG, T, s,
-                              group_size)
-  split = update.score_logprobs(params, tokens, positions, valid, CONFIG, T,
-                                s, group_size, num_micro)
+  rows = update.UpdateBatch(tokens, positions, valid)
+  program = lambda k: update.UpdateProgram(
+      CONFIG, s, num_micro=k, group_size=group_size, logp_shape=(B * G, T))
+  one = update.score_logprobs(update.Policy(params), rows, program(1))
+  split = update.score_logprobs(update.Policy(params), rows,
+                                program(num_micro))
   np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-5)

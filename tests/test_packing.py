@@ -73,11 +73,12 @@ def test_packed_update_step_equals_padded_step():
   batch = _ragged_batch(seed=5, weights=True)
   params = init_params(CONFIG, jax.random.key(0))
   fresh = lambda: update.init_state(jax.tree.map(jnp.copy, params), opt, 0)
-  want_state, want = update.update_step(fresh(), batch, CONFIG, opt, 1, s)
+  want_state, want = update.update_step(fresh(), batch,
+                                        update.UpdateProgram(CONFIG, s, opt))
   packed, num_micro = _packed(batch, G, 2)   # groups split over rows
   assert num_micro > 1
-  got_state, got = update.update_step(fresh(), packed, CONFIG, opt,
-                                      num_micro, s)
+  got_state, got = update.update_step(
+      fresh(), packed, update.UpdateProgram(CONFIG, s, opt, num_micro))
   _assert_metrics(got, want)
   for a, b, p in zip(jax.tree.leaves(got_state.params),
                      jax.tree.leaves(want_state.params),
@@ -165,14 +166,20 @@ def test_packed_scoring_equals_padded_under_the_mask():
   params = init_params(CONFIG, jax.random.key(1))
   batch = _ragged_batch(seed=3)
   s = update.LossSettings(chunk=4)
-  want = update.score_logprobs(params, batch.tokens_ns, batch.positions_ns,
-                               batch.valid_ns, CONFIG, T, s, G, 2)
+  want = update.score_logprobs(
+      update.Policy(params), update.UpdateBatch(
+          batch.tokens_ns, batch.positions_ns, batch.valid_ns),
+      update.UpdateProgram(CONFIG, s, num_micro=2, group_size=G,
+                           logp_shape=(B * G, T)))
   mask = np.asarray(batch.mask_nt) > 0
   for group_size, rows_per_micro in ((G, 3), (1, 64)):
     rows, num_micro = packing.pack_rows(
         np.asarray(batch.tokens_ns), np.asarray(batch.valid_ns),
         np.asarray(batch.mask_nt), group_size, rows_per_micro)
-    got = update.score_packed(params, rows, CONFIG, s, num_micro, B * G)
+    got = update.score_logprobs(
+        update.Policy(params), update.UpdateBatch(rows=rows),
+        update.UpdateProgram(CONFIG, s, num_micro=num_micro,
+                             logp_shape=(B * G, T)))
     np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask],
                                rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[~mask.any(axis=1)] == 0)   # not packed

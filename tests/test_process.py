@@ -146,8 +146,9 @@ def test_per_token_advantages_are_exact_under_micro_batching():
       jnp.zeros((n, comp)), jnp.asarray(adv_nt))
   s = update.LossSettings(
       loss=losses.PolicyLossSpec(agg="seq-mean-token-mean"), chunk=4)
-  step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))
-  results = [step(params, cfg, batch, k, 0.0, s) for k in (1, 4)]
+  step = jax.jit(update.accumulate_gradients, static_argnums=3)
+  results = [step(update.Policy(params), batch, 0.0,
+                  update.UpdateProgram(cfg, s, num_micro=k)) for k in (1, 4)]
   assert abs(float(results[0][1])) > 1e-3
   for grads, loss, _ in results[1:]:
     np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)

@@ -12,6 +12,7 @@ from grpo_jax import config as config_lib
 from grpo_jax.star import sft
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.models import forward, get_preset, hidden_states, init_params
+from grpo_jax.rl import update
 from grpo_jax.rl.update import init_state
 
 CONFIG = get_preset("tiny")
@@ -45,7 +46,8 @@ def _nll_reference(params, example):
 
 
 _loss_and_grad = jax.jit(
-    lambda p, b, m: sft.accumulate_gradients(p, CONFIG, b, m, S)[:2],
+    lambda p, b, m: sft.accumulate_gradients(
+        update.Policy(p), b, update.UpdateProgram(CONFIG, S, num_micro=m))[:2],
     static_argnums=2)
 
 
@@ -157,7 +159,8 @@ def test_sft_step_lowers_the_loss_and_donates_the_state(params):
   losses = []
   for _ in range(5):
     old = state
-    state, metrics = sft.sft_step(state, batch, CONFIG, optimizer, 2, S)
+    state, metrics = sft.sft_step(
+        state, batch, update.UpdateProgram(CONFIG, S, optimizer, 2))
     losses.append(float(metrics["loss"]))
   assert float(metrics["tokens"]) == 10
   assert losses[-1] < losses[0] - 0.5
@@ -178,11 +181,12 @@ def test_equal_optimizer_specs_share_one_compile_and_match_optax(params):
   for _ in range(2):
     spec = optimizer_lib.OptimizerSpec.from_config(optim, 0)
     state = init_state(jax.tree.map(jnp.copy, params), spec, 0)
-    states.append(sft.sft_step(state, batch, CONFIG, spec, 2, S)[0])
+    states.append(sft.sft_step(
+        state, batch, update.UpdateProgram(CONFIG, S, spec, 2))[0])
   assert sft.sft_step._cache_size() == before + 1
   tx = optimizer_lib.make_optimizer(optim, 0)
   direct = sft.sft_step(init_state(jax.tree.map(jnp.copy, params), tx, 0),
-                        batch, CONFIG, tx, 2, S)[0]
+                        batch, update.UpdateProgram(CONFIG, S, tx, 2))[0]
   assert sft.sft_step._cache_size() == before + 2     # optax: by identity
   for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(direct)):
     np.testing.assert_array_equal(a, b)

@@ -154,8 +154,10 @@ def batch():
 def _loss_and_grad(params, batch, **settings):
   s = dataclasses.replace(checks.SETTINGS, **settings)
   norm = update.global_normalisers(batch.mask_nt, s)
-  fn = jax.jit(lambda p: jax.value_and_grad(update.loss_fn, has_aux=True)(
-      p, checks.MODEL, batch, norm, s.kl_beta, s))
+  fn = jax.jit(jax.value_and_grad(
+      lambda p: update.loss_fn(update.Policy(p), batch, norm, s.kl_beta,
+                               update.UpdateProgram(checks.MODEL, s)),
+      has_aux=True))
   (loss, _), grads = fn(params)
   return float(loss), grads
 
@@ -226,8 +228,9 @@ def test_bfloat16_params_through_update_step(params, batch):
   moments float32, and the loss is close to the float32 one."""
   optimizer = optimizer_lib.make_optimizer(checks.OPTIM, 10)
   state = update.init_state(models.cast(params, "bfloat16"), optimizer, 0)
-  new, metrics = update.update_step(state, batch, checks.MODEL, optimizer,
-                                    checks.NUM_MICRO, checks.SETTINGS)
+  new, metrics = update.update_step(
+      state, batch, update.UpdateProgram(checks.MODEL, checks.SETTINGS,
+                                         optimizer, checks.NUM_MICRO))
   assert {x.dtype for x in jax.tree.leaves(new.params)} == {
       jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in jax.tree.leaves(new.opt_state[1][0].nu)} == {

@@ -102,9 +102,10 @@ def _problems(n=12):
 def _collect(config, problems, shots=()):
   from grpo_jax.harness.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   model_config, params, tokenizer = load_model_and_tokenizer(config)
-  return star_collect.collect_examples(config, model_config, params, tokenizer,
-                               problems, shots, jax.random.key(0),
-                               rollout.RewardSpec.from_config(config))
+  sampler = star_collect.RationaleSampler.from_config(
+      config, model_config, tokenizer, rollout.RewardSpec.from_config(config))
+  return star_collect.collect_examples(config, sampler, params, problems,
+                                       shots, jax.random.key(0))
 
 
 def test_render_is_the_rollout_prompt_without_hint_or_shots():

@@ -62,8 +62,9 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(agg):
   params = init_params(cfg, jax.random.key(0))
   batch = random_update_batch()
   s = update.LossSettings(loss=losses.PolicyLossSpec(agg=agg), chunk=4)
-  results = [jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5))(
-      params, cfg, batch, k, 0.0, s) for k in (1, 2, 4)]
+  results = [jax.jit(update.accumulate_gradients, static_argnums=3)(
+      update.Policy(params), batch, 0.0,
+      update.UpdateProgram(cfg, s, num_micro=k)) for k in (1, 2, 4)]
   for grads, loss, _ in results[1:]:
     np.testing.assert_allclose(loss, results[0][1], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results[0][0])):
@@ -107,17 +108,24 @@ def test_shared_prompt_pass_equals_full_rows(variant, remat):
   params = init_params(cfg, jax.random.key(0))
   batch = _grouped_batch()
   s = update.LossSettings(chunk=4, remat=remat)
-  step = jax.jit(update.accumulate_gradients, static_argnums=(1, 3, 5, 6))
-  want_grads, want_loss, _ = step(params, cfg, batch, 1, 0.0, s, 1)
+  step = jax.jit(update.accumulate_gradients, static_argnums=3)
+  program = lambda num_micro, group_size: update.UpdateProgram(
+      cfg, s, num_micro=num_micro, group_size=group_size,
+      logp_shape=batch.mask_nt.shape)
+  want_grads, want_loss, _ = step(update.Policy(params), batch, 0.0,
+                                  program(1, 1))
   for num_micro in (1, 2, 4):
-    grads, loss, _ = step(params, cfg, batch, num_micro, 0.0, s, 4)
+    grads, loss, _ = step(update.Policy(params), batch, 0.0,
+                          program(num_micro, 4))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  args = (batch.tokens_ns, batch.positions_ns, batch.valid_ns, cfg, 5, s)
-  np.testing.assert_allclose(update.score_logprobs(params, *args, 4),
-                             update.score_logprobs(params, *args, 1),
-                             rtol=1e-5, atol=1e-5)
+  rows = update.UpdateBatch(batch.tokens_ns, batch.positions_ns,
+                            batch.valid_ns)
+  np.testing.assert_allclose(
+      update.score_logprobs(update.Policy(params), rows, program(1, 4)),
+      update.score_logprobs(update.Policy(params), rows, program(1, 1)),
+      rtol=1e-5, atol=1e-5)
 
 
 def test_micro_group_size_and_group_minibatches():
@@ -130,12 +138,13 @@ def test_micro_group_size_and_group_minibatches():
   shards = lambda n: types.SimpleNamespace(batch_shards=n)
   assert update.micro_group_size(16, 8, 512, shards(64)) == 1
   assert update.micro_group_size(16, 8, 512, shards(32)) == 2
-  rl = config_lib.base_config().rl
-  rl.num_generations = 4
-  assert step.update_group_size(rl, 8) == 4
-  assert step.update_group_size(rl, 6) == 1     # mini-batch splits a group
-  rl.shared_prompt = False
-  assert step.update_group_size(rl, 8) == 1
+  config = config_lib.base_config()
+  config.rl.num_generations = 4
+  spec = step.UpdateSpec.from_config(config)
+  assert spec.group_size(8) == 4
+  assert spec.group_size(6) == 1     # mini-batch splits a group
+  config.rl.shared_prompt = False
+  assert step.UpdateSpec.from_config(config).group_size(8) == 1
   batches = step._minibatches(12, 8 // 2, np.random.default_rng(0), 4)
   for idx in batches:                           # whole groups, in order
     assert len(idx) == 4 and idx[0] % 4 == 0

@@ -19,6 +19,7 @@ rows of S columns, T of them completion tokens.)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -117,33 +118,48 @@ def token_logprobs(model_config: ModelConfig, params: Params, h_nsd: jax.Array,
   return _from_chunks(logp_chunks, S), _from_chunks(entropy_chunks, S)
 
 
+@dataclasses.dataclass(frozen=True)
+class Forward:
+  """How the decoder and the chunked head run over rows (static, hashable).
+
+  chunk_size: positions per chunk of the head; temperature: the sampler's
+  (a Python float), so log-probs match π_old; remat and attention: the
+  decoder's (`attention.ATTENTION`); constrain: pins the activations'
+  shardings (`transformer.hidden_states`; `sharding.Layout.constrain`);
+  group_size G > 1: rows come in groups of G consecutive rows whose prompt
+  columns are identical, each group's prompt then runs once
+  (`sequence_logprobs`)."""
+  chunk_size: int = DEFAULT_CHUNK_SIZE
+  temperature: float = 1.0
+  remat: str = "none"
+  attention: str = "auto"
+  constrain: Optional[Constrain] = None
+  group_size: int = 1
+
+
 def sequence_logprobs(model_config: ModelConfig, params: Params,
                       tokens_ns: jax.Array,
                       positions_ns: Optional[jax.Array] = None,
                       valid_ns: Optional[jax.Array] = None, *,
                       completion_len: Optional[int] = None,
-                      chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      temperature: float = 1.0, remat: str = "none",
-                      group_size: int = 1, attention: str = "auto",
-                      constrain: Optional[Constrain] = None):
+                      forward: Forward = Forward()):
   """Runs the decoder, then the chunked head: log-probs and entropies of the
   last T = completion_len tokens of tokens_ns (default T = S - 1, every token
   but the first), float32 (N, T). Entry j is log p(tokens[:, S-T+j] | the
   tokens before it), so with [prompt | completion] rows and T the completion
   length it lines up with the sampler's completion log-probs and mask.
 
-  group_size G > 1 declares that rows come in groups of G consecutive rows
-  whose first P = S - T columns (the prompt, padding included) are identical:
-  each group's prompt then runs through the decoder once
-  (`hidden_states_shared_prompt`), with the same result.
-  attention: the decoder's attention (`attention.ATTENTION`).
-  constrain: pins the activations' shardings (`transformer.hidden_states`).
+  forward.group_size G > 1 declares that rows come in groups of G
+  consecutive rows whose first P = S - T columns (the prompt, padding
+  included) are identical: each group's prompt then runs through the
+  decoder once (`hidden_states_shared_prompt`), with the same result.
   """
   S = tokens_ns.shape[1]
   T = S - 1 if completion_len is None else completion_len
   if not 0 < T < S:
     raise ValueError(f"completion_len={completion_len}; need 0 < T < S={S}")
 
+  group_size, constrain = forward.group_size, forward.constrain
   if group_size > 1:
     positions_ns, valid_ns = default_positions_and_valid(
         tokens_ns, positions_ns, valid_ns)
@@ -151,16 +167,18 @@ def sequence_logprobs(model_config: ModelConfig, params: Params,
     h_last_bd, h_ntd = hidden_states_shared_prompt(
         model_config, params, tokens_ns[first, :P], positions_ns[first, :P],
         valid_ns[first, :P], tokens_ns[:, P:], positions_ns[:, P:],
-        valid_ns[:, P:], remat=remat, attention_impl=attention,
+        valid_ns[:, P:], remat=forward.remat, attention_impl=forward.attention,
         constrain=constrain)
     h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
     # Column j predicts completion token j: the prompt's last, then T - 1.
     h_ntd = jnp.concatenate([h_last_nd[:, None], h_ntd[:, :T - 1]], axis=1)
   else:
     h_ntd = hidden_states(model_config, params, tokens_ns, positions_ns,
-                          valid_ns, remat=remat, attention_impl=attention,
+                          valid_ns, remat=forward.remat,
+                          attention_impl=forward.attention,
                           constrain=constrain)[:, S - 1 - T:S - 1]
   if constrain is not None:     # the head reads whole rows' columns
     h_ntd = constrain(h_ntd, ("batch", None, None))
   return token_logprobs(model_config, params, h_ntd, tokens_ns[:, S - T:],
-                        chunk_size=chunk_size, temperature=temperature)
+                        chunk_size=forward.chunk_size,
+                        temperature=forward.temperature)

@@ -308,7 +308,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
       rl.num_updates * flops_lib.update_flops(c, shape, config.model.remat,
                                               shared, rows),
       chips, spec["flops"])
-  passes = int(plan.settings.use_kl) + int(rl.old_logp == "recompute")
+  passes = int(plan.spec.loss.use_kl) + int(plan.spec.recompute_old)
   if passes:
     out["score"] = flops_lib.roofline(
         passes * flops_lib.score_flops(c, shape, shared, rows), chips,

@@ -15,11 +15,10 @@ from grpo_jax.aot.programs import (Program, abstract_adapters,
                                    abstract_params, abstract_state,
                                    compile_program, per_chip_bytes,
                                    replicated, row_sharded)
-from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import packing, update
-from grpo_jax.rl.step import update_group_size
 from grpo_jax.generate import sampling
 from grpo_jax.models import lora, paged
+from grpo_jax.rl.spec import RunSpec
 from grpo_jax.models.config import ModelConfig
 
 @dataclasses.dataclass
@@ -29,18 +28,16 @@ class Plan:
   model_config: ModelConfig
   layout: sharding.Layout
   prompt_len: int
-  optimizer: Any = None
-  settings: Any = None
+  run: RunSpec = None  # the run's settings, as the trainer derives them
   state: Any = None
   base: Any = None     # LoRA: the frozen base (compute dtype), else None
 
   def __post_init__(self):
-    rl, m = self.config.rl, self.config.model
-    self.rows = rl.prompts_per_step * rl.num_generations
-    self.mini = rl.mini_batch_size or self.rows
-    self.optimizer = optimizer_lib.OptimizerSpec.from_config(self.config.optim, 1)
-    self.settings = update.LossSettings.from_config(self.config)
-    self.lora = lora.LoraSpec.from_config(self.config)
+    m = self.config.model
+    self.run = RunSpec.from_config(self.config)   # aot loads no tokenizer
+    self.rows, self.mini = self.run.batch.rows, self.run.batch.mini
+    self.optimizer, self.spec = self.run.optimizer, self.run.update
+    self.lora = self.run.lora
     adapters = None
     if self.lora.enabled:   # state = adapters + their optimizer state
       self.base = abstract_params(self.model_config, m.compute_dtype,
@@ -167,11 +164,11 @@ class Plan:
         row_sharded(self.layout, (n, T), jnp.float32),
         row_sharded(self.layout, (n, T), jnp.float32),
         row_sharded(self.layout, (n,), jnp.float32))
-    group = update_group_size(self.config.rl, n)
     resident = self.reference_bytes()
     lower = lambda: update.update_step.lower(
-        self.state, batch, self.model_config, self.optimizer, n // micro_rows,
-        self.settings, self.layout, group, self.base)
+        self.state, batch, self.program(num_micro=n // micro_rows,
+                                        group_size=self.spec.group_size(n)),
+        self.base)
     return compile_program("update", micro_rows, lower, resident)
 
   def packed_rows(self, rows: int, micro_rows: int
@@ -193,24 +190,28 @@ class Plan:
     n, T = self.mini, self.config.sampling.max_new_tokens
     rows, R, num_micro = self.packed_rows(n, micro_rows)
     slots = rows.src_nt.shape[0]
-    batch = update.PackedUpdateBatch(
-        rows, row_sharded(self.layout, (slots, T), jnp.bool_),
-        row_sharded(self.layout, (slots, T), jnp.float32),
-        row_sharded(self.layout, (slots, T), jnp.float32),
-        row_sharded(self.layout, (slots,), jnp.float32))
+    batch = update.UpdateBatch(
+        mask_nt=row_sharded(self.layout, (slots, T), jnp.bool_),
+        old_logp_nt=row_sharded(self.layout, (slots, T), jnp.float32),
+        ref_logp_nt=row_sharded(self.layout, (slots, T), jnp.float32),
+        adv_n=row_sharded(self.layout, (slots,), jnp.float32), rows=rows)
     lower = lambda: update.update_step.lower(
-        self.state, batch, self.model_config, self.optimizer, num_micro,
-        self.settings, self.layout, base=self.base)
+        self.state, batch, self.program(num_micro=num_micro,
+                                        group_size=self.spec.group_size(n)),
+        self.base)
     return compile_program("update packed", R, lower, self.reference_bytes())
 
   def packed_score(self, micro_rows: int) -> Program:
-    """score_packed on the step's rows packed (as `packed_update`)."""
+    """score_logprobs on the step's rows packed (as `packed_update`)."""
     rows, R, num_micro = self.packed_rows(self.rows, micro_rows)
+    T = self.config.sampling.max_new_tokens
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
-    lower = lambda: update.score_packed.lower(
-        self.state.params, rows, self.model_config, self.settings, num_micro,
-        self.rows, self.layout, self.base)
+    lower = lambda: update.score_logprobs.lower(
+        update.Policy(self.state.params, self.base),
+        update.UpdateBatch(rows=rows), self.program(
+            num_micro=num_micro, group_size=self.spec.group_size(self.rows),
+            logp_shape=(self.rows, T)))
     return compile_program("score packed", R, lower, resident)
 
   def reference_bytes(self) -> int:
@@ -218,28 +219,34 @@ class Plan:
     the reference is the base, an argument of every program)."""
     if self.base is not None:
       return 0
-    return per_chip_bytes(self.state.params) if self.settings.use_kl else 0
+    return per_chip_bytes(self.state.params) if self.spec.loss.use_kl else 0
 
   def score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows in micro-batches of `micro_rows`."""
     T, rows = self.config.sampling.max_new_tokens, self.rows
-    cols = self.sequence_columns(rows)
-    group = update_group_size(self.config.rl, rows)
+    cols = update.UpdateBatch(*self.sequence_columns(rows))
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
     lower = lambda: update.score_logprobs.lower(
-        self.state.params, *cols, self.model_config, T, self.settings, group,
-        rows // micro_rows, self.layout, self.base)
+        update.Policy(self.state.params, self.base), cols, self.program(
+            num_micro=rows // micro_rows,
+            group_size=self.spec.group_size(rows), logp_shape=(rows, T)))
     return compile_program("score", micro_rows, lower, resident)
 
   def micro_rows(self) -> int:
-    rl = self.config.rl
     return update.micro_batch_rows(self.mini, self.seq_len,
-                                   rl.micro_batch_size, rl.micro_batch_tokens)
+                                   self.spec.micro_batch_size,
+                                   self.spec.micro_batch_tokens)
+
+  def program(self, **static) -> update.UpdateProgram:
+    """The trainer's static update world, specialised as a step does."""
+    return dataclasses.replace(
+        self.spec.program(self.model_config, self.optimizer, self.layout),
+        **static)
 
   @property
   def uses_scoring(self) -> bool:
-    return self.settings.use_kl or self.config.rl.old_logp == "recompute"
+    return self.spec.scores
 
 
 # Sequences per packed row that aot.py assumes when it sizes the slot arrays

@@ -2,16 +2,15 @@
 
 The host side of a step, between the two jitted programs: render prompts,
 call the sampler, detokenise, run the reward functions (strings: the one
-deliberate host boundary), apply DAPO's dynamic sampling, and pack the kept
-groups into the fixed-shape arrays that the jitted update consumes.
+deliberate host boundary) and apply DAPO's dynamic sampling.
 
 The rollout has three typed forms, one per consumer:
 
     sampling.Samples   n = b*g rows, as the sampler returns them   [n, t]
     Groups             group axis first, for rewards and dynamic
                        sampling (whole groups are kept or dropped) [b, g, t]
-    PackedBatch        rows again, prompt + completion side by side,
-                       for the update                              [n, s]
+    rl.batch.RolloutBatch  rows again, prompt + completion side by
+                       side, for the update (built in rl/)         [n, s]
 """
 from __future__ import annotations
 
@@ -182,35 +181,3 @@ def _merge_generation_metrics(seen) -> dict[str, float]:
             if k.startswith("reward/") and not k.endswith("/seconds")}:
     out[k] = float(np.mean([m[k] for _, m in seen if k in m]))
   return out
-
-
-class PackedBatch(NamedTuple):
-  """Fixed-shape update inputs, n = b*g rows, s = p + t columns."""
-  tokens_ns: np.ndarray       # int32, [left-padded prompt | completion]
-  positions_ns: np.ndarray    # int32 rotary positions
-  valid_ns: np.ndarray        # bool: real (attendable) tokens
-  mask_nt: np.ndarray         # float32 loss mask over the completion
-  old_logp_nt: np.ndarray     # float32 log-probs from the sampler
-  reward_bg: np.ndarray       # float32 [b, g]
-
-
-def pack(batch: Groups, pad_id: int, overlong_filter: bool) -> PackedBatch:
-  """Group-major arrays -> row-major fixed-shape arrays for the update."""
-  B, G, T = batch.tokens_bgt.shape
-  prompts = [p for p in batch.prompt_ids_b for _ in range(G)]
-  P = sampling.bucket(max(len(p) for p in prompts))
-  prompt_np, len_n = sampling.left_pad(prompts, P, len(prompts), pad_id)
-  comp_nt = batch.tokens_bgt.reshape(B * G, T)
-  mask_nt = batch.mask_bgt.reshape(B * G, T)
-  tokens = np.concatenate([prompt_np, comp_nt], axis=1)
-  col = np.arange(P + T)[None, :]
-  pad_n = P - len_n[:, None]
-  positions = np.maximum(col - pad_n, 0).astype(np.int32)
-  valid = np.concatenate([col[:, :P] >= pad_n, mask_nt], axis=1)
-  loss_mask = mask_nt.astype(np.float32)
-  if overlong_filter:
-    loss_mask = np.asarray(dynamic_sampling.overlong_filter(
-        loss_mask, batch.truncated_bg.reshape(-1)), np.float32)
-  return PackedBatch(tokens.astype(np.int32), positions, valid, loss_mask,
-                     batch.logp_bgt.reshape(B * G, T).astype(np.float32),
-                     batch.reward_bg.astype(np.float32))

@@ -200,12 +200,12 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
         if group_n[i] != last_group:        # the group's prompt, once
           last_group, member = group_n[i], 0
           gid += 1
-          _put(out, m, M, r, col, tokens_ns[i, P - p:P], np.arange(p),
-               gid * SEGMENT_MEMBERS, S)
+          _put(out, r * M + m, col, tokens_ns[i, P - p:P], np.arange(p),
+               gid * SEGMENT_MEMBERS)
           prompt_last, col = col + p - 1, col + p
         member += 1
-        _put(out, m, M, r, col, tokens_ns[i, P:P + c], p + np.arange(c),
-             gid * SEGMENT_MEMBERS + member, S)
+        _put(out, r * M + m, col, tokens_ns[i, P:P + c], p + np.arange(c),
+             gid * SEGMENT_MEMBERS + member)
         cols = col + np.arange(c)
         out.pred_rs[r * M + m, col:col + c] = np.concatenate(
             [[prompt_last], cols[:-1]])
@@ -224,14 +224,13 @@ def _empty(M, R, S, N, T, n) -> PackedRows:
                                                             np.int32))
 
 
-def _put(out: PackedRows, m, M, r, col, tokens, positions, segment, S):
-  row, end = r * M + m, col + len(tokens)
+def _put(out: PackedRows, row, col, tokens, positions, segment):
+  """One sequence's tokens written into packed row `row` from column `col`."""
+  end = col + len(tokens)
   out.tokens_rs[row, col:end] = tokens
   out.positions_rs[row, col:end] = positions
   out.valid_rs[row, col:end] = True
   out.segments_rs[row, col:end] = segment
-
-
 
 
 def padded_cost(n: int, prompt_len: int, completion_len: int,
@@ -262,31 +261,31 @@ def packed_tokens(rows: PackedRows) -> int:
 # Device side: one micro-batch of packed rows -> log-probs in N slots.
 # ----------------------------------------------------------------------------
 
-def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows, *,
-                    chunk_size: int, temperature: float = 1.0,
-                    remat: str = "none", attention: str = "auto",
-                    constrain=None):
+def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows,
+                    forward: logprobs_lib.Forward = logprobs_lib.Forward()):
   """log π and entropy of each slot's completion tokens, float32 [N, T],
   from ONE micro-batch of packed rows ([R, S] arrays, `src_nt` [N, T]).
   Entries past a slot's packed length (and empty slots) are garbage that
   the loss mask removes, as the padded path's are.
-  constrain: pins the activations' shardings as the padded path does
-  (`transformer.hidden_states`; `sharding.Layout.constrain`): packed rows
-  over the batch axes, and so the predicting states (same row) and the
+  forward.constrain pins the activations' shardings as the padded path
+  does (`transformer.hidden_states`; `sharding.Layout.constrain`): packed
+  rows over the batch axes, and so the predicting states (same row) and the
   slots' log-probs. Only the [R, S] scalar log-probs cross chips (a slot's
-  row may live on another), never hidden states."""
+  row may live on another), never hidden states. forward.group_size is
+  not read: the rows say who shares a prompt (segment ids)."""
+  constrain = forward.constrain
   h_rsd = transformer.hidden_states(
       model_config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
-      remat=remat, segment_ns=rows.segments_rs, attention_impl=attention,
-      constrain=constrain)
+      remat=forward.remat, segment_ns=rows.segments_rs,
+      attention_impl=forward.attention, constrain=constrain)
   if constrain is not None:     # the gather and the head read whole rows
     h_rsd = constrain(h_rsd, ("batch", None, None))
   h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)
   if constrain is not None:
     h_pred = constrain(h_pred, ("batch", None, None))
   logp_rs, entropy_rs = logprobs_lib.token_logprobs(
-      model_config, params, h_pred, rows.tokens_rs, chunk_size=chunk_size,
-      temperature=temperature)
+      model_config, params, h_pred, rows.tokens_rs,
+      chunk_size=forward.chunk_size, temperature=forward.temperature)
   take = lambda x: jnp.take(x.reshape(-1), rows.src_nt, axis=0)
   logp_nt, entropy_nt = take(logp_rs), take(entropy_rs)
   if constrain is not None:

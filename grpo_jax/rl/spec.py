@@ -8,7 +8,8 @@ ConfigDict:
     RunSpec.from_config(config, tokenizer)
       batch      BatchSizes       b prompts x g rows a step, the mini-batch,
                                   updates per step and in the run
-      loss       LossSettings     the policy loss and the trainer's forward
+      update     UpdateSpec       the loss, mini/micro-batches, packing,
+                                  π_old recomputed and its correction
       optimizer  OptimizerSpec    config.optim over the run's updates
       sampling   SamplingConfig   config.sampling with the tokenizer's ids
       rollout    RolloutSettings  where rows are sampled, how stale
@@ -32,7 +33,7 @@ from grpo_jax.harness import experiment
 from grpo_jax.models import lora
 from grpo_jax.rl.async_rollouts import RolloutSettings
 from grpo_jax.rl.optimizer import OptimizerSpec, learning_rate_schedule
-from grpo_jax.rl.update import LossSettings
+from grpo_jax.rl.step import UpdateSpec
 
 
 class TokenIds(NamedTuple):
@@ -118,7 +119,7 @@ class DynamicSampling:
 class RunSpec:
   """Everything a run derives from its validated config (module docstring)."""
   batch: BatchSizes
-  loss: LossSettings
+  update: UpdateSpec
   optimizer: OptimizerSpec
   sampling: sampling.SamplingConfig
   sampler_dtype: str     # the sampler's weights (sampling.compute_dtype or
@@ -129,6 +130,7 @@ class RunSpec:
   lora: lora.LoraSpec
   advantage: AdvantageSettings
   groups: DynamicSampling
+  overlong_filter: bool   # truncated rows out of the loss (DAPO)
   seed: int
 
   @classmethod
@@ -140,7 +142,7 @@ class RunSpec:
     sampler = experiment.sampling_config(config, tokenizer)
     reward = rollout.RewardSpec.from_config(config)
     return cls(
-        batch=batch, loss=LossSettings.from_config(config),
+        batch=batch, update=UpdateSpec.from_config(config),
         optimizer=OptimizerSpec.from_config(config.optim,
                                             batch.total_updates),
         sampling=sampler,
@@ -150,7 +152,8 @@ class RunSpec:
         eval=evaluation.EvalSettings.from_config(config, sampler, reward),
         lora=lora.LoraSpec.from_config(config),
         advantage=AdvantageSettings.from_config(config),
-        groups=DynamicSampling.from_config(config), seed=config.seed)
+        groups=DynamicSampling.from_config(config),
+        overlong_filter=bool(config.rl.overlong_filter), seed=config.seed)
 
   def learning_rate(self, count: int) -> float:
     """The rate of update `count` (0, 1, ...: optax reads the count before

@@ -1,16 +1,23 @@
-"""REFERENCE + UPDATE of one RL step, on the step's packed rollout.
+"""REFERENCE + UPDATE of one RL step, on the step's rollout rows.
 
-    score_step      the full UpdateBatch: π_ref (β > 0) and π_old recomputed
-                    (rl.old_logp = recompute, with the decoupled correction)
-    update_passes   rl.num_updates passes over shuffled mini-batches, each
-                    run packed or padded (`choose_packing`)
+    train_step      score_step: the whole step's rows scored once, π_ref
+                    (β > 0) and π_old recomputed (rl.old_logp = recompute,
+                    then the decoupled rollout correction) -> UpdateBatch
+                    update_passes: rl.num_updates passes over shuffled
+                    mini-batches of it, one optimizer update each
 
-`train_step` is the two in order; `rl.train` calls it once per step.
+Both stages take one path: a batch (the step's rows, or one mini-batch) is
+packed where `choose_packing` says (`for_program`), then one jitted program
+runs it padded or packed alike (`update.score_logprobs`,
+`update.update_step`). The settings come as values: an `UpdateSpec`, derived
+from the config once per run (`UpdateSpec.from_config`), and the run's
+static `update.UpdateProgram`.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +26,77 @@ import numpy as np
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import rollout_correction
 from grpo_jax.rl import nonfinite, packing
-from grpo_jax.rl.update import (LossSettings, UpdateBatch, micro_batch_rows,
+from grpo_jax.rl.batch import RolloutBatch
+from grpo_jax.rl.update import (LossSettings, Policy, UpdateBatch,
+                                UpdateProgram, micro_batch_rows,
                                 pack_update_batch, score_logprobs,
-                                score_packed, update_step)
+                                update_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+  """How a step's rollout becomes optimizer updates (config.rl, derived once
+  per run by `from_config`): the loss settings; μ = num_updates passes over
+  mini-batches of `mini_batch_size` rows (0: all), micro-batches of
+  `micro_batch_size` rows or of at most `micro_batch_tokens` tokens (0:
+  whole); groups of `num_generations` rows sharing a prompt run it once
+  (`shared_prompt`); `packing` (off, on, auto); π_old recomputed
+  (`recompute_old`, rl.old_logp = recompute) with the decoupled rollout
+  `correction`."""
+  loss: LossSettings = LossSettings()
+  num_updates: int = 1
+  mini_batch_size: int = 0
+  micro_batch_size: int = 0
+  micro_batch_tokens: int = 0
+  num_generations: int = 1
+  shared_prompt: bool = True
+  packing: str = "off"
+  recompute_old: bool = False
+  correction: rollout_correction.CorrectionSettings = (
+      rollout_correction.CorrectionSettings())
+
+  @classmethod
+  def from_config(cls, config) -> "UpdateSpec":
+    rl = config.rl
+    return cls(
+        loss=LossSettings.from_config(config), num_updates=rl.num_updates,
+        mini_batch_size=rl.mini_batch_size,
+        micro_batch_size=rl.micro_batch_size,
+        micro_batch_tokens=rl.micro_batch_tokens,
+        num_generations=rl.num_generations, shared_prompt=rl.shared_prompt,
+        packing=rl.packing, recompute_old=rl.old_logp == "recompute",
+        correction=rollout_correction.CorrectionSettings.from_config(
+            rl.rollout_correction))
+
+  @property
+  def scores(self) -> bool:
+    """Whether a step scores its rows (π_ref or π_old recomputed)."""
+    return self.loss.use_kl or self.recompute_old
+
+  def program(self, model_config, optimizer, layout=None) -> UpdateProgram:
+    """The run's static update world (`update.UpdateProgram`) with these
+    loss settings; steps specialise its micro-batches and group size."""
+    return UpdateProgram(model_config, self.loss, optimizer, layout=layout)
+
+  def group_size(self, rows: int) -> int:
+    """Rows per prompt the update may rely on in batches of `rows` rows
+    (1: none): the G rows of a group share their prompt, which the update
+    then runs once (rl.shared_prompt)."""
+    G = self.num_generations
+    return G if self.shared_prompt and G > 1 and rows % G == 0 else 1
+
+
+class Frozen(NamedTuple):
+  """The parameters a step reads and never trains: with LoRA the frozen
+  `base` (state.params are its adapters), and the `reference` policy's
+  params when β > 0 (with LoRA the base itself: adapters off)."""
+  base: object = None
+  reference: object = None
+
+
+def _put(program: UpdateProgram):
+  """Host rows -> the program's device arrays (row-sharded with a layout)."""
+  return program.layout.rows if program.layout is not None else jnp.asarray
 
 
 def _minibatches(n: int, size: int, rng: np.random.Generator,
@@ -33,19 +108,13 @@ def _minibatches(n: int, size: int, rng: np.random.Generator,
   return [order[i:i + size] for i in range(0, n, size)]
 
 
-def update_group_size(rl, mini: int) -> int:
-  """Rows per prompt the update may rely on (1: none): the G rows of a group
-  share their prompt, which the update then runs once (rl.shared_prompt)."""
-  G = rl.num_generations
-  return G if rl.shared_prompt and G > 1 and mini % G == 0 else 1
-
-
 @dataclasses.dataclass(frozen=True)
 class UpdatePlan:
-  """How one step's n rows of s columns (t completion tokens) are split:
-  mini-batches of `mini` rows, micro-batches of `micro`, G rows sharing a
-  prompt in groups of `group` (of `whole` over the full batch, for
-  scoring), over `shards` row shards."""
+  """`spec` applied to one step's n rows of s columns (t completion
+  tokens): mini-batches of `mini` rows, micro-batches of `micro`, G rows
+  sharing a prompt in groups of `group` (of `whole` over the full batch,
+  for scoring), over `shards` row shards."""
+  spec: UpdateSpec
   n: int
   T: int
   seq_len: int
@@ -56,93 +125,107 @@ class UpdatePlan:
   shards: int
 
   @classmethod
-  def of(cls, rl, packed, layout=None) -> "UpdatePlan":
-    n, seq_len = packed.tokens_ns.shape
-    mini = rl.mini_batch_size or n
-    return cls(n=n, T=packed.mask_nt.shape[1], seq_len=seq_len, mini=mini,
-               micro=micro_batch_rows(mini, seq_len, rl.micro_batch_size,
-                                      rl.micro_batch_tokens),
-               group=update_group_size(rl, mini),
-               whole=update_group_size(rl, n),
+  def of(cls, spec: UpdateSpec, rollout: RolloutBatch, layout=None
+         ) -> "UpdatePlan":
+    n, seq_len = rollout.tokens_ns.shape
+    mini = spec.mini_batch_size or n
+    micro = micro_batch_rows(mini, seq_len, spec.micro_batch_size,
+                             spec.micro_batch_tokens)
+    return cls(spec=spec, n=n, T=rollout.mask_nt.shape[1], seq_len=seq_len,
+               mini=mini, micro=micro,
+               group=spec.group_size(mini), whole=spec.group_size(n),
                shards=layout.batch_shards if layout is not None else 1)
 
 
-def choose_packing(rl, plan: UpdatePlan, tokens_ns, valid_ns, mask_nt,
+def choose_packing(plan: UpdatePlan, tokens_ns, valid_ns, mask_nt,
                    group_size: int):
   """(packed rows, micro-batches) for these rows, or None where rl.packing
   says to stay padded (off; auto: where packing does not save tokens).
   Packed rows keep the padded path's micro-batch token budget."""
-  if rl.packing == "off":
+  if plan.spec.packing == "off":
     return None
   rows, num_micro = packing.pack_rows(tokens_ns, valid_ns, mask_nt,
                                       group_size, plan.micro, plan.shards)
-  if rl.packing == "auto" and not packing.wins(
+  if plan.spec.packing == "auto" and not packing.wins(
       rows, len(mask_nt), plan.seq_len - plan.T, plan.T, group_size):
     return None
   return rows, num_micro
 
 
-def score_step(rl, model_config, state, packed, adv_n, ref_params,
-               settings: LossSettings, plan: UpdatePlan, put, layout=None,
-               base=None) -> tuple[UpdateBatch, dict]:
+def for_program(plan: UpdatePlan, batch: UpdateBatch, host: tuple,
+                group_size: int, put):
+  """A batch of padded rows as its program runs it: packed where
+  `choose_packing` says for its host (tokens, valid, loss mask), else as
+  it is; (batch, micro-batches, packing metrics)."""
+  n = len(host[0])
+  chosen = choose_packing(plan, *host, group_size)
+  if chosen is None:
+    return batch, n // plan.micro, {"pack/used": 0.0}
+  rows, num_micro = chosen
+  return (jax.tree.map(put, pack_update_batch(batch, rows)), num_micro,
+          {"pack/used": 1.0, **packing.describe(rows, n)})
+
+
+def score_step(plan: UpdatePlan, program: UpdateProgram, state,
+               rollout: RolloutBatch, adv_n, frozen: Frozen
+               ) -> tuple[UpdateBatch, dict]:
   """REFERENCE: the step's full UpdateBatch, with log-probs under π_ref
   (β > 0) and π_old recomputed (rl.old_logp = recompute, then the decoupled
-  rollout correction), scored packed or padded as `choose_packing` says.
-  With LoRA (`base` given) the policy is the base with the adapters
-  state.params, and ref_params is the base itself (adapters off)."""
-  cols = (put(packed.tokens_ns), put(packed.positions_ns),
-          put(packed.valid_ns))
+  rollout correction), scored packed or padded (`for_program`). With LoRA
+  the policy is the base with the adapters state.params, the reference the
+  base itself."""
+  spec, put = plan.spec, _put(program)
+  cols = UpdateBatch(put(rollout.tokens_ns), put(rollout.positions_ns),
+                     put(rollout.valid_ns))
   metrics, t0 = {}, time.perf_counter()
-  old = put(packed.old_logp_nt)
-  scored = (choose_packing(rl, plan, packed.tokens_ns, packed.valid_ns,
-                           packed.mask_nt, plan.whole)
-            if settings.use_kl or rl.old_logp == "recompute" else None)
-  if scored is not None:
-    rows, num_micro = jax.tree.map(put, scored[0]), scored[1]
-    score = lambda params, base=None: score_packed(
-        params, rows, model_config, settings, num_micro, plan.n, layout, base)
-  else:
-    score = lambda params, base=None: score_logprobs(
-        params, *cols, model_config, plan.T, settings, plan.whole,
-        plan.n // plan.micro, layout, base)
-  if rl.old_logp == "recompute":
-    old = score(state.params, base)
+  old = put(rollout.old_logp_nt)
+  if spec.scores:
+    scored, num_micro, _ = for_program(
+        plan, cols, (rollout.tokens_ns, rollout.valid_ns,
+                           rollout.mask_nt), plan.whole, put)
+    score = dataclasses.replace(program, num_micro=num_micro,
+                                group_size=plan.whole,
+                                logp_shape=(plan.n, plan.T))
+  if spec.recompute_old:
+    old = score_logprobs(Policy(state.params, frozen.base), scored, score)
   ref = jnp.zeros_like(old)
-  if settings.use_kl:
-    ref = score(ref_params)
-  mask, weight = put(packed.mask_nt), None
-  if rl.old_logp == "recompute":   # decoupled: ρ = π_old / π_rollout
-    weight, mask, corr = decoupled_correction(rl, old,
-                                              put(packed.old_logp_nt), mask)
+  if spec.loss.use_kl:
+    ref = score_logprobs(Policy(frozen.reference), scored, score)
+  mask, weight = put(rollout.mask_nt), None
+  if spec.recompute_old:   # decoupled: ρ = π_old / π_rollout
+    weight, mask, corr = decoupled_correction(
+        spec.correction, old, put(rollout.old_logp_nt), mask)
     metrics.update({k: float(v) for k, v in corr.items()})
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
-  return UpdateBatch(*cols, mask, old, ref, put(adv_n), weight), metrics
+  return cols._replace(mask_nt=mask, old_logp_nt=old, ref_logp_nt=ref,
+                       adv_n=put(adv_n), is_weight_nt=weight), metrics
 
 
-def update_passes(rl, model_config, state, optimizer, full: UpdateBatch,
-                  packed, settings: LossSettings, plan: UpdatePlan,
-                  rng: np.random.Generator, put, layout=None, base=None):
+def update_passes(plan: UpdatePlan, program: UpdateProgram, state,
+                  full: UpdateBatch, rollout: RolloutBatch, frozen: Frozen,
+                  rng: np.random.Generator):
   """UPDATE: rl.num_updates passes over shuffled mini-batches of `full`,
-  each packed or padded as `choose_packing` says. Returns the state and the
+  each packed or padded (`for_program`). Returns the state and the
   per-update metrics and packing metrics (host values)."""
+  spec, put = plan.spec, _put(program)
   mask_host = (np.asarray(sharding_lib.to_host(full.mask_nt))
-               if rl.packing != "off" else None)
+               if spec.packing != "off" else None)
   step_metrics, pack_metrics = [], []
-  for _ in range(rl.num_updates):
+  for _ in range(spec.num_updates):
     for idx in _minibatches(plan.n, plan.mini, rng, plan.group):
       batch = jax.tree.map(lambda x: put(x[idx]), full)
-      num_micro = plan.mini // plan.micro
-      chosen = None if mask_host is None else choose_packing(
-          rl, plan, packed.tokens_ns[idx], packed.valid_ns[idx],
-          mask_host[idx], plan.group)
-      pack_metrics.append({"pack/used": float(chosen is not None)})
-      if chosen is not None:
-        rows, num_micro = chosen
-        batch = jax.tree.map(put, pack_update_batch(batch, rows))
-        pack_metrics[-1].update(packing.describe(rows, len(idx)))
-      state, m = update_step(state, batch, model_config, optimizer,
-                             num_micro, settings, layout, plan.group, base)
+      num_micro, packed = plan.mini // plan.micro, {"pack/used": 0.0}
+      if mask_host is not None:
+        batch, num_micro, packed = for_program(
+            plan, batch, (rollout.tokens_ns[idx],
+                                rollout.valid_ns[idx], mask_host[idx]),
+            plan.group, put)
+      pack_metrics.append(packed)
+      state, m = update_step(
+          state, batch, dataclasses.replace(
+              program, num_micro=num_micro, group_size=plan.group),
+          frozen.base)
       step_metrics.append(m)
   return state, jax.device_get(step_metrics), pack_metrics
 
@@ -164,37 +247,32 @@ def mean_update_metrics(step_metrics: list[dict], pack_metrics: list[dict]
   return metrics
 
 
-def train_step(config, model_config, state, optimizer, packed, adv_n,
-               ref_params, settings: LossSettings, rng: np.random.Generator,
-               layout: sharding_lib.Layout | None = None, base=None):
+def train_step(spec: UpdateSpec, program: UpdateProgram, state,
+               rollout: RolloutBatch, adv_n, frozen: Frozen,
+               rng: np.random.Generator):
   """REFERENCE + UPDATE for one rollout: μ passes over shuffled mini-batches.
-  With a layout, batches are row-sharded global arrays (each host gives its
+  program: the run's static world (model, spec.loss, optimizer, layout);
+  with a layout, batches are row-sharded global arrays (each host gives its
   rows) and the update keeps the state's shardings. rl.packing (on, or
   auto: where it pays for fewer tokens): scoring and each update run on
-  packed rows (packing.py), the same micro-batch token budget.
-  base: with LoRA, the frozen base (state.params are the adapters)."""
-  rl = config.rl
-  put = layout.rows if layout is not None else jnp.asarray
-  plan = UpdatePlan.of(rl, packed, layout)
-  full, metrics = score_step(rl, model_config, state, packed, adv_n,
-                             ref_params, settings, plan, put, layout, base)
+  packed rows (packing.py), the same micro-batch token budget."""
+  plan = UpdatePlan.of(spec, rollout, program.layout)
+  full, metrics = score_step(plan, program, state, rollout, adv_n, frozen)
   t0 = time.perf_counter()
   state, step_metrics, pack_metrics = update_passes(
-      rl, model_config, state, optimizer, full, packed, settings, plan, rng,
-      put, layout, base)
+      plan, program, state, full, rollout, frozen, rng)
   metrics["time/update"] = time.perf_counter() - t0
   metrics.update(mean_update_metrics(step_metrics, pack_metrics))
   return state, metrics
 
 
-def decoupled_correction(rl, old_nt, roll_nt, mask_nt):
+def decoupled_correction(correction: rollout_correction.CorrectionSettings,
+                         old_nt, roll_nt, mask_nt):
   """Rollout correction with π_old recomputed (rl.old_logp = recompute), once
   on the step's whole batch: (weights or None when off, loss mask, metrics).
   The mismatch metrics are logged whether or not a correction is on."""
-  settings = rollout_correction.CorrectionSettings.from_config(
-      rl.rollout_correction)
-  weight, corrected, metrics = rollout_correction.correct(old_nt, roll_nt,
-                                                          mask_nt, settings)
-  if not settings.active:
+  weight, corrected, metrics = rollout_correction.correct(
+      old_nt, roll_nt, mask_nt, correction)
+  if not correction.active:
     return None, mask_nt, metrics
   return weight, corrected, metrics

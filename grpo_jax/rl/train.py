@@ -34,9 +34,10 @@ from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.rewards import process
 from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
-from grpo_jax.rl.step import train_step
+from grpo_jax.rl.batch import to_rows
 from grpo_jax.rl.spec import AdvantageSettings, RunSpec
-from grpo_jax.rl.update import init_state
+from grpo_jax.rl.step import Frozen, train_step
+from grpo_jax.rl.update import UpdateProgram, init_state
 
 
 def advantages(spec: AdvantageSettings, reward_bg: np.ndarray,
@@ -86,17 +87,17 @@ class _Run(NamedTuple):
   layout: sharding_lib.Layout
   sampler_layout: sharding_lib.Layout   # `layout` itself when colocated
   ckpt: Any
-  ref_params: Any
+  program: UpdateProgram   # the update's static world (spec.update's)
+  frozen: Frozen           # LoRA's base (state.params: adapters); π_ref
   eval_examples: list
   pools: sampling.PagePools   # the paged sampler's page pool, kept all run
-  base: Any = None        # LoRA: the frozen base (state.params: adapters)
   base_identity: Any = None   # LoRA: experiment.base_identity, saved
 
 
 def policy(r: _Run, params, dtype: str):
   """The policy the sampler and evaluation run, in `dtype` (with LoRA the
   adapters merged into, or attached to, the base)."""
-  return experiment.policy_params(r.spec.lora, params, r.base, dtype)
+  return experiment.policy_params(r.spec.lora, params, r.frozen.base, dtype)
 
 
 def _setup(config, workdir: str):
@@ -124,7 +125,7 @@ def _setup(config, workdir: str):
   # donated) and is the reference itself: the policy with adapters off.
   params = layout.shard_params(model_config, params)
   base = identity = None
-  use_kl = spec.loss.use_kl
+  use_kl = spec.update.loss.use_kl
   if spec.lora.enabled:
     base, identity = params, experiment.base_identity(config, params)
     params = experiment.init_adapters(config, model_config, layout)
@@ -138,8 +139,10 @@ def _setup(config, workdir: str):
                                                     state)
   if identity is not None and resumed is not None:
     experiment.check_base(host, identity, str(ckpt.step_path(resumed)))
+  program = spec.update.program(model_config, spec.optimizer, layout)
   run = _Run(spec, model_config, tokenizer, layout, sampler_layout, ckpt,
-             ref_params, eval_examples, sampling.PagePools(), base, identity)
+             program, Frozen(base, ref_params), eval_examples,
+             sampling.PagePools(), identity)
   return run, state, host, resumed, train_examples
 
 
@@ -167,15 +170,14 @@ def learn(config, r: _Run, state, groups: rollout.Groups, metrics: dict,
   SAMPLE + SCORE metrics). Returns the new state and the step's metrics."""
   spec = r.spec
   metrics = dict(metrics)
-  packed = rollout.pack(groups, r.tokenizer.pad_id or 0,
-                        config.rl.overlong_filter)
+  batch = to_rows(groups, spec.sampling.pad_id, spec.overlong_filter)
   # ADVANTAGE
   if spec.advantage.per_token:    # per token [N, T]
     adv_n, process_metrics = process_advantages(spec.advantage, r.tokenizer,
                                                 groups)
     metrics.update(process_metrics)
   else:
-    adv_n = advantages(spec.advantage, packed.reward_bg, packed.mask_nt)
+    adv_n = advantages(spec.advantage, batch.reward_bg, batch.mask_nt)
     if spec.advantage.process_reward:   # its metrics only, to compare
       metrics.update(process_step_rewards(spec.advantage, r.tokenizer,
                                           groups)[2])
@@ -184,9 +186,8 @@ def learn(config, r: _Run, state, groups: rollout.Groups, metrics: dict,
                   "advantage/abs_max": float(np.abs(adv_n).max())})
   # REFERENCE + UPDATE
   state, update_metrics = train_step(
-      config, r.model_config, state, spec.optimizer, packed, adv_n,
-      r.ref_params, spec.loss, np.random.default_rng([spec.seed, step]),
-      r.layout, r.base)
+      spec.update, r.program, state, batch, adv_n, r.frozen,
+      np.random.default_rng([spec.seed, step]))
   metrics.update(update_metrics)
   # the rate of this step's last update (optax reads the count before it
   # increments it: update k uses lr_schedule(k), k = 0, 1, ...)
@@ -209,7 +210,8 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
         source, sample, lambda params: policy(r, params, spec.sampler_dtype))
   store = weight_sync.WeightStore()
   sync = weight_sync.WeightSync(
-      spec.sampler_dtype, r.model_config, r.sampler_layout, store, r.base,
+      spec.sampler_dtype, r.model_config, r.sampler_layout, store,
+      r.frozen.base,
       functools.partial(experiment.policy_params, spec.lora))
   return async_rollouts.Threaded(source, sample, sync, store, start,
                                  async_rollouts.key_value(state.key))
@@ -335,7 +337,7 @@ def run(config, workdir: str) -> dict:
     summary["plot"] = metrics_lib.plot_curves(
         rows_, os.path.join(workdir, "curves.png"), title=config.name)
   summary["state"] = state
-  if r.base is not None:   # LoRA: state.params are the adapters
-    summary["base"] = r.base
+  if r.frozen.base is not None:   # LoRA: state.params are the adapters
+    summary["base"] = r.frozen.base
   return summary
 

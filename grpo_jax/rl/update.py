@@ -3,15 +3,26 @@
 `update_step` is one pure jitted function: it splits a mini-batch into
 micro-batches, accumulates the gradient of the loss normalised by the WHOLE
 mini-batch's token/sequence counts (so token-mean is exact whatever the
-split), and applies the optax update.
+split), and applies the optax update. `score_logprobs` is the one scoring
+program (π_ref, or π_old recomputed), micro-batched as the update.
+
+One batch type for both layouts: an `UpdateBatch` holds either padded rows
+[prompt | completion] or, in `rows`, the same sequences packed several to a
+row (`packing.py`), with its per-token fields [N, T] either way (packed:
+N sequence slots, empty ones mask 0). The one branch is where the log-probs
+are computed (`batch_logprobs`); the loss, the normalisers, the micro-batch
+scan and the optimizer step do not know which layout they run on.
+
+The static world of a compiled program is one hashable value, an
+`UpdateProgram` (model, loss settings, optimizer, micro-batches, group
+size, layout): equal values share one compile, however many times they are
+made (STaR makes a fresh optimizer every outer iteration). The parameters
+are one `Policy` value: the trained params and, with LoRA, the frozen base.
 
 The core is shared with supervised fine-tuning (`sft.sft_step`, STaR):
 `micro_batch_sum` (strided micro-batches, gradients summed in a scan) and
 `apply_gradients` (optax, the next TrainState, the layout's constraint;
 a non-finite update is not applied, `nonfinite.py`).
-Both jitted steps take the optimizer as an `optimizer.OptimizerSpec`, a value: equal
-specs share one compiled program, however many times the optimizer is made
-(STaR makes a fresh one every outer iteration).
 """
 from __future__ import annotations
 
@@ -67,6 +78,17 @@ class LossSettings:
   def use_kl(self) -> bool:
     return self.kl_beta > 0
 
+  def forward(self, layout=None, group_size: int = 1
+              ) -> logprobs_lib.Forward:
+    """How the trainer's forward runs: these settings, the activations
+    pinned to `layout` (a `sharding.Layout`: each chip computes only its
+    rows), `group_size` rows sharing a prompt."""
+    return logprobs_lib.Forward(
+        chunk_size=self.chunk, temperature=self.temperature, remat=self.remat,
+        attention=self.attention,
+        constrain=None if layout is None else layout.constrain,
+        group_size=group_size)
+
   @classmethod
   def from_config(cls, config) -> "LossSettings":
     rl = config.rl
@@ -80,28 +102,61 @@ class LossSettings:
                lora_scale=lora.LoraSpec.from_config(config).scale)
 
 
-class PackedUpdateBatch(NamedTuple):
-  """A mini-batch of sequences packed into rows (`packing.py`): `rows`, and
-  the per-token fields of its N*M sequence slots in slot order (empty slots
-  all zero, mask 0), strided by micro-batch like `rows`."""
-  rows: packing.PackedRows
-  mask_nt: jax.Array
-  old_logp_nt: jax.Array
-  ref_logp_nt: jax.Array
-  adv_n: jax.Array
-  is_weight_nt: Optional[jax.Array] = None
+class Policy(NamedTuple):
+  """The decoder's parameters as one value: `params`, what is trained (the
+  full weights, or with LoRA the adapters), and with LoRA the frozen `base`
+  (compute dtype; None without LoRA). Gradients are taken w.r.t. `params`
+  only, so they never reach the base; jitted steps donate the train state
+  (`params` inside it) and never the base."""
+  params: Params
+  base: Params | None = None
+
+  def tree(self, lora_scale: float) -> Params:
+    """The decoder's parameter tree: `params` itself, or the base with the
+    adapters `params` attached (α/r = lora_scale)."""
+    if self.base is None:
+      return self.params
+    return lora.attach(self.base, self.params, lora_scale)
 
 
 class UpdateBatch(NamedTuple):
-  """One mini-batch of N completion rows (S = P + T columns)."""
-  tokens_ns: jax.Array
-  positions_ns: jax.Array
-  valid_ns: jax.Array
-  mask_nt: jax.Array
-  old_logp_nt: jax.Array
-  ref_logp_nt: jax.Array     # zeros when β = 0 (never read)
-  adv_n: jax.Array           # [N] outcome or [N, T] process advantages
+  """One mini-batch of sequences: n padded rows of S = P + T columns
+  (`tokens_ns`, `positions_ns`, `valid_ns`), or the same sequences packed
+  (`rows`, `packing.pack_rows`; then the row fields are None). The per-token
+  fields are [N, T]: the padded rows', or the packed batch's N*M sequence
+  slots in slot order (empty slots all zero, mask 0), strided by
+  micro-batch like `rows`. Scoring reads only the row fields."""
+  tokens_ns: jax.Array | None = None
+  positions_ns: jax.Array | None = None
+  valid_ns: jax.Array | None = None
+  mask_nt: jax.Array | None = None
+  old_logp_nt: jax.Array | None = None
+  ref_logp_nt: jax.Array | None = None   # zeros when β = 0 (never read)
+  adv_n: jax.Array | None = None    # [N] outcome or [N, T] process advantages
   is_weight_nt: Optional[jax.Array] = None   # rollout-correction weights
+  rows: Optional[packing.PackedRows] = None   # packed: the decoder's rows
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateProgram:
+  """The static world of one jitted update, SFT step or scoring program
+  (hashable: equal values share one compiled program).
+
+  loss: `LossSettings` (RL) or `sft.SFTSettings` (SFT); optimizer: an
+  `optimizer.OptimizerSpec` (or an optax transformation, which compiles
+  once per object; None: scoring only); num_micro: micro-batches per batch;
+  group_size > 1: the padded rows are whole groups of that many consecutive
+  rows sharing a prompt (its forward/backward then runs once; packed rows
+  say so themselves); layout: a `sharding.Layout` (rows over its batch
+  axes, the state keeping its shardings); logp_shape: scoring's result,
+  [n, t] log-probs in the padded rows' layout."""
+  model_config: ModelConfig
+  loss: Any
+  optimizer: Any = None
+  num_micro: int = 1
+  group_size: int = 1
+  layout: Any = None
+  logp_shape: tuple[int, int] = (0, 0)
 
 
 # ----------------------------------------------------------------------------
@@ -119,54 +174,48 @@ def init_state(params: Params, optimizer, seed: int) -> TrainState:
 # Log-probs and the loss.
 # ----------------------------------------------------------------------------
 
-def completion_logprobs(model_config: ModelConfig, params: Params,
-                        tokens_ns, positions_ns, valid_ns, num_completion: int,
-                        s: LossSettings, group_size: int = 1, layout=None):
-  """log π(token) and entropy over the last `num_completion` columns, (N, T),
-  temperature-scaled exactly as the sampler's log-probs. group_size > 1:
-  rows come in groups of that many sharing one prompt, run once per group.
-  With a `sharding.Layout`, the decoder's activations are pinned to it (rows
-  over the batch axes), so each chip computes only its rows."""
+def batch_logprobs(params: Params, batch: UpdateBatch, num_completion: int,
+                   program: UpdateProgram):
+  """log π(token) and entropy of the batch's completion tokens, [N, T],
+  temperature-scaled exactly as the sampler's log-probs: over the last
+  `num_completion` columns of padded rows (program.group_size > 1: each
+  group's prompt run once), or gathered from packed rows into their
+  sequence slots. With a layout each chip computes only its rows."""
+  loss = program.loss
+  params = cast(params, loss.compute_dtype)
+  forward = loss.forward(program.layout, program.group_size)
+  if batch.rows is not None:
+    return packing.packed_logprobs(program.model_config, params, batch.rows,
+                                   forward)
   return logprobs_lib.sequence_logprobs(
-      model_config, cast(params, s.compute_dtype), tokens_ns, positions_ns,
-      valid_ns, completion_len=num_completion, chunk_size=s.chunk,
-      temperature=s.temperature, remat=s.remat, group_size=group_size,
-      attention=s.attention,
-      constrain=None if layout is None else layout.constrain)
+      program.model_config, params, batch.tokens_ns, batch.positions_ns,
+      batch.valid_ns, completion_len=num_completion, forward=forward)
 
 
-def policy_tree(params: Params, base: Params | None, s: LossSettings
-                ) -> Params:
-  """The decoder's parameters: `params` itself, or with LoRA (a `base`
-  given) the frozen base with the adapters `params` attached. The gradient
-  is taken w.r.t. `params` only, so it never reaches the base."""
-  return params if base is None else lora.attach(base, params, s.lora_scale)
+def loss_fn(policy: Policy, batch: UpdateBatch, norm: losses.Normalisers,
+            kl_beta, program: UpdateProgram):
+  """The configured loss of one (micro-)batch under `policy` and its
+  metrics (program.group_size: the rows per prompt of this batch)."""
+  params = policy.tree(program.loss.lora_scale)
+  logp, entropy = batch_logprobs(params, batch, batch.mask_nt.shape[1],
+                                 program)
+  return policy_loss(logp, entropy, batch, norm, kl_beta, program.loss)
 
 
-def loss_fn(params: Params, model_config: ModelConfig, batch: UpdateBatch,
-            norm: losses.Normalisers, kl_beta, s: LossSettings,
-            group_size: int = 1, layout=None, base: Params | None = None):
-  T = batch.mask_nt.shape[1]
-  params = policy_tree(params, base, s)
-  logp, entropy = completion_logprobs(model_config, params, batch.tokens_ns,
-                                      batch.positions_ns, batch.valid_ns, T, s,
-                                      group_size, layout)
-  return policy_loss(logp, entropy, batch, norm, kl_beta, s)
-
-
-def policy_loss(logp_nt, entropy_nt, batch, norm: losses.Normalisers,
-                kl_beta, s: LossSettings):
-  """The configured loss of given log-probs; `batch` an UpdateBatch or a
-  PackedUpdateBatch (its per-token fields are [N, T] either way)."""
+def policy_loss(logp_nt, entropy_nt, batch: UpdateBatch,
+                norm: losses.Normalisers, kl_beta, loss: LossSettings):
+  """The configured loss of given log-probs (the batch's per-token fields
+  are [N, T] whether it is padded or packed)."""
   return losses.policy_loss(
       logp_nt, batch.old_logp_nt, batch.adv_n, batch.mask_nt,
-      batch.ref_logp_nt if s.use_kl else None, spec=s.loss, kl_beta=kl_beta,
-      norm=norm, entropy_nt=entropy_nt, is_weight_nt=batch.is_weight_nt)
+      batch.ref_logp_nt if loss.use_kl else None, spec=loss.loss,
+      kl_beta=kl_beta, norm=norm, entropy_nt=entropy_nt,
+      is_weight_nt=batch.is_weight_nt)
 
 
-def global_normalisers(mask_nt: jax.Array, s: LossSettings
+def global_normalisers(mask_nt: jax.Array, loss: LossSettings
                        ) -> losses.Normalisers:
-  return losses.normalisers(mask_nt, s.max_len_norm or None)
+  return losses.normalisers(mask_nt, loss.max_len_norm or None)
 
 
 def micro_group_size(group_size: int, num_micro: int, rows: int = 0,
@@ -184,6 +233,13 @@ def micro_group_size(group_size: int, num_micro: int, rows: int = 0,
       return 1
     return group_size // num_micro
   return 1
+
+
+def _in_micro_batches(program: UpdateProgram, rows: int) -> UpdateProgram:
+  """`program` as each of its micro-batches of a batch of `rows` rows runs:
+  the rows per prompt they keep (`micro_group_size`)."""
+  return dataclasses.replace(program, group_size=micro_group_size(
+      program.group_size, program.num_micro, rows, program.layout))
 
 
 def micro_batches(batch, num_micro: int):
@@ -236,114 +292,60 @@ def apply_gradients(state: TrainState, grads, loss, optimizer, model_config,
   return new_state, {"grad_norm": grad_norm, nonfinite.CODE: code}
 
 
-def accumulate_gradients(params, model_config, batch: UpdateBatch,
-                         num_micro: int, kl_beta, s: LossSettings,
-                         group_size: int = 1, layout=None,
-                         base: Params | None = None):
-  """Sum of micro-batch gradients of the loss normalised by the whole batch:
-  exactly the gradient of the full batch's loss (REFERENCE: token-mean).
-  group_size: the batch's rows come in groups of that many consecutive rows
-  with one prompt (1: no such structure); see `micro_group_size`.
-  layout: see `completion_logprobs`; base: see `policy_tree`."""
-  norm = global_normalisers(batch.mask_nt, s)
-  group = micro_group_size(group_size, num_micro, batch.mask_nt.shape[0],
-                           layout)
+def accumulate_gradients(policy: Policy, batch: UpdateBatch, kl_beta,
+                         program: UpdateProgram):
+  """Sum of the gradients (w.r.t. policy.params) of `program.num_micro`
+  micro-batches' losses normalised by the whole batch: exactly the gradient
+  of the full batch's loss (REFERENCE: token-mean), padded or packed (the
+  normalisers of all its slots; empty ones count nothing).
+  Returns (grads, loss, metrics)."""
+  norm = global_normalisers(batch.mask_nt, program.loss)
+  micro = _in_micro_batches(program, batch.mask_nt.shape[0])
   grad_fn = jax.value_and_grad(
-      functools.partial(loss_fn, model_config=model_config, norm=norm,
-                        kl_beta=kl_beta, s=s, group_size=group,
-                        layout=layout, base=base),
+      lambda params, mb: loss_fn(Policy(params, policy.base), mb, norm,
+                                 kl_beta, micro),
       has_aux=True)
   loss, metrics, grads = micro_batch_sum(
-      lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
+      grad_fn, policy.params, batch, program.num_micro,
       losses.accumulate_metrics)
   return grads, loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
-                                             "num_micro", "s", "layout",
-                                             "group_size"),
+@functools.partial(jax.jit, static_argnames=("program",),
                    donate_argnames=("state",))
-def update_step(state: TrainState, batch: UpdateBatch | PackedUpdateBatch,
-                model_config: ModelConfig, optimizer, num_micro: int,
-                s: LossSettings, layout=None, group_size: int = 1,
-                base: Params | None = None) -> tuple[TrainState, dict]:
-  """One optimizer update on one mini-batch. The state is donated; with a
-  `sharding.Layout` the new state keeps the placed state's shardings.
-  `optimizer`: an OptimizerSpec (or an optax transformation, which compiles
-  once per object).
-  group_size > 1: the rows are whole groups of that many consecutive rows
-  sharing a prompt (each prompt's forward/backward then runs once).
-  A PackedUpdateBatch (`pack_update_batch`): num_micro is its number of
-  micro-batches (`packing.pack_rows`), group_size is not read.
-  base: with LoRA, the frozen base (compute dtype, not donated) and
-  state.params the adapters, the only leaves updated (`policy_tree`)."""
-  kl_beta = losses.kl_beta_schedule(state.step, beta=s.kl_beta,
-                                    start_step=s.kl_start_step,
-                                    ramp_steps=s.kl_ramp_steps)
-  if isinstance(batch, PackedUpdateBatch):
-    grads, loss, metrics = accumulate_packed_gradients(
-        state.params, model_config, batch, num_micro, kl_beta, s, layout,
-        base)
-  else:
-    grads, loss, metrics = accumulate_gradients(
-        state.params, model_config, batch, num_micro, kl_beta, s, group_size,
-        layout, base)
-  state, checked = apply_gradients(state, grads, loss, optimizer,
-                                   model_config, layout)
-  return state, {**metrics, "loss": loss, **checked, "kl_beta": kl_beta}
+def update_step(state: TrainState, batch: UpdateBatch,
+                program: UpdateProgram, base: Params | None = None
+                ) -> tuple[TrainState, dict]:
+  """One optimizer update on one mini-batch, padded or packed
+  (`pack_update_batch`; num_micro is then its number of micro-batches,
+  `packing.pack_rows`). The state is donated; with a layout the new state
+  keeps the placed state's shardings. base: with LoRA, the frozen base
+  (not donated) and state.params the adapters, the only leaves updated."""
+  loss = program.loss
+  kl_beta = losses.kl_beta_schedule(state.step, beta=loss.kl_beta,
+                                    start_step=loss.kl_start_step,
+                                    ramp_steps=loss.kl_ramp_steps)
+  grads, loss_value, metrics = accumulate_gradients(
+      Policy(state.params, base), batch, kl_beta, program)
+  state, checked = apply_gradients(state, grads, loss_value,
+                                   program.optimizer, program.model_config,
+                                   program.layout)
+  return state, {**metrics, "loss": loss_value, **checked,
+                 "kl_beta": kl_beta}
 
-
-# ----------------------------------------------------------------------------
-# Packed sequences (packing.py): the same loss on log-probs gathered back
-# into sequence slots, so every aggregation stays exact.
-# ----------------------------------------------------------------------------
 
 def pack_update_batch(batch: UpdateBatch, rows: packing.PackedRows
-                      ) -> PackedUpdateBatch:
-  """An UpdateBatch's per-token fields moved into the slots of `rows`
-  (`packing.pack_rows` of the same batch); its row arrays are not needed."""
+                      ) -> UpdateBatch:
+  """A padded UpdateBatch's sequences packed: its per-token fields moved
+  into the slots of `rows` (`packing.pack_rows` of the same rows), its row
+  fields replaced by `rows`."""
   take = lambda x: None if x is None else packing.gather_slots(
       jnp.asarray(x), jnp.asarray(rows.row_n))
-  return PackedUpdateBatch(rows, take(batch.mask_nt), take(batch.old_logp_nt),
-                           take(batch.ref_logp_nt), take(batch.adv_n),
-                           take(batch.is_weight_nt))
-
-
-def packed_logprobs(model_config: ModelConfig, params: Params,
-                    rows: packing.PackedRows, s: LossSettings, layout=None):
-  """`packing.packed_logprobs` with the loss settings' dtype and head.
-  layout: see `completion_logprobs`."""
-  return packing.packed_logprobs(
-      model_config, cast(params, s.compute_dtype), rows, chunk_size=s.chunk,
-      temperature=s.temperature, remat=s.remat, attention=s.attention,
-      constrain=None if layout is None else layout.constrain)
-
-
-def packed_loss_fn(params: Params, model_config: ModelConfig,
-                   batch: PackedUpdateBatch, norm: losses.Normalisers,
-                   kl_beta, s: LossSettings, layout=None,
-                   base: Params | None = None):
-  params = policy_tree(params, base, s)
-  logp, entropy = packed_logprobs(model_config, params, batch.rows, s, layout)
-  return policy_loss(logp, entropy, batch, norm, kl_beta, s)
-
-
-def accumulate_packed_gradients(params, model_config,
-                                batch: PackedUpdateBatch, num_micro: int,
-                                kl_beta, s: LossSettings, layout=None,
-                                base: Params | None = None):
-  """`accumulate_gradients` of a packed mini-batch: the normalisers of all
-  its slots (empty ones count nothing), the micro-batches summed.
-  layout: see `completion_logprobs`."""
-  norm = global_normalisers(batch.mask_nt, s)
-  grad_fn = jax.value_and_grad(
-      functools.partial(packed_loss_fn, model_config=model_config, norm=norm,
-                        kl_beta=kl_beta, s=s, layout=layout, base=base),
-      has_aux=True)
-  loss, metrics, grads = micro_batch_sum(
-      lambda p, mb: grad_fn(p, batch=mb), params, batch, num_micro,
-      losses.accumulate_metrics)
-  return grads, loss, metrics
+  return UpdateBatch(mask_nt=take(batch.mask_nt),
+                     old_logp_nt=take(batch.old_logp_nt),
+                     ref_logp_nt=take(batch.ref_logp_nt),
+                     adv_n=take(batch.adv_n),
+                     is_weight_nt=take(batch.is_weight_nt), rows=rows)
 
 
 def micro_batch_rows(mini: int, seq_len: int, micro_batch_size: int = 0,
@@ -364,43 +366,31 @@ def _join_micro_batches(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "num_completion",
-                                             "s", "group_size", "num_micro",
-                                             "layout"))
-def score_logprobs(params: Params, tokens_ns, positions_ns, valid_ns,
-                   model_config: ModelConfig, num_completion: int,
-                   s: LossSettings, group_size: int = 1,
-                   num_micro: int = 1, layout=None,
-                   base: Params | None = None) -> jax.Array:
+# ----------------------------------------------------------------------------
+# Scoring: the same log-probs without a gradient, as the update splits rows.
+# ----------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("program",))
+def score_logprobs(policy: Policy, batch: UpdateBatch,
+                   program: UpdateProgram) -> jax.Array:
   """Token log-probs of given completions (π_ref, or π_old recomputed),
-  `num_micro` strided micro-batches at a time (as the update splits rows).
-  layout: see `completion_logprobs`; base: see `policy_tree`."""
-  params = cast(policy_tree(params, base, s), s.compute_dtype)   # once
-  group = micro_group_size(group_size, num_micro, tokens_ns.shape[0], layout)
-  if num_micro == 1:
-    return completion_logprobs(model_config, params, tokens_ns, positions_ns,
-                               valid_ns, num_completion, s, group, layout)[0]
-  cols = micro_batches((tokens_ns, positions_ns, valid_ns), num_micro)
-  logp = jax.lax.map(lambda xs: completion_logprobs(
-      model_config, params, *xs, num_completion, s, group, layout)[0], cols)
-  return _join_micro_batches(logp)
-
-
-@functools.partial(jax.jit, static_argnames=("model_config", "s", "num_micro",
-                                             "num_rows", "layout"))
-def score_packed(params: Params, rows: packing.PackedRows,
-                 model_config: ModelConfig, s: LossSettings, num_micro: int,
-                 num_rows: int, layout=None, base: Params | None = None
-                 ) -> jax.Array:
-  """`score_logprobs` of packed sequences: token log-probs [num_rows, T] in
-  the padded rows' layout, 0 in rows and columns that were not packed.
-  layout: see `completion_logprobs`; the result's rows are split as the
-  padded rows are."""
-  params = cast(policy_tree(params, base, s), s.compute_dtype)
-  logp = jax.lax.map(
-      lambda r: packed_logprobs(model_config, params, r, s, layout)[0],
-      micro_batches(rows, num_micro))
-  logp_nt = packing.scatter_slots(_join_micro_batches(logp), rows.row_n,
-                                  num_rows)
+  `program.num_micro` strided micro-batches at a time (as the update splits
+  rows): [n, t] = program.logp_shape in the padded rows' layout, from
+  padded rows or packed ones (0 in rows and columns not packed; with a
+  layout, the result's rows split as the padded rows are). Only the
+  batch's row fields are read."""
+  n, T = program.logp_shape
+  layout, num_micro = program.layout, program.num_micro
+  params = cast(policy.tree(program.loss.lora_scale),
+                program.loss.compute_dtype)   # once
+  micro = _in_micro_batches(program, n)
+  logp = lambda mb: batch_logprobs(params, mb, T, micro)[0]
+  if batch.rows is None and num_micro == 1:
+    return logp(batch)
+  logp_nt = _join_micro_batches(
+      jax.lax.map(logp, micro_batches(batch, num_micro)))
+  if batch.rows is None:
+    return logp_nt
+  logp_nt = packing.scatter_slots(logp_nt, batch.rows.row_n, n)
   return logp_nt if layout is None else layout.constrain(logp_nt,
                                                          ("batch", None))

@@ -15,7 +15,8 @@ filters themselves are pure functions in `algorithms/star.py`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+import dataclasses
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -64,63 +65,91 @@ def sampling_prompts(config, tokenizer, problems: Sequence[Example],
 # SAMPLE + FILTER, RATIONALISE.
 # ----------------------------------------------------------------------------
 
-def first_correct(model_config, params, tokenizer, prompts: Sequence[str],
-                  answers: Sequence[str], key: jax.Array,
-                  cfg: sampling.SamplingConfig, num_samples: int,
-                  spec: rollout.RewardSpec, batch: int,
-                  hints: Optional[Sequence[str]] = None,
-                  reasoning_check: bool = False
-                  ) -> tuple[list[Optional[tuple[int, ...]]], dict[str, int]]:
-  """Samples `num_samples` completions per prompt; per prompt, the token ids
-  (stop token included) of the first one that the accuracy reward verifies
-  and that ended within the budget, else None. Also counts. Every call is
-  padded to `batch` prompts: one compiled shape however many remain.
+@dataclasses.dataclass(frozen=True)
+class RationaleSampler:
+  """How an outer iteration samples rationales and keeps verified ones: the
+  model and tokenizer, the sampler's settings, `num_samples` completions
+  per prompt (star.samples_per_problem), the rewards whose accuracy reward
+  verifies them, `batch` prompts per sampler call (star.sample_batch)."""
+  model_config: Any
+  tokenizer: Any
+  sampler: sampling.SamplingConfig
+  num_samples: int
+  reward: rollout.RewardSpec
+  batch: int
 
-  For rationalisations: with `hints` (one per prompt) completions that
-  mention or repeat their hint are rejected (`mentions_hint`);
-  `reasoning_check` rejects those whose `reasoning` (no final line, no
-  answer statements) does not itself verify, i.e. the answer is asserted
-  after the hint rather than derived ("14 + 17 = 21.\nThe answer is 31.",
-  "1. The answer is 31.\n2. The answer is 31.\nSo 31.")."""
-  G, size = num_samples, batch
-  found: list[Optional[tuple[int, ...]]] = []
-  counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0,
-                unreasoned=0, tokens=0)
-  for start in range(0, len(prompts), size):
-    texts, golds = prompts[start:start + size], answers[start:start + size]
-    chunk_hints = None if hints is None else hints[start:start + size]
-    out = jax.device_get(sampling.sample(
-        model_config, params, tokenizer.encode_batch(texts),
-        jax.random.fold_in(key, start), cfg, G, batch_multiple=size))
-    completions = rollout.completion_texts(tokenizer, out.tokens_nt,
-                                          out.length_n, out.truncated_n)
-    _, correct, _ = rollout.score(spec, np.repeat(texts, G).tolist(),
-                                  completions, np.repeat(golds, G).tolist(),
-                                  out.length_n)
-    usable = correct & ~out.truncated_n
-    if chunk_hints is not None:
-      mention = np.array([mentions_hint(c, h) for c, h in
-                          zip(completions, np.repeat(chunk_hints, G))])
-      counts["hint_mentions"] += int((usable & mention).sum())
-      usable &= ~mention
-    if reasoning_check:
-      _, derived, _ = rollout.score(
-          spec, np.repeat(texts, G).tolist(),
-          [reasoning(c) for c in completions],
-          np.repeat(golds, G).tolist(), out.length_n)
-      derived &= np.array([equations.arithmetic_holds(c) for c in completions])
-      counts["unreasoned"] += int((usable & ~derived).sum())
-      usable &= derived
-    for b in range(len(texts)):
-      good = np.flatnonzero(usable[b * G:(b + 1) * G])
-      row = b * G + good[0] if good.size else None
-      found.append(None if row is None else
-                   tuple(int(t) for t in out.tokens_nt[row, :out.length_n[row]]))
-    counts["sampled"] += len(completions)
-    counts["correct"] += int(correct.sum())
-    counts["truncated"] += int(out.truncated_n.sum())
-    counts["tokens"] += int(out.length_n.sum())
-  return found, counts
+  @classmethod
+  def from_config(cls, config, model_config, tokenizer,
+                  reward: rollout.RewardSpec) -> "RationaleSampler":
+    """The run's sampler settings; greedy ones are the evaluation's greedy
+    program, compiled once for both."""
+    cfg = experiment.sampling_config(config, tokenizer)
+    if cfg.is_greedy:
+      cfg = evaluation.EvalSettings.from_config(config, cfg, reward).sampler(
+          greedy=True)
+    return cls(model_config, tokenizer, cfg, config.star.samples_per_problem,
+               reward, config.star.sample_batch)
+
+  def first_correct(self, params, prompts: Sequence[str],
+                    answers: Sequence[str], key: jax.Array,
+                    hints: Optional[Sequence[str]] = None,
+                    reasoning_check: bool = False
+                    ) -> tuple[list[Optional[tuple[int, ...]]],
+                               dict[str, int]]:
+    """Samples `num_samples` completions per prompt; per prompt, the token
+    ids (stop token included) of the first one that the accuracy reward
+    verifies and that ended within the budget, else None. Also counts.
+    Every call is padded to `batch` prompts: one compiled shape however
+    many remain.
+
+    For rationalisations: with `hints` (one per prompt) completions that
+    mention or repeat their hint are rejected (`mentions_hint`);
+    `reasoning_check` rejects those whose `reasoning` (no final line, no
+    answer statements) does not itself verify, i.e. the answer is asserted
+    after the hint rather than derived ("14 + 17 = 21.\nThe answer is 31.",
+    "1. The answer is 31.\n2. The answer is 31.\nSo 31.")."""
+    G, size = self.num_samples, self.batch
+    spec, tokenizer = self.reward, self.tokenizer
+    found: list[Optional[tuple[int, ...]]] = []
+    counts = dict(sampled=0, correct=0, truncated=0, hint_mentions=0,
+                  unreasoned=0, tokens=0)
+    for start in range(0, len(prompts), size):
+      texts, golds = prompts[start:start + size], answers[start:start + size]
+      chunk_hints = None if hints is None else hints[start:start + size]
+      out = jax.device_get(sampling.sample(
+          self.model_config, params, tokenizer.encode_batch(texts),
+          jax.random.fold_in(key, start), self.sampler, G,
+          batch_multiple=size))
+      completions = rollout.completion_texts(tokenizer, out.tokens_nt,
+                                            out.length_n, out.truncated_n)
+      _, correct, _ = rollout.score(spec, np.repeat(texts, G).tolist(),
+                                    completions, np.repeat(golds, G).tolist(),
+                                    out.length_n)
+      usable = correct & ~out.truncated_n
+      if chunk_hints is not None:
+        mention = np.array([mentions_hint(c, h) for c, h in
+                            zip(completions, np.repeat(chunk_hints, G))])
+        counts["hint_mentions"] += int((usable & mention).sum())
+        usable &= ~mention
+      if reasoning_check:
+        _, derived, _ = rollout.score(
+            spec, np.repeat(texts, G).tolist(),
+            [reasoning(c) for c in completions],
+            np.repeat(golds, G).tolist(), out.length_n)
+        derived &= np.array([equations.arithmetic_holds(c)
+                             for c in completions])
+        counts["unreasoned"] += int((usable & ~derived).sum())
+        usable &= derived
+      for b in range(len(texts)):
+        good = np.flatnonzero(usable[b * G:(b + 1) * G])
+        row = b * G + good[0] if good.size else None
+        found.append(None if row is None else tuple(
+            int(t) for t in out.tokens_nt[row, :out.length_n[row]]))
+      counts["sampled"] += len(completions)
+      counts["correct"] += int(correct.sum())
+      counts["truncated"] += int(out.truncated_n.sum())
+      counts["tokens"] += int(out.length_n.sum())
+    return found, counts
 
 
 class Kept(NamedTuple):
@@ -130,24 +159,18 @@ class Kept(NamedTuple):
   rationalized: list[bool]           # kept only through the hint
 
 
-def collect_examples(config, model_config, params, tokenizer,
+def collect_examples(config, sampler: RationaleSampler, params,
                      problems: Sequence[Example], shots: Sequence[Example],
-                     key: jax.Array, spec: rollout.RewardSpec
-                     ) -> tuple[Kept, dict[str, float]]:
+                     key: jax.Array) -> tuple[Kept, dict[str, float]]:
   """SAMPLE + FILTER with the current model, then RATIONALISE the failures
   (when star.rationalize): Algorithm 1, lines 3-6."""
-  st, d = config.star, config.data
-  cfg = experiment.sampling_config(config, tokenizer)
-  if cfg.is_greedy:  # the evaluation's greedy program: compiled once for both
-    cfg = evaluation.EvalSettings.from_config(config, cfg, spec).sampler(
-        greedy=True)
+  st, d, tokenizer = config.star, config.data, sampler.tokenizer
   questions = [p.question for p in problems]
   answers = [p.answer for p in problems]
   stored = templates.render_prompts(tokenizer, d.template, questions,
                                   d.system_prompt)
-  attempt = lambda prompts, golds, k, **checks: first_correct(
-      model_config, params, tokenizer, prompts, golds, k, cfg,
-      st.samples_per_problem, spec, st.sample_batch, **checks)
+  attempt = lambda prompts, golds, k, **checks: sampler.first_correct(
+      params, prompts, golds, k, **checks)
   # SAMPLE + FILTER
   prompts = stored if not shots else [
       render(tokenizer, d.template, q, d.system_prompt, shots=shots)

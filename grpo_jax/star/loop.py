@@ -38,11 +38,12 @@ from grpo_jax.generate import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
-from grpo_jax.star.collect import Kept, collect_examples, sampling_prompts
+from grpo_jax.star.collect import (Kept, RationaleSampler, collect_examples,
+                                   sampling_prompts)
 from grpo_jax.models import cast, lora
 from grpo_jax.rl import nonfinite
 from grpo_jax.rl.optimizer import OptimizerSpec
-from grpo_jax.rl.update import init_state
+from grpo_jax.rl.update import UpdateProgram, init_state
 
 Params = Any
 CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",
@@ -93,13 +94,14 @@ def finetune(config, model_config, original: Params,
     put = layout.rows
   batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
                             np.random.default_rng(seed))
-  num_micro = st.batch_size // (st.micro_batch_size or st.batch_size)
-  settings = sft.SFTSettings.from_config(config)
+  program = UpdateProgram(
+      model_config, sft.SFTSettings.from_config(config), optimizer,
+      num_micro=st.batch_size // (st.micro_batch_size or st.batch_size),
+      layout=layout)
   t0, step_metrics = time.perf_counter(), []
   for _ in range(steps):
     batch = jax.tree.map(put, next(batches))
-    state, m = sft.sft_step(state, batch, model_config, optimizer, num_micro,
-                            settings, layout, base)
+    state, m = sft.sft_step(state, batch, program, base)
     step_metrics.append({k: m[k] for k in ("loss", nonfinite.CODE)})
   step_metrics = jax.device_get(step_metrics)
   losses = [float(m["loss"]) for m in step_metrics]
@@ -171,6 +173,8 @@ def run(config, workdir: str) -> dict:
   spec = rollout.RewardSpec.from_config(config)
   eval_settings = evaluation.EvalSettings.from_config(
       config, experiment.sampling_config(config, tokenizer), spec)
+  sampler = RationaleSampler.from_config(config, model_config, tokenizer,
+                                         spec)
   layout = sharding_lib.Layout.from_config(config)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
   original, params, history = _start(
@@ -198,9 +202,8 @@ def run(config, workdir: str) -> dict:
     use_shots = shots if n == 1 or not st.few_shot_first_only else []
     t0 = time.perf_counter()
     kept, metrics = collect_examples(
-        config, model_config, cast(params, config.model.compute_dtype),
-        tokenizer, chosen, use_shots, jax.random.fold_in(
-            jax.random.key(config.seed), n), spec)
+        config, sampler, cast(params, config.model.compute_dtype), chosen,
+        use_shots, jax.random.fold_in(jax.random.key(config.seed), n))
     metrics["time/sample"] = time.perf_counter() - t0
     if writer.enabled:
       _save_kept(os.path.join(workdir, "star", f"iteration_{n}.jsonl"),

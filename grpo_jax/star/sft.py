@@ -2,8 +2,9 @@
 
     batches = sft_batches(examples, rows_per_step=8, row_len=256, pack=True,
                           pad_id=0, rng=np.random.default_rng(0))
-    state, metrics = sft_step(state, next(batches), model_config, optimizer,
-                              num_micro=2, s=SFTSettings())
+    program = update.UpdateProgram(model_config, SFTSettings(), optimizer,
+                                   num_micro=2)
+    state, metrics = sft_step(state, next(batches), program)
 
 An `SFTExample` is (prompt ids, completion ids). A row of S tokens holds one
 example, right-padded, or (`pack=True`) several examples back to back. Packed
@@ -130,20 +131,20 @@ def sft_batches(examples: Sequence[SFTExample], rows_per_step: int,
 # ----------------------------------------------------------------------------
 
 def completion_nll_sum(params: Params, model_config: ModelConfig,
-                       batch: SFTBatch, s: SFTSettings) -> jax.Array:
+                       batch: SFTBatch, sft: SFTSettings) -> jax.Array:
   """Σ -log p(token) over the completion tokens of the batch (a scalar).
 
   Column t's hidden state predicts token t+1; targets are tokens[:, 1:]
   weighted by loss_mask[:, 1:]. A completion token never starts a segment
   (its prompt precedes it), so no prediction crosses two packed examples.
   """
-  params = cast(params, s.compute_dtype)
+  params = cast(params, sft.compute_dtype)
   h_nsd = transformer.hidden_states(
       model_config, params, batch.tokens_ns, batch.positions_ns,
-      batch.segments_ns > 0, remat=s.remat, segment_ns=batch.segments_ns)
+      batch.segments_ns > 0, remat=sft.remat, segment_ns=batch.segments_ns)
   logp_ns, _ = logprobs_lib.token_logprobs(
       model_config, params, h_nsd[:, :-1], batch.tokens_ns[:, 1:],
-      chunk_size=s.chunk)                                   # (N, S-1)
+      chunk_size=sft.chunk)                                 # (N, S-1)
   return -jnp.sum(logp_ns * batch.loss_mask_ns[:, 1:])
 
 
@@ -152,46 +153,53 @@ def num_target_tokens(batch: SFTBatch) -> jax.Array:
   return jnp.maximum(jnp.sum(batch.loss_mask_ns[:, 1:]), 1.0)
 
 
-def sft_loss(params: Params, model_config: ModelConfig, batch: SFTBatch,
-             num_tokens: jax.Array, s: SFTSettings, base=None) -> jax.Array:
+def sft_loss(policy: update.Policy, model_config: ModelConfig,
+             batch: SFTBatch, num_tokens: jax.Array, sft: SFTSettings
+             ) -> jax.Array:
   """This (micro-)batch's share of the token-mean loss: its NLL sum over
-  the whole batch's completion-token count. base: with LoRA, the frozen
-  base and `params` its adapters (update.policy_tree)."""
-  if base is not None:
-    params = lora.attach(base, params, s.lora_scale)
-  return completion_nll_sum(params, model_config, batch, s) / num_tokens
+  the whole batch's completion-token count. With LoRA the policy is the
+  frozen base with its adapters (`update.Policy`)."""
+  params = policy.tree(sft.lora_scale)
+  return completion_nll_sum(params, model_config, batch, sft) / num_tokens
 
 
-def accumulate_gradients(params: Params, model_config: ModelConfig,
-                         batch: SFTBatch, num_micro: int, s: SFTSettings,
-                         base=None):
-  """(loss, grads) of the whole batch's token-mean loss, summed over
-  micro-batches that share one normaliser: exact whatever the split."""
+def accumulate_gradients(policy: update.Policy, batch: SFTBatch,
+                         program: update.UpdateProgram):
+  """(loss, grads w.r.t. policy.params, token count) of the whole batch's
+  token-mean loss, summed over `program.num_micro` micro-batches that share
+  one normaliser: exact whatever the split."""
+  num_micro = program.num_micro
   if batch.tokens_ns.shape[0] % num_micro:
     raise ValueError(f"num_micro={num_micro} must divide the "
                      f"{batch.tokens_ns.shape[0]} rows")
   num_tokens = num_target_tokens(batch)
   grad_fn = jax.value_and_grad(
-      lambda p, mb: (sft_loss(p, model_config, mb, num_tokens, s, base), None),
+      lambda params, mb: (sft_loss(update.Policy(params, policy.base),
+                                   program.model_config, mb, num_tokens,
+                                   program.loss), None),
       has_aux=True)
-  loss, _, grads = update.micro_batch_sum(grad_fn, params, batch, num_micro)
+  loss, _, grads = update.micro_batch_sum(grad_fn, policy.params, batch,
+                                          num_micro)
   return loss, grads, num_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "optimizer",
-                                             "num_micro", "s", "layout"),
+@functools.partial(jax.jit, static_argnames=("program",),
                    donate_argnames=("state",))
-def sft_step(state: TrainState, batch: SFTBatch, model_config: ModelConfig,
-             optimizer, num_micro: int, s: SFTSettings, layout=None,
-             base=None) -> tuple[TrainState, dict]:
-  """One optimizer update on the completion-token NLL. The state is donated:
-  pass a copy of parameters that must survive (e.g. the original model).
-  `optimizer`: an `optimizer.OptimizerSpec` (equal specs: one compile) or an
-  optax transformation. With a `sharding.Layout` the new state keeps the
-  placed state's shardings (batches then come row-sharded, `layout.rows`).
-  base: with LoRA, the frozen base; state.params are its adapters."""
-  loss, grads, num_tokens = accumulate_gradients(state.params, model_config,
-                                                 batch, num_micro, s, base)
-  state, checked = update.apply_gradients(state, grads, loss, optimizer,
-                                          model_config, layout)
+def sft_step(state: TrainState, batch: SFTBatch,
+             program: update.UpdateProgram, base=None
+             ) -> tuple[TrainState, dict]:
+  """One optimizer update on the completion-token NLL. `program`: the
+  model, these `SFTSettings` as its loss, the optimizer (an
+  `optimizer.OptimizerSpec`: equal specs, one compile; or an optax
+  transformation), the micro-batches and the layout (the new state keeps
+  the placed state's shardings; batches then come row-sharded,
+  `layout.rows`). The state is donated: pass a copy of parameters that
+  must survive (e.g. the original model). base: with LoRA, the frozen base
+  (not donated); state.params are its adapters."""
+  loss, grads, num_tokens = accumulate_gradients(
+      update.Policy(state.params, base), batch, program)
+  state, checked = update.apply_gradients(state, grads, loss,
+                                          program.optimizer,
+                                          program.model_config,
+                                          program.layout)
   return state, {"loss": loss, **checked, "tokens": num_tokens}
