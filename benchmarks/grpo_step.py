@@ -58,7 +58,7 @@ import _common
 from grpo_jax import validation
 from grpo_jax.harness import experiment
 from grpo_jax.data import templates
-from grpo_jax.generate import rollout
+from grpo_jax.generate import rollout, sampling
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import train, update
@@ -162,9 +162,10 @@ class OursStep:
     key = jax.random.fold_in(jax.random.key(c.seed), step)
     compute = models.cast(self.state.params, c.model.compute_dtype)
     generate = lambda i: rollout.generate_groups(
-        self.model_config, compute, self.tokenizer, self.examples,
-        jax.random.fold_in(key, i), self.sample_cfg, rl.num_generations,
-        self.spec, c.data.template, c.data.system_prompt)
+        sampling.Sampler(self.model_config, self.sample_cfg), compute,
+        self.tokenizer, self.examples, jax.random.fold_in(key, i),
+        rollout.GroupSettings(rl.num_generations, self.spec, c.data.template,
+                              c.data.system_prompt))
     # SAMPLE + SCORE
     groups, m = rollout.collect(generate, rl.prompts_per_step, False,
                                 rl.max_gen_batches, rl.on_cap)

@@ -195,12 +195,13 @@ def test_filled_attention_equals_dense(window):
 
 def test_auto_slots():
   c = CONFIG
-  assert sampling.auto_slots(c, 64, 8, 16, 80, None, None, 4) == 64 // 4
+  size = sampling.CacheSize(c, 4)
+  assert sampling.auto_slots(size, 64, 8, 16, 80, None) == 64 // 4
   per_slot = sampling.kv_cache_bytes(c, 1, 80, 4)
   prompts = sampling.kv_cache_bytes(c, 8, 16, 4)
   budget = (prompts + 10 * per_slot) / sampling.KV_FRACTION
-  assert sampling.auto_slots(c, 64, 8, 16, 80, budget, None, 4) == 10
-  assert sampling.auto_slots(c, 8, 8, 16, 80, budget * 100, None, 4) == 8
+  assert sampling.auto_slots(size, 64, 8, 16, 80, budget) == 10
+  assert sampling.auto_slots(size, 8, 8, 16, 80, budget * 100) == 8
 
 
 def test_config_fields_are_validated():

@@ -19,7 +19,7 @@ from grpo_jax import sharding
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import packing, update
 from grpo_jax.rl.step import update_group_size
-from grpo_jax.generate import decoding, sampling
+from grpo_jax.generate import decoding, padded, sampling
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import hf, lora, paged, transformer
@@ -306,9 +306,8 @@ class Plan:
     lens = row_sharded(self.layout, (b,), jnp.int32)
     key = replicated(self.layout, jax.eval_shape(lambda: jax.random.key(0)))
     params, resident = self.sampler_params(), self.sampler_resident()
-    lower = lambda: sampling.sample_padded.lower(
-        self.model_config, params, prompt, lens, key, cfg, generations,
-        self.layout)
+    call = decoding.CallSpec(self.model_config, cfg, generations, self.layout)
+    lower = lambda: padded.sample_padded.lower(call, params, prompt, lens, key)
     return compile_program(name, b * generations, lower, resident)
 
   def sampler_resident(self) -> int:

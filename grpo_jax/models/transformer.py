@@ -12,18 +12,21 @@ row's columns (the keys; the KV cache's length when decoding), Q query
 columns (the last Q of the S), D model width, H query heads, K KV heads,
 E head width (`head_dim`), V vocab, L layers; F is the MLP width and, in the
 einsums, r = H // K query heads per KV head.
+
+Cached decoding (the KV cache, the samplers' decode steps) builds on the
+layer functions here (`qkv`, `attn_out_and_mlp`): `decode`, `ragged`,
+`paged`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import blockwise
-from grpo_jax.models.attention import (apply_rope, attend_fn, attention,
-                                       attention_mask, rope_frequencies)
+from grpo_jax.models.attention import apply_rope, attend_fn, rope_frequencies
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -187,7 +190,7 @@ def _project(equation: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
                         adapter["b"].astype(x.dtype))
 
 
-def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
+def qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
          positions_nq: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
   h = rms_norm(x_nqd, lp["attn_norm"], model_config.norm_eps)
@@ -239,7 +242,7 @@ def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
                   "wo")
 
 
-def _attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
+def attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
                       attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
   x = constrain(x_nqd + _out_projection(attn_nqhe, lp), RESIDUAL_AXES)
@@ -312,8 +315,8 @@ def hidden_states(
                      valid_ns, segment_ns, segment_ns)
 
   def layer(x, lp):
-    q, k, v = _qkv(model_config, lp, x, positions_ns, constrain)
-    x = _attn_out_and_mlp(model_config, lp, x, attend(q, k, v), constrain)
+    q, k, v = qkv(model_config, lp, x, positions_ns, constrain)
+    x = attn_out_and_mlp(model_config, lp, x, attend(q, k, v), constrain)
     return x, ((k, v) if return_kv else None)
 
   if REMAT_POLICIES.get(remat, "bad") == "bad":
@@ -360,10 +363,10 @@ def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
 
   def layer(x, xs):
     lp, k_prompt, v_prompt = xs
-    q, k, v = _qkv(model_config, lp, x, positions_nt, constrain)
+    q, k, v = qkv(model_config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return _attn_out_and_mlp(model_config, lp, x, attend(q, k, v),
+    return attn_out_and_mlp(model_config, lp, x, attend(q, k, v),
                              constrain), None
 
   if remat != "none":
@@ -381,73 +384,3 @@ def forward(model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
   h = hidden_states(model_config, params, tokens_ns, positions_ns, valid_ns,
                     remat)
   return unembed(model_config, params, h)
-
-
-# ----------------------------------------------------------------------------
-# Cached decoding (the sampler's inner step).
-# ----------------------------------------------------------------------------
-
-class KVCache(NamedTuple):
-  """Keys and values, one (N, K, S, E) array per layer in a tuple of L;
-  `valid_ns` marks written, non-padding slots and `pos_ns` their rotary
-  positions. Separate per-layer buffers let the decode loop update each in
-  place without slicing a stacked (L, ...) array."""
-  k: tuple
-  v: tuple
-  valid_ns: jax.Array
-  pos_ns: jax.Array
-
-
-def init_cache(model_config: ModelConfig, batch: int, length: int,
-               dtype=jnp.float32) -> KVCache:
-  shape = (batch, model_config.num_kv_heads, length, model_config.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, dtype)
-                        for _ in range(model_config.num_layers))
-  return KVCache(zeros(), zeros(),
-                 jnp.zeros((batch, length), bool),
-                 jnp.zeros((batch, length), jnp.int32))
-
-
-def unstack_layers(params: Params, num_layers: int) -> list[Params]:
-  """Per-layer weight dicts, sliced from the stacked (L, ...) arrays."""
-  return [jax.tree.map(lambda w: w[i], params["layers"])
-          for i in range(num_layers)]
-
-
-def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
-                tokens_n: jax.Array, positions_n: jax.Array,
-                index: jax.Array, layers: Optional[list[Params]] = None
-                ) -> tuple[jax.Array, KVCache]:
-  """One token per row: writes its k, v at cache slot `index` (the same slot
-  for every row, so the write is one in-place dynamic_update_slice) and
-  returns float32 logits (N, V) and the updated cache.
-
-
-  The layers are unrolled rather than scanned. Inside the sampler's while
-  loop, a scan slices each layer's weights and cache out of the stacked
-  arrays with dynamic-slice copies every step, and XLA on CPU does not hoist
-  even static slices out of the loop; so the sampler passes `layers` (from
-  `unstack_layers`, sliced ONCE before the loop) and each layer's cache is a
-  separate buffer updated and read in place. On CPU this removed about a
-  model's worth of weight copies per decode step.
-  """
-  if layers is None:
-    layers = unstack_layers(params, model_config.num_layers)
-  pos_nq = positions_n[:, None]                      # Q = 1 query column
-
-  valid = jax.lax.dynamic_update_slice(
-      cache.valid_ns, jnp.ones((tokens_n.shape[0], 1), bool), (0, index))
-  kpos = jax.lax.dynamic_update_slice(cache.pos_ns, pos_nq, (0, index))
-  mask = attention_mask(model_config, pos_nq, kpos, valid)
-  x = embed(params, tokens_n[:, None])
-  ks, vs = list(cache.k), list(cache.v)
-  for i, lp in enumerate(layers):
-    q, k, v = _qkv(model_config, lp, x, pos_nq)
-    ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
-                                         (0, 0, index, 0))
-    vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
-                                         (0, 0, index, 0))
-    x = _attn_out_and_mlp(model_config, lp, x, attention(q, ks[i], vs[i], mask))
-  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
-  logits = unembed(model_config, params, h)[:, 0]
-  return logits, KVCache(tuple(ks), tuple(vs), valid, kpos)

@@ -166,13 +166,16 @@ def sample_step(config, r: _Run, compute, prompts, step_key
   sampler's layout, in its dtype), with dynamic sampling's refills from
   `prompts`, an iterator of prompt batches."""
   rl = config.rl
+  sampler = sampling.Sampler(r.model_config, r.sample_cfg, r.sampler_layout,
+                             r.pools)
+  groups = rollout.GroupSettings(rl.num_generations, r.spec,
+                                 config.data.template,
+                                 config.data.system_prompt)
 
   def generate(i):
     return rollout.generate_groups(
-        r.model_config, compute, r.tokenizer, next(prompts),
-        jax.random.fold_in(step_key, i), r.sample_cfg, rl.num_generations,
-        r.spec, config.data.template, config.data.system_prompt,
-        layout=r.sampler_layout, pools=r.pools)
+        sampler, compute, r.tokenizer, next(prompts),
+        jax.random.fold_in(step_key, i), groups)
 
   return rollout.collect(generate, rl.prompts_per_step, rl.dynamic_sampling,
                          rl.max_gen_batches, rl.on_cap)
