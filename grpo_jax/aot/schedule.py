@@ -26,6 +26,10 @@ programs schedule them (pure numpy; no model is run):
           the kernel's compute blocks of `block` columns; slots holding no
           row read nothing (the kernel skips length 0).
 
+tests/test_schedule_device.py holds the simulation to the samplers: on
+the device's own rows both give the same decode steps, and for pages the
+same preemptions, waits and peak pages.
+
 A row of L completion tokens (its first from the prefill) is live for
 L - 1 decode steps; a row with L = 1 holds its slot for one step. Shards
 run in lockstep (one SPMD program): a step ends when the slowest shard's

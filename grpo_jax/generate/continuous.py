@@ -1,6 +1,6 @@
 """Continuous batching: the call's rows take turns in a fixed set of slots.
 
-The static sampler (`sampling.sample_padded`) decodes all N rows of a call
+The static sampler (`padded.sample_padded`) decodes all N rows of a call
 in lockstep until its longest row ends: with long-tailed lengths most of
 its row-steps decode padding. Here M < N cache slots decode; when a row
 ends (stop id or max_new_tokens) its slot takes the next row at once, so
