@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import config as model_config_lib
-from grpo_jax.models import decode, paged, ragged, transformer
+from grpo_jax.models import blockwise, decode, paged, ragged, transformer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MODEL = "smollm2-135m-instruct"
@@ -141,8 +141,8 @@ def timings(c, params, M: int, filled: int, Z: int, dtype, repeats: int,
 
   def dense_attention(w, s):
     q, cache = s
-    out = ragged.filled_attention(q[:, None], cache.k[0], cache.v[0], column,
-                                  cache.pos_ns, cache.valid_ns, n)
+    keys = blockwise.MaskInfo(column[:, None], cache.pos_ns, cache.valid_ns)
+    out = ragged.filled_attention(q[:, None], cache.k[0], cache.v[0], keys, n)
     return out[:, 0], cache
 
   def paged_attention(w, s):

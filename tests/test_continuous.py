@@ -13,7 +13,8 @@ from grpo_jax import errors
 from grpo_jax import config as config_lib
 from grpo_jax import validation
 from grpo_jax.generate import continuous, sampling
-from grpo_jax.models import forward, get_preset, init_params, ragged
+from grpo_jax.models import (blockwise, forward, get_preset, init_params,
+                             ragged)
 from grpo_jax.models import attention
 
 CONFIG = get_preset("tiny")
@@ -188,8 +189,9 @@ def test_filled_attention_equals_dense(window):
   if window is not None:
     mask &= q_pos[:, None] - pos < window
   want = attention.attention(q, k, v, mask[:, None])
-  got = ragged.filled_attention(q, k, v, q_pos, pos, valid, jnp.int32(19),
-                                window, block)
+  got = ragged.filled_attention(
+      q, k, v, blockwise.MaskInfo(q_pos[:, None], pos, valid), jnp.int32(19),
+      window, block)
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 

@@ -218,7 +218,7 @@ def test_the_decode_loop_writes_the_pools_in_place(params):
 @pytest.mark.parametrize("kv_cache", ["paged", "dense"])
 def test_a_bf16_cache_is_written_as_bits(params, kv_cache):
   """With bf16 weights (so a bf16 KV cache), every write into the cache
-  scatters its bits (u16, `transformer.set_in_bits`), never floats: XLA:CPU
+  scatters its bits (u16, `decode.set_in_bits`), never floats: XLA:CPU
   has no bf16 scatter, and scattering bf16 made it convert every layer's
   whole cache to float32 and back at every decode step (docs/paged.md)."""
   bf16 = transformer.cast(params, "bfloat16")

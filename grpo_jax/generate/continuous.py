@@ -105,8 +105,8 @@ def _copy_prompts(cache: decode.KVCache, pp: decoding.PromptPass,
     slot_by_shard = order_by_shard[:, i]
     prompt_of_slot = jnp.take_along_axis(prompt_by_shard, slot_by_shard[:, None], 1)[:, 0]
     one = lambda c, p: jax.vmap(copy_one)(
-        slots.per_shard(R, c), slots.per_shard(R, p), slot_by_shard, prompt_of_slot, i < taken_by_shard
-    ).reshape(c.shape)
+        slots.per_shard(R, c), slots.per_shard(R, p), slot_by_shard,
+        prompt_of_slot, i < taken_by_shard).reshape(c.shape)
     return tuple(one(c, p) for c, p in zip(kv, tuple(pp.k) + tuple(pp.v)))
 
   L = len(cache.k)

@@ -162,8 +162,8 @@ def prompt_pass(model_config: ModelConfig, params: transformer.Params,
   col_p = jnp.arange(P, dtype=jnp.int32)
   valid_bp = col_p[None, :] >= pad_b[:, None]
   pos_bp = jnp.maximum(col_p[None, :] - pad_b[:, None], 0)
-  h, (k, v) = transformer.hidden_states(model_config, params, prompt_bp, pos_bp,
-                                        valid_bp, return_kv=True)
+  h, (k, v) = transformer.hidden_states_and_kv(model_config, params,
+                                               prompt_bp, pos_bp, valid_bp)
   logits_bv = transformer.unembed(model_config, params, h[:, -1:])[:, 0]
   return PromptPass(logits_bv, k, v, valid_bp, pos_bp)
 

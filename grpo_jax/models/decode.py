@@ -48,6 +48,23 @@ def unstack_layers(params: Params, num_layers: int) -> list[Params]:
           for i in range(num_layers)]
 
 
+def set_in_bits(cache: jax.Array, new: jax.Array, set_) -> jax.Array:
+  """set_(cache, new) (a scatter of `new`, cast to the cache's dtype, into
+  `cache`), done on the bits of a 16-bit float cache: both as uint16, the
+  result bitcast back. For the decode steps' writes of keys and values:
+  XLA:CPU has no bf16 scatter, and converted the whole bf16 cache to
+  float32 and back around each write, two passes over every layer's cache
+  per decode step (docs/paged.md). Bitcasts cost nothing on any backend;
+  other dtypes are scattered as they are."""
+  new = new.astype(cache.dtype)
+  if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype,
+                                                     jnp.floating):
+    return set_(cache, new)
+  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
+  return jax.lax.bitcast_convert_type(set_(bits(cache), bits(new)),
+                                      cache.dtype)
+
+
 class Weights(NamedTuple):
   """The weights as a decode loop reads them: the tree (embedding, final
   norm, head) and each layer's weights sliced once, before the loop

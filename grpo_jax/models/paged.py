@@ -111,10 +111,10 @@ class PoolLayout:
           ) -> jax.Array:
     """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
     if self.heads_first:
-      return transformer.set_in_bits(
+      return decode.set_in_bits(
           pool, jnp.moveaxis(pages_xkze, ids_x.ndim, 0),
           lambda p, new: p.at[:, ids_x].set(new, mode="drop"))
-    return transformer.set_in_bits(
+    return decode.set_in_bits(
         pool, pages_xkze, lambda p, new: p.at[ids_x].set(new, mode="drop"))
 
   def write(self, pool: jax.Array, new_mke: jax.Array, page_m: jax.Array,
@@ -122,10 +122,10 @@ class PoolLayout:
     """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
     nowhere)."""
     if self.heads_first:
-      return transformer.set_in_bits(
+      return decode.set_in_bits(
           pool, jnp.swapaxes(new_mke, 0, 1),
           lambda p, new: p.at[:, page_m, offset_m].set(new, mode="drop"))
-    return transformer.set_in_bits(
+    return decode.set_in_bits(
         pool, new_mke,
         lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 

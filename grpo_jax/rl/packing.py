@@ -277,8 +277,8 @@ def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows, *,
   row may live on another), never hidden states."""
   h_rsd = transformer.hidden_states(
       model_config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
-      remat=remat, segment_ns=rows.segments_rs, attention_impl=attention,
-      constrain=constrain)
+      rows.segments_rs, transformer.ForwardSettings(remat, attention,
+                                                    constrain))
   if constrain is not None:     # the gather and the head read whole rows
     h_rsd = constrain(h_rsd, ("batch", None, None))
   h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)

@@ -140,7 +140,8 @@ def completion_nll_sum(params: Params, model_config: ModelConfig,
   params = cast(params, s.compute_dtype)
   h_nsd = transformer.hidden_states(
       model_config, params, batch.tokens_ns, batch.positions_ns,
-      batch.segments_ns > 0, remat=s.remat, segment_ns=batch.segments_ns)
+      batch.segments_ns > 0, batch.segments_ns,
+      transformer.ForwardSettings(remat=s.remat))
   logp_ns, _ = logprobs_lib.token_logprobs(
       model_config, params, h_nsd[:, :-1], batch.tokens_ns[:, 1:],
       chunk_size=s.chunk)                                   # (N, S-1)
