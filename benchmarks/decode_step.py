@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import config as model_config_lib
-from grpo_jax.models import paged, ragged, transformer
+from grpo_jax.models import blockwise, decode, paged, ragged, transformer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MODEL = "smollm2-135m-instruct"
@@ -87,12 +87,12 @@ def seconds_per_step(body, weights, state, repeats: int) -> float:
 
 def dense_state(c, M: int, S: int, filled: int, dtype, key):
   """A dense cache of S columns per slot, the first `filled` valid."""
-  cache = transformer.init_cache(c, M, S, dtype)
+  cache = decode.init_cache(c, M, S, dtype)
   k = jax.random.normal(key, cache.k[0].shape, dtype)
   valid = jnp.broadcast_to(jnp.arange(S) < filled, (M, S))
   pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (M, S))
   layers = lambda: tuple(jnp.copy(k) for _ in range(c.num_layers))
-  return transformer.KVCache(layers(), layers(), valid, pos)
+  return decode.KVCache(layers(), layers(), valid, pos)
 
 
 def paged_state(c, M: int, J: int, Z: int, dtype, key, layout):
@@ -122,33 +122,33 @@ def timings(c, params, M: int, filled: int, Z: int, dtype, repeats: int,
   tokens = lambda: jnp.ones((M,), jnp.int32)
   query = lambda: jax.random.normal(key, (M, c.num_heads, c.head_dim), dtype)
   # Sliced once, as the samplers do before their loops.
-  weights = (params, transformer.unstack_layers(params, L))
+  weights = decode.weights(c, params)
   next_tokens = lambda logits: jnp.argmax(logits, -1).astype(jnp.int32)
 
   def dense_step(w, s):
     tok, cache = s
-    logits, cache = ragged.decode_step(c, w[0], cache, tok, column, column,
-                                       n, w[1])
+    logits, cache = ragged.decode_step(c, w, cache, tok, column, column, n)
     return next_tokens(logits), cache
 
   def paged_step(w, s, skip=False):
     tok, k, v, table = s
     page = jnp.take_along_axis(table, (column // Z)[:, None], 1)[:, 0]
     attend = (lambda q, *a: q) if skip else paged.reference_fn(c, pages, layout)
-    logits, k, v = paged.decode_step(c, w[0], k, v, tok, column, page, table,
-                                     attend, w[1], 1, layout)
-    return next_tokens(logits), k, v, table
+    logits, pool = paged.decode_step(
+        c, w, paged.PagePool(k, v), tok, paged.RowPages(column, page, table),
+        paged.DecodeSettings(attend, 1, layout))
+    return next_tokens(logits), pool.k, pool.v, table
 
   def dense_attention(w, s):
     q, cache = s
-    out = ragged.filled_attention(q[:, None], cache.k[0], cache.v[0], column,
-                                  cache.pos_ns, cache.valid_ns, n)
+    keys = blockwise.MaskInfo(column[:, None], cache.pos_ns, cache.valid_ns)
+    out = ragged.filled_attention(q[:, None], cache.k[0], cache.v[0], keys, n)
     return out[:, 0], cache
 
   def paged_attention(w, s):
     q, k, v, table = s
     out = paged.bucketed_attention(q, k[0][0], v[0][0], column + 1, table,
-                                   pages, layout=layout)
+                                   pages, paged.Buckets(layout=layout))
     return out, k, v, table
 
   def gather(w, s):

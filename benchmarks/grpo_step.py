@@ -58,11 +58,12 @@ import _common
 from grpo_jax import validation
 from grpo_jax.harness import experiment
 from grpo_jax.data import templates
-from grpo_jax.generate import rollout
+from grpo_jax.generate import rollout, sampling
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import train, update
 from grpo_jax.rl.batch import to_rows
+from grpo_jax.rl.spec import AdvantageSettings
 from grpo_jax import models
 from grpo_jax.models import loading
 from grpo_jax.rewards import last_number
@@ -163,15 +164,16 @@ class OursStep:
     key = jax.random.fold_in(jax.random.key(c.seed), step)
     compute = models.cast(self.state.params, c.model.compute_dtype)
     generate = lambda i: rollout.generate_groups(
-        self.model_config, compute, self.tokenizer, self.examples,
-        jax.random.fold_in(key, i), self.sample_cfg, rl.num_generations,
-        self.spec, c.data.template, c.data.system_prompt)
+        sampling.Sampler(self.model_config, self.sample_cfg), compute,
+        self.tokenizer, self.examples, jax.random.fold_in(key, i),
+        rollout.GroupSettings(rl.num_generations, self.spec, c.data.template,
+                              c.data.system_prompt))
     # SAMPLE + SCORE
-    groups, m = rollout.collect(generate, rl.prompts_per_step, False,
-                                rl.max_gen_batches, rl.on_cap)
+    groups, m = rollout.collect(generate, rl.prompts_per_step)
     batch = to_rows(groups, self.tokenizer.pad_id or 0, rl.overlong_filter)
     # ADVANTAGE
-    adv_n = train.advantages(c, batch.reward_bg, batch.mask_nt)
+    adv_n = train.advantages(AdvantageSettings.from_config(c), batch.reward_bg,
+                             batch.mask_nt)
     # REFERENCE + UPDATE
     self.state, um = step_lib.train_step(
         self.update, self.update.program(self.model_config, self.optimizer),

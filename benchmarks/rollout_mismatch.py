@@ -33,7 +33,7 @@ import numpy as np
 from configs import dapo_aime
 from grpo_jax import models
 from grpo_jax.harness import experiment
-from grpo_jax.generate import rollout
+from grpo_jax.generate import rollout, sampling
 from grpo_jax.rl import update
 from grpo_jax.rl.batch import to_rows
 from grpo_jax.algorithms import rollout_correction
@@ -86,9 +86,10 @@ def main() -> None:
   for dtype in sorted({s for s, _ in PAIRS}):
     t0 = time.perf_counter()
     batch, _ = rollout.generate_groups(
-        model_config, models.cast(params, dtype), tokenizer, examples,
-        jax.random.key(args.seed), cfg, args.generations, spec,
-        config.data.template, config.data.system_prompt)
+        sampling.Sampler(model_config, cfg), models.cast(params, dtype),
+        tokenizer, examples, jax.random.key(args.seed),
+        rollout.GroupSettings(args.generations, spec, config.data.template,
+                              config.data.system_prompt))
     samples[dtype] = to_rows(batch, tokenizer.pad_id or 0, False)
     print(f"sampled {args.prompts}x{args.generations} in {dtype}: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)

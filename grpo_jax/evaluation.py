@@ -244,7 +244,11 @@ class EvalSettings:
   completion budget, stop and pad ids, chunking and continuous batching;
   an evaluation sets its own temperature and top-p, and no top-k), the
   rewards and the one that decides correctness, the prompt template, the
-  trainer's compute dtype, and config.eval's defaults."""
+  trainer's compute dtype, and config.eval's: n samples per problem (0:
+  none), the k of pass@k and maj@k (each in [1, n]), their temperature and
+  top-p, the prompts per sampler call, and whether to decode greedily once
+  per problem too (greedy accuracy). One evaluation that differs says so
+  with `dataclasses.replace(settings, n=0)`."""
   sampling: sampling.SamplingConfig
   rewards: rollout.RewardSpec
   accuracy_reward: str
@@ -257,6 +261,7 @@ class EvalSettings:
   temperature: float
   top_p: float
   batch_size: int
+  greedy: bool = True
 
   @classmethod
   def from_config(cls, config, sample_cfg: sampling.SamplingConfig,
@@ -271,12 +276,14 @@ class EvalSettings:
                n=e.n, ks=tuple(e.ks), temperature=e.temperature,
                top_p=e.top_p, batch_size=e.batch_size)
 
-  def sampler(self, greedy: bool, temperature: float = 1.0,
-              top_p: float = 1.0) -> sampling.SamplingConfig:
-    """The sampler settings of an evaluation (greedy, or at `temperature`
-    and `top_p`)."""
-    return dataclasses.replace(self.sampling, temperature=temperature,
-                               top_p=top_p, top_k=0, greedy=greedy)
+  def sampler(self, greedy: bool) -> sampling.SamplingConfig:
+    """The sampler settings of an evaluation: greedy, or at the settings'
+    temperature and top-p."""
+    if greedy:
+      return dataclasses.replace(self.sampling, temperature=1.0, top_p=1.0,
+                                 top_k=0, greedy=True)
+    return dataclasses.replace(self.sampling, temperature=self.temperature,
+                               top_p=self.top_p, top_k=0, greedy=False)
 
 
 def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
@@ -289,23 +296,22 @@ def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
   return [texts_n[b * G:(b + 1) * G] for b in range(B)]
 
 
-def sample_completions(settings: EvalSettings, model_config, params,
-                       tokenizer, examples, key: jax.Array,
-                       cfg: sampling.SamplingConfig, n: int, batch_size: int,
-                       layout: sharding.Layout | None = None) -> Completions:
+def sample_completions(settings: EvalSettings, sampler: sampling.Sampler,
+                       params, tokenizer, examples, key: jax.Array, n: int
+                       ) -> Completions:
   """n completions per example through the group sampler (G = n), scored by
-  the run's rewards; correct = the accuracy reward > 0. With a layout the
-  sampler's rows are split over the mesh."""
+  the run's rewards; correct = the accuracy reward > 0. With the sampler's
+  layout its rows are split over the mesh."""
   answer = final_answer(settings.accuracy_reward).extract
   # One padded chunk shape for the whole set: the sampler compiles once.
-  size = min(batch_size, len(examples))
+  size = min(settings.batch_size, len(examples))
+  groups = rollout.GroupSettings(n, settings.rewards, settings.template,
+                                 settings.system_prompt, batch_multiple=size)
   texts, correct, lengths = [], [], []
   for start in range(0, len(examples), size):
     batch, _ = rollout.generate_groups(
-        model_config, params, tokenizer, examples[start:start + size],
-        jax.random.fold_in(key, start), cfg, n, settings.rewards,
-        settings.template, settings.system_prompt, batch_multiple=size,
-        layout=layout)
+        sampler, params, tokenizer, examples[start:start + size],
+        jax.random.fold_in(key, start), groups)
     texts += completion_texts(tokenizer, batch)
     correct.append(batch.correct_bg)
     lengths.append(batch.length_bg)
@@ -330,26 +336,18 @@ def summarise(sampled: Completions | None, greedy: Completions | None,
 
 
 def evaluate_policy(settings: EvalSettings, model_config, params, tokenizer,
-                    examples, *, n: int | None = None,
-                    ks: Sequence[int] | None = None,
-                    temperature: float | None = None,
-                    top_p: float | None = None, greedy: bool = True,
-                    batch_size: int | None = None,
-                    key: jax.Array | None = None,
+                    examples, key: jax.Array | None = None,
                     layout: sharding.Layout | None = None) -> PolicyEval:
   """Samples n completions per problem (and one greedy), scores and summarises.
 
   Args:
-    settings: the run's `EvalSettings`; they give the defaults of n, ks,
-      temperature, top_p and batch_size (config.eval), and the accuracy
-      reward decides correctness and (via `final_answer`) the answers maj@k
-      votes on.
+    settings: the run's `EvalSettings`: n, ks, temperature, top_p,
+      batch_size and greedy (config.eval's; `dataclasses.replace` for an
+      evaluation that differs); the accuracy reward decides correctness
+      and (via `final_answer`) the answers maj@k votes on.
     model_config, params, tokenizer: the policy; params are cast to the
       trainer's compute dtype here.
     examples: the problems (`grpo_jax.data.Example`).
-    n: samples per problem; 0 samples none (greedy accuracy only).
-    ks: the k of pass@k and maj@k, each in [1, n].
-    greedy: also decode greedily once per problem (greedy accuracy).
     key: PRNG key of the sampled completions (default: from config.seed,
       so periodic evaluations of one run use the same sampling noise).
     layout: the run's mesh and rules: the sampler's rows are split over the
@@ -361,31 +359,25 @@ def evaluate_policy(settings: EvalSettings, model_config, params, tokenizer,
     "eval/maj@<k>", "eval/sampled_response_length", "eval/num_examples" and
     "eval/seconds".
   """
-  s = settings
-  n = s.n if n is None else n
-  ks = tuple(s.ks if ks is None else ks)
-  batch_size = batch_size or s.batch_size
+  n, greedy = settings.n, settings.greedy
   if not examples or not (n or greedy):
     raise ValueError(f"nothing to evaluate: {len(examples)} examples, n={n}, "
                      f"greedy={greedy}")
-  key = jax.random.key(s.seed) if key is None else key
+  key = jax.random.key(settings.seed) if key is None else key
   t0 = time.perf_counter()
-  params = cast(params, s.compute_dtype)
+  params = cast(params, settings.compute_dtype)
 
-  def sample(cfg, g):
-    return sample_completions(s, model_config, params, tokenizer, examples,
-                              key, cfg, g, batch_size, layout)
+  def sample(greedy: bool, g: int) -> Completions:
+    sampler = sampling.Sampler(model_config, settings.sampler(greedy),
+                               layout)
+    return sample_completions(settings, sampler, params, tokenizer, examples,
+                              key, g)
 
-  greedy_done = sampled = None
-  if greedy:
-    greedy_done = sample(s.sampler(greedy=True), 1)
-  if n:
-    sampled = sample(s.sampler(
-        greedy=False, temperature=s.temperature if temperature is None
-        else temperature, top_p=s.top_p if top_p is None else top_p), n)
+  greedy_done = sample(True, 1) if greedy else None
+  sampled = sample(False, n) if n else None
   golds = [str(x.answer) for x in examples]
-  metrics = summarise(sampled, greedy_done, golds, ks,
-                      final_answer(s.accuracy_reward).equivalent)
+  metrics = summarise(sampled, greedy_done, golds, settings.ks,
+                      final_answer(settings.accuracy_reward).equivalent)
   metrics["eval/seconds"] = time.perf_counter() - t0
   return PolicyEval(metrics, [x.question for x in examples], golds, sampled,
                     greedy_done)

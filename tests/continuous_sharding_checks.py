@@ -51,8 +51,8 @@ def check_mesh(shape, params, ref) -> None:
   layout = sharding.Layout.from_config(config)
   sharded = layout.shard_params(MODEL, params)
   cfg = dataclasses.replace(STATIC, continuous_batching=True, slots=SLOTS)
-  out = sampling.sample(MODEL, sharded, PROMPTS, jax.random.key(3), cfg, G,
-                        layout=layout)
+  out = sampling.Sampler(MODEL, cfg, layout).sample(
+      sharded, PROMPTS, jax.random.key(3), G)
   host = jax.device_get(out)
   np.testing.assert_array_equal(host.tokens_nt, ref.tokens_nt)
   np.testing.assert_array_equal(host.length_n, ref.length_n)
@@ -65,10 +65,11 @@ def check_mesh(shape, params, ref) -> None:
   R = layout.batch_shards
   P = sampling.bucket(max(map(len, PROMPTS)))
   prompt_bp, len_b = sampling.left_pad(PROMPTS, P, len(PROMPTS), 0)
+  call = sampling.CallSpec(MODEL, dataclasses.replace(cfg, slots=0), G,
+                           layout, SLOTS)
   hlo = continuous.sample_slots.lower(
-      MODEL, sharded, layout.rows(prompt_bp), layout.rows(len_b),
-      jax.random.key(3), dataclasses.replace(cfg, slots=0), G, SLOTS,
-      jnp.int32(len(PROMPTS)), layout).compile().as_text()
+      call, sharded, layout.rows(prompt_bp), layout.rows(len_b),
+      jax.random.key(3), jnp.int32(len(PROMPTS))).compile().as_text()
   S = -(-(P + STATIC.max_new_tokens) // ragged.BLOCK_S) * ragged.BLOCK_S
   K, E = MODEL.num_kv_heads, MODEL.head_dim
   heads = K // tensor if K % tensor == 0 else K

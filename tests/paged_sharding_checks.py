@@ -10,7 +10,7 @@ split data x fsdp ways; the compiled program's page pool is a per-device
 slice (one row shard's pool, KV heads over tensor), never whole on one
 device; every page returns to its shard's pool; the decode loop gathers
 no per-prompt or per-row array (tails, page tables) across row shards,
-and with an fsdp axis no weight (`paged_slots.decode_constrain`);
+and with an fsdp axis no weight (`page_pool.decode_constrain`);
 with a tensor axis, the TPU kernel (sampling.paged_kernel = "pallas",
 inside jax.shard_map, in TPU interpret mode) gives the same samples.
 Prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
@@ -48,8 +48,8 @@ def check_mesh(shape, params, ref) -> None:
   config.mesh.shape = shape
   layout = sharding.Layout.from_config(config)
   sharded = layout.shard_params(MODEL, params)
-  out = sampling.sample(MODEL, sharded, PROMPTS, jax.random.key(3), PAGED, G,
-                        layout=layout)
+  out = sampling.Sampler(MODEL, PAGED, layout).sample(
+      sharded, PROMPTS, jax.random.key(3), G)
   host = jax.device_get(out)
   np.testing.assert_array_equal(host.tokens_nt, ref.tokens_nt)
   np.testing.assert_array_equal(host.length_n, ref.length_n)
@@ -62,12 +62,14 @@ def check_mesh(shape, params, ref) -> None:
   P = sampling.bucket(max(map(len, PROMPTS)))
   prompt_bp, len_b = sampling.left_pad(PROMPTS, P, len(PROMPTS), 0)
   W = sampling.pool_pages(PAGED, len_b, len(PROMPTS), SLOTS, R, P)
-  args = (MODEL, sharded, layout.rows(prompt_bp), layout.rows(len_b),
-          jax.random.key(3), dataclasses.replace(PAGED, slots=0), G, SLOTS, W,
-          jnp.int32(len(PROMPTS)), layout)
-  _, stats = paged_slots.sample_pages(*args, check_pages=True)
+  call = sampling.CallSpec(MODEL, dataclasses.replace(PAGED, slots=0), G,
+                           layout, SLOTS, W)
+  args = (sharded, layout.rows(prompt_bp), layout.rows(len_b),
+          jax.random.key(3), jnp.int32(len(PROMPTS)))
+  _, stats = paged_slots.sample_pages(
+      dataclasses.replace(call, check_pages=True), *args)
   assert int(stats.in_use_end) == 0 and int(stats.conflicts) == 0, stats
-  hlo = paged_slots.sample_pages.lower(*args).compile().as_text()
+  hlo = paged_slots.sample_pages.lower(call, *args).compile().as_text()
   K, E, Z = MODEL.num_kv_heads, MODEL.head_dim, PAGED.page_size
   heads = K // tensor if K % tensor == 0 else K
   shape = lambda k: ",".join(map(str, paged.REFERENCE_LAYOUT.shape(k, W, Z, E)))
@@ -83,16 +85,17 @@ def check_mesh(shape, params, ref) -> None:
     many = 16 * R  # cross ICI, never weights (XLA gathered w_gate here)
     W = sampling.pool_pages(PAGED, len_b, len(PROMPTS), many, R, P)
     hlo = paged_slots.sample_pages.lower(
-        *args[:7], many, W, *args[9:]).compile().as_text()
+        dataclasses.replace(call, slots=many, pool_pages=W),
+        *args).compile().as_text()
     assert 16 * fsdp < MODEL.dim and not re.search(
         rf"= \w+\[{MODEL.dim},[^\n]* all-gather\([^\n]*decode/while/body",
         hlo), "a weight gathered in the decode loop"
   if tensor > 1:   # the TPU kernel inside shard_map, interpreted on CPU
     kernel_cfg = dataclasses.replace(PAGED, paged_kernel="pallas")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-      kernel = jax.device_get(sampling.sample(     # 4 prompts: interpreting
-          MODEL, sharded, PROMPTS[:4], jax.random.key(3), kernel_cfg, G,
-          layout=layout))                           # is slow
+      kernel = jax.device_get(sampling.Sampler(     # 4 prompts: interpreting
+          MODEL, kernel_cfg, layout).sample(        # is slow
+              sharded, PROMPTS[:4], jax.random.key(3), G))
     rows = 4 * G          # the noise is (key, row, t): the same rows' samples
     np.testing.assert_array_equal(kernel.tokens_nt, ref.tokens_nt[:rows])
     np.testing.assert_allclose(kernel.logp_nt, ref.logp_nt[:rows], atol=2e-2)

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
-from grpo_jax.generate import sampling
+from grpo_jax.generate import padded, sampling
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
 from grpo_jax.models import get_preset, init_params, lora, transformer
@@ -171,8 +171,8 @@ def check_lora(layout, sharded_base, placed_batch, ref) -> None:
 
 def run_all(params, batch, optimizer, layout=None):
   """Greedy samples, (grads, loss) and the state after one update."""
-  samples = sampling.sample(MODEL, params, PROMPTS, jax.random.key(3), GREEDY,
-                            num_generations=2, layout=layout)
+  samples = sampling.Sampler(MODEL, GREEDY, layout).sample(
+      params, PROMPTS, jax.random.key(3), num_generations=2)
   loss, grads = loss_and_grad(params, batch)
   # A copy: the update donates its state, and `params` is used again.
   state = update.init_state(jax.tree.map(jnp.copy, params), optimizer, seed=0)
@@ -224,17 +224,18 @@ def check_sampler_sharding(shape, layout, params, samples, ref) -> None:
   P_ = sampling.bucket(max(len(p) for p in PROMPTS))
   S, hd, K = P_ + GREEDY.max_new_tokens, MODEL.head_dim, MODEL.num_kv_heads
   prompt_bp, len_b = sampling.left_pad(PROMPTS, P_, len(PROMPTS), 0)
-  hlo = sampling.sample_padded.lower(
-      MODEL, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
-      jax.random.key(3), GREEDY, 2, layout).compile().as_text()
+  hlo = padded.sample_padded.lower(
+      sampling.CallSpec(MODEL, GREEDY, 2, layout), params,
+      jnp.asarray(prompt_bp), jnp.asarray(len_b),
+      jax.random.key(3)).compile().as_text()
   rows, heads = EXPECTED_CACHE_SHARD[shape]
   assert f"f32[{rows},{heads},{S},{hd}]" in hlo, (
       f"no per-device cache buffer f32[{rows},{heads},{S},{hd}]")
   assert f"f32[{2 * len(PROMPTS)},{K},{S},{hd}]" not in hlo, (
       "a whole KV cache on one device")
   # 3 prompts x G=2: padded to a prompt count whose rows divide evenly.
-  three = sampling.sample(MODEL, params, PROMPTS[:3], jax.random.key(3),
-                          GREEDY, num_generations=2, layout=layout)
+  three = sampling.Sampler(MODEL, GREEDY, layout).sample(
+      params, PROMPTS[:3], jax.random.key(3), num_generations=2)
   np.testing.assert_array_equal(jax.device_get(three.tokens_nt),
                                 ref["samples"].tokens_nt[:6])
 

@@ -202,9 +202,10 @@ def test_sampler_chunk_from_memory_budget():
   row = sampling.kv_cache_bytes(c, 1, 1000, 2)
   assert row == 2 * 24 * 2 * 64 * 1000 * 2
   budget = row * 64 * 16 / sampling.KV_FRACTION    # 64 prompts x G=16 fit
-  assert sampling.prompts_per_call(c, 512, 16, 1000, 0, budget, None, 2) == 64
-  assert sampling.prompts_per_call(c, 512, 16, 1000, 0, None, None, 2) == 512
-  assert sampling.prompts_per_call(c, 512, 16, 1000, 160, budget, None, 2,
+  size = sampling.CacheSize(c, 2)
+  assert sampling.prompts_per_call(size, 512, 16, 1000, 0, budget) == 64
+  assert sampling.prompts_per_call(size, 512, 16, 1000, 0, None) == 512
+  assert sampling.prompts_per_call(size, 512, 16, 1000, 160, budget,
                                    multiple=4) == 12
 
 

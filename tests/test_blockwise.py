@@ -46,8 +46,9 @@ def test_values_and_gradients_match_dense(dtype, window, blocks):
     return attention.attention(q, k, v, mask)
 
   def block(q, k, v):
-    return blockwise.attention(q, k, v, pos, pos, valid, sliding_window=window,
-                               block_q=blocks[0], block_k=blocks[1])
+    return blockwise.attention(q, k, v, blockwise.MaskInfo(pos, pos, valid),
+                               sliding_window=window, block_q=blocks[0],
+                               block_k=blocks[1])
 
   loss = lambda f: lambda q, k, v: jnp.sum(
       jnp.where(rows, f(q, k, v).astype(jnp.float32) * w, 0.0))
@@ -71,10 +72,11 @@ def test_skips_causally_masked_blocks():
   q, k, v = _inputs(jax.random.key(2), B=1, T=S, S=S)
   pos, valid = _left_padded(1, S, [0])
   v_nan = v.at[:, :, 12:].set(jnp.nan)
-  out = blockwise.attention(q, k, v_nan, pos, pos, valid, block_q=4,
-                            block_k=4)
+  out = blockwise.attention(q, k, v_nan, blockwise.MaskInfo(pos, pos, valid),
+                            block_q=4, block_k=4)
   assert np.isfinite(np.asarray(out[:, :12])).all()
-  ref = blockwise.attention(q, k, v, pos, pos, valid, block_q=4, block_k=4)
+  ref = blockwise.attention(q, k, v, blockwise.MaskInfo(pos, pos, valid),
+                            block_q=4, block_k=4)
   np.testing.assert_array_equal(np.asarray(out[:, :12]),
                                 np.asarray(ref[:, :12]))
 
@@ -90,13 +92,15 @@ def test_segments_and_queries_after_a_prefix():
   config = get_preset("tiny")
   mask = attention.attention_mask(config, pos, pos, valid, seg, seg)
   want = attention.attention(q, k, v, mask)
-  got = blockwise.attention(q, k, v, pos, pos, valid, seg, seg, block_q=5,
-                            block_k=3)
+  got = blockwise.attention(q, k, v,
+                            blockwise.MaskInfo(pos, pos, valid, seg, seg),
+                            block_q=5, block_k=3)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   T = 5                                  # queries: the last 5 columns
   mask = attention.attention_mask(config, pos[:, -T:], pos, valid)
   want = attention.attention(q[:, -T:], k, v, mask)
-  got = blockwise.attention(q[:, -T:], k, v, pos[:, -T:], pos, valid,
+  got = blockwise.attention(q[:, -T:], k, v,
+                            blockwise.MaskInfo(pos[:, -T:], pos, valid),
                             block_q=2, block_k=4)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 

@@ -13,7 +13,8 @@ from grpo_jax import errors
 from grpo_jax import config as config_lib
 from grpo_jax import validation
 from grpo_jax.generate import continuous, sampling
-from grpo_jax.models import forward, get_preset, init_params, ragged
+from grpo_jax.models import (blockwise, forward, get_preset, init_params,
+                             ragged)
 from grpo_jax.models import attention
 
 CONFIG = get_preset("tiny")
@@ -188,19 +189,21 @@ def test_filled_attention_equals_dense(window):
   if window is not None:
     mask &= q_pos[:, None] - pos < window
   want = attention.attention(q, k, v, mask[:, None])
-  got = ragged.filled_attention(q, k, v, q_pos, pos, valid, jnp.int32(19),
-                                window, block)
+  got = ragged.filled_attention(
+      q, k, v, blockwise.MaskInfo(q_pos[:, None], pos, valid), jnp.int32(19),
+      window, block)
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_auto_slots():
   c = CONFIG
-  assert sampling.auto_slots(c, 64, 8, 16, 80, None, None, 4) == 64 // 4
+  size = sampling.CacheSize(c, 4)
+  assert sampling.auto_slots(size, 64, 8, 16, 80, None) == 64 // 4
   per_slot = sampling.kv_cache_bytes(c, 1, 80, 4)
   prompts = sampling.kv_cache_bytes(c, 8, 16, 4)
   budget = (prompts + 10 * per_slot) / sampling.KV_FRACTION
-  assert sampling.auto_slots(c, 64, 8, 16, 80, budget, None, 4) == 10
-  assert sampling.auto_slots(c, 8, 8, 16, 80, budget * 100, None, 4) == 8
+  assert sampling.auto_slots(size, 64, 8, 16, 80, budget) == 10
+  assert sampling.auto_slots(size, 8, 8, 16, 80, budget * 100) == 8
 
 
 def test_config_fields_are_validated():

@@ -183,8 +183,8 @@ def _majority_is_even(answers) -> bool:
 
 def test_greedy_only_evaluation_scores_the_greedy_texts(tiny_policy):
   config, model_config, params, tokenizer, examples = tiny_policy
-  result = evaluation.evaluate_policy(_settings(config, tokenizer), model_config, params, tokenizer,
-                                      examples, n=0)
+  result = evaluation.evaluate_policy(dataclasses.replace(_settings(config, tokenizer), n=0),
+                                      model_config, params, tokenizer, examples)
   assert result.sampled is None and len(result.greedy.texts) == len(examples)
   verdicts = [_parity(row[0]) == "even" for row in result.greedy.texts]
   assert result.greedy.correct_bg[:, 0].tolist() == verdicts
@@ -195,8 +195,9 @@ def test_greedy_only_evaluation_scores_the_greedy_texts(tiny_policy):
 
 def test_temperature_zero_samples_are_the_greedy_completion(tiny_policy):
   config, model_config, params, tokenizer, examples = tiny_policy
-  result = evaluation.evaluate_policy(_settings(config, tokenizer), model_config, params, tokenizer,
-                                      examples, temperature=0.0)
+  result = evaluation.evaluate_policy(
+      dataclasses.replace(_settings(config, tokenizer), temperature=0.0), model_config, params,
+      tokenizer, examples)
   for greedy, samples in zip(result.greedy.texts, result.sampled.texts):
     assert samples == greedy * 4
   m = result.metrics
@@ -250,8 +251,8 @@ def test_cli_evaluates_a_checkpoint_and_writes_json(tmp_path, tiny_policy):
   tiny_config.eval.update(n=4, ks=(1, 4), batch_size=3)
   examples = experiment.load_examples(tiny_config)[1]
   samples = lambda p: evaluation.evaluate_policy(
-      _settings(tiny_config, tokenizer), model_config, p, tokenizer, examples,
-      greedy=False).sampled.texts
+      dataclasses.replace(_settings(tiny_config, tokenizer), greedy=False), model_config, p,
+      tokenizer, examples).sampled.texts
   got = [[s["completion"] for s in p["samples"]] for p in problems]
   assert got == samples(params)
   assert got != samples(init_params)

@@ -12,7 +12,7 @@ import pytest
 
 from configs import tiny
 from grpo_jax import errors, validation
-from grpo_jax.models import get_preset, init_params, lora, transformer
+from grpo_jax.models import decode, get_preset, init_params, lora, transformer
 from grpo_jax.rl import update
 from update_batches import random_update_batch
 
@@ -73,11 +73,11 @@ def test_zero_b_equals_base_exactly():
                          SPEC.scale)
   np.testing.assert_array_equal(_forward(MODEL, attached, TOKENS),
                                 _forward(MODEL, base, TOKENS))
-  cache = transformer.init_cache(MODEL, 3, 4)
+  cache = decode.init_cache(MODEL, 3, 4)
   args = (cache, TOKENS[:, 0], jnp.zeros(3, jnp.int32), 0)
-  decode = jax.jit(transformer.decode_step, static_argnums=0)
-  np.testing.assert_array_equal(decode(MODEL, attached, *args)[0],
-                                decode(MODEL, base, *args)[0])
+  step = jax.jit(decode.decode_step, static_argnums=0)
+  np.testing.assert_array_equal(step(MODEL, attached, *args)[0],
+                                step(MODEL, base, *args)[0])
 
 
 @pytest.mark.parametrize("dtype", [

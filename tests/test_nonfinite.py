@@ -121,9 +121,9 @@ def _nan_advantages_at_step(monkeypatch, bad_step: int):
   real_learn, real_advantages = train.learn, train.advantages
   now = {}
 
-  def learn(config, r, state, groups, metrics, step):
+  def learn(r, state, groups, metrics, step):
     now["step"] = step + 1
-    return real_learn(config, r, state, groups, metrics, step)
+    return real_learn(r, state, groups, metrics, step)
 
   def advantages(*args, **kwargs):
     adv = real_advantages(*args, **kwargs)

@@ -195,7 +195,7 @@ def test_blockwise_attention_reads_shared_prompt_segments():
   run = lambda impl: transformer.hidden_states(
       CONFIG, params, jnp.asarray(rows.tokens_rs),
       jnp.asarray(rows.positions_rs), jnp.asarray(rows.valid_rs),
-      segment_ns=jnp.asarray(rows.segments_rs), attention_impl=impl)
+      jnp.asarray(rows.segments_rs), transformer.ForwardSettings(attention=impl))
   valid = rows.valid_rs
   np.testing.assert_allclose(np.asarray(run("blockwise"))[valid],
                              np.asarray(run("dense"))[valid],

@@ -45,10 +45,11 @@ def _paged(params, prompts, cfg, G, key=5):
   P = sampling.bucket(max(map(len, prompts)))
   prompt_bp, len_b = sampling.left_pad(prompts, P, len(prompts), 0)
   pool = sampling.pool_pages(cfg, len_b, len(prompts), cfg.slots, 1, P)
+  call = sampling.CallSpec(CONFIG, dataclasses.replace(cfg, slots=0, pages=0),
+                           G, None, cfg.slots, pool, check_pages=True)
   return paged_slots.sample_pages(
-      CONFIG, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
-      jax.random.key(key), dataclasses.replace(cfg, slots=0, pages=0), G,
-      cfg.slots, pool, jnp.int32(len(prompts)), check_pages=True)
+      call, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
+      jax.random.key(key), jnp.int32(len(prompts)))
 
 
 def _assert_same(a, b, atol=1e-5):
@@ -105,8 +106,8 @@ def test_paged_attention_equals_dense(window):
     np.testing.assert_allclose(got, want, atol=1e-5)
     for block in (4, 8, 12, 32):    # cuts of 1, 2, 3 pages; one of all 5
       cut = paged.bucketed_attention(q, *layout_pools, length_m, table_mj,
-                                     jnp.int32(5), window, block=block,
-                                     layout=layout)
+                                     jnp.int32(5),
+                                     paged.Buckets(window, block, layout))
       np.testing.assert_allclose(cut, want, atol=1e-5)
   if window is None:      # the TPU kernel, interpreted on this CPU
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
@@ -172,8 +173,8 @@ def test_a_kept_pool_gives_fresh_pools_samples_and_is_reused(params):
   tokens = []
   for weights in (params, updated):
     before = pools.pool
-    kept = sampling.sample(CONFIG, weights, _prompts(), jax.random.key(5),
-                           cfg, 3, pools=pools)
+    kept = sampling.Sampler(CONFIG, cfg, pools=pools).sample(
+        weights, _prompts(), jax.random.key(5), 3)
     fresh = sampling.sample(CONFIG, weights, _prompts(), jax.random.key(5),
                             cfg, 3)
     _assert_same(kept, fresh, atol=0)
@@ -196,10 +197,11 @@ def test_the_decode_loop_writes_the_pools_in_place(params):
   P = sampling.bucket(max(LENGTHS))
   prompt_bp, len_b = sampling.left_pad(_prompts(), P, len(LENGTHS), 0)
   pool = sampling.pool_pages(cfg, len_b, len(LENGTHS), cfg.slots, 1, P)
+  call = sampling.CallSpec(CONFIG, dataclasses.replace(cfg, slots=0, pages=0),
+                           2, None, cfg.slots, pool)
   hlo = paged_slots.sample_pages.lower(
-      CONFIG, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
-      jax.random.key(5), dataclasses.replace(cfg, slots=0, pages=0), 2,
-      cfg.slots, pool, jnp.int32(len(LENGTHS))).compile().as_text()
+      call, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
+      jax.random.key(5), jnp.int32(len(LENGTHS))).compile().as_text()
   shape = "f32[%s]" % ",".join(map(str, (1,) + paged.REFERENCE_LAYOUT.shape(
       CONFIG.num_kv_heads, pool, 4, CONFIG.head_dim)))
   where, copies, scatters = None, [], 0
@@ -216,24 +218,25 @@ def test_the_decode_loop_writes_the_pools_in_place(params):
 @pytest.mark.parametrize("kv_cache", ["paged", "dense"])
 def test_a_bf16_cache_is_written_as_bits(params, kv_cache):
   """With bf16 weights (so a bf16 KV cache), every write into the cache
-  scatters its bits (u16, `transformer.set_in_bits`), never floats: XLA:CPU
+  scatters its bits (u16, `decode.set_in_bits`), never floats: XLA:CPU
   has no bf16 scatter, and scattering bf16 made it convert every layer's
   whole cache to float32 and back at every decode step (docs/paged.md)."""
   bf16 = transformer.cast(params, "bfloat16")
   cfg = dataclasses.replace(_cfg(kv_cache=kv_cache, page_size=4), slots=0)
   P = sampling.bucket(max(LENGTHS))
   prompt_bp, len_b = sampling.left_pad(_prompts(), P, len(LENGTHS), 0)
-  args = (CONFIG, bf16, jnp.asarray(prompt_bp), jnp.asarray(len_b),
-          jax.random.key(5), cfg, 2, 4)
+  args = (bf16, jnp.asarray(prompt_bp), jnp.asarray(len_b), jax.random.key(5),
+          jnp.int32(len(LENGTHS)))
   K, E = CONFIG.num_kv_heads, CONFIG.head_dim
   if kv_cache == "paged":
     pool = sampling.pool_pages(_cfg(page_size=4), len_b, len(LENGTHS), 4, 1,
                                P)
-    program = paged_slots.sample_pages.lower(*args, pool,
-                                             jnp.int32(len(LENGTHS)))
+    program = paged_slots.sample_pages.lower(
+        sampling.CallSpec(CONFIG, cfg, 2, None, 4, pool), *args)
     dims = (1,) + paged.REFERENCE_LAYOUT.shape(K, pool, 4, E)
   else:
-    program = continuous.sample_slots.lower(*args, jnp.int32(len(LENGTHS)))
+    program = continuous.sample_slots.lower(
+        sampling.CallSpec(CONFIG, cfg, 2, None, 4), *args)
     S = -(-(P + cfg.max_new_tokens) // ragged.BLOCK_S) * ragged.BLOCK_S
     dims = (4, K, S, E)
   shape = "[%s]" % ",".join(map(str, dims))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from grpo_jax.generate import sampling
+from grpo_jax.generate import padded, sampling
 from grpo_jax.models import forward, get_preset, init_params
 
 CONFIG = get_preset("tiny")
@@ -250,8 +250,8 @@ def test_automatic_chunks_follow_free_memory(params, monkeypatch):
   cfg = sampling.SamplingConfig(max_new_tokens=8)
   a = sampling.sample(CONFIG, params, prompts, jax.random.key(1), cfg, 2)
   calls = []
-  real = sampling.sample_padded
-  monkeypatch.setattr(sampling, "sample_padded", lambda *args: calls.append(
+  real = padded.sample_padded
+  monkeypatch.setattr(padded, "sample_padded", lambda *args: calls.append(
       args[2].shape[0]) or real(*args))
   two_prompts = sampling.kv_cache_bytes(CONFIG, 2 * 2, 16 + 8, 4)
   monkeypatch.setattr(sampling, "free_device_memory",

@@ -62,16 +62,17 @@ def _reply(prompt: str) -> str:
 
 
 class ScriptedSampler:
-  """Stands in for sampling.sample: the reply of `_reply`, then the stop id;
-  records the parameters each call was given."""
+  """Stands in for sampling.Sampler.sample: the reply of `_reply`, then the
+  stop id; records the parameters each call was given."""
 
   def __init__(self):
     self.params_seen = []
     self.prompts_seen = []
 
-  def __call__(self, model_config, params, prompts, key, cfg,
-               num_generations=1, batch_multiple=1, layout=None, pools=None):
-    del model_config, key, batch_multiple, layout, pools
+  def __call__(self, sampler, params, prompts, key, num_generations=1,
+               batch_multiple=1):
+    del key, batch_multiple
+    cfg = sampler.sampling
     self.params_seen.append(jax.tree.map(np.array, params))
     self.prompts_seen.append([TOK.decode(p) for p in prompts])
     T = cfg.max_new_tokens
@@ -89,7 +90,8 @@ class ScriptedSampler:
 @pytest.fixture
 def scripted(monkeypatch):
   sampler = ScriptedSampler()
-  monkeypatch.setattr(sampling, "sample", sampler)
+  monkeypatch.setattr(sampling.Sampler, "sample",
+                      lambda self, *args: sampler(self, *args))
   return sampler
 
 

@@ -167,7 +167,7 @@ def test_dynamic_sampling_returns_exactly_b_groups_with_signal():
         correct.astype(np.float32), correct)
     return batch, {"time/sample": 1.0, "sample/tokens": B * G * T}
 
-  batch, metrics = rollout.collect(generate, B, True, 10, "raise")
+  batch, metrics = rollout.collect(generate, B, rollout.DynamicSampling(True, 10, "raise"))
   assert isinstance(batch, rollout.Groups) and batch.reward_bg.shape == (B, G)
   assert np.all(batch.reward_bg.max(1) > batch.reward_bg.min(1))
   assert batch.prompt_ids_b.shape == (B,) and batch.tokens_bgt.shape == (B, G, T)

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import (Constrain, Params,
-                                         default_positions_and_valid,
+from grpo_jax.models.transformer import (Constrain, ForwardSettings, Params,
+                                         Rows, default_positions_and_valid,
                                          hidden_states,
                                          hidden_states_shared_prompt)
 
@@ -165,18 +165,19 @@ def sequence_logprobs(model_config: ModelConfig, params: Params,
         tokens_ns, positions_ns, valid_ns)
     P, first = S - T, slice(None, None, group_size)   # one row per group
     h_last_bd, h_ntd = hidden_states_shared_prompt(
-        model_config, params, tokens_ns[first, :P], positions_ns[first, :P],
-        valid_ns[first, :P], tokens_ns[:, P:], positions_ns[:, P:],
-        valid_ns[:, P:], remat=forward.remat, attention_impl=forward.attention,
-        constrain=constrain)
+        model_config, params,
+        Rows(tokens_ns[first, :P], positions_ns[first, :P],
+             valid_ns[first, :P]),
+        Rows(tokens_ns[:, P:], positions_ns[:, P:], valid_ns[:, P:]),
+        ForwardSettings(forward.remat, forward.attention, constrain))
     h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
     # Column j predicts completion token j: the prompt's last, then T - 1.
     h_ntd = jnp.concatenate([h_last_nd[:, None], h_ntd[:, :T - 1]], axis=1)
   else:
     h_ntd = hidden_states(model_config, params, tokens_ns, positions_ns,
-                          valid_ns, remat=forward.remat,
-                          attention_impl=forward.attention,
-                          constrain=constrain)[:, S - 1 - T:S - 1]
+                          valid_ns, settings=ForwardSettings(
+                              forward.remat, forward.attention,
+                              constrain))[:, S - 1 - T:S - 1]
   if constrain is not None:     # the head reads whole rows' columns
     h_ntd = constrain(h_ntd, ("batch", None, None))
   return token_logprobs(model_config, params, h_ntd, tokens_ns[:, S - T:],

@@ -11,7 +11,7 @@ whose peak exceeds the chip's memory (RESOURCE_EXHAUSTED).
 shardings and `init_state` shapes and no weights, every program a training
 step and its evaluation run:
 
-  sampler    `sampling.sample_padded` at the rows of one sampler call, or
+  sampler    `padded.sample_padded` at the rows of one sampler call, or
              with `sampling.continuous_batching` `continuous.sample_slots`
              on all of a step's rows (its slots: `sampling.slots`, or the
              most the chip's free memory holds, `sampling.auto_slots`), or
@@ -99,10 +99,15 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
-      plan.model_config, rl.prompts_per_step, rl.num_generations,
+      _cache_size(config, plan), rl.prompts_per_step, rl.num_generations,
       plan.prompt_len + config.sampling.max_new_tokens,
-      config.sampling.chunk_rows, budget, plan.layout,
-      jnp.dtype(config.model.compute_dtype).itemsize, multiple)
+      config.sampling.chunk_rows, budget, multiple)
+
+
+def _cache_size(config, plan: Plan) -> sampling.CacheSize:
+  return sampling.CacheSize(plan.model_config,
+                            jnp.dtype(config.model.compute_dtype).itemsize,
+                            plan.layout)
 
 
 def continuous_sampler(plan: Plan, slots: int) -> Program:
@@ -110,10 +115,10 @@ def continuous_sampler(plan: Plan, slots: int) -> Program:
   step's prompts x G rows with `slots` slots (rows: the slots)."""
   x = pod_sampler.sampler_inputs(plan)
   params, resident = plan.sampler_params(), plan.sampler_resident()
+  call = sampling.CallSpec(plan.model_config, plan.sampling_config(),
+                           plan.config.rl.num_generations, plan.layout, slots)
   lower = lambda: continuous.sample_slots.lower(
-      plan.model_config, params, x.prompt_bp, x.prompt_len_b, x.key,
-      plan.sampling_config(), plan.config.rl.num_generations, slots,
-      jnp.int32(x.prompts), plan.layout)
+      call, params, x.prompt_bp, x.prompt_len_b, x.key, jnp.int32(x.prompts))
   return compile_program("sampler slots", slots, lower, resident)
 
 
@@ -130,10 +135,9 @@ def auto_slots(config, plan: Plan, hbm: float, configured: bool = True
   rl = config.rl
   budget = plan.sampler_budget(hbm)
   return sampling.auto_slots(
-      plan.model_config, rl.prompts_per_step * rl.num_generations,
+      _cache_size(config, plan), rl.prompts_per_step * rl.num_generations,
       rl.prompts_per_step, plan.prompt_len,
-      plan.prompt_len + config.sampling.max_new_tokens, budget, plan.layout,
-      jnp.dtype(config.model.compute_dtype).itemsize)
+      plan.prompt_len + config.sampling.max_new_tokens, budget)
 
 
 def _eval_calls(config, plan: Plan):

@@ -16,7 +16,7 @@ from grpo_jax.aot.programs import (Program, abstract_adapters,
                                    compile_program, per_chip_bytes,
                                    replicated, row_sharded)
 from grpo_jax.rl import packing, update
-from grpo_jax.generate import sampling
+from grpo_jax.generate import decoding, padded, sampling
 from grpo_jax.models import lora, paged
 from grpo_jax.rl.spec import RunSpec
 from grpo_jax.models.config import ModelConfig
@@ -96,9 +96,9 @@ class Plan:
     lens = row_sharded(self.layout, (b,), jnp.int32)
     key = replicated(self.layout, jax.eval_shape(lambda: jax.random.key(0)))
     params, resident = self.sampler_params(), self.sampler_resident()
-    lower = lambda: sampling.sample_padded.lower(
-        self.model_config, params, prompt, lens, key, sampling_config,
-        generations, self.layout)
+    call = decoding.CallSpec(self.model_config, sampling_config, generations,
+                             self.layout)
+    lower = lambda: padded.sample_padded.lower(call, params, prompt, lens, key)
     return compile_program(name, b * generations, lower, resident)
 
   def sampler_resident(self) -> int:

@@ -65,10 +65,11 @@ def paged_sampler(plan: Plan, slots: int, pages: int) -> Program:
   `slots` slots and `pages` pages per row shard (rows: the slots)."""
   x = sampler_inputs(plan)
   params, resident = plan.sampler_params(), plan.sampler_resident()
+  call = sampling.CallSpec(plan.model_config, plan.paged_sampling_config(),
+                           plan.config.rl.num_generations, plan.layout, slots,
+                           pages)
   lower = lambda: paged_slots.sample_pages.lower(
-      plan.model_config, params, x.prompt_bp, x.prompt_len_b, x.key,
-      plan.paged_sampling_config(), plan.config.rl.num_generations, slots,
-      pages, jnp.int32(x.prompts), plan.layout)
+      call, params, x.prompt_bp, x.prompt_len_b, x.key, jnp.int32(x.prompts))
   return compile_program("sampler paged", slots, lower, resident)
 
 

@@ -26,6 +26,10 @@ programs schedule them (pure numpy; no model is run):
           the kernel's compute blocks of `block` columns; slots holding no
           row read nothing (the kernel skips length 0).
 
+tests/test_schedule_device.py holds the simulation to the samplers: on
+the device's own rows both give the same decode steps, and for pages the
+same preemptions, waits and peak pages.
+
 A row of L completion tokens (its first from the prefill) is live for
 L - 1 decode steps; a row with L = 1 holds its slot for one step. Shards
 run in lockstep (one SPMD program): a step ends when the slowest shard's
@@ -73,6 +77,10 @@ class Schedule(NamedTuple):
                           # waiting to restart)
   preempted: int          # rows preempted (paged), summed over shards
   cost: Cost
+  waited: int = 0         # slot-steps a live row waited for a page (paged)
+  peak_pages: int = 0     # most pages counted at once, summed over shards
+                          # (paged); these two and `preempted` are the
+                          # device's `paged_slots.PageStats`
 
   @property
   def steps(self) -> int:
@@ -188,8 +196,9 @@ class _Pool(NamedTuple):
 
 
 def _grant(p: _Pool, cost_P: int, page_size: int, pages: int, N: int):
-  """PAGES: grants in order, starts, preemption (`paged_slots._pages_step`).
-  Returns the slots that decode this step and the rows preempted."""
+  """PAGES: grants in order, starts, preemption (the paged sampler's
+  `paged_slots._pages_step`). Returns the slots that decode this step, the
+  rows preempted and the live rows that wait for a page."""
   full = cost_P // page_size
   column_m = cost_P + p.t_m - 1
   grow_m = p.live_m & (p.own_m < column_m // page_size - full + 1)
@@ -207,7 +216,7 @@ def _grant(p: _Pool, cost_P: int, page_size: int, pages: int, N: int):
   if not waiting_m.any():
     p.live_m[:] |= start_m
     p.wait_m[:] &= ~start_m
-    return p.live_m.copy(), 0
+    return p.live_m.copy(), 0, 0
   rows = np.arange(p.live_m.shape[0])
   oldest = np.argmin(np.where(p.live_m, p.row_m, np.iinfo(np.int64).max), 1)
   youngest = np.argmax(np.where(p.live_m, p.row_m, -1), 1)
@@ -219,7 +228,7 @@ def _grant(p: _Pool, cost_P: int, page_size: int, pages: int, N: int):
   p.t_m[victim_m] = 1
   p.live_m[:] = (p.live_m | start_m) & ~victim_m
   p.wait_m[:] = (p.wait_m & ~start_m) | victim_m
-  return p.live_m & ~waiting_m, int(victim_m.sum())
+  return p.live_m & ~waiting_m, int(victim_m.sum()), int(waiting_m.sum())
 
 
 def _decode(p: _Pool, active_m, lengths_rn, G: int, full: int) -> None:
@@ -280,13 +289,14 @@ def paged(lengths_rn: np.ndarray, slots: int, pages: int, page_size: int,
             np.full((R, B), G), np.full(R, B * full), np.zeros(R, np.int64))
   _take(p, lengths_rn, G, full)
   out_bytes, out_flops, out_live, queued = [], [], [], []
-  preempted = 0
+  preempted = waited = peak = 0
   while (p.live_m | p.wait_m).any() or (p.next_row < N).any():
     if len(out_bytes) >= max_steps:
       raise RuntimeError(f"paged schedule did not finish in {max_steps} steps")
     queued.append(bool((p.next_row < N).any() or p.wait_m.any()))
-    active_m, victims = _grant(p, P, page_size, pages, N)
-    preempted += victims
+    active_m, victims, waits = _grant(p, P, page_size, pages, N)
+    preempted, waited = preempted + victims, waited + waits
+    peak = max(peak, int(p.used.sum()))
     holds_m = p.live_m | p.wait_m
     columns_r = np.where(holds_m, read_columns(P + p.t_m, cost.block),
                          0).sum(1)
@@ -300,7 +310,7 @@ def paged(lengths_rn: np.ndarray, slots: int, pages: int, page_size: int,
     raise RuntimeError(f"pages still counted at the end: {p.used}")
   return Schedule("paged", slots, pages, np.asarray(out_bytes),
                   np.asarray(out_flops), np.asarray(out_live),
-                  np.asarray(queued, bool), preempted, cost)
+                  np.asarray(queued, bool), preempted, cost, waited, peak)
 
 
 # ----------------------------------------------------------------------------

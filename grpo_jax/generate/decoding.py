@@ -1,9 +1,11 @@
 """What both samplers share: settings, the Samples they return, the prompt
 pass, and token choice with noise that is a function of (row, token).
 
-`sampling` (the static sampler: every row of a call decodes in lockstep)
-and `continuous` (continuous batching: rows take turns in a fixed set of
-cache slots) build on this; `sampling` re-exports the public names.
+`padded` (the static sampler: every row of a call decodes in lockstep),
+`continuous` (continuous batching: rows take turns in a fixed set of
+cache slots) and `paged_slots` (the same over a paged cache) build on
+this, each a jitted program whose static settings are one `CallSpec`;
+`sampling` (the host side) re-exports the public names.
 
 Noise: row r's token t is drawn with the uniform
 `uniform(fold_in(fold_in(key, t), r))`, whatever call, chunk, slot or decode
@@ -20,11 +22,12 @@ parameters the first update's ratio is exactly 1.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from grpo_jax import sharding
 from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
 
@@ -105,6 +108,27 @@ class SamplingConfig:
     return self.greedy or self.temperature == 0 or self.top_k == 1
 
 
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+  """What one jitted sampler call is compiled for (its static argument):
+  the model, the sampler settings, G rows per prompt, the mesh and rules
+  (None: one device, or XLA's choice) and, for continuous batching, the
+  slots, the page pool's pages per row shard (kv_cache "paged") and
+  whether to count page conflicts every step (tests)."""
+  model_config: ModelConfig
+  sampling: SamplingConfig
+  num_generations: int
+  layout: Optional[sharding.Layout] = None
+  slots: int = 0
+  pool_pages: int = 0
+  check_pages: bool = False
+
+  @property
+  def shards(self) -> int:
+    """R: the row shards (1 without a layout)."""
+    return 1 if self.layout is None else self.layout.batch_shards
+
+
 class Samples(NamedTuple):
   """One row i per completion: n = B*G rows (prompt b = i // G), each of
   t = max_new_tokens columns."""
@@ -138,8 +162,8 @@ def prompt_pass(model_config: ModelConfig, params: transformer.Params,
   col_p = jnp.arange(P, dtype=jnp.int32)
   valid_bp = col_p[None, :] >= pad_b[:, None]
   pos_bp = jnp.maximum(col_p[None, :] - pad_b[:, None], 0)
-  h, (k, v) = transformer.hidden_states(model_config, params, prompt_bp, pos_bp,
-                                        valid_bp, return_kv=True)
+  h, (k, v) = transformer.hidden_states_and_kv(model_config, params,
+                                               prompt_bp, pos_bp, valid_bp)
   logits_bv = transformer.unembed(model_config, params, h[:, -1:])[:, 0]
   return PromptPass(logits_bv, k, v, valid_bp, pos_bp)
 
@@ -210,18 +234,19 @@ def _inverse_cdf_sample(logits_nv: jax.Array, u_n: jax.Array) -> jax.Array:
   return jnp.minimum(tokens, V - 1).astype(jnp.int32)
 
 
-def choose_tokens(logits_nv: jax.Array, key: jax.Array, cfg: SamplingConfig,
-                  row_n: jax.Array, t_n) -> tuple[jax.Array, jax.Array]:
+def choose_tokens(logits_nv: jax.Array, key: jax.Array,
+                  sampling: SamplingConfig, row_n: jax.Array, t_n
+                  ) -> tuple[jax.Array, jax.Array]:
   """Next token (N,) and its log-prob under softmax(logits / temperature).
   row_n: each row's index in its sampler call over all rows; t_n: the index
   of the token being chosen (scalar or per row). Together with the key they
   fix the noise (`token_uniforms`)."""
-  if cfg.is_greedy:
+  if sampling.is_greedy:
     tokens = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
     scaled = logits_nv
   else:
-    scaled = logits_nv / cfg.temperature
-    filtered = _filter_logits(scaled, cfg.top_k, cfg.top_p)
+    scaled = logits_nv / sampling.temperature
+    filtered = _filter_logits(scaled, sampling.top_k, sampling.top_p)
     tokens = _inverse_cdf_sample(filtered, token_uniforms(key, row_n, t_n))
   logp = jax.nn.log_softmax(scaled, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
@@ -234,14 +259,14 @@ def is_stop(tokens_n: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
 
 
 def finish(tokens_nt: jax.Array, logp_nt: jax.Array, steps: jax.Array,
-           cfg: SamplingConfig) -> Samples:
+           sampling: SamplingConfig) -> Samples:
   """Mask, length and truncation from the raw token matrix."""
   T = tokens_nt.shape[1]
-  stop_nt = is_stop(tokens_nt, cfg.stop_ids)
+  stop_nt = is_stop(tokens_nt, sampling.stop_ids)
   has_stop = jnp.any(stop_nt, axis=1)
   first_stop = jnp.argmax(stop_nt, axis=1)
   length_n = jnp.where(has_stop, first_stop + 1, T).astype(jnp.int32)
   mask_nt = jnp.arange(T)[None, :] < length_n[:, None]
-  tokens_nt = jnp.where(mask_nt, tokens_nt, cfg.pad_id)
+  tokens_nt = jnp.where(mask_nt, tokens_nt, sampling.pad_id)
   return Samples(tokens_nt, jnp.where(mask_nt, logp_nt, 0.0), mask_nt,
                  length_n, ~has_stop, steps)

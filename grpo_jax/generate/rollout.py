@@ -73,28 +73,36 @@ def completion_texts(tokenizer, tokens_nt: np.ndarray, length_n: np.ndarray,
           for row, end in zip(tokens_nt, ends_n)]
 
 
-def generate_groups(model_config, params, tokenizer, examples, key,
-                    cfg: sampling.SamplingConfig, num_generations: int,
-                    spec: RewardSpec, template: str, system_prompt: str = "",
-                    batch_multiple: int = 1,
-                    layout: sharding.Layout | None = None,
-                    pools: sampling.PagePools | None = None
+@dataclasses.dataclass(frozen=True)
+class GroupSettings:
+  """How examples become scored groups: G completions per prompt, the
+  rewards, the prompt template (and system prompt), and the prompt count
+  each sampler call is padded to a multiple of (a fixed chunk shape)."""
+  num_generations: int
+  rewards: RewardSpec
+  template: str
+  system_prompt: str = ""
+  batch_multiple: int = 1
+
+
+def generate_groups(sampler: sampling.Sampler, params, tokenizer, examples,
+                    key, settings: GroupSettings
                     ) -> tuple[Groups, dict[str, float]]:
   """Samples G completions for each example and scores them, group-major.
-  With a layout the sampler's rows are split over the mesh; every host gets
-  all of them back (the rewards read every row). pools: the run's page
-  pool holder (`sampling.PagePools`, kv_cache "paged"), kept across
+  With the sampler's layout its rows are split over the mesh; every host
+  gets all of them back (the rewards read every row). The sampler's page
+  pool holder (`sampling.PagePools`, kv_cache "paged") is kept across
   calls."""
-  B, G = len(examples), num_generations
+  G = settings.num_generations
   t0 = time.perf_counter()
-  texts = templates.render_prompts(tokenizer, template, [e.question for e in examples],
-                         system_prompt)
+  texts = templates.render_prompts(tokenizer, settings.template,
+                                   [e.question for e in examples],
+                                   settings.system_prompt)
   prompt_ids = tokenizer.encode_batch(texts)
-  out = sharding.to_host(sampling.sample(
-      model_config, params, prompt_ids, key, cfg, num_generations=G,
-      batch_multiple=batch_multiple, layout=layout, pools=pools))
+  out = sharding.to_host(sampler.sample(params, prompt_ids, key, G,
+                                        settings.batch_multiple))
   t1 = time.perf_counter()
-  groups, metrics = score_samples(spec, texts, prompt_ids,
+  groups, metrics = score_samples(settings.rewards, texts, prompt_ids,
                                   [e.answer for e in examples], out,
                                   tokenizer, G)
   t2 = time.perf_counter()
@@ -125,9 +133,19 @@ def score_samples(spec: RewardSpec, texts: Sequence[str],
   return groups, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicSampling:
+  """DAPO's dynamic sampling (rl.dynamic_sampling): generation batches until
+  the step has its groups that are neither all right nor all wrong, at most
+  `max_batches` of them, then `on_cap` (algorithms/dynamic_sampling.py)."""
+  enabled: bool = False
+  max_batches: int = 1
+  on_cap: str = "raise"
+
+
 def collect(generate: Callable[[int], tuple[Groups, dict]],
-            num_groups: int, dynamic: bool, max_gen_batches: int,
-            on_cap: str) -> tuple[Groups, dict[str, float]]:
+            num_groups: int, dynamic: DynamicSampling = DynamicSampling()
+            ) -> tuple[Groups, dict[str, float]]:
   """One step's groups: with dynamic sampling, keeps generating batches until
   `num_groups` groups with 0 < correct < G (reward variance > 0) are kept."""
   seen: list[tuple[Groups, dict]] = []
@@ -137,9 +155,10 @@ def collect(generate: Callable[[int], tuple[Groups, dict]],
     seen.append((batch, metrics))
     return batch
 
-  if dynamic:
+  if dynamic.enabled:
     batch, info = dynamic_sampling.sample_until_full(
-        gen, num_groups, max_gen_batches=max_gen_batches, on_cap=on_cap)
+        gen, num_groups, max_gen_batches=dynamic.max_batches,
+        on_cap=dynamic.on_cap)
     # Filler groups (cap hit, on_cap="fill") keep the shape but get no
     # gradient and do not count in the token-mean normaliser.
     batch = batch._replace(

@@ -110,8 +110,9 @@ def attend_fn(model_config: ModelConfig, impl: str, q_pos_nq: jax.Array,
     impl = "blockwise" if k_pos_ns.shape[1] >= BLOCKWISE_FROM else "dense"
   if impl == "blockwise":
     return functools.partial(
-        blockwise.attention, q_pos_nq=q_pos_nq, k_pos_ns=k_pos_ns,
-        k_valid_ns=k_valid_ns, q_seg_nq=q_seg_nq, k_seg_ns=k_seg_ns,
+        blockwise.attention,
+        mask=blockwise.MaskInfo(q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
+                                k_seg_ns),
         sliding_window=model_config.sliding_window)
   mask = attention_mask(model_config, q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
                         k_seg_ns)

@@ -50,12 +50,13 @@ def segment_mask(q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
 
 
 class MaskInfo(NamedTuple):
-  """What the mask is computed from, per row: (N, Q) queries, (N, S) keys."""
+  """What the mask is computed from, per row: (N, Q) queries, (N, S) keys
+  (`attention.attention_mask`'s inputs); segment ids None: unpacked rows."""
   q_pos: jax.Array
   k_pos: jax.Array
   k_valid: jax.Array
-  q_seg: Optional[jax.Array]
-  k_seg: Optional[jax.Array]
+  q_seg: Optional[jax.Array] = None
+  k_seg: Optional[jax.Array] = None
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
@@ -149,8 +150,20 @@ def _forward(st: _Static, q, k, v, info: MaskInfo):
   return out, lse
 
 
-def _backward(st: _Static, q, k, v, info: MaskInfo, out, lse, dout):
+class _Residuals(NamedTuple):
+  """What the forward pass keeps for the backward: its inputs, its float32
+  output and log-normaliser (`_forward`)."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  info: MaskInfo
+  out: jax.Array
+  lse: jax.Array
+
+
+def _backward(st: _Static, res: _Residuals, dout):
   """FlashAttention-2 backward: per query block, recompute p from lse."""
+  q, k, v, info, out, lse = res
   N, K, R, Qp, E = q.shape
   nq, nk = Qp // st.block_q, k.shape[2] // st.block_k
   scale = 1.0 / np.sqrt(E)
@@ -203,14 +216,13 @@ def _attend(st: _Static, q, k, v, info: MaskInfo):
 
 def _attend_fwd(st: _Static, q, k, v, info: MaskInfo):
   out, lse = _forward(st, q, k, v, info)
-  return out.astype(q.dtype), (q, k, v, info, out, lse)
+  return out.astype(q.dtype), _Residuals(q, k, v, info, out, lse)
 
 
-def _attend_bwd(st: _Static, res, dout):
-  q, k, v, info, out, lse = res
-  dq, dk, dv = _backward(st, q, k, v, info, out, lse, dout)
+def _attend_bwd(st: _Static, res: _Residuals, dout):
+  dq, dk, dv = _backward(st, res, dout)
   zero_info = jax.tree.map(
-      lambda x: np.zeros(x.shape, jax.dtypes.float0), info)
+      lambda x: np.zeros(x.shape, jax.dtypes.float0), res.info)
   return dq, dk, dv, zero_info
 
 
@@ -218,16 +230,14 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
-              q_pos_nq: jax.Array, k_pos_ns: jax.Array, k_valid_ns: jax.Array,
-              q_seg_nq: Optional[jax.Array] = None,
-              k_seg_ns: Optional[jax.Array] = None, *,
-              sliding_window: Optional[int] = None, block_q: int = 512,
-              block_k: int = 512) -> jax.Array:
+              mask: MaskInfo, *, sliding_window: Optional[int] = None,
+              block_q: int = 512, block_k: int = 512) -> jax.Array:
   """`attention.attention(q, k, v, attention.attention_mask(...))` for
   queries that are the last Q of the S key columns. Returns (N, Q, H, E).
 
   q (N, Q, H, E); k, v (N, K, S, E) as the dense path takes them; the
-  mask's inputs as `attention.attention_mask` takes them.
+  mask's inputs (`MaskInfo`: q_pos (N, Q), k_pos and k_valid (N, S),
+  segment ids) as `attention.attention_mask` takes them.
   """
   N, Q, H, E = q_nqhe.shape
   K, S = k_nkse.shape[1], k_nkse.shape[2]
@@ -237,9 +247,9 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   k, v = _pad_to(k_nkse, 2, bk), _pad_to(v_nkse, 2, bk)
   # Padded queries sit after the last column; padded keys are invalid.
   seg = lambda x, n, m: None if x is None else _pad_to(x, 1, m, -1)
-  info = MaskInfo(_pad_to(q_pos_nq, 1, bq), _pad_to(k_pos_ns, 1, bk),
-                  _pad_to(k_valid_ns, 1, bk, False),
-                  seg(q_seg_nq, Q, bq), seg(k_seg_ns, S, bk))
+  info = MaskInfo(_pad_to(mask.q_pos, 1, bq), _pad_to(mask.k_pos, 1, bk),
+                  _pad_to(mask.k_valid, 1, bk, False),
+                  seg(mask.q_seg, Q, bq), seg(mask.k_seg, S, bk))
   st = _Static(bq, bk, S - Q, sliding_window)
   out = _attend(st, q, k, v, info)[:, :, :, :Q]
   return jnp.moveaxis(out, 3, 1).reshape(N, Q, H, E)

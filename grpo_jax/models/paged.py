@@ -30,13 +30,14 @@ entries per row; per-shard arrays add a leading R (row shards).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple, Optional
 
 import jax
 from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import attention, ragged, transformer
+from grpo_jax.models import attention, decode, ragged, transformer
 from grpo_jax.models.config import ModelConfig
 
 # sampling.paged_kernel: the decode attention over pages. auto: the TPU kernel
@@ -110,10 +111,10 @@ class PoolLayout:
           ) -> jax.Array:
     """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
     if self.heads_first:
-      return transformer.set_in_bits(
+      return decode.set_in_bits(
           pool, jnp.moveaxis(pages_xkze, ids_x.ndim, 0),
           lambda p, new: p.at[:, ids_x].set(new, mode="drop"))
-    return transformer.set_in_bits(
+    return decode.set_in_bits(
         pool, pages_xkze, lambda p, new: p.at[ids_x].set(new, mode="drop"))
 
   def write(self, pool: jax.Array, new_mke: jax.Array, page_m: jax.Array,
@@ -121,10 +122,10 @@ class PoolLayout:
     """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
     nowhere)."""
     if self.heads_first:
-      return transformer.set_in_bits(
+      return decode.set_in_bits(
           pool, jnp.swapaxes(new_mke, 0, 1),
           lambda p, new: p.at[:, page_m, offset_m].set(new, mode="drop"))
-    return transformer.set_in_bits(
+    return decode.set_in_bits(
         pool, new_mke,
         lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 
@@ -173,22 +174,30 @@ def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
                              mask_ms[:, None])[:, 0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """How `bucketed_attention` reads: a sliding `window` (None: none), in
+  buckets of `block` key columns, from pools of `layout`."""
+  window: Optional[int] = None
+  block: int = BLOCK_S
+  layout: PoolLayout = KERNEL_LAYOUT
+
+
 def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
-                       filled_pages: jax.Array, window=None,
-                       block: int = BLOCK_S,
-                       layout: PoolLayout = KERNEL_LAYOUT) -> jax.Array:
+                       filled_pages: jax.Array,
+                       buckets: Buckets = Buckets()) -> jax.Array:
   """`paged_attention_reference` over the first `filled_pages` table entries
-  only, rounded up to whole blocks of `block` columns: one `lax.switch`
-  branch per prefix (as `ragged.filled_attention`), so a step reads the
-  pages up to the longest row's, not the table's width."""
+  only, rounded up to whole blocks of `buckets.block` columns: one
+  `lax.switch` branch per prefix (as `ragged.filled_attention`), so a step
+  reads the pages up to the longest row's, not the table's width."""
   Z, J = k_pool.shape[2], table_mj.shape[1]
-  per_block = max(1, block // Z)
+  per_block = max(1, buckets.block // Z)
   cuts = sorted({min(J, per_block * (i + 1))
                  for i in range(-(-J // per_block))})
 
   def prefix(cut: int):
     return lambda q, k, v, n, t: paged_attention_reference(
-        q, k, v, n, t[:, :cut], window, layout)
+        q, k, v, n, t[:, :cut], buckets.window, buckets.layout)
 
   index = jnp.clip(-(-filled_pages // per_block) - 1, 0, len(cuts) - 1)
   return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_pool,
@@ -240,50 +249,73 @@ def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
 
 def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
                  layout: PoolLayout = REFERENCE_LAYOUT):
-  """The reference over R shards' pools of `layout`: `decode_step`'s
+  """The reference over R shards' pools of `layout`: `DecodeSettings`'s
   `attend`."""
+  buckets = Buckets(model_config.sliding_window, layout=layout)
   return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
-      q, k, v, n, t, filled_pages, model_config.sliding_window,
-      layout=layout))
+      q, k, v, n, t, filled_pages, buckets))
 
 
-def decode_step(model_config: ModelConfig, params: transformer.Params,
-                k_pools: tuple, v_pools: tuple, tokens_m: jax.Array,
-                column_m: jax.Array, page_m: jax.Array, table_mj: jax.Array,
-                attend, layers: list, R: int, pool_layout: PoolLayout,
-                constrain: transformer.Constrain = transformer.no_constraint
-                ) -> tuple:
+class PagePool(NamedTuple):
+  """The keys' and values' pools of a paged call, one array per layer,
+  (R,) + `pool_layout(impl).shape(K, W, Z, E)`. It depends on no row and
+  no weight, so a run keeps one across calls (`paged_slots`)."""
+  k: tuple
+  v: tuple
+
+
+class RowPages(NamedTuple):
+  """Where each row of a decode step is: its column (its position), the
+  page its new key and value go to (W: none, it writes nowhere) and its
+  page table."""
+  column_m: jax.Array       # int32
+  page_m: jax.Array         # int32 local page ids
+  table_mj: jax.Array       # int32 local page ids (W: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """How a paged decode step attends and where its work lives: `attend`
+  ((q (R, M/R, H, E), k pool, v pool, lengths (R, M/R), tables
+  (R, M/R, J)) -> (R, M/R, H, E): `reference_fn` or the kernel per
+  shard), R row shards, the pools' layout, and the activations'
+  constraints."""
+  attend: Callable
+  shards: int
+  pool_layout: PoolLayout
+  constrain: transformer.Constrain = transformer.no_constraint
+
+
+def decode_step(model_config: ModelConfig, weights: decode.Weights,
+                pool: PagePool, tokens_m: jax.Array, rows: RowPages,
+                settings: DecodeSettings) -> tuple:
   """One token per row: row m (at position column_m[m]) writes its key and
   value at (page_m[m], column_m[m] % Z) of its shard's pool (no page, W: it
   writes nowhere), then attends over its columns [0, column_m + 1).
 
-  k_pools, v_pools: one pool per layer, (R,) + pool_layout.shape (the
-  page axis as `attend` reads it); rows (M) and their tables are split in
-  R contiguous parts, shard r's rows reading and writing only pool r.
-  attend: (q (R, M/R, H, E), k pool, v pool, lengths
-  (R, M/R), tables (R, M/R, J)) -> (R, M/R, H, E), `reference_fn` or the
-  kernel per shard. `layers` as `transformer.unstack_layers` gives them.
-  Returns float32 logits (M, V) and the updated pools."""
-  M = tokens_m.shape[0]
-  Z = k_pools[0].shape[3]
+  pool: one pool per layer, (R,) + pool_layout.shape (the page axis as
+  `attend` reads it); rows (M) and their tables are split in R contiguous
+  parts, shard r's rows reading and writing only pool r. `weights` as
+  `decode.weights` gives them. Returns float32 logits (M, V) and the
+  updated pool."""
+  M, R = tokens_m.shape[0], settings.shards
+  Z = pool.k[0].shape[3]
+  constrain = settings.constrain
   split = lambda x: x.reshape(R, M // R, *x.shape[1:])
-  page, offset = split(page_m), split(column_m % Z)
-  length, table = split(column_m + 1), split(table_mj)
-  write = jax.vmap(pool_layout.write)
-  x = constrain(transformer.embed(params, tokens_m[:, None]),
+  page, offset = split(rows.page_m), split(rows.column_m % Z)
+  length, table = split(rows.column_m + 1), split(rows.table_mj)
+  write = jax.vmap(settings.pool_layout.write)
+  x = constrain(transformer.embed(weights.params, tokens_m[:, None]),
                 transformer.RESIDUAL_AXES)
-  ks, vs = list(k_pools), list(v_pools)
-  for i, lp in enumerate(layers):
-    # pylint: disable-next=protected-access
-    q, k, v = transformer._qkv(model_config, lp, x, column_m[:, None],
-                               constrain)
+  ks, vs = list(pool.k), list(pool.v)
+  for i, lp in enumerate(weights.layers):
+    q, k, v = transformer.qkv(model_config, lp, x, rows.column_m[:, None],
+                              constrain)
     ks[i] = write(ks[i], split(k[:, :, 0]), page, offset)
     vs[i] = write(vs[i], split(v[:, :, 0]), page, offset)
-    attn = attend(split(q[:, 0]), ks[i], vs[i], length, table)
-    # pylint: disable-next=protected-access
-    x = transformer._attn_out_and_mlp(model_config, lp, x,
-                                      attn.reshape(M, 1, *attn.shape[2:]),
-                                      constrain)
-  h = transformer.rms_norm(x, params["final_norm"], model_config.norm_eps)
-  logits = transformer.unembed(model_config, params, h)[:, 0]
-  return logits, tuple(ks), tuple(vs)
+    attn = settings.attend(split(q[:, 0]), ks[i], vs[i], length, table)
+    x = transformer.attn_out_and_mlp(model_config, lp, x,
+                                     attn.reshape(M, 1, *attn.shape[2:]),
+                                     constrain)
+  return (decode.logits(model_config, weights.params, x),
+          PagePool(tuple(ks), tuple(vs)))

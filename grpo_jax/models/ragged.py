@@ -1,7 +1,7 @@
 """Ragged decoding: every row at its own cache column, attention over the
 filled columns only.
 
-`transformer.decode_step` writes all rows at one column (the static
+`decode.decode_step` writes all rows at one column (the static
 sampler's rows advance in lockstep) and attends over the whole allocated
 cache. The continuous-batching sampler's rows do not: each cache row (a
 slot) holds a different sequence, started at a different decode step. Here
@@ -22,22 +22,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import attention, transformer
+from grpo_jax.models import attention, blockwise, decode, transformer
 from grpo_jax.models.config import ModelConfig
 
 BLOCK_S = 128          # key columns per block of the decode attention
 
 
 def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
-                     q_pos_n: jax.Array, k_pos_ns: jax.Array,
-                     k_valid_ns: jax.Array, filled: jax.Array,
+                     mask: blockwise.MaskInfo, filled: jax.Array,
                      window=None, block: int = BLOCK_S) -> jax.Array:
   """One query per row (Q = 1) against key columns [0, filled), rounded up to
   whole blocks: bucketed, one `lax.switch` branch per prefix length (1, 2,
   ... S/block blocks), each a dense `attention.attention` over its
   prefix. S must be a multiple of `block`. The mask is
-  `attention.attention_mask`'s: valid keys at positions <= the query's
-  (and within the sliding window). Returns (N, 1, H, E).
+  `attention.attention_mask`'s over `mask`'s q_pos (N, 1), k_pos and
+  k_valid (N, S) (no segments: decoding): valid keys at positions <= the
+  query's (and within the sliding window). Returns (N, 1, H, E).
 
   Why buckets, not a loop over blocks with an online softmax: on CPU the
   loop's dynamic slices copy every block of every row's cache each step.
@@ -48,6 +48,9 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   if S % block:
     raise ValueError(f"{S} cache columns are not a multiple of the block "
                      f"{block}")
+  if mask.q_seg is not None or mask.k_seg is not None:
+    raise ValueError("decode attention takes no segment ids")
+  q_pos_n = mask.q_pos[:, 0]
 
   def prefix(blocks: int):
     def attend(q, k, v, k_pos, k_valid):
@@ -63,33 +66,31 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   buckets = S // block
   index = jnp.clip((filled + block - 1) // block, 1, buckets) - 1
   return jax.lax.switch(index, [prefix(b + 1) for b in range(buckets)],
-                        q_nqhe, k_nkse, v_nkse, k_pos_ns, k_valid_ns)
+                        q_nqhe, k_nkse, v_nkse, mask.k_pos, mask.k_valid)
 
 
-def decode_step(model_config: ModelConfig, params: transformer.Params,
-                cache: transformer.KVCache, tokens_n: jax.Array,
+def decode_step(model_config: ModelConfig, weights: decode.Weights,
+                cache: decode.KVCache, tokens_n: jax.Array,
                 positions_n: jax.Array, columns_n: jax.Array,
-                filled: jax.Array, layers: list) -> tuple:
+                filled: jax.Array) -> tuple:
   """One token per row: row n's key and value go to cache column
   `columns_n[n]`, then it attends over columns [0, filled) (keys it may not
-  see are masked by validity and position). `layers` as
-  `transformer.unstack_layers` gives them (sliced once, outside the loop).
-  Returns float32 logits (N, V) and the updated cache."""
+  see are masked by validity and position). `weights` as `decode.weights`
+  gives them (sliced once, outside the loop). Returns float32 logits
+  (N, V) and the updated cache."""
   rows = jnp.arange(tokens_n.shape[0])
   valid = cache.valid_ns.at[rows, columns_n].set(True)
   kpos = cache.pos_ns.at[rows, columns_n].set(positions_n)
-  x = transformer.embed(params, tokens_n[:, None])
+  keys = blockwise.MaskInfo(positions_n[:, None], kpos, valid)
+  x = transformer.embed(weights.params, tokens_n[:, None])
   ks, vs = list(cache.k), list(cache.v)
-  write = lambda c, new_nke: transformer.set_in_bits(
+  write = lambda c, new_nke: decode.set_in_bits(
       c, new_nke, lambda c, new: c.at[rows, :, columns_n].set(new))
-  for i, lp in enumerate(layers):
-    # pylint: disable-next=protected-access
-    q, k, v = transformer._qkv(model_config, lp, x, positions_n[:, None])
+  for i, lp in enumerate(weights.layers):
+    q, k, v = transformer.qkv(model_config, lp, x, positions_n[:, None])
     ks[i], vs[i] = write(ks[i], k[:, :, 0]), write(vs[i], v[:, :, 0])
-    attn = filled_attention(q, ks[i], vs[i], positions_n, kpos, valid, filled,
+    attn = filled_attention(q, ks[i], vs[i], keys, filled,
                             model_config.sliding_window)
-    # pylint: disable-next=protected-access
-    x = transformer._attn_out_and_mlp(model_config, lp, x, attn)
-  h = transformer.rms_norm(x, params["final_norm"], model_config.norm_eps)
-  logits = transformer.unembed(model_config, params, h)[:, 0]
-  return logits, transformer.KVCache(tuple(ks), tuple(vs), valid, kpos)
+    x = transformer.attn_out_and_mlp(model_config, lp, x, attn)
+  return (decode.logits(model_config, weights.params, x),
+          decode.KVCache(tuple(ks), tuple(vs), valid, kpos))

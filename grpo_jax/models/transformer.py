@@ -12,9 +12,14 @@ row's columns (the keys; the KV cache's length when decoding), Q query
 columns (the last Q of the S), D model width, H query heads, K KV heads,
 E head width (`head_dim`), V vocab, L layers; F is the MLP width and, in the
 einsums, r = H // K query heads per KV head.
+
+Cached decoding (the KV cache, the samplers' decode steps) builds on the
+layer functions here (`qkv`, `attn_out_and_mlp`): `decode`, `ragged`,
+`paged`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -22,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import blockwise
-from grpo_jax.models.attention import (apply_rope, attend_fn, attention,
-                                       attention_mask, rope_frequencies)
+from grpo_jax.models.attention import apply_rope, attend_fn, rope_frequencies
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -187,7 +191,7 @@ def _project(equation: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
                         adapter["b"].astype(x.dtype))
 
 
-def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
+def qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
          positions_nq: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
   h = rms_norm(x_nqd, lp["attn_norm"], model_config.norm_eps)
@@ -203,23 +207,6 @@ def _qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
   k = apply_rope(k, positions_nq, inv_freq)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)
   return apply_rope(q, positions_nq, inv_freq), heads_first(k), heads_first(v)
-
-
-def set_in_bits(cache: jax.Array, new: jax.Array, set_) -> jax.Array:
-  """set_(cache, new) (a scatter of `new`, cast to the cache's dtype, into
-  `cache`), done on the bits of a 16-bit float cache: both as uint16, the
-  result bitcast back. For the decode steps' writes of keys and values:
-  XLA:CPU has no bf16 scatter, and converted the whole bf16 cache to
-  float32 and back around each write, two passes over every layer's cache
-  per decode step (docs/paged.md). Bitcasts cost nothing on any backend;
-  other dtypes are scattered as they are."""
-  new = new.astype(cache.dtype)
-  if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype,
-                                                     jnp.floating):
-    return set_(cache, new)
-  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
-  return jax.lax.bitcast_convert_type(set_(bits(cache), bits(new)),
-                                      cache.dtype)
 
 
 def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
@@ -239,7 +226,7 @@ def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
                   "wo")
 
 
-def _attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
+def attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
                       attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
   x = constrain(x_nqd + _out_projection(attn_nqhe, lp), RESIDUAL_AXES)
@@ -286,90 +273,127 @@ def default_positions_and_valid(tokens_ns: jax.Array,
   return positions_ns, valid_ns
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardSettings:
+  """How a full-sequence pass runs (the values are the same whatever they
+  are): remat, one of REMAT_POLICIES; attention, one of ATTENTION
+  (`attend_fn`); constrain pins the activations' shardings
+  (`RESIDUAL_AXES` ..., `sharding.Layout.constrain`), None leaves them to
+  the compiler."""
+  remat: str = "none"
+  attention: str = "auto"
+  constrain: Optional[Constrain] = None
+
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; allowed: "
+                       f"{sorted(REMAT_POLICIES)}")
+
+
+class Rows(NamedTuple):
+  """Token rows (N, S) with their rotary positions and which tokens are
+  real (the only keys attended to)."""
+  tokens_ns: jax.Array      # int32
+  positions_ns: jax.Array   # int32
+  valid_ns: jax.Array       # bool
+
+
+def _decoder(model_config: ModelConfig, params: Params, rows: Rows,
+             segment_ns: Optional[jax.Array], settings: ForwardSettings,
+             return_kv: bool):
+  """The layers' scan over `rows`: final-normed hidden states (N, S, D) and
+  (return_kv) every layer's k, v, each (L, N, K, S, E)."""
+  constrain = settings.constrain or no_constraint
+  attend = attend_fn(model_config, settings.attention, rows.positions_ns,
+                     rows.positions_ns, rows.valid_ns, segment_ns, segment_ns)
+
+  def layer(x, lp):
+    q, k, v = qkv(model_config, lp, x, rows.positions_ns, constrain)
+    x = attn_out_and_mlp(model_config, lp, x, attend(q, k, v), constrain)
+    return x, ((k, v) if return_kv else None)
+
+  if settings.remat != "none":
+    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[settings.remat])
+  x = constrain(embed(params, rows.tokens_ns), RESIDUAL_AXES)
+  x, kv = jax.lax.scan(layer, x, params["layers"])
+  return rms_norm(x, params["final_norm"], model_config.norm_eps), kv
+
+
 def hidden_states(
     model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
     positions_ns: Optional[jax.Array] = None,
-    valid_ns: Optional[jax.Array] = None, remat: str = "none",
-    return_kv: bool = False, segment_ns: Optional[jax.Array] = None,
-    attention_impl: str = "auto", constrain: Optional[Constrain] = None):
-  """Final-normed hidden states (N, S, D); optionally every layer's k, v.
+    valid_ns: Optional[jax.Array] = None,
+    segment_ns: Optional[jax.Array] = None,
+    settings: ForwardSettings = ForwardSettings()) -> jax.Array:
+  """Final-normed hidden states (N, S, D).
 
   positions_ns defaults to 0..S-1; valid_ns marks real (non-padding) tokens,
   which are the only keys attended to. segment_ns (int, optional) isolates
   examples packed into one row: a token attends only within its segment
   and to its group's shared prompt (`blockwise.segment_mask`; positions
-  restart per example). With return_kv, also returns k and v stacked over
-  layers, each (L, N, K, S, E), for filling a KV cache.
-  attention_impl: one of ATTENTION (see `attend_fn`).
-  constrain: pins the activations' shardings (`RESIDUAL_AXES` ...,
-  `sharding.Layout.constrain`); None leaves them to the compiler. The
-  values are the same either way.
+  restart per example). settings: remat, attention and sharding
+  constraints (`ForwardSettings`).
   """
-  constrain = constrain or no_constraint
-  positions_ns, valid_ns = default_positions_and_valid(tokens_ns, positions_ns,
-                                                       valid_ns)
-  attend = attend_fn(model_config, attention_impl, positions_ns, positions_ns,
-                     valid_ns, segment_ns, segment_ns)
+  rows = Rows(tokens_ns, *default_positions_and_valid(tokens_ns, positions_ns,
+                                                      valid_ns))
+  return _decoder(model_config, params, rows, segment_ns, settings, False)[0]
 
-  def layer(x, lp):
-    q, k, v = _qkv(model_config, lp, x, positions_ns, constrain)
-    x = _attn_out_and_mlp(model_config, lp, x, attend(q, k, v), constrain)
-    return x, ((k, v) if return_kv else None)
 
-  if REMAT_POLICIES.get(remat, "bad") == "bad":
-    raise ValueError(f"remat={remat!r}; allowed: {sorted(REMAT_POLICIES)}")
-  if remat != "none":
-    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x = constrain(embed(params, tokens_ns), RESIDUAL_AXES)
-  x, kv = jax.lax.scan(layer, x, params["layers"])
-  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
-  return (h, kv) if return_kv else h
+def hidden_states_and_kv(
+    model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
+    positions_ns: Optional[jax.Array] = None,
+    valid_ns: Optional[jax.Array] = None,
+    settings: ForwardSettings = ForwardSettings()) -> tuple:
+  """`hidden_states` and every layer's k and v stacked over layers, each
+  (L, N, K, S, E), for filling a KV cache (or a shared prompt's keys)."""
+  rows = Rows(tokens_ns, *default_positions_and_valid(tokens_ns, positions_ns,
+                                                      valid_ns))
+  return _decoder(model_config, params, rows, None, settings, True)
 
 
 def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
-                                prompt_bp: jax.Array, prompt_pos_bp: jax.Array,
-                                prompt_valid_bp: jax.Array,
-                                tokens_nt: jax.Array, positions_nt: jax.Array,
-                                valid_nt: jax.Array, remat: str = "none",
-                                attention_impl: str = "auto",
-                                constrain: Optional[Constrain] = None):
+                                prompt: Rows, continuation: Rows,
+                                settings: ForwardSettings = ForwardSettings()):
   """`hidden_states` of N = B*G rows [prompt b | continuation n], with each
-  of the B prompts run through the decoder ONCE instead of G times.
+  of the B prompts (B, P) run through the decoder ONCE instead of G times.
 
-  Row n continues prompt b = n // G. Its continuation tokens attend to the
-  prompt's keys and values (repeated to the G rows; autodiff sums their
-  cotangents back) and causally to their own. The result equals
+  Row n continues prompt b = n // G. Its continuation tokens (N, T) attend
+  to the prompt's keys and values (repeated to the G rows; autodiff sums
+  their cotangents back) and causally to their own. The result equals
   `hidden_states` on the concatenated rows: the same logits, a GRPO update
   with fewer FLOPs (B*P + N*T tokens instead of N*(P+T)).
 
   Returns the last prompt column's hidden state per prompt (B, D), which
   predicts the first continuation token, and the continuation's (N, T, D).
   """
-  B, N = prompt_bp.shape[0], tokens_nt.shape[0]
+  B, N = prompt.tokens_ns.shape[0], continuation.tokens_ns.shape[0]
   if N % B:
     raise ValueError(f"{N} rows do not split into groups of {B} prompts")
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
-  constrain = constrain or no_constraint
-  h_bpd, (k_lbkpe, v_lbkpe) = hidden_states(
-      model_config, params, prompt_bp, prompt_pos_bp, prompt_valid_bp, remat,
-      return_kv=True, attention_impl=attention_impl, constrain=constrain)
-  key_pos_ns = jnp.concatenate([rep(prompt_pos_bp), positions_nt], axis=1)
-  key_valid_ns = jnp.concatenate([rep(prompt_valid_bp), valid_nt], axis=1)
-  attend = attend_fn(model_config, attention_impl, positions_nt, key_pos_ns,
-                     key_valid_ns)
+  constrain = settings.constrain or no_constraint
+  h_bpd, (k_lbkpe, v_lbkpe) = _decoder(model_config, params, prompt, None,
+                                       settings, True)
+  positions_nt = continuation.positions_ns
+  key_pos_ns = jnp.concatenate([rep(prompt.positions_ns), positions_nt],
+                               axis=1)
+  key_valid_ns = jnp.concatenate([rep(prompt.valid_ns),
+                                  continuation.valid_ns], axis=1)
+  attend = attend_fn(model_config, settings.attention, positions_nt,
+                     key_pos_ns, key_valid_ns)
 
   def layer(x, xs):
     lp, k_prompt, v_prompt = xs
-    q, k, v = _qkv(model_config, lp, x, positions_nt, constrain)
+    q, k, v = qkv(model_config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return _attn_out_and_mlp(model_config, lp, x, attend(q, k, v),
-                             constrain), None
+    return attn_out_and_mlp(model_config, lp, x, attend(q, k, v),
+                            constrain), None
 
-  if remat != "none":
-    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  x, _ = jax.lax.scan(layer, constrain(embed(params, tokens_nt), RESIDUAL_AXES),
-                      (params["layers"], k_lbkpe, v_lbkpe))
+  if settings.remat != "none":
+    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[settings.remat])
+  x, _ = jax.lax.scan(
+      layer, constrain(embed(params, continuation.tokens_ns), RESIDUAL_AXES),
+      (params["layers"], k_lbkpe, v_lbkpe))
   return h_bpd[:, -1], rms_norm(x, params["final_norm"], model_config.norm_eps)
 
 
@@ -379,75 +403,5 @@ def forward(model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
             remat: str = "none") -> jax.Array:
   """Causal logits (N, S, V) in float32 for int32 tokens (N, S)."""
   h = hidden_states(model_config, params, tokens_ns, positions_ns, valid_ns,
-                    remat)
+                    settings=ForwardSettings(remat=remat))
   return unembed(model_config, params, h)
-
-
-# ----------------------------------------------------------------------------
-# Cached decoding (the sampler's inner step).
-# ----------------------------------------------------------------------------
-
-class KVCache(NamedTuple):
-  """Keys and values, one (N, K, S, E) array per layer in a tuple of L;
-  `valid_ns` marks written, non-padding slots and `pos_ns` their rotary
-  positions. Separate per-layer buffers let the decode loop update each in
-  place without slicing a stacked (L, ...) array."""
-  k: tuple
-  v: tuple
-  valid_ns: jax.Array
-  pos_ns: jax.Array
-
-
-def init_cache(model_config: ModelConfig, batch: int, length: int,
-               dtype=jnp.float32) -> KVCache:
-  shape = (batch, model_config.num_kv_heads, length, model_config.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, dtype)
-                        for _ in range(model_config.num_layers))
-  return KVCache(zeros(), zeros(),
-                 jnp.zeros((batch, length), bool),
-                 jnp.zeros((batch, length), jnp.int32))
-
-
-def unstack_layers(params: Params, num_layers: int) -> list[Params]:
-  """Per-layer weight dicts, sliced from the stacked (L, ...) arrays."""
-  return [jax.tree.map(lambda w: w[i], params["layers"])
-          for i in range(num_layers)]
-
-
-def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
-                tokens_n: jax.Array, positions_n: jax.Array,
-                index: jax.Array, layers: Optional[list[Params]] = None
-                ) -> tuple[jax.Array, KVCache]:
-  """One token per row: writes its k, v at cache slot `index` (the same slot
-  for every row, so the write is one in-place dynamic_update_slice) and
-  returns float32 logits (N, V) and the updated cache.
-
-
-  The layers are unrolled rather than scanned. Inside the sampler's while
-  loop, a scan slices each layer's weights and cache out of the stacked
-  arrays with dynamic-slice copies every step, and XLA on CPU does not hoist
-  even static slices out of the loop; so the sampler passes `layers` (from
-  `unstack_layers`, sliced ONCE before the loop) and each layer's cache is a
-  separate buffer updated and read in place. On CPU this removed about a
-  model's worth of weight copies per decode step.
-  """
-  if layers is None:
-    layers = unstack_layers(params, model_config.num_layers)
-  pos_nq = positions_n[:, None]                      # Q = 1 query column
-
-  valid = jax.lax.dynamic_update_slice(
-      cache.valid_ns, jnp.ones((tokens_n.shape[0], 1), bool), (0, index))
-  kpos = jax.lax.dynamic_update_slice(cache.pos_ns, pos_nq, (0, index))
-  mask = attention_mask(model_config, pos_nq, kpos, valid)
-  x = embed(params, tokens_n[:, None])
-  ks, vs = list(cache.k), list(cache.v)
-  for i, lp in enumerate(layers):
-    q, k, v = _qkv(model_config, lp, x, pos_nq)
-    ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
-                                         (0, 0, index, 0))
-    vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
-                                         (0, 0, index, 0))
-    x = _attn_out_and_mlp(model_config, lp, x, attention(q, ks[i], vs[i], mask))
-  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
-  logits = unembed(model_config, params, h)[:, 0]
-  return logits, KVCache(tuple(ks), tuple(vs), valid, kpos)

@@ -276,8 +276,9 @@ def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows,
   constrain = forward.constrain
   h_rsd = transformer.hidden_states(
       model_config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
-      remat=forward.remat, segment_ns=rows.segments_rs,
-      attention_impl=forward.attention, constrain=constrain)
+      rows.segments_rs, transformer.ForwardSettings(forward.remat,
+                                                    forward.attention,
+                                                    constrain))
   if constrain is not None:     # the gather and the head read whole rows
     h_rsd = constrain(h_rsd, ("batch", None, None))
   h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)

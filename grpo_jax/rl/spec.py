@@ -16,7 +16,9 @@ ConfigDict:
       reward     RewardSpec       the rewards and the accuracy reward
       eval       EvalSettings     what an evaluation reads
       lora       LoraSpec         model.lora (rank 0: off)
-      advantage  AdvantageSettings, groups: DynamicSampling, prompt: PromptFormat
+      groups     GroupSettings    g rows a prompt, the rewards, the template
+      dynamic    DynamicSampling  DAPO's refills
+      advantage  AdvantageSettings
 
 The loops hold a RunSpec and read nothing else of the config for what it
 derives; `aot/` builds the same RunSpec for the programs it compiles, so an
@@ -101,21 +103,6 @@ class AdvantageSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicSampling:
-  """DAPO's dynamic sampling (rl.dynamic_sampling): generation batches until
-  the step has b groups that are neither all right nor all wrong, at most
-  `max_batches`, then `on_cap`."""
-  enabled: bool
-  max_batches: int
-  on_cap: str
-
-  @classmethod
-  def from_config(cls, config) -> "DynamicSampling":
-    rl = config.rl
-    return cls(bool(rl.dynamic_sampling), rl.max_gen_batches, rl.on_cap)
-
-
-@dataclasses.dataclass(frozen=True)
 class RunSpec:
   """Everything a run derives from its validated config (module docstring)."""
   batch: BatchSizes
@@ -129,7 +116,8 @@ class RunSpec:
   eval: evaluation.EvalSettings
   lora: lora.LoraSpec
   advantage: AdvantageSettings
-  groups: DynamicSampling
+  groups: rollout.GroupSettings    # G rows a prompt, rewards, prompt format
+  dynamic: rollout.DynamicSampling
   overlong_filter: bool   # truncated rows out of the loss (DAPO)
   seed: int
 
@@ -152,7 +140,12 @@ class RunSpec:
         eval=evaluation.EvalSettings.from_config(config, sampler, reward),
         lora=lora.LoraSpec.from_config(config),
         advantage=AdvantageSettings.from_config(config),
-        groups=DynamicSampling.from_config(config),
+        groups=rollout.GroupSettings(
+            batch.generations, reward, config.data.template,
+            config.data.system_prompt),
+        dynamic=rollout.DynamicSampling(
+            bool(config.rl.dynamic_sampling), config.rl.max_gen_batches,
+            config.rl.on_cap),
         overlong_filter=bool(config.rl.overlong_filter), seed=config.seed)
 
   def learning_rate(self, count: int) -> float:

@@ -90,7 +90,7 @@ class _Run(NamedTuple):
   program: UpdateProgram   # the update's static world (spec.update's)
   frozen: Frozen           # LoRA's base (state.params: adapters); π_ref
   eval_examples: list
-  pools: sampling.PagePools   # the paged sampler's page pool, kept all run
+  sampler: sampling.Sampler   # on sampler_layout; its page pool kept all run
   base_identity: Any = None   # LoRA: experiment.base_identity, saved
 
 
@@ -142,11 +142,12 @@ def _setup(config, workdir: str):
   program = spec.update.program(model_config, spec.optimizer, layout)
   run = _Run(spec, model_config, tokenizer, layout, sampler_layout, ckpt,
              program, Frozen(base, ref_params), eval_examples,
-             sampling.PagePools(), identity)
+             sampling.Sampler(model_config, spec.sampling, sampler_layout,
+                              sampling.PagePools()), identity)
   return run, state, host, resumed, train_examples
 
 
-def sample_step(config, r: _Run, compute, prompts, step_key
+def sample_step(r: _Run, compute, prompts, step_key
                 ) -> tuple[rollout.Groups, dict]:
   """SAMPLE + SCORE of one step with the policy `compute` (on the
   sampler's layout, in its dtype), with dynamic sampling's refills from
@@ -155,16 +156,13 @@ def sample_step(config, r: _Run, compute, prompts, step_key
 
   def generate(i):
     return rollout.generate_groups(
-        r.model_config, compute, r.tokenizer, next(prompts),
-        jax.random.fold_in(step_key, i), spec.sampling,
-        spec.batch.generations, spec.reward, config.data.template,
-        config.data.system_prompt, layout=r.sampler_layout, pools=r.pools)
+        r.sampler, compute, r.tokenizer, next(prompts),
+        jax.random.fold_in(step_key, i), spec.groups)
 
-  return rollout.collect(generate, spec.batch.prompts, spec.groups.enabled,
-                         spec.groups.max_batches, spec.groups.on_cap)
+  return rollout.collect(generate, spec.batch.prompts, spec.dynamic)
 
 
-def learn(config, r: _Run, state, groups: rollout.Groups, metrics: dict,
+def learn(r: _Run, state, groups: rollout.Groups, metrics: dict,
           step: int):
   """ADVANTAGE, REFERENCE + UPDATE on one step's groups (`metrics`: their
   SAMPLE + SCORE metrics). Returns the new state and the step's metrics."""
@@ -204,7 +202,7 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
   restored = [async_rollouts.decode(b) for b in host.get("rollouts", [])]
   source = async_rollouts.Source(spec.rollout, data, spec.batch.steps,
                                  restored)
-  sample = functools.partial(sample_step, config, r)
+  sample = functools.partial(sample_step, r)
   if not async_rollouts.use_thread(spec.rollout):
     return async_rollouts.Inline(
         source, sample, lambda params: policy(r, params, spec.sampler_dtype))
@@ -274,7 +272,7 @@ def run(config, workdir: str) -> dict:
       key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
       batch, waited = rollouts.take(step, step_key)
       state = state._replace(key=jax.random.key_data(key))
-      state, metrics = learn(config, r, state, batch.groups, batch.metrics,
+      state, metrics = learn(r, state, batch.groups, batch.metrics,
                              step)
       metrics.update(rollouts.publish(step + 1, state.params))
       metrics["time/step"] = time.perf_counter() - t_step

@@ -141,7 +141,8 @@ def completion_nll_sum(params: Params, model_config: ModelConfig,
   params = cast(params, sft.compute_dtype)
   h_nsd = transformer.hidden_states(
       model_config, params, batch.tokens_ns, batch.positions_ns,
-      batch.segments_ns > 0, remat=sft.remat, segment_ns=batch.segments_ns)
+      batch.segments_ns > 0, batch.segments_ns,
+      transformer.ForwardSettings(remat=sft.remat))
   logp_ns, _ = logprobs_lib.token_logprobs(
       model_config, params, h_nsd[:, :-1], batch.tokens_ns[:, 1:],
       chunk_size=sft.chunk)                                 # (N, S-1)

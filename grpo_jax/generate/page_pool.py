@@ -1,0 +1,186 @@
+"""The paged sampler's pools of keys and values (`paged_slots`): made,
+filled with the prompts' pages, a prompt's tail copied into a row's own
+page; and how a decode step over them is placed on a mesh (the TPU kernel
+in `jax.shard_map`, the residual stream's constraints).
+
+A pool is per row shard: one (R,) + `paged.PoolLayout.shape(K, W, Z, E)`
+array per layer, shard r's rows reading and writing only pool r. Shape
+letters as in `grpo_jax` and `models.paged`; per-shard arrays (a leading R)
+carry no suffix.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from grpo_jax import sharding
+from grpo_jax.generate import decoding, slots
+from grpo_jax.models import paged, transformer
+from grpo_jax.models.config import ModelConfig
+
+Layout = Optional[sharding.Layout]
+TAIL_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")        # (B,K,Z,E)
+
+
+def pages_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+  """Table entries of a row: its columns are at most P + T - 1."""
+  return -(-(prompt_len + max_new_tokens) // page_size)
+
+
+def pool_axes(pool_layout: paged.PoolLayout) -> tuple:
+  """Logical axes of the (R, ...) pools: R over the batch axes."""
+  return (sharding.BATCH,) + pool_layout.axes
+
+
+def pool_layout(call: decoding.CallSpec) -> paged.PoolLayout:
+  """The pools' layout of a call: the resolved kernel's."""
+  return paged.pool_layout(paged.resolve(call.sampling.paged_kernel,
+                                         call.model_config))
+
+
+def pool_dtype(params: transformer.Params):
+  """The dtype of a call's keys and values: the weights'."""
+  return params["embed"].dtype
+
+
+def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
+              layout: Layout, pool_layout: paged.PoolLayout) -> paged.PagePool:
+  """A PagePool of zeros (inside jit: pinned to the layout's shards)."""
+  c = model_config
+  shape = (R,) + pool_layout.shape(c.num_kv_heads, W, Z, c.head_dim)
+  pin = (lambda x: x) if layout is None else (
+      lambda x: layout.constrain(x, pool_axes(pool_layout)))
+  layers = lambda: tuple(pin(jnp.zeros(shape, dtype))
+                         for _ in range(c.num_layers))
+  return paged.PagePool(layers(), layers())
+
+
+@functools.partial(jax.jit, static_argnames=("call", "dtype"))
+def new_pool(call: decoding.CallSpec, dtype) -> paged.PagePool:
+  """A zero pool of `call.pool_pages` pages per row shard, for
+  `paged_slots.sample_pages_reusing` (made once per run; the layout's row
+  shards each hold their own)."""
+  return zero_pool(call.model_config, call.pool_pages,
+                   call.sampling.page_size, call.shards, dtype, call.layout,
+                   pool_layout(call))
+
+
+def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
+  """Left-padded prompt keys -> pages without the padding: (B, K, C, Z, E),
+  C = P // Z + 1 (column c of prompt b is its position c; zeros past it)."""
+  B, K, P, E = kv_bkpe.shape
+  C = P // Z + 1
+  col = jnp.arange(C * Z)
+  src = jnp.minimum(col[None] + (P - prompt_len_b)[:, None], P - 1)
+  kept = jnp.take_along_axis(kv_bkpe, src[:, None, :, None], axis=2)
+  kept = jnp.where((col[None] < prompt_len_b[:, None])[:, None, :, None],
+                   kept, 0)
+  return kept.reshape(B, K, C, Z, E)
+
+
+def prefill(call: decoding.CallSpec, pp: decoding.PromptPass,
+            prompt_len_b: jax.Array, full_b: jax.Array, table_bj: jax.Array,
+            pool: paged.PagePool) -> tuple:
+  """`pool` with every prompt's full pages written at its table's pages,
+  and the tails (B, K, Z, E) per layer: (pool, (k tails, v tails))."""
+  Z, R, layout = call.sampling.page_size, call.shards, call.layout
+  where = pool_layout(call)
+  L = pp.k.shape[0]
+  C = pp.k.shape[3] // Z + 1
+
+  def layer(kv_bkpe, pool):
+    pages_bkjze = _compact(kv_bkpe, prompt_len_b, Z)
+    tail = jnp.take_along_axis(
+        pages_bkjze, full_b[:, None, None, None, None], axis=2)[:, :, 0]
+    pool = jax.vmap(where.put)(
+        pool, slots.per_shard(R, jnp.moveaxis(pages_bkjze, 2, 1)),
+        slots.per_shard(R, table_bj[:, :C]))
+    pin = (lambda x, a: x) if layout is None else layout.constrain
+    return pin(pool, pool_axes(where)), pin(tail, TAIL_AXES)
+
+  ks, k_tails = zip(*(layer(pp.k[i], pool.k[i]) for i in range(L)))
+  vs, v_tails = zip(*(layer(pp.v[i], pool.v[i]) for i in range(L)))
+  return paged.PagePool(ks, vs), (k_tails, v_tails)
+
+
+def copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int,
+               layout: paged.PoolLayout) -> tuple:
+  """Prompt prompt_m[m]'s tail into page page_m[m] of slot m's shard
+  (W, no page: nowhere), every layer."""
+  split = functools.partial(slots.per_shard, R)
+  return tuple(jax.vmap(layout.put)(
+      pool, split(slots.shard_take(tail, prompt_m, R)), split(page_m))
+               for pool, tail in zip(pools, tails))
+
+
+def decode_constrain(layout: Layout, slots: int, dim: int
+                     ) -> transformer.Constrain:
+  """The decode step's activation constraints. Where the rows of a group of
+  chips that split the weights' `embed` axis (fsdp) are fewer than the model
+  width D, the residual stream (M, 1, D) gets D split as the weights' is
+  and its rows over the other batch axes only: the projections' contracting
+  dimension is then split as the weights' is, so each chip multiplies its
+  own weight slice and exchanges activations (rows x D), not weights
+  (D x F). Left to itself, XLA all-gathered the weights at every decode
+  step once those rows were many: the paper config's 128 slots per row
+  shard on v5p:8x8x4 (1,024 rows per fsdp group, D = 5,120) moved 16.2 GB
+  per chip per step; so constrained, 1.3 GB (docs/paged.md). Otherwise
+  (small models, many rows) XLA chooses."""
+  if layout is None:
+    return transformer.no_constraint
+  rules = dict(layout.rules)
+  embed = [a for a in rules.get("embed", ()) if layout.mesh.shape[a] > 1]
+  group_rows = slots // layout.batch_shards * math.prod(
+      layout.mesh.shape[a] for a in embed)
+  if not embed or group_rows >= dim:
+    return transformer.no_constraint
+  rows = tuple(a for a in rules.get(sharding.BATCH, ()) if a not in embed)
+  residual = sharding.Layout(layout.mesh, tuple(
+      (k, rows if k == sharding.BATCH else v) for k, v in layout.rules))
+
+  def constrain(x: jax.Array, axes: tuple) -> jax.Array:
+    if tuple(axes) == transformer.RESIDUAL_AXES:
+      return residual.constrain(x, axes[:-1] + ("embed",))
+    return layout.constrain(x, axes)
+  return constrain
+
+
+def kernel_fn(layout: Layout):
+  """The kernel over R shards' pools: one shard per device (Mosaic kernels
+  are not partitioned automatically), rows over the batch axes and KV
+  heads (and their query heads) as the rules split the pool."""
+  one = lambda q, k, v, n, t: paged.kernel_attention(
+      q[0], k[0], v[0], n[0], t[0])[None]
+  if layout is None:
+    return one
+
+  def attend(q, k, v, n, t):
+    spec = sharding.spec_for(pool_axes(paged.KERNEL_LAYOUT), k.shape,
+                             layout.mesh, layout.rules)
+    rows, heads = (tuple(spec) + (None, None))[:2]
+    pool = PartitionSpec(rows, heads)
+    f = jax.shard_map(one, mesh=layout.mesh,
+                      in_specs=(PartitionSpec(rows, None, heads), pool, pool,
+                                PartitionSpec(rows), PartitionSpec(rows)),
+                      out_specs=PartitionSpec(rows, None, heads),
+                      check_vma=False)
+    return f(q, k, v, n, t)
+  return attend
+
+
+def decode_settings(call: decoding.CallSpec, filled: jax.Array
+                    ) -> paged.DecodeSettings:
+  """The paged decode step's settings of a call whose rows read at most
+  `filled` pages: the reference (bucketed by `filled`) or the kernel, and
+  the activations' constraints (`decode_constrain`)."""
+  impl = paged.resolve(call.sampling.paged_kernel, call.model_config)
+  attend = (paged.reference_fn(call.model_config, filled)
+            if impl == "reference" else kernel_fn(call.layout))
+  return paged.DecodeSettings(
+      attend, call.shards, paged.pool_layout(impl),
+      decode_constrain(call.layout, call.slots, call.model_config.dim))
