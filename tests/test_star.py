@@ -17,7 +17,8 @@ import pytest
 from grpo_jax import errors
 from grpo_jax import config as config_lib
 from grpo_jax import validation
-from grpo_jax.generate import rollout, sampling
+from grpo_jax.generate import sampling
+from grpo_jax.rl.spec import RunSpec
 from grpo_jax.star import collect as star_collect, loop as star_loop
 from grpo_jax.algorithms import star
 from grpo_jax.data import commonsenseqa
@@ -104,8 +105,9 @@ def _problems(n=12):
 def _collect(config, problems, shots=()):
   from grpo_jax.harness.experiment import load_model_and_tokenizer  # pylint: disable=g-import-not-at-top
   model_config, params, tokenizer = load_model_and_tokenizer(config)
-  sampler = star_collect.RationaleSampler.from_config(
-      config, model_config, tokenizer, rollout.RewardSpec.from_config(config))
+  sampler = star_collect.RationaleSampler.of(
+      RunSpec.from_config(config, tokenizer), config.star, model_config,
+      tokenizer)
   return star_collect.collect_examples(config, sampler, params, problems,
                                        shots, jax.random.key(0))
 

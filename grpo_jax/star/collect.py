@@ -21,9 +21,9 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
-from grpo_jax import evaluation, registry
-from grpo_jax.harness import experiment
+from grpo_jax import registry
 from grpo_jax.generate import rollout, sampling
+from grpo_jax.rl.spec import RunSpec
 from grpo_jax.star import sft
 from grpo_jax.algorithms.star import mentions_hint, reasoning
 from grpo_jax.data import Example, answer_hint, templates
@@ -79,16 +79,16 @@ class RationaleSampler:
   batch: int
 
   @classmethod
-  def from_config(cls, config, model_config, tokenizer,
-                  reward: rollout.RewardSpec) -> "RationaleSampler":
-    """The run's sampler settings; greedy ones are the evaluation's greedy
-    program, compiled once for both."""
-    cfg = experiment.sampling_config(config, tokenizer)
-    if cfg.is_greedy:
-      cfg = evaluation.EvalSettings.from_config(config, cfg, reward).sampler(
-          greedy=True)
-    return cls(model_config, tokenizer, cfg, config.star.samples_per_problem,
-               reward, config.star.sample_batch)
+  def of(cls, spec: RunSpec, star, model_config, tokenizer
+         ) -> "RationaleSampler":
+    """The run's sampler settings (`spec`: the RunSpec, `star`:
+    config.star); greedy ones are the evaluation's greedy program, compiled
+    once for both."""
+    sampler = spec.sampling
+    if sampler.is_greedy:
+      sampler = spec.eval.sampler(greedy=True)
+    return cls(model_config, tokenizer, sampler, star.samples_per_problem,
+               spec.reward, star.sample_batch)
 
   def first_correct(self, params, prompts: Sequence[str],
                     answers: Sequence[str], key: jax.Array,

@@ -34,10 +34,10 @@ from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.generate import sampling
 from grpo_jax.star import sft
 from grpo_jax.harness import metrics as metrics_lib
-from grpo_jax.generate import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
+from grpo_jax.rl.spec import RunSpec
 from grpo_jax.star.collect import (Kept, RationaleSampler, collect_examples,
                                    sampling_prompts)
 from grpo_jax.models import cast, lora
@@ -170,11 +170,9 @@ def run(config, workdir: str) -> dict:
   preflight.check_model(config, experiment.model_config_of(config), tokenizer,
                         prompts)   # before the weights load
   model_config, original = experiment.load_model(config)
-  spec = rollout.RewardSpec.from_config(config)
-  eval_settings = evaluation.EvalSettings.from_config(
-      config, experiment.sampling_config(config, tokenizer), spec)
-  sampler = RationaleSampler.from_config(config, model_config, tokenizer,
-                                         spec)
+  spec = RunSpec.from_config(config, tokenizer)
+  eval_settings = spec.eval
+  sampler = RationaleSampler.of(spec, st, model_config, tokenizer)
   layout = sharding_lib.Layout.from_config(config)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
   original, params, history = _start(
@@ -202,7 +200,7 @@ def run(config, workdir: str) -> dict:
     use_shots = shots if n == 1 or not st.few_shot_first_only else []
     t0 = time.perf_counter()
     kept, metrics = collect_examples(
-        config, sampler, cast(params, config.model.compute_dtype), chosen,
+        config, sampler, cast(params, spec.eval.compute_dtype), chosen,
         use_shots, jax.random.fold_in(jax.random.key(config.seed), n))
     metrics["time/sample"] = time.perf_counter() - t0
     if writer.enabled:
