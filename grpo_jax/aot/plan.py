@@ -54,7 +54,7 @@ class Plan:
 
   @property
   def seq_len(self) -> int:
-    return self.prompt_len + self.config.sampling.max_new_tokens
+    return self.prompt_len + self.run.sampling.max_new_tokens
 
   @property
   def state_bytes(self) -> int:
@@ -128,25 +128,28 @@ class Plan:
             self.config.model.param_dtype).itemsize
 
   def sampling_config(self, greedy=False) -> sampling.SamplingConfig:
-    s = self.config.sampling
+    """The run's sampler settings (`RunSpec.sampling`, aot's stand-in stop
+    id) as the static program reads them: token choice and length; how rows
+    take cache slots is each program's own (`paged_sampling_config`)."""
+    run = self.run.sampling
     return sampling.SamplingConfig(
-        max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-        top_p=s.top_p, top_k=s.top_k, greedy=greedy, stop_ids=(0,),
-        stop_check_every=s.stop_check_every)
+        max_new_tokens=run.max_new_tokens, temperature=run.temperature,
+        top_p=run.top_p, top_k=run.top_k, greedy=greedy,
+        stop_ids=run.stop_ids, stop_check_every=run.stop_check_every)
 
   def paged_kernel(self) -> str:
     """The paged decode attention a TPU run uses: `sampling.paged_kernel`
     resolved as on a TPU backend (auto: the Pallas kernel where it can take
     the model, `paged.kernel_refuses`); this process itself runs on the
     CPU backend."""
-    return paged.resolve(self.config.sampling.paged_kernel, self.model_config,
+    return paged.resolve(self.run.sampling.paged_kernel, self.model_config,
                          backend="tpu")
 
   def paged_sampling_config(self) -> sampling.SamplingConfig:
     """The training sampler's config with the paged KV cache."""
     return dataclasses.replace(
         self.sampling_config(), continuous_batching=True, kv_cache="paged",
-        page_size=self.config.sampling.page_size,
+        page_size=self.run.sampling.page_size,
         paged_kernel=self.paged_kernel())
 
   def sequence_columns(self, n: int) -> tuple:
@@ -157,7 +160,7 @@ class Plan:
 
   def update(self, micro_rows: int) -> Program:
     """update_step on one mini-batch in micro-batches of `micro_rows`."""
-    n, T = self.mini, self.config.sampling.max_new_tokens
+    n, T = self.mini, self.run.sampling.max_new_tokens
     batch = update.UpdateBatch(
         *self.sequence_columns(n),
         row_sharded(self.layout, (n, T), jnp.bool_),
@@ -177,7 +180,7 @@ class Plan:
     `micro_rows` rows per micro-batch (see `PACKED_SEQUENCES_PER_ROW`),
     with R rows per micro-batch and M micro-batches."""
     R, M, N = packed_shape(rows, micro_rows, self.layout.batch_shards)
-    S, T = self.seq_len, self.config.sampling.max_new_tokens
+    S, T = self.seq_len, self.run.sampling.max_new_tokens
     row = lambda dtype: row_sharded(self.layout, (R * M, S), dtype)
     return packing.PackedRows(
         row(jnp.int32), row(jnp.int32), row(jnp.bool_), row(jnp.int32),
@@ -187,7 +190,7 @@ class Plan:
   def packed_update(self, micro_rows: int) -> Program:
     """update_step on one mini-batch packed (`rl.packing`): rows of
     s = prompt + max_new_tokens tokens, `micro_rows` per micro-batch."""
-    n, T = self.mini, self.config.sampling.max_new_tokens
+    n, T = self.mini, self.run.sampling.max_new_tokens
     rows, R, num_micro = self.packed_rows(n, micro_rows)
     slots = rows.src_nt.shape[0]
     batch = update.UpdateBatch(
@@ -204,7 +207,7 @@ class Plan:
   def packed_score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows packed (as `packed_update`)."""
     rows, R, num_micro = self.packed_rows(self.rows, micro_rows)
-    T = self.config.sampling.max_new_tokens
+    T = self.run.sampling.max_new_tokens
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
     lower = lambda: update.score_logprobs.lower(
@@ -223,7 +226,7 @@ class Plan:
 
   def score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows in micro-batches of `micro_rows`."""
-    T, rows = self.config.sampling.max_new_tokens, self.rows
+    T, rows = self.run.sampling.max_new_tokens, self.rows
     cols = update.UpdateBatch(*self.sequence_columns(rows))
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
