@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fractions
 import re
+from typing import NamedTuple
 
 from grpo_jax.rewards import extract
 from grpo_jax.rewards import notation
@@ -35,7 +36,7 @@ _MAX_PLAIN_CHARS = 100
 # E5: one unknown alone on a side: `x`, `x_1`, `\theta`, `f(x)`, `a_{n}`.
 _UNKNOWN = re.compile(
     r"(?:[A-Za-z]|\\(?!pi\b|infty\b)[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*(?:\s*\(\s*[A-Za-z]\s*\))?")
-_LIST_WORD = re.compile(r"[,;]|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b")
+_LIST_WORD = re.compile(r"[,;]|\\q?quad\b|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b")
 
 
 def _plain_value(text: str) -> fractions.Fraction | None:
@@ -106,25 +107,25 @@ def _top_level_sides(text: str) -> list[str]:
     elif char in "})]":
       depth -= 1
     elif (char == "=" and depth == 0 and text[i - 1:i] not in ("<", ">", "!", "=")
-          and text[i + 1:i + 2] != "="):
+          and text[i + 1:i + 2] != "=" and not text[max(0, i - 6):i].rstrip().endswith("\\not")):
       sides.append(text[start:i])
       start = i + 1
   sides.append(text[start:])
   return [side.strip().rstrip(":").strip() for side in sides]
 
 
-def _assignment(text: str) -> list[str] | None:
-  """E5: the value sides of an assignment (`x = 2+3 = 5` -> ["2+3", "5"]),
-  [] for an equation with no lone unknown, None for a text with no `=`
-  (or a list of named values, which `symbolic` reads)."""
+def _assignment(text: str) -> tuple[str, list[str]] | None:
+  """E5: the unknown and the value sides of an assignment (`x = 2+3 = 5` ->
+  ("x", ["2+3", "5"])), ("", []) for an equation with no lone unknown, None
+  for a text with no `=` (or a list of named values, which `symbolic` reads)."""
   sides = _top_level_sides(text)
   if len(sides) < 2 or (len(sides) > 2 and _LIST_WORD.search(text)):
     return None
   if _UNKNOWN.fullmatch(sides[0]):
-    return sides[1:]
+    return re.sub(r"\s", "", sides[0]), sides[1:]
   if _UNKNOWN.fullmatch(sides[-1]):
-    return sides[:-1]
-  return []
+    return re.sub(r"\s", "", sides[-1]), sides[:-1]
+  return "", []
 
 
 def _values_equal(gold: extract.Answer, prediction: str, anchored: bool) -> bool:
@@ -140,35 +141,50 @@ def _values_equal(gold: extract.Answer, prediction: str, anchored: bool) -> bool
   return symbolic.equivalent(gold.text, gold.anchored, prediction, anchored)
 
 
-def _equal(gold: extract.Answer, answer: extract.Answer) -> bool:
+def _equal(gold: Gold, answer: extract.Answer) -> bool:
   """One stated answer against the gold's answer (both extracted)."""
   text = extract.collapse_parens(answer.text)
-  if not text or (answer.anchored and len(text) > max(MAX_ANSWER_CHARS, 4 * len(gold.text))):
+  if not text or (answer.anchored and len(text) > max(MAX_ANSWER_CHARS, 4 * len(gold.answer.text))):
     return False
   if answer.anchored and extract.looks_like_program(text):
     return False  # Text is never code: `(lambda: 7)()` earns nothing.
-  if not answer.anchored:
-    return symbolic.equivalent(gold.text, gold.anchored, text, False)
+  if not answer.anchored and (len(text) > 200 or "\n" in text):
+    return _values_equal(gold.answer, text, False)  # A8: a whole text.
   text = notation.rewrite(text)
   if text is None:
     return False
-  letter, choice = notation.choice_letter(gold.text), notation.split_choice(text)
+  letter, choice = notation.choice_letter(gold.answer.text), notation.split_choice(text)
   if choice is not None:  # E7: "(C) 12" is C for a letter gold, else 12.
     return choice[0] == letter if letter else _equal(gold, answer._replace(text=choice[1]))
-  values = _assignment(text) if _assignment(gold.text) is None else None
-  if values is not None:
-    return bool(values) and all(_values_equal(gold, v, True) for v in values)
-  return _values_equal(gold, text, True)
+  found = _assignment(text) if not gold.equation else None
+  if found is not None:
+    unknown, values = found
+    if gold.unknown and unknown != gold.unknown:
+      return False  # `y = 3` does not answer `x = 3`.
+    return bool(values) and all(_values_equal(gold.answer, v, answer.anchored) for v in values)
+  return _values_equal(gold.answer, text, answer.anchored)
 
 
-def _gold_answer(gold: str) -> extract.Answer | None:
-  """The gold's answer; a gold `x = 5` is the value 5 (E5)."""
+class Gold(NamedTuple):
+  """The gold's answer; an assignment gold `x = 5` is the value 5 with its
+  unknown; `equation` marks a gold equation with no lone unknown."""
+  answer: extract.Answer
+  unknown: str = ""
+  equation: bool = False
+
+
+def _gold_answer(gold: str) -> Gold | None:
   answer = extract.extract_answer(gold)
   text = notation.rewrite(extract.collapse_parens(answer.text)) if answer.text else None
   if not text:
     return None
-  values = _assignment(text)
-  return answer._replace(text=values[0] if values and len(values) == 1 else text)
+  found = _assignment(text)
+  if found is None:
+    return Gold(answer._replace(text=text))
+  unknown, values = found
+  if unknown and len(values) == 1:
+    return Gold(answer._replace(text=values[0]), unknown)
+  return Gold(answer._replace(text=text), equation=True)
 
 
 def decide(gold: str, prediction: str) -> bool:

@@ -101,6 +101,14 @@ def _brace_pairs(text: str) -> dict[int, int]:
   return pairs
 
 
+def _inner(content: str) -> str:
+  """A box inside a box is read as its content: `\\boxed{\\boxed{3}}` is 3."""
+  inner = _BOX.sub("", content).strip()
+  while inner != content.strip() and inner[:1] == "{" and _brace_pairs(inner).get(0) == len(inner) - 1:
+    inner = inner[1:-1].strip()
+  return inner
+
+
 def _boxes(text: str) -> list[_Box]:
   """A3: the complete, non-empty top-level boxes, in text order. A box inside
   another is part of its content; an unclosed box is skipped."""
@@ -119,7 +127,7 @@ def _boxes(text: str) -> list[_Box]:
         continue
       box = _Box(match.start(), bare.end(), bare.group(1))
     end = box.end
-    content = _BOX.sub("", box.content).strip()  # A box inside: its content.
+    content = _inner(box.content)
     if content:
       boxes.append(box._replace(content=content))
   return boxes
@@ -283,15 +291,32 @@ def _unboxed_answer(text: str) -> Answer:
   return Answer(tail.strip(), False)
 
 
+def _answer_after(text: str) -> Answer | None:
+  """A5: the latest anchor after the last box (`\\boxed{3}. The answer is 5.`)
+  whose span holds a digit or a formula, one more stated answer; else None."""
+  tail = text[-TAIL_CHARS:]
+  anchor = _last_anchor(tail)
+  span = anchored_span(tail, anchor) if anchor else None
+  if span is None or statement.NEGATED.match(span):
+    return None
+  if statement.is_statement(span):
+    span = statement.answer_in(span, first=True) or span
+  span = strip_display(span)
+  holds_value = any(c.isdigit() or c in "\\$^" for c in span)
+  return Answer(span, True) if holds_value else None  # "this answer is correct": none.
+
+
 def stated_answers(text: str) -> list[Answer]:
   """A5: every final answer the text states, last first: each top-level box
-  group (distinct ones, at most `MAX_BOXED_ANSWERS`; more give `[]`), else
-  the one answer of A6-A8."""
+  group (distinct ones, at most `MAX_BOXED_ANSWERS`; more give `[]`) and an
+  anchor after the last box, else the one answer of A6-A8."""
   text = clean(text)
-  groups = _box_groups(text, _boxes(text))
-  if not groups:
+  boxes = _boxes(text)
+  if not boxes:
     return [_unboxed_answer(text)]
-  distinct = list(dict.fromkeys(strip_display(g) for g in reversed(groups)))
+  groups = [strip_display(g) for g in reversed(_box_groups(text, boxes))]
+  after = _answer_after(text[boxes[-1].end:])
+  distinct = list(dict.fromkeys(groups + ([after.text] if after else [])))
   return [] if len(distinct) > MAX_BOXED_ANSWERS else [Answer(g, True) for g in distinct]
 
 
