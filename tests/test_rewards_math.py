@@ -556,7 +556,8 @@ def test_minerva_normalisation(raw, normalised):
     ("0.5", r"Answer: \frac{1}{2}", False),
     (r"\frac{1}{2}", r"Answer: \frac12", True),
     ("42", r"The answer is \boxed{42}", False),  # No "Answer:" line.
-    ("42", "Answer: 41\nOn second thought...\nAnswer: 42", True),
+    # D2 (issue 45): two different answer lines earn nothing (was True).
+    ("42", "Answer: 41\nOn second thought...\nAnswer: 42", False),
     ("42", "Answer: 42\n" + "more text " * 40, False),  # Not in the last 300 chars.
     ("1000", "Answer: 1,000", True),
     ("5", "Answer: $x = 5$", True),

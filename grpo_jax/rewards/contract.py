@@ -33,6 +33,7 @@ _DECIMAL = re.compile(
     r"(?P<sign>[-+]?)(?P<int>\d+)(?:\.(?P<frac>\d+))?"
     r"(?:\s*(?:[eE]|\\(?:times|cdot)\s*10\s*\^)\s*\{?(?P<exp>[-+]?\d{1,4})\}?)?")
 _MAX_PLAIN_CHARS = 100
+_MAX_BARE_CHARS = 200  # A8: a completion with no anchor is read only if this short.
 # E5: one unknown alone on a side: `x`, `x_1`, `\theta`, `f(x)`, `a_{n}`.
 _UNKNOWN = re.compile(
     r"(?:[A-Za-z]|\\(?!pi\b|infty\b)[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*(?:\s*\(\s*[A-Za-z]\s*\))?")
@@ -148,8 +149,8 @@ def _equal(gold: Gold, answer: extract.Answer) -> bool:
     return False
   if answer.anchored and extract.looks_like_program(text):
     return False  # Text is never code: `(lambda: 7)()` earns nothing.
-  if not answer.anchored and (len(text) > 200 or "\n" in text):
-    return _values_equal(gold.answer, text, False)  # A8: a whole text.
+  if not answer.anchored and (len(text) > _MAX_BARE_CHARS or "\n" in text):
+    return False  # A8: only a short one-line text is read whole.
   text = notation.rewrite(text)
   if text is None:
     return False
