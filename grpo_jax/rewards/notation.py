@@ -12,8 +12,10 @@ import re
 from fractions import Fraction
 
 _MAX_DOUBLE_FACTORIAL = 300
-# E6: `101_2`, `(1A)_{16}`: a numeral (at least one digit) with a base subscript.
-_BASE = re.compile(r"(?<![\w\\.])\(?([0-9A-Za-z]*[0-9][0-9A-Za-z]*)\)?_\{?(\d{1,2})\}?(?![\w.])")
+# E6: `101_2`, `(1A)_{16}`, `FF_{16}`: a numeral (a digit, or capital letters
+# in a base above 10) with a base subscript.
+_BASE = re.compile(
+    r"(?<![\w\\.])\(?([0-9A-Za-z]*[0-9][0-9A-Za-z]*|[A-Z]{2,})\)?_\{?(\d{1,2})\}?(?![\w.])")
 _PREFIXED = re.compile(r"(?<![\w.])0([xXbBoO])([0-9A-Fa-f]+)(?![\w.])")
 _PREFIX_BASE = {"x": 16, "b": 2, "o": 8}
 _DOUBLE_FACTORIAL = re.compile(r"(?<![\w.])(\d{1,4})!!")
@@ -35,7 +37,7 @@ class Unreadable(ValueError):
 
 def _in_base(match: re.Match[str]) -> str:
   numeral, base = match.group(1), int(match.group(2))
-  if not 2 <= base <= 36:
+  if not 2 <= base <= 36 or (numeral.isalpha() and base <= 10):  # `AB_2`: indices.
     return match.group(0)
   try:
     return str(int(numeral, base))
