@@ -102,11 +102,15 @@ def _brace_pairs(text: str) -> dict[int, int]:
 
 
 def _inner(content: str) -> str:
-  """A box inside a box is read as its content: `\\boxed{\\boxed{3}}` is 3."""
+  """A box inside a box is read as its content: `\\boxed{\\boxed{3}}` is 3.
+  The groups the inner box commands leave are peeled in one pass."""
   inner = _BOX.sub("", content).strip()
-  while inner != content.strip() and inner[:1] == "{" and _brace_pairs(inner).get(0) == len(inner) - 1:
-    inner = inner[1:-1].strip()
-  return inner
+  if inner == content.strip():
+    return inner
+  pairs, i, j = _brace_pairs(inner), 0, len(inner) - 1
+  while i < j and inner[i] == "{" and pairs.get(i) == j:
+    i, j = i + 1, j - 1
+  return inner[i:j + 1].strip()
 
 
 def _boxes(text: str) -> list[_Box]:
