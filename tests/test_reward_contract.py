@@ -225,6 +225,9 @@ _LOOPS = [
     "1 + 1 = 2, so the total is 2 (or 3) and " * 1000,
     "{" * 20_000 + "}" * 20_000,
     "\\boxed{" * 3000 + "5" + "}" * 3000,  # Deep boxes: peeled in one pass.
+    # One 40 KB answer line full of verbs: 11.8 s of the trainer's CPU before
+    # issue 45 (a scan per verb); now cut to 400 characters, in a worker.
+    "Answer: we know 1 is " + "a is b and " * 4000,
 ]
 
 
@@ -243,7 +246,7 @@ def test_cost_a_40kb_repetition_loop_costs_the_trainer_thread_under_50ms():
   verdicts = rmath.verify_batch(["42"] * len(completions), completions, pool=pool)
   per_completion = (time.thread_time() - start) / len(completions)
   assert per_completion < 0.050, per_completion
-  assert verdicts == [True, True, True, False, True, True, True, False], verdicts
+  assert verdicts == [True, True, True, False, True, True, True, False, True], verdicts
 
 
 @pytest.mark.parametrize("loop", _LOOPS)
