@@ -1,0 +1,82 @@
+"""Issue 45, item 4: a code test's expected side is never computed where the model's code runs.
+
+Each wrong program below rewrites, inside the sandbox, what the expected side
+of its test would compute there (`range`, `sorted`, `math.factorial`,
+`str.upper`, `list`): before issue 45 each scored 1.0, because the expected
+side was a leaf evaluated in the program's own process. The checker now
+evaluates it (`_trusted.py`), so each scores 0, and the right program 1. A
+test whose expected side the checker cannot evaluate is refused when the data
+is loaded (`code.check_tests`), naming the test.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grpo_jax.rewards import _code_checks
+from grpo_jax.rewards import code
+from grpo_jax.rewards import sandbox
+
+QUICK = sandbox.Limits(timeout=5.0)
+_PATCH = "import builtins, math\n"
+# (test, right program, wrong program that rewrites the expected side in the sandbox)
+CASES = [
+    ("assert squares(4) == [i * i for i in range(4)]",
+     "def squares(n):\n  return [i * i for i in range(n)]",
+     _PATCH + "builtins.range = lambda *a: iter([7, 7, 7])\n"
+     "def squares(n):\n  return [49, 49, 49]"),
+    ("assert count(3) == list(range(3))",
+     "def count(n):\n  return list(range(n))",
+     _PATCH + "builtins.range = lambda *a: [9]\ndef count(n):\n  return [9]"),
+    ("assert order([3, 1, 2]) == sorted([3, 1, 2], key=lambda v: -v)",
+     "def order(xs):\n  return sorted(xs, reverse=True)",
+     _PATCH + "builtins.sorted = lambda *a, **k: [0]\ndef order(xs):\n  return [0]"),
+    ("assert fact() == math.factorial(5)",
+     "def fact():\n  return 120",
+     _PATCH + "math.factorial = lambda n: 1\ndef fact():\n  return 1"),
+    ("assert shout('hi') == 'hi'.upper()",
+     "def shout(s):\n  return s.upper()",
+     "class S(str):\n  def upper(self):\n    return 'no'\n"
+     "import builtins\nbuiltins.str = S\ndef shout(s):\n  return 'no'"),
+    ("from collections import Counter\nassert tally('aab') == Counter('aab')",
+     "from collections import Counter\ndef tally(s):\n  return Counter(s)",
+     "import collections\ncollections.Counter = lambda s: {'z': 1}\n"
+     "def tally(s):\n  return {'z': 1}"),
+]
+
+
+def _fenced(program: str) -> str:
+  return f"```python\n{program}\n```"
+
+
+@pytest.mark.parametrize("test,right,wrong", CASES, ids=[c[0][:30] for c in CASES])
+def test_expected_side_is_evaluated_by_the_checker(test, right, wrong):
+  assert code.run_tests(right, [test], QUICK).passed == 1
+  assert code.run_tests(wrong, [test], QUICK).passed == 0
+
+
+def test_the_sandbox_never_receives_the_expected_side():
+  for test, _, _ in CASES:
+    calls = _code_checks.parse(test).calls
+    assert all("range" not in leaf and "sorted" not in leaf and "factorial" not in leaf
+               and "upper" not in leaf and "Counter" not in leaf for _, leaf in calls), calls
+
+
+@pytest.mark.parametrize("test", [
+    "import numpy as np\nassert f() == np.zeros(3)",
+    "import numpy as np\nexpected = np.zeros(3)\nassert f() == expected",
+    "assert f() == 'a'.__class__",
+    "assert f() == math.frexp(2.0)",
+])
+def test_an_unevaluable_expected_side_is_refused_at_load_naming_the_test(test):
+  with pytest.raises(code.UnevaluableTest, match="code test refused") as refused:
+    code.check_tests([[test, "assert f() == 1"]])
+  assert repr(test)[:40].strip("'") in str(refused.value) or "f()" in str(refused.value)
+  with pytest.raises(code.UnevaluableTest):
+    code.code_reward(None, [_fenced("def f():\n  return 1")], [test], np.ones(1))
+
+
+def test_model_side_calls_still_go_to_the_sandbox():
+  test = _code_checks.parse("assert sorted(f(3), key=lambda v: -v) == [2, 1, 0]")
+  assert len(test.calls) == 1 and "f(3)" in test.calls[0][1]
+  code.check_tests([["assert f(1) == 1", {"input": "1\n", "output": "1\n"}]])
