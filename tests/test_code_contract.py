@@ -80,3 +80,32 @@ def test_model_side_calls_still_go_to_the_sandbox():
   test = _code_checks.parse("assert sorted(f(3), key=lambda v: -v) == [2, 1, 0]")
   assert len(test.calls) == 1 and "f(3)" in test.calls[0][1]
   code.check_tests([["assert f(1) == 1", {"input": "1\n", "output": "1\n"}]])
+
+
+_SHARED_INODES = """
+import ctypes, errno, fcntl, os
+def probe():
+  libc = ctypes.CDLL(None, use_errno=True)
+  out = []
+  try:
+    os.memfd_create('x')
+    out.append('memfd')
+  except OSError as e:
+    out.append(e.errno)
+  with open('/tmp/f', 'w') as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX)
+      out.append('flock')
+    except OSError as e:
+      out.append(e.errno)
+  out.append(libc.inotify_init() if libc.inotify_init() >= 0 else -ctypes.get_errno())
+  out.append(libc.fanotify_init(0, 0) if libc.fanotify_init(0, 0) >= 0 else -ctypes.get_errno())
+  return out
+"""
+
+
+def test_flock_inotify_fanotify_and_memfd_are_refused_by_the_filter():
+  """Issue 45, item 5: each fails with EPERM inside the sandbox (x86_64)."""
+  run = sandbox.run_calls(_SHARED_INODES, [("", "probe()")], QUICK)
+  eperm = 1
+  assert run.values[0] == [eperm, eperm, -eperm, -eperm], run

@@ -370,6 +370,10 @@ _DENIED_X86_64 = (
     159, 164, 227,  # adjtimex, settimeofday, clock_settime
     99,  # sysinfo: the host's load, memory and uptime
     29, 30, 31, 67, 64, 65, 66, 220, 68, 69, 70, 71,  # SysV shm, sem, msg
+    # Issue 45: shared host inodes and uncharged memory. flock on a bound
+    # host file; inotify and fanotify watch host files; memfd_create and
+    # memfd_secret hold memory that RLIMIT_AS does not count.
+    73, 253, 254, 255, 294, 301, 319, 447,
 )
 # socket(2) and socketpair(2) accept only these families; any other fails with
 # EAFNOSUPPORT, as on a kernel without it. Unix sockets and the IP families
