@@ -109,3 +109,45 @@ def test_flock_inotify_fanotify_and_memfd_are_refused_by_the_filter():
   run = sandbox.run_calls(_SHARED_INODES, [("", "probe()")], QUICK)
   eperm = 1
   assert run.values[0] == [eperm, eperm, -eperm, -eperm], run
+
+
+_LEAK = r"""
+import gc, re, sys
+def leak():
+  found, pattern = set(), re.compile('tok_[a-z0-9]{16}')
+  def scan(obj, depth=0):
+    if isinstance(obj, str):
+      found.update(pattern.findall(obj))
+    elif isinstance(obj, (bytes, bytearray)):
+      found.update(m.decode() for m in re.findall(rb'tok_[a-z0-9]{16}', obj))
+    elif depth < 6 and isinstance(obj, dict):
+      for value in list(obj.values()):
+        scan(value, depth + 1)
+    elif depth < 6 and isinstance(obj, (list, tuple)):
+      for value in obj:
+        scan(value, depth + 1)
+  for obj in gc.get_objects():
+    scan(obj)
+  frame = sys._getframe()
+  while frame is not None:  # The frames this child was forked inside.
+    scan(frame.f_locals)
+    frame = frame.f_back
+  return sorted(found)
+if __name__ == '__main__':
+  sys.stdin.read()
+  print(leak())
+"""
+
+
+def test_each_call_starts_from_a_zygote_that_never_held_another_calls_input():
+  """Issue 45, item 4: a child reads only its own call (or stdin) from the
+  job pipe; the process it is forked from never read any. A program that
+  scans every object and frame it inherited finds no other call's setup and
+  no other stdin (raw memory, /proc/self/mem, is closed: not dumpable)."""
+  import secrets  # pylint: disable=import-outside-toplevel
+  tokens = [f"tok_{secrets.token_hex(8)}" for _ in range(3)]
+  run = sandbox.run_calls(_LEAK, [("", "leak()"), (f"t = {tokens[0]!r}", "len(t)")], QUICK,
+                          stdin=["first", tokens[1]])
+  assert run.values[1] == len(tokens[0]), run
+  assert not set(tokens) & set(run.values[0]), run.values[0]
+  assert tokens[1] not in run.outputs[0], run.outputs[0]
