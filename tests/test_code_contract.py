@@ -10,6 +10,9 @@ is loaded (`code.check_tests`), naming the test.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -151,3 +154,17 @@ def test_each_call_starts_from_a_zygote_that_never_held_another_calls_input():
   assert run.values[1] == len(tokens[0]), run
   assert not set(tokens) & set(run.values[0]), run.values[0]
   assert tokens[1] not in run.outputs[0], run.outputs[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="already an unprivileged caller")
+def test_as_an_unprivileged_caller():
+  """This module once more as uid 65534 (test_sandbox.py's mechanism)."""
+  from tests import test_sandbox  # pylint: disable=import-outside-toplevel
+  out = subprocess.run(
+      test_sandbox._as_nobody_command(["-m", "pytest", "-q", "-p", "no:cacheprovider",  # pylint: disable=protected-access
+                                       os.path.abspath(__file__), "-k", "not unprivileged_caller"]),
+      cwd="/", capture_output=True, text=True, timeout=600,
+      env={**os.environ, "PYTHONPATH": test_sandbox.REPO, "HOME": "/tmp",
+           "PYTHONDONTWRITEBYTECODE": "1"})
+  assert out.stdout.startswith("running as uid 65534\n"), out.stderr[-2000:]
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
