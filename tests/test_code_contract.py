@@ -168,3 +168,23 @@ def test_as_an_unprivileged_caller():
            "PYTHONDONTWRITEBYTECODE": "1"})
   assert out.stdout.startswith("running as uid 65534\n"), out.stderr[-2000:]
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
+def test_a_run_is_bounded_to_its_cores_where_a_cgroup_cpu_controller_exists():
+  """Issue 45, item 5: cpu.max (v2) or cfs_quota_us (v1) = `cpus` cores per run;
+  where no CPU controller is delegated the documented fallback is rlimits only."""
+  from grpo_jax.rewards import _cgroups, _checker  # pylint: disable=import-outside-toplevel
+  assert _checker.MAX_CHECKERS >= (os.cpu_count() or 1)
+  if "cpu" not in _cgroups.parents():
+    pytest.skip(f"no cgroup CPU controller here: {_cgroups.describe()}")
+  run = _cgroups.RunCgroup(2**30, 20, cpus=1.5)
+  try:
+    assert run.error is None, run.error
+    cpu = next(d for d in run.dirs if d.startswith(_cgroups.parents()["cpu"]))
+    if os.path.exists(os.path.join(cpu, "cpu.max")):
+      assert open(os.path.join(cpu, "cpu.max"), encoding="ascii").read().split() == ["150000", "100000"]
+    else:
+      assert open(os.path.join(cpu, "cpu.cfs_quota_us"), encoding="ascii").read().strip() == "150000"
+  finally:
+    run.close()
+  assert "CPU" in _cgroups.describe()

@@ -74,6 +74,8 @@ class Limits:
   disk_mb: int = 64  # All files together (the tmpfs /tmp).
   processes: int = 16  # Processes and threads, the first one included.
   result_mb: int = 8  # Results read back; a run writing more is stopped.
+  cpus: float = 1.0  # Cores a run's processes share, where a cgroup CPU
+  # controller is available (`resource_control()`); else rlimits only.
 
 
 class SandboxUnavailable(RuntimeError):
@@ -203,7 +205,7 @@ def execute(program: str, calls: Sequence[tuple[str, str]],
   command line (to find its processes)."""
   job = _job(program, calls, stdin, limits)
   deadline = time.monotonic() + limits.timeout + _GRACE
-  cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 4)
+  cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 4, limits.cpus)
   try:
     proc = subprocess.Popen(
         _command(label or secrets.token_hex(8)), stdin=subprocess.PIPE,
