@@ -188,3 +188,19 @@ def test_a_run_is_bounded_to_its_cores_where_a_cgroup_cpu_controller_exists():
   finally:
     run.close()
   assert "CPU" in _cgroups.describe()
+
+
+_PACKAGES = """
+import glob, os, sys
+def installed():
+  dirs = [os.path.join(p, s) for p in sys.path + glob.glob('/usr/lib/python3*')
+          + glob.glob('/usr/local/lib/python3*') for s in ('site-packages', 'dist-packages')]
+  return sorted((d, len(os.listdir(d))) for d in set(dirs) if os.path.isdir(d))
+"""
+
+
+def test_the_standard_library_is_bound_without_installed_packages():
+  """Issue 45, item 5: every site-packages / dist-packages the sandbox can
+  reach is an empty directory (the interpreter's own included)."""
+  run = sandbox.run_calls(_PACKAGES, [("", "installed()")], QUICK)
+  assert run.values[0] and all(count == 0 for _, count in run.values[0]), run

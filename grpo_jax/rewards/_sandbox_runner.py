@@ -109,6 +109,25 @@ def _mount(source, target, fstype, flags, data=None):
 
 # ---------------------------------------------------------------- L: launcher
 
+_PACKAGE_DIRS = ("site-packages", "dist-packages", "lib/python3*/site-packages",
+                 "lib/python3*/dist-packages", "local/lib/python3*/site-packages",
+                 "local/lib/python3*/dist-packages", "lib/python3/dist-packages")
+
+
+def _package_dirs(sources):
+  """Issue 45: the interpreter's and the system's installed packages, under
+  the bound directories; each is hidden by an empty read-only tmpfs, so the
+  sandbox has the standard library and nothing else."""
+  import glob  # pylint: disable=import-outside-toplevel
+  found = set()
+  for path, source in sources:
+    if isinstance(source, int) and os.path.isdir(path):
+      for pattern in _PACKAGE_DIRS:
+        found.update(p for p in glob.glob(os.path.join(glob.escape(path), pattern))
+                     if os.path.isdir(p) and not os.path.islink(p))
+  return sorted(found)
+
+
 def _bind_sources():
   """What the sandbox sees of the host, read-only: (path, symlink target or
   O_PATH fd). The standard library may sit under /root: the fds are opened
@@ -282,8 +301,9 @@ def _remount_read_only(target):
       _mount(None, point, None, flags)
 
 
-def _build_root(sources, limits):
-  """A new root at /tmp (shadowed in this mount namespace only), pivoted to."""
+def _build_root(sources, limits, hidden=()):
+  """A new root at /tmp (shadowed in this mount namespace only), pivoted to;
+  the `hidden` directories (installed packages) covered by empty tmpfs."""
   _mount(None, "/", None, MS_REC | MS_PRIVATE)
   root = "/tmp"
   _mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
@@ -303,6 +323,9 @@ def _build_root(sources, limits):
     _mount(f"/proc/self/fd/{source}", target, None, MS_BIND | MS_REC)
     _remount_read_only(target)
     os.close(source)
+  for path in hidden:
+    _mount("sandbox", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           "size=4k,mode=555")
   for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                      ("stdout", "/proc/self/fd/1"),
                      ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
@@ -353,6 +376,7 @@ def _init(job, life_read, job_fd):
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
   try:
     sources = _bind_sources()
+    hidden = _package_dirs(sources)
     # Files can be created in the new tmpfs only by a uid mapped inside; a
     # root caller's uid 0 is not (capabilities in the namespace stay).
     os.setresgid(INSIDE_ID, INSIDE_ID, INSIDE_ID)
@@ -361,7 +385,7 @@ def _init(job, life_read, job_fd):
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if select.select([life_read], [], [], 0)[0]:
       os._exit(EXIT_SETUP)  # L died before that: EOF on its pipe.
-    _build_root(sources, job["limits"])
+    _build_root(sources, job["limits"], hidden)
     _check(_libc.sethostname(b"sandbox", 7), "sethostname")
     _rename(b"sandbox\0" + os.fsencode(sys.argv[-1]))
   except (OSError, SetupError) as e:
