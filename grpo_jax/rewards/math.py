@@ -101,9 +101,9 @@ def verify(gold: Any, prediction: Any, timeout: float = DEFAULT_TIMEOUT,
            pool: pool_lib.WorkerPool | None = None) -> bool:
   """True if `prediction`'s final answer equals `gold` mathematically.
 
-  The answer is taken from the prediction's last `\\boxed{...}` or its final
-  `Answer: ...` line (also "the answer is ...", `#### 42`), else the whole
-  string. Never raises; returns within about `timeout` seconds.
+  The answer and the comparison are docs/verifier.md's contracts (A1-A8,
+  E1-E8), decided in a worker (`contract.decide`). Never raises; returns
+  within about `timeout` seconds.
   """
   try:
     return verify_batch([gold], [prediction], timeout=timeout, pool=pool)[0]
