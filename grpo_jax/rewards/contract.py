@@ -35,8 +35,11 @@ _DECIMAL = re.compile(
 _MAX_PLAIN_CHARS = 100
 _MAX_BARE_CHARS = 200  # A8: a completion with no anchor is read only if this short.
 # E5: one unknown alone on a side: `x`, `x_1`, `\theta`, `f(x)`, `a_{n}`.
-_UNKNOWN = re.compile(
-    r"(?:[A-Za-z]|\\(?!pi\b|infty\b)[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*(?:\s*\(\s*[A-Za-z]\s*\))?")
+_ONE_UNKNOWN = (r"(?:[A-Za-z]|\\(?!pi\b|infty\b)[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*"
+                r"(?:\s*\(\s*[A-Za-z]\s*\))?")
+# ... or a tuple of them: `(x, y) = (1, 2)`.
+_UNKNOWN = re.compile(rf"{_ONE_UNKNOWN}|\(\s*{_ONE_UNKNOWN}(?:\s*,\s*{_ONE_UNKNOWN})+\s*\)")
+_TEXT_LIST_WORD = re.compile(r"\\text\{\s*(?:and|or)\s*\}")
 _LIST_WORD = re.compile(r"[,;]|\\q?quad\b|\\text\{\s*(?:and|or)\s*\}|\b(?:and|or)\b")
 
 
@@ -115,12 +118,24 @@ def _top_level_sides(text: str) -> list[str]:
   return [side.strip().rstrip(":").strip() for side in sides]
 
 
+def _top_level(text: str) -> str:
+  """`text` without what brackets hold: `(x, y) = (1, 2)` has no top-level comma."""
+  out, depth = [], 0
+  for char in text:
+    depth += char in "{(["
+    if depth == 0:
+      out.append(char)
+    depth -= char in "})]" and depth > 0
+  return "".join(out)
+
+
 def _assignment(text: str) -> tuple[str, list[str]] | None:
   """E5: the unknown and the value sides of an assignment (`x = 2+3 = 5` ->
   ("x", ["2+3", "5"])), ("", []) for an equation with no lone unknown, None
   for a text with no `=` (or a list of named values, which `symbolic` reads)."""
   sides = _top_level_sides(text)
-  if len(sides) < 2 or (len(sides) > 2 and _LIST_WORD.search(text)):
+  listed = _LIST_WORD.search(_top_level(text)) or _TEXT_LIST_WORD.search(text)
+  if len(sides) < 2 or (len(sides) > 2 and listed):
     return None
   if _UNKNOWN.fullmatch(sides[0]):
     return re.sub(r"\s", "", sides[0]), sides[1:]
