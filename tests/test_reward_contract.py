@@ -165,6 +165,8 @@ def test_e5_an_equation_only_as_an_assignment():
       ("x = 3", "\\boxed{y = 3}", False),
       ("x = 3", "\\boxed{3}", True),
       ("x^2 + y^2 = 1", "\\boxed{x^2 + y^2 = 1}", True),
+      ("x + y = 3", "\\boxed{3}", False),  # Only an equation equals a gold equation.
+      ("x + y = 3", "\\boxed{y + x = 3}", True),
       ("2, -3", "\\boxed{x_1 = 2, x_2 = -3}", True),
       ("(1, 2)", "\\boxed{(x, y) = (1, 2)}", True),  # A tuple of unknowns.
       ("(1, 2)", "\\boxed{(x, y) = (2, 1)}", False),

@@ -172,6 +172,8 @@ def _equal(gold: Gold, answer: extract.Answer) -> bool:
   letter, choice = notation.choice_letter(gold.answer.text), notation.split_choice(text)
   if choice is not None:  # E7: "(C) 12" is C for a letter gold, else 12.
     return choice[0] == letter if letter else _equal(gold, answer._replace(text=choice[1]))
+  if gold.equation and len(_top_level_sides(text)) < 2:
+    return False  # E5: only an equation equals a gold equation (`3` is not `x + y = 3`).
   found = _assignment(text) if not gold.equation else None
   if found is not None:
     unknown, values = found
