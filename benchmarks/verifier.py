@@ -13,7 +13,9 @@ counts verdicts that agree with how each solution was built.
 `--heldout` scores `benchmarks/verifier_heldout.jsonl` (labelled pairs written
 before the issue-17 fixes and never used to tune them), or `--file FILE`
 (e.g. `benchmarks/verifier_heldout_2.jsonl`, generated per class by
-`benchmarks/make_heldout.py` before the issue-29 fixes): agreement with the
+`benchmarks/make_heldout.py` before the issue-29 fixes, or
+`benchmarks/verifier_heldout_3.jsonl`, issue 45's cases, one class per clause
+of docs/verifier.md's contracts): agreement with the
 labels, wrong answers accepted, right answers rejected, per class, next to
 plain math-verify. `--before DIR` measures throughput of this checkout and of
 the code in DIR (e.g. a `git worktree` of an older commit) interleaved, each

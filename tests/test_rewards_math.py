@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from grpo_jax.rewards import contract
 from grpo_jax.rewards import extract
 from grpo_jax.rewards import math as rmath
 from grpo_jax.rewards import minerva
@@ -92,7 +93,6 @@ EQUIVALENT = [
     ("equation", "3", "x=3"),
     ("equation", "x=3", "3"),
     ("equation", "k=1", "1"),
-    ("equation", "x = 11", "x = 5+5+1 = 7 = 11"),
     ("equation", "y=2x+1", "y = 1 + 2x"),
     ("equation", "2x+4y-3=0", r"y=-\frac{1}{2}x+\frac{3}{4}"),
     ("equation", "x^2/4 + y^2/3 = 1", "x^2/16 + y^2/12 = 1/4"),
@@ -179,7 +179,6 @@ EQUIVALENT = [
     ("negative", "-2,1", r"the only integer roots are $\boxed{-2,1}.$"),
     # Extraction from whole solutions.
     ("extract", "2", r"The answer is \boxed{2}."),
-    ("extract", "3", r"\boxed{2} wait, no: \boxed{3}"),
     ("extract", "7", r"\fbox{7}"),
     ("extract", r"\frac{1}{\sqrt{2}}", r"so \boxed{\frac{1}{\sqrt{2}}}."),
     ("extract", r"\{1,2\}", r"\boxed{\{1,2\}}"),
@@ -262,6 +261,10 @@ NOT_EQUIVALENT = [
     ("units", "10", r"100\text{ cm}"),
     ("extract", "2", r"\boxed{3}"),
     ("extract", "2", r"\boxed{2} wait, no: \boxed{3}"),
+    # E5 (issue 45): every side of a chain must equal the answer (7 is not 11).
+    ("equation", "x = 11", "x = 5+5+1 = 7 = 11"),
+    # A5 (issue 45): a corrected box is a second final answer; neither earns.
+    ("extract", "3", r"\boxed{2} wait, no: \boxed{3}"),
     ("extract", "42", "#### 41"),
     ("extract", "42", "Answer: 41"),
     ("extract", "42", "The answer is 42? No. Answer: 43"),
@@ -441,9 +444,10 @@ def test_verify_batch_length_mismatch_is_all_false_not_an_error():
   assert rmath.verify_batch(["1", "2"], ["1"]) == [False, False]
 
 
-def test_anchored_answer_over_the_length_cap_is_refused_without_a_worker():
+def test_anchored_answer_over_the_length_cap_is_refused_before_parsing():
   long_answer = r"\boxed{" + "1+" * 2000 + "1}"
-  assert rmath._prepare("4001", long_answer) is False  # pylint: disable=protected-access
+  assert contract._equal(contract.Gold(extract.Answer("4001", False)),  # pylint: disable=protected-access
+                         extract.Answer(long_answer[7:-1], True)) is False
 
 
 # ---------------------------------------------------------------- safety
@@ -552,7 +556,8 @@ def test_minerva_normalisation(raw, normalised):
     ("0.5", r"Answer: \frac{1}{2}", False),
     (r"\frac{1}{2}", r"Answer: \frac12", True),
     ("42", r"The answer is \boxed{42}", False),  # No "Answer:" line.
-    ("42", "Answer: 41\nOn second thought...\nAnswer: 42", True),
+    # D2 (issue 45): two different answer lines earn nothing (was True).
+    ("42", "Answer: 41\nOn second thought...\nAnswer: 42", False),
     ("42", "Answer: 42\n" + "more text " * 40, False),  # Not in the last 300 chars.
     ("1000", "Answer: 1,000", True),
     ("5", "Answer: $x = 5$", True),

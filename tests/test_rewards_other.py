@@ -175,6 +175,8 @@ def test_multiple_choice_reward():
 def test_megabyte_junk_is_scored_zero_quickly(name, junk):
   """The parsing of every reward is linear in the text; junk scores 0."""
   answer = {"target": 1, "numbers": [1]} if name == "countdown" else "A"
+  if name == "code":  # Issue 45: "A" is no test; the code reward refuses it at load.
+    answer = "assert f() == 1"
   start = time.monotonic()
   got = registry.lookup("reward", name)(["p"], [junk], [answer], np.ones(1))
   assert got.tolist() == [0.0]

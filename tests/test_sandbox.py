@@ -138,12 +138,16 @@ def test_io_cases_compare_printed_output_here(program, passed):
 
 def test_io_cases_and_asserts_mix_in_one_answer():
   answers = [[{"input": "2", "output": "4"}, "assert double(3) == 6"],
-             {"input": "2", "output": "4"}, {"input": "2"}]
+             {"input": "2", "output": "4"}]
   program = "def double(x):\n  return 2 * x\nif __name__ == '__main__':\n" \
             "  print(double(int(input())))"
-  got = code.code_reward(None, [_fenced(program)] * 3, answers, np.ones(3),
+  got = code.code_reward(None, [_fenced(program)] * 2, answers, np.ones(2),
                          timeout=5.0)
-  np.testing.assert_array_equal(got, [1.0, 1.0, 0.0])
+  np.testing.assert_array_equal(got, [1.0, 1.0])
+  # Issue 45: a test that is neither decidable nor an I/O case is refused when
+  # the data is loaded, naming it (it used to score 0).
+  with pytest.raises(code.UnevaluableTest, match="input"):
+    code.code_reward(None, [_fenced(program)], [{"input": "2"}], np.ones(1), timeout=5.0)
 
 
 def test_extract_code_takes_the_last_python_block():
@@ -398,7 +402,7 @@ def test_host_files_environment_and_processes_are_invisible(tmp_path,
     helper.wait()
   assert values[0] == "failed: FileNotFoundError"
   assert values[1] == []
-  assert len(values[2]) == 3  # Its init, the worker and itself.
+  assert len(values[2]) == 4  # Its init, the worker, the relay (issue 45) and itself.
   assert sorted(values[2], key=int)[:2] == ["1", "2"]
   assert values[3].startswith("failed:") and values[4].startswith("failed:")
   assert values[5] == (-1, -1)

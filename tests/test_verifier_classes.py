@@ -12,6 +12,7 @@ import pytest
 import sympy
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from grpo_jax.rewards import contract
 from grpo_jax.rewards import extract
 from grpo_jax.rewards import math as rmath
 from grpo_jax.rewards import numeric
@@ -84,13 +85,16 @@ CLASSES = [
     ("boxes", r"\{3,4\}", r"\boxed{4} or \boxed{3}", True),
     ("boxes", r"\boxed{3}, \boxed{4}", r"\boxed{3, 4}", True),
     ("boxes", "4", r"\boxed{3} and \boxed{4}", False),
-    ("boxes", "4", r"\boxed{3}. Hmm, let me recheck. Actually \boxed{4}", True),
+    # A5 (issue 45): two different boxed answers are two final answers, no credit.
+    ("boxes", "4", r"\boxed{3}. Hmm, let me recheck. Actually \boxed{4}", False),
     ("boxes", "1, 2, 3", r"$\boxed{1,2,3}$", True),
     ("boxes", "4", r"So $x = \boxed{5}$. Note that the answer is not 4.", False),
     ("boxes", "5", r"So $x = \boxed{5}$. Note that the answer is not 4.", True),
     ("boxes", "$1$ and $2$ and $3$", r"$\boxed{1,2,3}$", True),
+    # A5 (issue 45): an anchor after the box is one more stated answer; the
+    # two differ, so neither earns (it used to replace the box).
     ("boxes", "10455", r"so the interest is $\boxed{255}$, and the total is $10,455. "
-     r"Final Answer: The final answer is $10,455$. I hope it is correct.", True),
+     r"Final Answer: The final answer is $10,455$. I hope it is correct.", False),
     ("boxes", "255", r"so the interest is $\boxed{255}$, and the total is $10,455. "
      r"Final Answer: The final answer is $10,455$. I hope it is correct.", False),
     # Named solutions and equivalent polynomial forms.
@@ -227,12 +231,14 @@ def test_program_check_runs_only_on_capped_answers():
   """A huge boxed answer is refused by length before any regex runs on it
   (`[` without `]` would make the comprehension pattern quadratic)."""
   huge = r"\boxed{" + "[" * 200_000 + "}"
-  assert rmath._prepare("1", huge) is False  # pylint: disable=protected-access
+  assert contract.decide("1", huge) is False
 
 
 @pytest.mark.parametrize("a,b,equal", [
     (sympy.Float("3e-9"), sympy.Float("5e-9"), False),
-    (sympy.Rational(1, 3), sympy.Float("0.333333"), True),
+    # E2 (issue 45): a decimal is the rational it writes; the rounding rule
+    # for 1/3 and pi is contract.rounded_verdict's, on the written digits.
+    (sympy.Rational(1, 3), sympy.Float("0.333333"), False),
     (sympy.Rational(1, 2), sympy.Float("0.4999"), False),
     (1 / sympy.factorial(50), 1 / sympy.factorial(52), False),
     (sympy.sqrt(2) - 1, 1 / (sympy.sqrt(2) + 1), True),
@@ -241,8 +247,8 @@ def test_program_check_runs_only_on_capped_answers():
     (sympy.Float("1.5e20"), sympy.Integer(150000000000000000000), True),
     (sympy.Float("6.02214076e23"), sympy.Integer(602214076 * 10**15), True),
     (sympy.Float("1000000.5"), sympy.Integer(10**6), False),
-    (sympy.Float("2.333333"), sympy.Rational(7, 3), True),
-    (sympy.Float("3.33333e-9"), sympy.Rational(1, 3 * 10**8), True),
+    (sympy.Float("2.333333"), sympy.Rational(7, 3), False),
+    (sympy.Float("3.33333e-9"), sympy.Rational(1, 3 * 10**8), False),
     (sympy.Float("3.3333e-9"), sympy.Rational(1, 3 * 10**8), False),
 ])
 def test_numbers_equal(a, b, equal):
@@ -337,10 +343,11 @@ def test_property_verify_is_symmetric_on_bare_values(pairs):
 
 @pytest.mark.parametrize("gold,prediction,verdict", [
     ("1,234", "1234", True), ("5", "6", False), ("0.5", "1/2", True),
-    ("1/3", "0.333333", None),  # A differing decimal: the worker decides.
-    ("1000", "1.000", None), ("-2,1", "-2", None), ("28", "28/100", False),
+    ("1/3", "0.333333", True),  # E2 (issue 45): the one rounding rule, decided here.
+    ("1000", "1.000", False),  # E2: the decimal 1.000 is 1.
+    ("-2,1", "-2", None), ("28", "28/100", False),
     (r"-\frac{6}{8}", "-0.75", True), (r"\frac{1}{3}", r"\frac{2}{6}", True),
     (r"\frac{1}{3}", "1/4", False), (r"\frac{1}{0}", "1", None),
 ])
-def test_plain_numbers_are_decided_exactly_in_the_parent(gold, prediction, verdict):
-  assert rmath._plain_numbers_verdict(gold, prediction) is verdict  # pylint: disable=protected-access
+def test_plain_numbers_are_decided_exactly_without_sympy(gold, prediction, verdict):
+  assert contract._plain_verdict(gold, prediction) is verdict  # pylint: disable=protected-access

@@ -3,7 +3,12 @@
 A run's launcher is moved into a fresh cgroup before it reads its job, so
 everything the run starts is charged there: memory (tmpfs pages included)
 and the number of processes are then bounded for the run as a whole, not
-only per process as the rlimits inside the sandbox do. cgroup v2 is used
+only per process as the rlimits inside the sandbox do, and so is CPU time
+(`cpu.max`, v1's `cpu.cfs_quota_us`: `cpus` cores per run, 1 by default), so
+a run's processes together cannot take its batch neighbours' cores. Where no
+cgroup CPU controller is available the fallback is the rlimits alone: each
+process's RLIMIT_CPU (the timeout) and RLIMIT_NPROC, so a run may use up to
+`processes` cores until its timeout. cgroup v2 is used
 when it is mounted with the memory and pids controllers available to this
 process's cgroup; else cgroup v1's memory and pids hierarchies; else none
 (`describe()` says which, the sandbox's rlimits hold in every case).
@@ -17,6 +22,7 @@ import time
 
 _ROOT = "/sys/fs/cgroup"
 _PREFIX = "grpo_jax_sandbox_"
+_CPU_PERIOD_US = 100_000
 
 
 def _own_paths() -> dict[str, str]:
@@ -64,9 +70,28 @@ def parents() -> dict[str, str]:
       if _writable_parent(directory, (limit_file,)):
         found[controller] = directory
   found = found if len(found) == 2 else {}
+  if found:
+    cpu = _cpu_parent(own, found["memory"] == found["pids"] and found["memory"])
+    if cpu:
+      found["cpu"] = cpu
   for directory in set(found.values()):
     _remove_stale(directory)
   return found
+
+
+def _cpu_parent(own: dict[str, str], v2_directory: str | bool) -> str | None:
+  """Where a run's CPU bound goes: the v2 directory if `cpu.max` is delegated
+  there, else cgroup v1's cpu hierarchy (`cpu.cfs_quota_us`), else None."""
+  if v2_directory:
+    return v2_directory if _writable_parent(v2_directory, ("cpu.max",)) else None
+  for controller in ("cpu", "cpu,cpuacct"):
+    if controller in own:
+      directory = os.path.join(_ROOT, controller, own[controller].lstrip("/"))
+      if not os.path.isdir(directory):
+        directory = os.path.join(_ROOT, "cpu", own[controller].lstrip("/"))
+      if _writable_parent(directory, ("cpu.cfs_quota_us",)):
+        return directory
+  return None
 
 
 def _remove_stale(directory: str, min_age_s: float = 60.0) -> None:
@@ -88,7 +113,8 @@ def describe() -> str:
     return ("rlimits only (no cgroup this process may create): memory_mb "
             "bounds each process, a run's total is processes x memory_mb")
   version = "v2" if found["memory"] == found["pids"] else "v1"
-  return f"cgroup {version} memory and pids limits per run, and rlimits"
+  cpu = ", CPU" if "cpu" in found else ""
+  return f"cgroup {version} memory{cpu} and pids limits per run, and rlimits"
 
 
 class RunCgroup:
@@ -96,7 +122,7 @@ class RunCgroup:
   Never raises: if the host refuses a step, `error` says which and the run
   goes on under its rlimits alone."""
 
-  def __init__(self, memory_bytes: int, processes: int):
+  def __init__(self, memory_bytes: int, processes: int, cpus: float = 1.0):
     self.dirs: list[str] = []
     self.error: str | None = None
     found = parents()
@@ -104,14 +130,18 @@ class RunCgroup:
       return
     name = _PREFIX + secrets.token_hex(8)
     v2 = found["memory"] == found["pids"]
+    quota = f"{int(cpus * _CPU_PERIOD_US)} {_CPU_PERIOD_US}"  # Issue 45: CPU per run.
     limits = ({"memory.max": memory_bytes, "memory.swap.max": 0,
-               "pids.max": processes} if v2 else
+               "pids.max": processes, "cpu.max": quota} if v2 else
               {"memory.limit_in_bytes": memory_bytes,
                "memory.memsw.limit_in_bytes": memory_bytes,
-               "pids.max": processes})
+               "pids.max": processes, "cpu.cfs_period_us": _CPU_PERIOD_US,
+               "cpu.cfs_quota_us": int(cpus * _CPU_PERIOD_US)})
     try:
       for directory in sorted(set(found.values())):
         path = os.path.join(directory, name)
+        if path in self.dirs:
+          continue
         os.mkdir(path)
         self.dirs.append(path)
         for file, value in limits.items():

@@ -29,7 +29,9 @@ from typing import Any, Sequence
 CPU_S = 2.0  # CPU seconds a check may take: milliseconds, ~0.5 s at 8 MiB.
 WALL_S = 20.0  # Wall-clock seconds, however loaded the host.
 MEMORY_MB = 1024  # Address space of a checker (results are 8 MiB at most).
-MAX_CHECKERS = 2  # Checks take ~0.1 ms: two serve any number of threads.
+# As many checkers as cores (issue 45): a slow check (a model's value that is
+# costly to rebuild) then never queues its batch neighbours' checks behind it.
+MAX_CHECKERS = max(2, os.cpu_count() or 1)
 
 _REWARDS = os.path.dirname(os.path.abspath(__file__))
 # Empty parent packages: importing grpo_jax itself would import JAX.

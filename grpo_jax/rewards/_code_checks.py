@@ -34,19 +34,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import math
 import operator
 from typing import Any, Callable, Mapping, Sequence
 
 from grpo_jax.rewards import _results
+from grpo_jax.rewards import _trusted
 
-_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int,
-                            len, list, max, min, round, set, sorted, str, sum,
-                            tuple)}
-_MATH = {name: getattr(math, name) for name in (
-    "isclose", "sqrt", "floor", "ceil", "fabs", "isnan", "isinf", "pi", "e",
-    "inf", "nan", "log", "exp", "gcd")}
+_FUNCTIONS = _trusted.FUNCTIONS
+_MATH = _trusted.MATH
 _VERDICT_NODES = (ast.Compare, ast.BoolOp, ast.IfExp, ast.NamedExpr)
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub,
            ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -90,8 +85,8 @@ def _is_verdict(node: ast.AST) -> bool:
 class _Splitter:
   """Replaces leaves by names; collects their source."""
 
-  def __init__(self, env: dict[str, Any]):
-    self.env, self.leaves = env, []
+  def __init__(self, env: dict[str, Any], imported: frozenset[str] = frozenset()):
+    self.env, self.leaves, self.imported = env, [], imported
 
   def _is_local_function(self, func: ast.expr) -> bool:
     if isinstance(func, ast.Name):
@@ -102,6 +97,18 @@ class _Splitter:
             and func.value.id == "math" and func.attr in _MATH)
 
   def split(self, node: ast.expr) -> ast.expr:
+    names = _trusted.free_names(node)
+    if names & self.imported and _trusted.is_trusted(node, {**self.env, **dict.fromkeys(self.imported)}):
+      raise Unsplittable(f"the expected side `{ast.unparse(node)[:80]}` uses "
+                         f"{sorted(names & self.imported)}, which the checker does not have")
+    if _trusted.is_trusted(node, self.env):  # Issue 45: never the sandbox's.
+      try:
+        _trusted.check_evaluable(node)
+      except ValueError as e:
+        raise Unsplittable(f"the expected side `{ast.unparse(node)[:80]}` names only "
+                           f"trusted values but holds {e}, which the checker cannot "
+                           "evaluate") from None
+      return node
     local = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp,
              ast.BinOp, ast.BoolOp, ast.Compare, ast.IfExp)
     if isinstance(node, ast.Name) and node.id in self.env:
@@ -165,24 +172,37 @@ def parse(text: str) -> Test:
   leaves: list[str] = []
   checks: list[Check] = []
   setup: list[tuple[int, str, ast.Assign | None]] = []  # Before leaf k.
+  imported: set[str] = set()  # Names the test imports that the checker lacks.
   for statement in module.body:
     if isinstance(statement, (ast.Import, ast.ImportFrom)):
-      if isinstance(statement, ast.ImportFrom) and statement.module == "math":
-        env.update({a.asname or a.name: _MATH[a.name]
-                    for a in statement.names if a.name in _MATH})
+      trusted = (_trusted.MODULES.get(statement.module, {})
+                 if isinstance(statement, ast.ImportFrom) else _trusted.MODULES)
+      for alias in statement.names:
+        name = alias.asname or alias.name.split(".")[0]
+        if alias.name in trusted:
+          if isinstance(statement, ast.ImportFrom):
+            env[name] = trusted[alias.name]
+          elif name != alias.name:
+            imported.add(name)  # `import math as m`: refused, not guessed.
+        else:
+          imported.add(name)
       setup.append((len(leaves), ast.unparse(statement), None))
     elif isinstance(statement, ast.Assign) and len(statement.targets) == 1 and (
         isinstance(statement.targets[0], ast.Name)):
       name = statement.targets[0].id
+      trusted = _trusted.is_trusted(statement.value, {**env, **dict.fromkeys(imported)})
       try:
         env[name] = _literal(statement.value, env)
-      except (Unsplittable, Exception):  # pylint: disable=broad-except
+      except (Unsplittable, Exception) as e:  # pylint: disable=broad-except
+        if trusted:  # Issue 45: an expected value is never the sandbox's.
+          raise Unsplittable(f"`{ast.unparse(statement)[:80]}` cannot be evaluated "
+                             f"outside the sandbox ({e})") from None
         env.pop(name, None)  # The sandbox computes it: a leaf wherever used.
         if _is_verdict(statement.value):
           raise Unsplittable("an assignment computes a verdict") from None
       setup.append((len(leaves), ast.unparse(statement), statement))
     elif isinstance(statement, ast.Assert):
-      splitter = _Splitter(env)
+      splitter = _Splitter(env, frozenset(imported))
       tree = ast.fix_missing_locations(
           ast.Expression(splitter.split(statement.test)))
       checks.append(Check(tree.body, len(leaves), tuple(env.items())))
@@ -255,9 +275,18 @@ def evaluate(node: ast.expr, env: dict[str, Any], values: tuple[Any, ...]
       return value
     if node.id in env:
       return env[node.id]
-    return _FUNCTIONS[node.id]
+    return _FUNCTIONS[node.id] if node.id in _FUNCTIONS else _trusted.MODULES[node.id]
   if isinstance(node, ast.Attribute):
-    return _MATH[node.attr]
+    return _trusted.attribute(ev(node.value), node.attr)
+  if isinstance(node, ast.Subscript):
+    return ev(node.value)[ev(node.slice)]
+  if isinstance(node, ast.Slice):
+    return slice(*(None if n is None else ev(n) for n in (node.lower, node.upper, node.step)))
+  scoped = lambda n, scope: evaluate(n, scope, values)
+  if isinstance(node, _trusted.COMPREHENSIONS):
+    return _trusted.comprehension(node, env, scoped)
+  if isinstance(node, ast.Lambda):
+    return _trusted.function(node, env, scoped)
   if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
     kind = {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)]
     return kind(ev(e) for e in node.elts)

@@ -29,7 +29,11 @@ Four kinds of process, each trusted but the last:
     per call or stdin to the result pipe (the serialised value, the output,
     or the exception's type name), kills every other process of the run and
     empties /tmp. So no call sees another's setup, values or leftovers, and
-    only W writes results. Nothing in the sandbox sees the expected values:
+    only W's relays write results. W is a zygote (issue 45): it reads only
+    the job's header (program, limits); each call's frame (setup and
+    expression) and each stdin stay in the job pipe until the child C that
+    runs it reads its own, and a relay R forked from W per run forks C and
+    forwards C's result, so W never holds another call's input or output. Nothing in the sandbox sees the expected values:
     the trusted side compares (`_checker.py`).
   C: the model's program, one call or stdin.
 
@@ -104,6 +108,25 @@ def _mount(source, target, fstype, flags, data=None):
 
 
 # ---------------------------------------------------------------- L: launcher
+
+_PACKAGE_DIRS = ("site-packages", "dist-packages", "lib/python3*/site-packages",
+                 "lib/python3*/dist-packages", "local/lib/python3*/site-packages",
+                 "local/lib/python3*/dist-packages", "lib/python3/dist-packages")
+
+
+def _package_dirs(sources):
+  """Issue 45: the interpreter's and the system's installed packages, under
+  the bound directories; each is hidden by an empty read-only tmpfs, so the
+  sandbox has the standard library and nothing else."""
+  import glob  # pylint: disable=import-outside-toplevel
+  found = set()
+  for path, source in sources:
+    if isinstance(source, int) and os.path.isdir(path):
+      for pattern in _PACKAGE_DIRS:
+        found.update(p for p in glob.glob(os.path.join(glob.escape(path), pattern))
+                     if os.path.isdir(p) and not os.path.islink(p))
+  return sorted(found)
+
 
 def _bind_sources():
   """What the sandbox sees of the host, read-only: (path, symlink target or
@@ -190,8 +213,29 @@ def _enter_namespaces(job):
                      "host uid")
 
 
+def read_frame(fd):
+  """One `<length>\n<JSON>` frame from `fd`, read exactly (never a byte of
+  the next frame: the calls after it stay in the pipe, unread)."""
+  head = b""
+  while not head.endswith(b"\n"):
+    byte = os.read(fd, 1)
+    if not byte or len(head) > 20:
+      raise EOFError("no frame")
+    head += byte
+  size, data = int(head), bytearray()
+  while len(data) < size:
+    chunk = os.read(fd, min(size - len(data), 1 << 20))
+    if not chunk:
+      raise EOFError("short frame")
+    data += chunk
+  return json.loads(bytes(data).decode("ascii"))
+
+
 def main():
-  job = json.loads(sys.stdin.buffer.read().decode("ascii"))
+  # Only the header (program, limits, counts): each call's setup and each
+  # stdin stay in the pipe until the child that runs it reads them.
+  job = read_frame(0)
+  job_fd = os.dup(0)
   parent = os.getppid()
   _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
   if os.getppid() != parent:
@@ -221,7 +265,8 @@ def main():
   pid = os.fork()
   if pid == 0:
     os.close(life_write)
-    _init(job, life_read)
+    _init(job, life_read, job_fd)
+  os.close(job_fd)
   child.append(pid)
   os.close(life_read)
   signal.setitimer(signal.ITIMER_REAL, float(job["limits"]["timeout"]))
@@ -256,8 +301,9 @@ def _remount_read_only(target):
       _mount(None, point, None, flags)
 
 
-def _build_root(sources, limits):
-  """A new root at /tmp (shadowed in this mount namespace only), pivoted to."""
+def _build_root(sources, limits, hidden=()):
+  """A new root at /tmp (shadowed in this mount namespace only), pivoted to;
+  the `hidden` directories (installed packages) covered by empty tmpfs."""
   _mount(None, "/", None, MS_REC | MS_PRIVATE)
   root = "/tmp"
   _mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
@@ -277,6 +323,9 @@ def _build_root(sources, limits):
     _mount(f"/proc/self/fd/{source}", target, None, MS_BIND | MS_REC)
     _remount_read_only(target)
     os.close(source)
+  for path in hidden:
+    _mount("sandbox", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           "size=4k,mode=555")
   for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                      ("stdout", "/proc/self/fd/1"),
                      ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
@@ -322,11 +371,12 @@ def _rename(argv):
     ctypes.memmove(start, argv.ljust(end - start, b"\0"), end - start)
 
 
-def _init(job, life_read):
+def _init(job, life_read, job_fd):
   signal.signal(signal.SIGALRM, signal.SIG_DFL)
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
   try:
     sources = _bind_sources()
+    hidden = _package_dirs(sources)
     # Files can be created in the new tmpfs only by a uid mapped inside; a
     # root caller's uid 0 is not (capabilities in the namespace stay).
     os.setresgid(INSIDE_ID, INSIDE_ID, INSIDE_ID)
@@ -335,7 +385,7 @@ def _init(job, life_read):
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if select.select([life_read], [], [], 0)[0]:
       os._exit(EXIT_SETUP)  # L died before that: EOF on its pipe.
-    _build_root(sources, job["limits"])
+    _build_root(sources, job["limits"], hidden)
     _check(_libc.sethostname(b"sandbox", 7), "sethostname")
     _rename(b"sandbox\0" + os.fsencode(sys.argv[-1]))
   except (OSError, SetupError) as e:
@@ -344,7 +394,8 @@ def _init(job, life_read):
   _prctl(PR_SET_DUMPABLE, 0)  # W may not read or write this process.
   worker = os.fork()
   if worker == 0:
-    _worker(job)
+    _worker(job, job_fd)
+  os.close(job_fd)
   while True:  # Reap orphans until W is done; then exit, killing the rest.
     try:
       pid, status = os.wait()
@@ -370,6 +421,10 @@ _DENIED_X86_64 = (
     159, 164, 227,  # adjtimex, settimeofday, clock_settime
     99,  # sysinfo: the host's load, memory and uptime
     29, 30, 31, 67, 64, 65, 66, 220, 68, 69, 70, 71,  # SysV shm, sem, msg
+    # Issue 45: shared host inodes and uncharged memory. flock on a bound
+    # host file; inotify and fanotify watch host files; memfd_create and
+    # memfd_secret hold memory that RLIMIT_AS does not count.
+    73, 253, 254, 255, 294, 301, 319, 447,
 )
 # socket(2) and socketpair(2) accept only these families; any other fails with
 # EAFNOSUPPORT, as on a kernel without it. Unix sockets and the IP families
@@ -408,7 +463,7 @@ def _seccomp_filter():
 def _lock_down(limits):
   """Limits, then no capabilities, no new privileges, the seccomp filter."""
   # G shares the sandbox's uid, and L does unless it is host root.
-  nproc = int(limits["processes"]) + (1 if limits["host_root"] else 2)
+  nproc = int(limits["processes"]) + (2 if limits["host_root"] else 3)  # + the relay
   for name, value in (
       ("RLIMIT_CPU", int(float(limits["timeout"])) + 1),
       ("RLIMIT_AS", int(limits["memory_mb"]) * 2**20),
@@ -475,16 +530,30 @@ def _send(fd, obj):
     line = line[os.write(fd, line):]
 
 
-def _run_as_main(code, stdin, k, result_fd):
-  """The program as a script on `stdin`, in a child: {"o": k, "v": stdout}."""
+def _own_frame(job_fd, marker_fd):
+  """In a fresh child: its one frame from the job pipe, then the pipe closed
+  before any model code runs, and b"r" on `marker_fd` (the frame is read)."""
+  frame = read_frame(job_fd)
+  os.close(job_fd)
+  os.write(marker_fd, b"r")
+  return frame
+
+
+def _run_as_main(code, job_fd, k, result_fd):
+  """The program as a script on the next stdin frame, in a child: {"o": k,
+  "v": stdout}; None if the child could not read its frame (the run stops)."""
   in_path, out_path = f"/tmp/.stdin_{k}", f"/tmp/.stdout_{k}"
-  with open(in_path, "wb") as f:
-    f.write(stdin.encode("utf-8", "replace"))
+  read, write = os.pipe()
   pid = os.fork()
   if pid == 0:
     status = 1
     try:
+      os.close(read)
       os.close(result_fd)  # Its output is its stdout only.
+      stdin = _own_frame(job_fd, write)
+      os.close(write)
+      with open(in_path, "wb") as f:
+        f.write(stdin.encode("utf-8", "replace"))
       os.dup2(os.open(in_path, os.O_RDONLY), 0)
       os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
               1)
@@ -501,30 +570,41 @@ def _run_as_main(code, stdin, k, result_fd):
     except BaseException:  # pylint: disable=broad-except
       status = 1
     os._exit(status)
+  os.close(write)
+  marker = os.read(read, 1)
+  os.close(read)
   _, status = os.waitpid(pid, 0)
-  with open(out_path, "rb") as f:
-    out = f.read(1 << 20)
+  if marker != b"r":
+    return None
+  try:
+    with open(out_path, "rb") as f:
+      out = f.read(1 << 20)
+  except OSError:
+    out, status = b"", status or 1
   if status != 0:
     return {"o": k, "e": f"exit status {status}"}
   return {"o": k, "v": out.decode("utf-8", "replace")}
 
 
-def _call(code, i, setup, expression, result_fd, cap):
-  """The program, then one call's setup and expression, in a fresh child of
-  this (never model-run) process, so no other call's setup, values or side
-  effects reach it. Only this process writes results: {"i": i, "v": value}
-  or {"i": i, "e": exception}, from the first line the child reports."""
+def _call(code, i, job_fd, result_fd, cap):
+  """The program, then the next call frame's setup and expression, in a
+  fresh child of this process, which never ran model code nor read any
+  call: the child reads its own frame (`_own_frame`), so no other call's
+  setup, values or side effects reach it. Only this process writes results:
+  {"i": i, "v": value} or {"i": i, "e": exception}, from the first line the
+  child reports after its marker; None if it could not read its frame."""
   read, write = os.pipe()
   try:
     pid = os.fork()
-  except OSError as e:  # The process limit, say.
+  except OSError:  # The process limit, say: the frame stays unread.
     os.close(read)
     os.close(write)
-    return {"i": i, "e": type(e).__name__}
+    return None
   if pid == 0:
     try:
       os.close(read)
       os.close(result_fd)
+      setup, expression = _own_frame(job_fd, write)
       namespace = {"__name__": "solution"}  # Not "__main__": no main() runs.
       exec(code, namespace)  # pylint: disable=exec-used
       exec(compile(setup, f"test_{i}_setup.py", "exec"), namespace)  # pylint: disable=exec-used
@@ -549,16 +629,18 @@ def _call(code, i, setup, expression, result_fd, cap):
   except ProcessLookupError:
     pass
   os.waitpid(pid, 0)
+  if data[:1] != b"r":
+    return None
   if len(data) > cap:
     return {"i": i, "e": "ResultTooLarge"}
   try:
-    record = json.loads(bytes(data.partition(b"\n")[0]).decode("ascii"))
+    record = json.loads(bytes(data[1:].partition(b"\n")[0]).decode("ascii"))
   except ValueError:
-    return None
+    return {"i": i, "e": "BadRecord"}
   if isinstance(record, dict) and "e" in record:
     return {"i": i, "e": str(record["e"])[:100]}
   return {"i": i, "v": record["v"]} if isinstance(record, dict) and (
-      "v" in record) else None
+      "v" in record) else {"i": i, "e": "BadRecord"}
 
 
 def _reset():
@@ -587,14 +669,40 @@ def _remove_below(directory):
       os.remove(entry.path)
 
 
-def _worker(job):
+def _relayed(run, args, result_fd):
+  """`run(*args)` in a relay R forked from this zygote: R forks the child
+  that runs the model's code, reads its result and writes it. So this
+  process never holds a result either (a program that echoes its input
+  into its result would otherwise hand it to every later child). False if
+  the child could not read its frame."""
+  try:
+    pid = os.fork()
+  except OSError:
+    return False
+  if pid == 0:
+    record = None
+    try:
+      record = run(*args)
+      if record is not None:
+        _send(result_fd, record)
+    finally:
+      os._exit(0 if record is not None else 3)
+  _, status = os.waitpid(pid, 0)
+  return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _worker(job, job_fd):
+  """The zygote: it holds the program and the limits, never a call's setup
+  or a stdin (each child reads its own from `job_fd`), and runs no model code."""
   result_fd = os.dup(1)  # Before fds 0-2 become /dev/null.
   try:
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1):
       os.dup2(null, fd)
-    os.closerange(3, result_fd)
-    os.closerange(result_fd + 1, 1 << 16)
+    keep = sorted((result_fd, job_fd))
+    os.closerange(3, keep[0])
+    os.closerange(keep[0] + 1, keep[1])
+    os.closerange(keep[1] + 1, 1 << 16)
     _lock_down(job["limits"])
   except (OSError, SetupError) as e:
     os.write(2, f"sandbox setup: {e}\n".encode("utf-8", "replace"))
@@ -607,14 +715,14 @@ def _worker(job):
   except BaseException as e:  # pylint: disable=broad-except
     _send(result_fd, {"program": type(e).__name__})
     os._exit(0)
-  for k, stdin in enumerate(job["stdin"]):
-    _send(result_fd, _run_as_main(code, stdin, k, result_fd))
-    _reset()
+  runs = [(_run_as_main, (code, job_fd, k, result_fd))
+          for k in range(int(job["num_stdin"]))]
   cap = int(job["limits"]["result_mb"]) * 2**20
-  for i, (setup, expression) in enumerate(job["calls"]):
-    record = _call(code, i, setup, expression, result_fd, cap)
-    if record is not None:
-      _send(result_fd, record)
+  runs += [(_call, (code, i, job_fd, result_fd, cap))
+           for i in range(int(job["num_calls"]))]
+  for run, args in runs:
+    if not _relayed(run, args, result_fd):
+      os._exit(0)  # A frame went unread: the rest would be misread.
     _reset()
   os._exit(0)
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 # Task name -> "module:function". Workers only run what is listed here.
 TASKS = {
     "math": "grpo_jax.rewards.symbolic:equivalent",
+    "decide": "grpo_jax.rewards.contract:decide",
     "probe": "grpo_jax.rewards._worker:probe",
 }
 MEMORY_ENV = "GRPO_JAX_WORKER_MEMORY_MB"

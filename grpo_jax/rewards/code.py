@@ -94,6 +94,24 @@ def run_tests(program: str, tests: Sequence[str | Mapping[str, str]],
   return Result(passed or 0, len(tests), run.timed_out)
 
 
+class UnevaluableTest(ValueError):
+  """A code test whose expected side neither the checker nor the model's side can hold."""
+
+
+def check_tests(answers: Sequence[Any]) -> None:
+  """Refuses, naming the test, any test the checker cannot decide outside
+  the sandbox (issue 45: an expected value is never computed where model
+  code runs). Call it when the data is loaded; `code_reward` calls it too,
+  before running anything. `answers` holds one test or a list per row."""
+  for row in answers:
+    for test in [row] if isinstance(row, (str, Mapping)) else list(row):
+      if io_case(test) is None:
+        try:
+          _code_checks.parse(test if isinstance(test, str) else repr(test))
+        except _code_checks.Unsplittable as e:
+          raise UnevaluableTest(f"code test refused ({e}): {str(test)[:200]!r}") from None
+
+
 _logged: set[str] = set()
 
 
@@ -144,10 +162,12 @@ def code_reward(prompts, completions, answers, completion_lengths, *,
   cost about timeout * N / max_parallel. `batch_timeout`, if set, bounds the
   whole batch: a run gets at most the time left, one not started by then
   scores 0. Raises `sandbox.SandboxUnavailable` (before running anything)
-  where the host cannot isolate model code.
+  where the host cannot isolate model code, and `UnevaluableTest` (naming
+  it) for a test whose expected side the checker cannot evaluate.
   """
   del prompts, completion_lengths
   sandbox.require()
+  check_tests(answers)
   tests = per_completion(answers, len(completions))
   limits = sandbox.Limits(timeout=timeout, memory_mb=memory_mb,
                           disk_mb=disk_mb, processes=processes)

@@ -1,42 +1,31 @@
 """The math verifier: `verify(gold, prediction) -> bool` and its batch form.
 
-Pipeline for one (gold, prediction) pair:
-  1. extraction, in the trainer process, by pure linear-time string code
-     (`extract.py`): the last \\boxed{}/\\fbox{} (or the final list of boxes),
-     else the latest `Answer:` line / "the answer is" / `#### 42`, else the
-     final statement ("so there are 24 ways"), else the whole text; an
-     answer that is program text (`(lambda: 7)()`) is refused here;
-  2. a fast path: answers equal after removing spacing and `$` are accepted
-     without a worker (half of the benchmark's solutions), and two plain
-     numbers (`1,234`, `-7`, `2.50`, `3/4`, `\\frac{3}{4}`) are compared
-     exactly as fractions (a differing decimal still goes to the worker);
-  3. otherwise parsing and symbolic comparison (`symbolic.py`, built on
-     math-verify) in a worker process of `pool.WorkerPool`, under a hard
-     wall-clock timeout. Model text reaches sympy only there.
+The trainer's thread does only this: turn the gold and the completion into
+text (a missing gold matches nothing), keep the completion's last
+`MAX_COMPLETION_CHARS` characters, and hand the pair to a worker process of
+`pool.WorkerPool`. Everything else (extraction, the fast path, sympy) is
+`contract.decide` in that worker, under the pool's hard wall-clock time-out,
+so a 40 KB repetition loop costs the trainer a JSON line, not a scan.
+docs/verifier.md states the answer and equivalence contracts it implements.
 
 `verify` never raises and returns within about its timeout; a timeout, a
 crashed worker or an unparsable answer all count as not verified.
 """
 from __future__ import annotations
 
-import fractions
 import logging
-import re
 import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from grpo_jax.registry import register
-from grpo_jax.rewards import extract
 from grpo_jax.rewards import minerva
 from grpo_jax.rewards import pool as pool_lib
 from grpo_jax.rewards._common import per_completion
 
 DEFAULT_TIMEOUT = 5.0
-# No real final answer is this long; longer "answers" are refused before any
-# parsing (a 1 MB \boxed{} would otherwise hold a worker for the full timeout).
-MAX_ANSWER_CHARS = 1000
+MAX_COMPLETION_CHARS = 100_000  # A1: only a completion's end is read.
 
 log = logging.getLogger(__name__)
 _default_pool: pool_lib.WorkerPool | None = None
@@ -81,70 +70,13 @@ def gold_text(gold: Any) -> str | None:
   return text
 
 
-def _cleaned(answer: extract.Answer) -> extract.Answer:
-  return answer._replace(text=extract.collapse_parens(answer.text))
-
-
-def _one_line(text: str) -> bool:
-  return len(text) <= 200 and "\n" not in text
-
-
-# Integers (with or without 1,000 groups), decimals, a/b and \frac{a}{b}:
-# exact values that Python's Fraction reads without evaluating anything.
-_PLAIN_NUMBER = re.compile(
-    r"(?P<sign>[-+]?)(?:(?P<decimal>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)"
-    r"|(?P<p>\d+)/(?P<q>[1-9]\d*)|\\frac\{(?P<fp>\d+)\}\{(?P<fq>[1-9]\d*)\})")
-_MAX_PLAIN_DIGITS = 100
-
-
-def _plain_value(text: str) -> fractions.Fraction | None:
-  match = _PLAIN_NUMBER.fullmatch(text) if len(text) <= _MAX_PLAIN_DIGITS else None
-  if match is None:
-    return None
-  if match["decimal"]:
-    value = fractions.Fraction(match["decimal"].replace(",", ""))
-  else:
-    value = fractions.Fraction(int(match["p"] or match["fp"]),
-                               int(match["q"] or match["fq"]))
-  return -value if match["sign"] == "-" else value
-
-
-def _plain_numbers_verdict(gold: str, prediction: str) -> bool | None:
-  """Decides two plain numbers in the parent: exactly equal values are
-  equal; two integers or fractions that differ are not. A decimal that
-  differs goes to the worker (`0.333333` is 1/3 at 6 decimals)."""
-  gold_value, pred_value = _plain_value(gold), _plain_value(prediction)
-  if gold_value is None or pred_value is None:
-    return None
-  if gold_value == pred_value:
-    return True
-  return False if "." not in gold + prediction else None
-
-
 def _prepare(gold: Any, prediction: Any) -> bool | tuple:
-  """Decides a pair in the parent if it can (bool), else the worker's args."""
+  """False for a pair that cannot match, else the worker's args. No scan of
+  the text happens here (docs/verifier.md, A1: the last 100,000 characters)."""
   gold, prediction = gold_text(gold), _as_text(prediction)
   if gold is None or prediction is None:
     return False
-  gold_answer = _cleaned(extract.extract_answer(gold))
-  pred_answer = _cleaned(extract.extract_answer(prediction))
-  if not gold_answer.text or not pred_answer.text:
-    return False
-  if pred_answer.anchored and len(pred_answer.text) > max(
-      MAX_ANSWER_CHARS, 4 * len(gold_answer.text)):
-    return False
-  if ((pred_answer.anchored and extract.looks_like_program(pred_answer.text))
-      or (_one_line(prediction) and extract.looks_like_program(prediction))):
-    return False  # Text is never code: `(lambda: 7)()` earns nothing.
-  gold_light = extract.light_normalise(gold_answer.text)
-  pred_light = extract.light_normalise(pred_answer.text)
-  if gold_light == pred_light:
-    return True
-  verdict = _plain_numbers_verdict(gold_light, pred_light)
-  if verdict is not None:
-    return verdict
-  return (gold_answer.text, gold_answer.anchored,
-          pred_answer.text, pred_answer.anchored)
+  return (gold[-MAX_COMPLETION_CHARS:], prediction[-MAX_COMPLETION_CHARS:])
 
 
 def verify_batch(golds: Sequence[Any], predictions: Sequence[Any],
@@ -155,7 +87,7 @@ def verify_batch(golds: Sequence[Any], predictions: Sequence[Any],
     prepared = [_prepare(g, p) for g, p in zip(golds, predictions, strict=True)]
     todo = [i for i, item in enumerate(prepared) if isinstance(item, tuple)]
     answers = (pool or default_pool()).run(
-        "math", [prepared[i] for i in todo], timeout) if todo else []
+        "decide", [prepared[i] for i in todo], timeout) if todo else []
     for i, value in zip(todo, answers):
       prepared[i] = value is True
     return [bool(item) for item in prepared]
@@ -169,9 +101,9 @@ def verify(gold: Any, prediction: Any, timeout: float = DEFAULT_TIMEOUT,
            pool: pool_lib.WorkerPool | None = None) -> bool:
   """True if `prediction`'s final answer equals `gold` mathematically.
 
-  The answer is taken from the prediction's last `\\boxed{...}` or its final
-  `Answer: ...` line (also "the answer is ...", `#### 42`), else the whole
-  string. Never raises; returns within about `timeout` seconds.
+  The answer and the comparison are docs/verifier.md's contracts (A1-A8,
+  E1-E8), decided in a worker (`contract.decide`). Never raises; returns
+  within about `timeout` seconds.
   """
   try:
     return verify_batch([gold], [prediction], timeout=timeout, pool=pool)[0]

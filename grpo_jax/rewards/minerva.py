@@ -1,5 +1,11 @@
 """DAPO's reward: the final `Answer:` line, Minerva normalisation, exact match.
 
+docs/verifier.md's clauses D1-D3: the answer is on a line that starts with
+`Answer:` in the last 300 characters; all such lines must agree; exact match
+after Minerva's normalisation. D1 and D2 are stricter than the paper's
+`re.findall("Answer\\s*:", tail)[-1]`, which also read "the reference
+answer: 7" mid-sentence and let a later line overrule an earlier one.
+
 DAPO (Yu et al. 2025) scores a response +1 if the string after its last
 `Answer:` equals the reference after the answer normalisation of Minerva
 (Lewkowycz et al. 2022, appendix D.1), else -1. Reproducing the paper's
@@ -16,7 +22,9 @@ import re
 TAIL_CHARS = 300
 INVALID = "[INVALID]"
 _MAX_ANSWER_CHARS = 1000
-_ANSWER = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+# D1 (docs/verifier.md): `Answer:` at the start of a line (spaces, `*`, `#`
+# and `>` allowed before it), not "the reference answer: 7" inside a sentence.
+_ANSWER = re.compile(r"^[ \t*#>]*answer\s*:\s*([^\n]+)", re.IGNORECASE | re.MULTILINE)
 
 # Minerva's normalisation tables (appendix D.1): literal replacements, then
 # literal deletions (units, filler words, spacing, degree marks).
@@ -63,9 +71,14 @@ def normalize_final_answer(answer: str) -> str:
 
 
 def extract_answer_line(response: str) -> str:
-  """The text after the last `Answer:` in the response's tail, or INVALID."""
+  """The text after the last line-initial `Answer:` in the response's tail,
+  or INVALID; INVALID too where two such lines state different answers (D2)."""
   matches = _ANSWER.findall(response[-TAIL_CHARS:])
-  return matches[-1] if matches else INVALID
+  if not matches:
+    return INVALID
+  if len({normalize_final_answer(m) for m in matches}) > 1:
+    return INVALID  # D2: two different final answers earn nothing.
+  return matches[-1]
 
 
 def is_correct(gold: str, response: str) -> bool:

@@ -3,20 +3,17 @@
 math-verify compares two numbers by rounding both to 6 decimal places, or by
 `(a - b).evalf(chop=True) == 0`, which chops any difference below ~1e-15 to
 zero. Both are absolute tolerances: `3e-9` equals `5e-9`, `2^{-80}` equals
-`2^{-79}`, and `1/(50!)` equals `1/(52!)`. Here:
+`2^{-79}`, and `1/(50!)` equals `1/(52!)`. Here (docs/verifier.md, E1-E3):
 
-  * two exact numbers (integers, rationals, radicals, pi, e, ...: no float
-    anywhere) are equal only if their difference is exactly zero, or, for
-    irrational values that sympy does not cancel, zero to 50 significant
-    digits relative to their size;
-  * a float on either side: below 1 in size, equal to 6 significant digits
-    (relative 2e-6: `3.33333e-9` = 1/(3e8), `3e-9` != `5e-9`); above 1,
-    equal up to a binary float's rounding (1e-12 relative: `6.02214076e23`
-    = 602214076000000000000000, `1000000.5` != 10^6); at any size, equal to
-    6 decimals for values of at least 0.01 when that difference is under
-    1e-4 of the value (`0.333333` = 1/3 and `2.333333` = 7/3, as
-    math-verify's rounding allowed, without its acceptance of any two
-    values under 5e-7).
+  * every written decimal is the exact rational it writes (`tame` turns the
+    parser's floats back into them: `2.0000001` is not 2);
+  * two exact numbers are equal only if their difference is exactly zero,
+    or, for irrational values that sympy does not cancel, zero to 50
+    significant digits relative to their size;
+  * a relative tolerance (`close`) only between two values that both still
+    hold a float after `tame` (E3: both inexact).
+E2's one rounding rule (a precise decimal against 1/3 or pi) is decided
+before parsing, in `contract.py`.
 
 `tame` first replaces numbers too large to compute (`3^{3^{50}}`, `(10^6)!`)
 by opaque positive symbols, one per distinct expression, so that exact
@@ -72,12 +69,25 @@ def _replacements(expr: Basic, found: dict) -> None:
       _replacements(arg, found)
 
 
+def _exact_decimals(expr: Basic) -> dict:
+  """E2: every written decimal (a Float from the parser) as the exact rational
+  it writes: `Float('2.0000001')` -> 20000001/10000000."""
+  out = {}
+  for value in expr.atoms(Float):
+    try:
+      out[value] = sympy.Rational(str(value))
+    except (TypeError, ValueError):
+      pass
+  return out
+
+
 def tame(expr):
   """`expr` with huge numbers made opaque and a free `i` read as I."""
   if not isinstance(expr, Basic):
     return expr
   found: dict = {}
   _replacements(expr, found)
+  found.update(_exact_decimals(expr))
   found.update({s: sympy.I for s in expr.free_symbols
                 if isinstance(s, Symbol) and s.name == "i"})
   if not found:
@@ -126,9 +136,11 @@ def close(a: sympy.Expr, b: sympy.Expr) -> bool:
 
 
 def numbers_equal(a, b) -> bool | None:
-  """Equality of two plain numbers; None if either is not one."""
+  """Equality of two plain numbers; None if either is not one. Decimals are
+  exact (E2, `tame`); a relative tolerance only between two inexact values,
+  both still holding a float (E3)."""
   if not (is_plain_number(a) and is_plain_number(b)):
     return None
-  if a.has(Float) or b.has(Float):
+  if a.has(Float) and b.has(Float):
     return close(a, b)
-  return exact_equal(a, b)
+  return exact_equal(tame(a), tame(b))

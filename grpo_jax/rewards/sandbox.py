@@ -74,6 +74,8 @@ class Limits:
   disk_mb: int = 64  # All files together (the tmpfs /tmp).
   processes: int = 16  # Processes and threads, the first one included.
   result_mb: int = 8  # Results read back; a run writing more is stopped.
+  cpus: float = 1.0  # Cores a run's processes share, where a cgroup CPU
+  # controller is available (`resource_control()`); else rlimits only.
 
 
 class SandboxUnavailable(RuntimeError):
@@ -91,15 +93,41 @@ class Run:
 # The runner's source comes first on its stdin: no path of this checkout (nor
 # the virtualenv's: the interpreter is the real one, -S needs no site) is on
 # its command line, in its code objects or its sys.argv.
-_BOOT = ("import sys; f = sys.stdin.buffer; "
-         "exec(compile(f.read(int(f.readline())), 'sandbox', 'exec'))")
+# Read with os.read, exactly: a buffered reader would read ahead into the
+# job, and the launcher (and every process forked from it) would hold calls
+# that only the child running each may read (issue 45).
+_BOOT = ("import os\n"
+         "def take(n):\n"
+         " data = b''\n"
+         " while len(data) < n:\n"
+         "  chunk = os.read(0, n - len(data))\n"
+         "  if not chunk: break\n"
+         "  data += chunk\n"
+         " return data\n"
+         "head = b''\n"
+         "while not head.endswith(b'\\n') and len(head) < 20: head += take(1) or b'\\n'\n"
+         "exec(compile(take(int(head)), 'sandbox', 'exec'))")
+
+
+def _frame(data: bytes) -> bytes:
+  return b"%d\n" % len(data) + data
 
 
 @functools.lru_cache(maxsize=1)
 def _runner_source() -> bytes:
   with open(_RUNNER, "rb") as f:
-    source = f.read()
-  return b"%d\n" % len(source) + source
+    return _frame(f.read())
+
+
+def _job(program: str, calls: Sequence[tuple[str, str]], stdin: Sequence[str],
+         limits: Limits) -> bytes:
+  """The runner, a header frame (program, limits, counts), then one frame per
+  stdin and one per call, each read only by the child that runs it."""
+  dump = lambda obj: _frame(json.dumps(obj, ensure_ascii=True).encode("ascii"))
+  header = {"program": program, "limits": dataclasses.asdict(limits),
+            "num_stdin": len(stdin), "num_calls": len(calls)}
+  return b"".join([_runner_source(), dump(header), *map(dump, stdin),
+                   *(dump(list(c)) for c in calls)])
 
 
 def _command(label: str) -> list[str]:
@@ -109,24 +137,26 @@ def _command(label: str) -> list[str]:
 
 def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
                  result_bytes: int) -> tuple[bytes, bytes]:
-  """Sends the job; reads results and diagnostics until the launcher's pipes
+  """Sends the job as the sandbox reads it (each call's frame only when its
+  child reads it); reads results and diagnostics until the launcher's pipes
   close (it exits only after every sandboxed process is gone) or `deadline`."""
-  try:
-    proc.stdin.write(job)
-    proc.stdin.close()
-  except OSError:
-    pass  # It died early; its stderr says why.
   out, err = bytearray(), bytearray()
   buffers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
   caps = {proc.stdout.fileno(): result_bytes, proc.stderr.fileno(): 65536}
+  pending, stdin_fd = memoryview(job), proc.stdin.fileno()
+  os.set_blocking(stdin_fd, False)
   with selectors.DefaultSelector() as selector:
     for fd in buffers:
       selector.register(fd, selectors.EVENT_READ)
-    while selector.get_map():
+    selector.register(stdin_fd, selectors.EVENT_WRITE)
+    while len(selector.get_map()) > (1 if pending is not None else 0):
       remaining = deadline - time.monotonic()
       if remaining <= 0:
         break
       for key, _ in selector.select(remaining):
+        if key.fd == stdin_fd:
+          pending = _write_some(proc, selector, pending)
+          continue
         chunk = os.read(key.fd, 1 << 16)
         if not chunk:
           selector.unregister(key.fd)
@@ -138,6 +168,22 @@ def _communicate(proc: subprocess.Popen, job: bytes, deadline: float,
           chunk = chunk[:max(0, caps[key.fd] - len(buffer))]
         buffer += chunk
   return bytes(out), bytes(err)
+
+
+def _write_some(proc: subprocess.Popen, selector, pending):
+  """Writes what the pipe takes now; at the end (or if the run is gone)
+  closes stdin and returns None."""
+  try:
+    pending = pending[os.write(proc.stdin.fileno(), pending):]
+  except BlockingIOError:
+    return pending
+  except OSError:
+    pending = pending[:0]  # It died early; its stderr says why.
+  if len(pending):
+    return pending
+  selector.unregister(proc.stdin.fileno())
+  proc.stdin.close()
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +203,9 @@ def execute(program: str, calls: Sequence[tuple[str, str]],
   statements, expression) in `calls`, in a process of its own, `program` as
   a module, the setup and the expression. `label` goes on the sandbox's
   command line (to find its processes)."""
-  job = _runner_source() + json.dumps(
-      {"program": program, "calls": [list(c) for c in calls],
-       "stdin": list(stdin), "limits": dataclasses.asdict(limits)},
-      ensure_ascii=True).encode("ascii")
+  job = _job(program, calls, stdin, limits)
   deadline = time.monotonic() + limits.timeout + _GRACE
-  cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 3)
+  cgroup = _cgroups.RunCgroup(limits.memory_mb * 2**20, limits.processes + 4, limits.cpus)
   try:
     proc = subprocess.Popen(
         _command(label or secrets.token_hex(8)), stdin=subprocess.PIPE,

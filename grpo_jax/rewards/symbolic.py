@@ -34,6 +34,7 @@ import re
 
 import math_verify
 import sympy
+from sympy import multiplicity
 from math_verify import ExprExtractionConfig, LatexExtractionConfig
 from math_verify import grader
 
@@ -107,7 +108,7 @@ _MAX_DIGITS_MIXED = 12
 # A decimal longer than a float's repr is an exact statement: keep it exact
 # (`12345678901234567.5` must not round to `12345678901234568`).
 _LONG_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d.])")
-_FLOAT_DIGITS = 17  # A float's repr (`0.3333333333333333`) is an approximation.
+_FLOAT_DIGITS = 15  # E2: longer decimals are written as exact fractions before parsing.
 _MAX_TAIL = 400  # Where a cut-off formula can start.
 
 
@@ -243,6 +244,19 @@ def candidates(text: str, anchored: bool) -> tuple:
       return tuple(_canonical(numeric.tame(p)) for p in parsed)
     fallback = fallback or tuple(parsed)
   return fallback  # Unparsable: math-verify then compares the strings.
+
+
+def near(text: str, value, ulp) -> bool | None:
+  """E2's rounding rule against the exact number `text` denotes: None when it
+  is no plain number or a finite decimal, else |text - value| < ulp."""
+  parsed = [p for p in candidates(text, True) if numeric.is_plain_number(p)]
+  if not parsed:
+    return None
+  exact = parsed[0]
+  if exact.is_Rational and exact.q == 2 ** multiplicity(2, exact.q) * 5 ** multiplicity(5, exact.q):
+    return None
+  diff = (exact - sympy.Rational(value.numerator, value.denominator)).evalf(60)
+  return bool(diff.is_number and abs(diff) < sympy.Rational(ulp.numerator, ulp.denominator))
 
 
 def _value_of(text: str):
