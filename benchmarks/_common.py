@@ -24,6 +24,7 @@ import transformers
 
 import grpo_jax.data  # noqa: F401  registers the datasets and templates
 from grpo_jax import registry
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MODEL = "smollm2-135m-instruct"

@@ -52,6 +52,7 @@ from grpo_jax.generate import sampling
 from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import loading, transformer
 from grpo_jax.rl import update
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # device_kind substring -> (peak dense bf16 FLOP/s, HBM bytes/s), vendors'

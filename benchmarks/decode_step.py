@@ -42,8 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import blockwise, decode, paged, ragged, transformer
+from grpo_jax.models import config as model_config_lib
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MODEL = "smollm2-135m-instruct"

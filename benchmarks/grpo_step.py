@@ -49,24 +49,24 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import _common
 import jax
 import numpy as np
 import torch
 import transformers
 
-import _common
-from grpo_jax import validation
-from grpo_jax.harness import experiment
+from grpo_jax import models, validation
 from grpo_jax.data import templates
 from grpo_jax.generate import rollout, sampling
-from grpo_jax.rl import step as step_lib
+from grpo_jax.harness import experiment
+from grpo_jax.models import loading
+from grpo_jax.rewards import last_number
 from grpo_jax.rl import optimizer as optimizer_lib
+from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train, update
 from grpo_jax.rl.batch import to_rows
 from grpo_jax.rl.spec import AdvantageSettings
-from grpo_jax import models
-from grpo_jax.models import loading
-from grpo_jax.rewards import last_number
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 PHASES = ("sample", "score", "reference", "update", "other", "total")

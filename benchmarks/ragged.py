@@ -68,19 +68,20 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import _common
+import grpo_step
 import numpy as np
+import sampler as sampler_bench
 import torch
 import transformers
 
-import _common
-import grpo_step
-import sampler as sampler_bench
 from grpo_jax.data import templates
 from grpo_jax.generate import rollout
+from grpo_jax.models import loading, transformer
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl import train
 from grpo_jax.rl.batch import to_rows
-from grpo_jax.models import loading, transformer
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MAX_MEAN_FRACTION = 0.35

@@ -32,11 +32,11 @@ import numpy as np
 
 from configs import dapo_aime
 from grpo_jax import models
-from grpo_jax.harness import experiment
+from grpo_jax.algorithms import rollout_correction
 from grpo_jax.generate import rollout, sampling
+from grpo_jax.harness import experiment
 from grpo_jax.rl import update
 from grpo_jax.rl.batch import to_rows
-from grpo_jax.algorithms import rollout_correction
 
 PAIRS = (("float32", "float32"), ("bfloat16", "float32"),
          ("bfloat16", "bfloat16"))

@@ -34,17 +34,17 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import _common
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
 
-import _common
 from grpo_jax import models
 from grpo_jax.generate import sampling
-from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models import loading
+from grpo_jax.models import tokenizer as tok_lib
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 

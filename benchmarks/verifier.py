@@ -34,10 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
-import subprocess
 import os
 import random
+import statistics
+import subprocess
 import sys
 import time
 

@@ -84,7 +84,8 @@ def main(argv):
 
 
 def _check(config, topology: str) -> None:
-  from grpo_jax.aot import check as aot, programs, schedule, split_check  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import check as aot  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import programs, schedule, split_check
   if _SAMPLER_DEVICES.value or _SAMPLER_TOPOLOGY.value:
     mesh = (tuple(int(x) for x in _SAMPLER_MESH.value.strip("()").split(","))
             if _SAMPLER_MESH.value else ())

@@ -62,8 +62,7 @@ def main(argv):
 def _evaluate(config):
   # pylint: disable=import-outside-toplevel
   from grpo_jax import checkpoint as ckpt_lib
-  from grpo_jax import validation
-  from grpo_jax import evaluation
+  from grpo_jax import evaluation, validation
   from grpo_jax.harness import experiment, outdir, preflight
   from grpo_jax.rl.spec import RunSpec
   config = validation.validate(config)

@@ -22,9 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
-from absl import logging
+from absl import (
+  app,  # pylint: disable=g-import-not-at-top
+  flags,
+  logging,
+)
 
 from grpo_jax import checkpoint
 from grpo_jax.harness import cli, lora_export, outdir

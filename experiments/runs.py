@@ -13,8 +13,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import (
+  app,  # pylint: disable=g-import-not-at-top
+  flags,
+)
 
 from grpo_jax import errors
 from grpo_jax.harness import cli, runs

@@ -11,22 +11,19 @@ again resumes every run from its own checkpoint. Every run is recorded in
 the run store; `python experiments/runs.py list --sweep=<sweep>` finds them.
 """
 import os
-from pathlib import Path
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import (
+  app,  # pylint: disable=g-import-not-at-top
+  flags,
+)
 from ml_collections import config_flags
 
-from grpo_jax import errors
-from grpo_jax import validation
-from grpo_jax.harness import cli
-from grpo_jax.harness import interrupts
-from grpo_jax.harness import outdir
-from grpo_jax.harness import runs
-from grpo_jax.harness import sweeps
+from grpo_jax import errors, validation
+from grpo_jax.harness import cli, interrupts, outdir, runs, sweeps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config: file.py[:arg].")
 _SWEEP = flags.DEFINE_string("sweep", None, "Sweep file defining get_sweep().",

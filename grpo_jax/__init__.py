@@ -32,6 +32,6 @@ never `b` followed by `t`, `s` or `q` (tests/test_architecture.py checks).
 __version__ = "0.1.0"
 
 # pylint: disable=wrong-import-position,unused-import
+import grpo_jax.rl.train  # the method "rl"
+import grpo_jax.star.loop  # the method "star"
 from grpo_jax import algorithms, data, evaluation, models, rewards
-import grpo_jax.rl.train     # the method "rl"
-import grpo_jax.star.loop    # the method "star"

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from flax import traverse_util
 import ml_collections
+from flax import traverse_util
 
 from grpo_jax.errors import ConfigError
-
 
 ConfigDict = ml_collections.ConfigDict
 

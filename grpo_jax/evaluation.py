@@ -26,9 +26,9 @@ import numpy as np
 
 from grpo_jax import registry, sharding
 from grpo_jax.generate import rollout, sampling
+from grpo_jax.models import cast
 from grpo_jax.rewards import choice, extract, last_number, minerva
 from grpo_jax.rewards import math as math_rewards
-from grpo_jax.models import cast
 
 Equivalent = Callable[[str, str], bool]
 

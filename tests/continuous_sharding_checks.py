@@ -23,12 +23,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from sharding_checks import parse_meshes, run_meshes
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import get_preset, init_params, ragged
-from sharding_checks import parse_meshes, run_meshes
 
 MODEL = get_preset("tiny")   # H=4, K=2, E=16, L=2
 STATIC = sampling.SamplingConfig(max_new_tokens=10, temperature=1.0,

@@ -24,8 +24,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from configs import tiny
-from grpo_jax.rl import train
 from grpo_jax.registry import register
+from grpo_jax.rl import train
 
 
 @register("reward", "even_bytes")

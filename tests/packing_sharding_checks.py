@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from sharding_checks import check_close, parse_meshes, run_meshes
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.algorithms import losses
-from grpo_jax.rl import packing, update
 from grpo_jax.models import get_preset, init_params
-from sharding_checks import check_close, parse_meshes, run_meshes
+from grpo_jax.rl import packing, update
 
 MODEL = get_preset("tiny")   # D = 64
 SETTINGS = update.LossSettings(

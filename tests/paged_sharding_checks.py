@@ -27,16 +27,16 @@ import dataclasses
 import sys
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
+from continuous_sharding_checks import PROMPTS, SLOTS, STATIC, G, row_shards
+from jax.experimental.pallas import tpu as pltpu
+from sharding_checks import parse_meshes, run_meshes
 
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.generate import paged_slots, sampling
 from grpo_jax.models import get_preset, init_params, paged
-from continuous_sharding_checks import G, PROMPTS, SLOTS, STATIC, row_shards
-from sharding_checks import parse_meshes, run_meshes
 
 MODEL = get_preset("tiny")   # H=4, K=2, E=16, L=2
 PAGED = dataclasses.replace(STATIC, continuous_batching=True, slots=SLOTS,

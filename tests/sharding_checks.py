@@ -41,9 +41,9 @@ from jax.sharding import PartitionSpec as P
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.generate import padded, sampling
+from grpo_jax.models import get_preset, init_params, lora, transformer
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
-from grpo_jax.models import get_preset, init_params, lora, transformer
 
 MODEL = get_preset("tiny")   # H=4, K=2, hd=16, D=64, F=128, V=256, L=2
 SETTINGS = update.LossSettings(chunk=4, kl_beta=0.05)

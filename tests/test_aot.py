@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import pytest
 
 from grpo_jax import sharding
-from grpo_jax.aot import check as aot, flops, programs
+from grpo_jax.aot import check as aot
+from grpo_jax.aot import flops, programs
 from grpo_jax.aot.plan import Plan, packed_shape
-from grpo_jax.harness import cli
 from grpo_jax.generate import sampling
+from grpo_jax.harness import cli
 from grpo_jax.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,7 @@ TIMEOUT_S = 1500
 
 def _aot(*args):
   try:
-    import libtpu  # pylint: disable=import-outside-toplevel,unused-import
+    import libtpu  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     pytest.fail("libtpu is missing: pip install -r requirements-tpu.txt "
                 "(requirements-test.txt includes it)")

@@ -7,6 +7,7 @@ import sys
 import threading
 import types
 
+import async_checks
 import jax
 import numpy as np
 import pytest
@@ -17,7 +18,6 @@ from grpo_jax.generate import rollout
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import get_preset, init_params
 from grpo_jax.rl import async_rollouts, train, weight_sync
-import async_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,7 +120,9 @@ def _sync(store):
   model_config = get_preset("tiny")
   layout = sharding.Layout(sharding.make_mesh(c.mesh),
                            sharding.logical_rules(c.mesh))
-  return weight_sync.WeightSync(c.sampling.compute_dtype or c.model.compute_dtype, model_config, layout, store, None, None)
+  return weight_sync.WeightSync(
+      c.sampling.compute_dtype or c.model.compute_dtype, model_config, layout,
+      store, None, None)
 
 
 def test_a_failed_sync_never_reaches_the_sampler(monkeypatch):

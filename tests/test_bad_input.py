@@ -20,12 +20,9 @@ from pathlib import Path
 import pytest
 
 from configs import tiny
-from grpo_jax import errors
-from grpo_jax import checkpoint
-from grpo_jax.harness import cli, interrupts, metrics, outdir, runs, sweeps
-from grpo_jax import validation
+from grpo_jax import checkpoint, errors, validation
+from grpo_jax.harness import cli, interrupts, metrics, outdir, runs, sweeps, workdir_lock
 from grpo_jax.rl import train
-from grpo_jax.harness import workdir_lock
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.py")

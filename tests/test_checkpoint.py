@@ -18,8 +18,8 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import errors
 from grpo_jax import checkpoint as ckpt_lib
+from grpo_jax import errors
 
 REPO = Path(__file__).resolve().parents[1]
 

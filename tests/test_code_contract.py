@@ -16,9 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from grpo_jax.rewards import _code_checks
-from grpo_jax.rewards import code
-from grpo_jax.rewards import sandbox
+from grpo_jax.rewards import _code_checks, code, sandbox
 
 QUICK = sandbox.Limits(timeout=5.0)
 _PATCH = "import builtins, math\n"

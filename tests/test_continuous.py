@@ -9,13 +9,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import validation
-from grpo_jax.generate import continuous, sampling
-from grpo_jax.models import (blockwise, forward, get_preset, init_params,
-                             ragged)
-from grpo_jax.models import attention
+from grpo_jax import errors, validation
+from grpo_jax.generate import sampling
+from grpo_jax.models import attention, blockwise, forward, get_preset, init_params, ragged
 
 CONFIG = get_preset("tiny")
 

@@ -10,8 +10,7 @@ from unittest import mock
 
 import pytest
 
-from grpo_jax import errors
-from grpo_jax import data
+from grpo_jax import data, errors
 from grpo_jax.data import arithmetic, commonsense, generated, layouts
 from grpo_jax.registry import lookup, names
 

@@ -16,12 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import errors
 from grpo_jax import checkpoint as ckpt_lib
-from grpo_jax import validation
-from grpo_jax import evaluation, models, registry
-from grpo_jax.harness import experiment
+from grpo_jax import errors, evaluation, models, registry, validation
 from grpo_jax.evaluation import Completions
+from grpo_jax.harness import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))

@@ -22,12 +22,21 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
-from grpo_jax.models import (ModelConfig, RopeScaling, forward, get_preset,
-                             init_params, load_pretrained, save_pretrained)
 from grpo_jax import errors
-from grpo_jax.models import hf, hf_write, loading
+from grpo_jax.models import (
+  ModelConfig,
+  RopeScaling,
+  forward,
+  get_preset,
+  hf,
+  hf_write,
+  init_params,
+  load_pretrained,
+  loading,
+  save_pretrained,
+  weights,
+)
 from grpo_jax.models.gguf_loader import gguf_name_map, permute_qk
-from grpo_jax.models import weights
 from grpo_jax.models.tokenizer import load_tokenizer
 
 # One thread: torch's OpenMP pool spins against JAX's on a 2-core machine

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from update_batches import random_update_batch
 
 from configs import tiny
 from grpo_jax import errors, validation
 from grpo_jax.models import decode, get_preset, init_params, lora, transformer
 from grpo_jax.rl import update
-from update_batches import random_update_batch
 
 MODEL = get_preset("tiny")
 SPEC = lora.LoraSpec(rank=4, alpha=8.0)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.rl import update
 from grpo_jax.models import get_preset, init_params
+from grpo_jax.rl import update
 
 CONFIG = get_preset("tiny")
 

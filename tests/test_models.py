@@ -9,8 +9,14 @@ import math
 import jax
 import pytest
 
-from grpo_jax.models import (count_params, get_preset, init_params, param_axes,
-                             param_shapes, preset_names)
+from grpo_jax.models import (
+  count_params,
+  get_preset,
+  init_params,
+  param_axes,
+  param_shapes,
+  preset_names,
+)
 
 # Published parameter counts (embeddings included; tied ones once).
 PUBLISHED = {

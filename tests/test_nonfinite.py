@@ -6,8 +6,8 @@ and the quantity (or skips it, counted); non-finite parameters are never
 saved; non-finite metrics are logged as such.
 """
 import json
-import re
 import math
+import re
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """Packed sequences (grpo_jax/rl/packing.py) compute what padded rows compute:
 the same loss, gradient and metrics for every aggregation and policy loss,
 the same scored log-probs, on ragged lengths with EOS, in micro-batches."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax.rl import packing, update
-from grpo_jax.star import sft
 from grpo_jax.algorithms import losses, policy_losses, rollout_correction
 from grpo_jax.models import get_preset, init_params, transformer
+from grpo_jax.rl import packing, update
+from grpo_jax.star import sft
 
 CONFIG = get_preset("tiny")
 B, G, P, T = 3, 4, 7, 9

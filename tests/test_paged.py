@@ -13,10 +13,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
-from grpo_jax.generate import (continuous, decoding, pages, paged_slots,
-                               sampling)
-from grpo_jax.models import (attention, get_preset, init_params, paged,
-                             ragged, transformer)
+from grpo_jax.generate import continuous, decoding, paged_slots, pages, sampling
+from grpo_jax.models import attention, get_preset, init_params, paged, ragged, transformer
 
 CONFIG = get_preset("tiny")
 STOPS = (7, 11, 200, 3, 50)
@@ -391,8 +389,8 @@ def test_a_paged_training_run_keeps_one_pool_and_equals_the_dense_run(
   """The RL loop with the paged sampler: one pool for the whole run (made
   at the first step, reused by the next), and the same rows as the dense
   continuous sampler, so the same metrics."""
-  from configs import tiny   # pylint: disable=import-outside-toplevel
-  from grpo_jax.rl import train   # pylint: disable=import-outside-toplevel
+  from configs import tiny  # pylint: disable=import-outside-toplevel
+  from grpo_jax.rl import train  # pylint: disable=import-outside-toplevel
   made = []
   real = sampling.PagePools.take
 

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import errors
-from grpo_jax import registry
+from grpo_jax import errors, registry
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.algorithms import losses
 from grpo_jax.algorithms import policy_losses as pl
@@ -634,6 +633,7 @@ def test_config_validation_of_losses_and_correction():
     pytest.param("recompute", marks=pytest.mark.slow), "sampler"])
 def test_bf16_sampler_run_logs_the_mismatch(tmp_path, old_logp):
   import json  # pylint: disable=import-outside-toplevel
+
   from configs import tiny  # pylint: disable=import-outside-toplevel
   from grpo_jax.rl import train  # pylint: disable=import-outside-toplevel
   c = tiny.get_config()

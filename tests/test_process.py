@@ -8,15 +8,13 @@ import numpy as np
 import pytest
 
 from configs import grpo_process, tiny
-from grpo_jax import errors
-from grpo_jax import validation
-from grpo_jax import registry
-from grpo_jax.algorithms import losses
-from grpo_jax.rl import train, update
+from grpo_jax import errors, registry, validation
 from grpo_jax.algorithms import advantages as adv_lib
+from grpo_jax.algorithms import losses
 from grpo_jax.models import get_preset, init_params
-from grpo_jax.rewards import equations, process
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
+from grpo_jax.rewards import equations, process
+from grpo_jax.rl import train, update
 
 
 def test_equation_steps_reward_true_equations_and_the_answer():

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from configs import tiny
-from grpo_jax import data, errors, validation
-from grpo_jax import sharding
+from grpo_jax import data, errors, sharding, validation
 from grpo_jax.data import files, tfds_source
 from grpo_jax.harness import experiment, outdir, runs, sweeps, workdir_lock
 from grpo_jax.registry import lookup

@@ -13,10 +13,8 @@ import time
 
 import pytest
 
-from grpo_jax.rewards import contract
-from grpo_jax.rewards import extract
+from grpo_jax.rewards import contract, extract, minerva
 from grpo_jax.rewards import math as rmath
-from grpo_jax.rewards import minerva
 
 
 def _check(cases):

@@ -15,12 +15,11 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from grpo_jax.rewards import contract
-from grpo_jax.rewards import extract
+from grpo_jax.rewards import contract, extract, minerva
 from grpo_jax.rewards import math as rmath
-from grpo_jax.rewards import minerva
 
 # (category, gold, prediction): the prediction is right.
 EQUIVALENT = [
@@ -192,13 +191,15 @@ EQUIVALENT = [
     ("extract", "18", "I think it is 17. Actually the total is 18"),
     ("extract", "189", "So area is 189.\n\\boxed{189}\n</think>\nThe area is \\(\\boxed{189}\\) square centimeters."),
     ("extract", "5", r"\boxed 5"),
-    ("extract", "2/3", "P(A) = (1/2) * (4/3) = 2/3. Therefore, the probability that Alice wins is 2/3. <|im_start|>user"),
+    ("extract", "2/3", "P(A) = (1/2) * (4/3) = 2/3. Therefore, the probability that "
+     "Alice wins is 2/3. <|im_start|>user"),
     ("extract", r"x \geq 5", r"Therefore $x \geq 5$ is the solution."),
     ("extract", "9", r"Answer \[ 9 \]"),
     ("extract", r"\frac{14}{3}", r"$f(-2)+f(-1)+f(0)=2+\frac{5}{3}+1=\boxed{\frac{14}{3}}$"),
     ("extract", r"Thus $x-p=\boxed{2-2p}$.", r"\boxed{2-2p}"),
     ("extract", r"$\frac{1}{2}$", "$0.5$"),
-    ("extract", "$120$", "The volume is $5 \\times 6 \\times 4 = 120$. Final Answer: The volume of $ABCDEFGH$ is 120. I hope it is correct."),
+    ("extract", "$120$", "The volume is $5 \\times 6 \\times 4 = 120$. Final Answer: "
+     "The volume of $ABCDEFGH$ is 120. I hope it is correct."),
     ("extract", "x=3", "Solving gives x = 3.\nThe answer is $x=3$."),
     ("extract", "42", "Let me compute.\n\n" + "blah " * 3000 + "\nAnswer: 42"),
 ]

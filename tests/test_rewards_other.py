@@ -8,14 +8,12 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grpo_jax import registry
-from grpo_jax.rewards import choice
-from grpo_jax.rewards import compute_rewards
-from grpo_jax.rewards import countdown
+from grpo_jax.rewards import choice, compute_rewards, countdown, validate_specs
 from grpo_jax.rewards import format as fmt
-from grpo_jax.rewards import validate_specs
 
 NO_LENGTHS = np.zeros(1)
 

@@ -11,8 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from grpo_jax.harness import runs
-from grpo_jax.harness import sweeps
+from grpo_jax.harness import runs, sweeps
 
 REPO = Path(__file__).resolve().parents[1]
 

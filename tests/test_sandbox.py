@@ -21,9 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax.rewards import _checker, _code_checks
-from grpo_jax.rewards import code
-from grpo_jax.rewards import sandbox
+from grpo_jax.rewards import _checker, _code_checks, code, sandbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]

@@ -1,6 +1,5 @@
 """SFT: completion-only loss (checked against the full logits), exact
 token-mean under micro-batching, packing == no packing, segment isolation."""
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +8,11 @@ import optax
 import pytest
 
 from grpo_jax import config as config_lib
-from grpo_jax.star import sft
-from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.models import forward, get_preset, hidden_states, init_params
+from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
 from grpo_jax.rl.update import init_state
+from grpo_jax.star import sft
 
 CONFIG = get_preset("tiny")
 S = sft.SFTSettings(chunk=8)

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
-
 import sharding_checks as checks
-from grpo_jax import errors
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
 from grpo_jax import config as config_lib
-from grpo_jax import models, sharding
+from grpo_jax import errors, models, sharding
 from grpo_jax.harness import distributed, metrics
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update

@@ -14,17 +14,16 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import validation
-from grpo_jax.generate import sampling
-from grpo_jax.rl.spec import RunSpec
-from grpo_jax.star import collect as star_collect, loop as star_loop
+from grpo_jax import errors, validation
 from grpo_jax.algorithms import star
-from grpo_jax.data import commonsenseqa
-from grpo_jax.data import Example, answer_hint, templates
-from grpo_jax.rewards import equations
+from grpo_jax.data import Example, answer_hint, commonsenseqa, templates
+from grpo_jax.generate import sampling
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
+from grpo_jax.rewards import equations
+from grpo_jax.rl.spec import RunSpec
+from grpo_jax.star import collect as star_collect
+from grpo_jax.star import loop as star_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = byte_tokenizer()

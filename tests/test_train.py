@@ -8,16 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from update_batches import random_update_batch
 
 from configs import tiny
-from grpo_jax import errors
 from grpo_jax import config as config_lib
-from grpo_jax import validation
-from grpo_jax.generate import rollout
+from grpo_jax import errors, validation
 from grpo_jax.algorithms import losses
-from grpo_jax.rl import step, train, update
+from grpo_jax.generate import rollout
 from grpo_jax.models import get_preset, init_params
-from update_batches import random_update_batch
+from grpo_jax.rl import step, train, update
 
 
 def test_three_step_run_of_tiny_config(tmp_path):

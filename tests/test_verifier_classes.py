@@ -10,12 +10,11 @@ from fractions import Fraction
 
 import pytest
 import sympy
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from grpo_jax.rewards import contract
-from grpo_jax.rewards import extract
+from grpo_jax.rewards import contract, extract, numeric
 from grpo_jax.rewards import math as rmath
-from grpo_jax.rewards import numeric
 
 _SOLUTION_45 = ("First, 3 shirts cost 3 * 10 = 30 dollars.\nThen 3 hats cost 3 * 5 = 15 "
                 "dollars.\nSo in total she spends 30 + 15 = 45 dollars.")

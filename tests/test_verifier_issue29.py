@@ -10,14 +10,11 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from grpo_jax.rewards import extract
-from grpo_jax.rewards import last_number
+from grpo_jax.rewards import extract, last_number, unicode_math, units
 from grpo_jax.rewards import math as rmath
-from grpo_jax.rewards import minerva
-from grpo_jax.rewards import unicode_math
-from grpo_jax.rewards import units
 
 # (class, gold, prediction, right?)
 CLASSES = [

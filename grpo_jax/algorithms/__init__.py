@@ -5,9 +5,11 @@ dynamic sampling.
 Importing this package registers the "advantage", "policy_loss", "loss_agg"
 and "kl_estimator" names with grpo_jax.registry.
 """
-from grpo_jax.algorithms import advantages
-from grpo_jax.algorithms import dynamic_sampling
-from grpo_jax.algorithms import logprobs
-from grpo_jax.algorithms import losses
-from grpo_jax.algorithms import policy_losses
-from grpo_jax.algorithms import rollout_correction
+from grpo_jax.algorithms import (
+    advantages,
+    dynamic_sampling,
+    logprobs,
+    losses,
+    policy_losses,
+    rollout_correction,
+)

@@ -27,10 +27,15 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import (Constrain, ForwardSettings, Params,
-                                         Rows, default_positions_and_valid,
-                                         hidden_states,
-                                         hidden_states_shared_prompt)
+from grpo_jax.models.transformer import (
+  Constrain,
+  ForwardSettings,
+  Params,
+  Rows,
+  default_positions_and_valid,
+  hidden_states,
+  hidden_states_shared_prompt,
+)
 
 DEFAULT_CHUNK_SIZE = 256
 

@@ -46,9 +46,15 @@ from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
-from grpo_jax.aot.programs import (SPARE, Chips, GiB, Program,
-                                   compile_program, model_config_from_source,
-                                   topology_devices)
+from grpo_jax.aot.programs import (
+  SPARE,
+  Chips,
+  GiB,
+  Program,
+  compile_program,
+  model_config_from_source,
+  topology_devices,
+)
 from grpo_jax.generate import continuous, sampling
 from grpo_jax.models import transformer
 

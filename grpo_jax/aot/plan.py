@@ -11,15 +11,22 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
-from grpo_jax.aot.programs import (Program, abstract_adapters,
-                                   abstract_params, abstract_state,
-                                   compile_program, per_chip_bytes,
-                                   replicated, row_sharded)
-from grpo_jax.rl import packing, update
+from grpo_jax.aot.programs import (
+  Program,
+  abstract_adapters,
+  abstract_params,
+  abstract_state,
+  compile_program,
+  per_chip_bytes,
+  replicated,
+  row_sharded,
+)
 from grpo_jax.generate import decoding, padded, sampling
 from grpo_jax.models import lora, paged
-from grpo_jax.rl.spec import RunSpec
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.rl import packing, update
+from grpo_jax.rl.spec import RunSpec
+
 
 @dataclasses.dataclass
 class Plan:

@@ -12,16 +12,17 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from grpo_jax import sharding
-from grpo_jax.rl import optimizer as optimizer_lib
-from grpo_jax.rl import update
-from grpo_jax.generate import decoding
 from grpo_jax.errors import ConfigError
+from grpo_jax.generate import decoding
 from grpo_jax.models import config as model_config_lib
 from grpo_jax.models import hf, lora, transformer
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.rl import optimizer as optimizer_lib
+from grpo_jax.rl import update
 
 SPARE = 0.05           # a program fits when it leaves 5% of the chip free
 GiB = 1024 ** 3

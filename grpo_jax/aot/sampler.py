@@ -21,8 +21,7 @@ import numpy as np
 from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
-from grpo_jax.aot.programs import (Chips, Program, compile_program,
-                                   replicated, row_sharded)
+from grpo_jax.aot.programs import Chips, Program, compile_program, replicated, row_sharded
 from grpo_jax.generate import paged_slots, sampling
 
 # Paged slots tried per row shard when sampling.slots is 0: these multiples

@@ -375,7 +375,9 @@ def run_length_stats(metrics_path: str) -> tuple[float, float]:
   """(mean completion length / cap, truncation rate) over the training
   steps of a run's metrics.jsonl, the cap read from the config.yaml the run
   wrote beside it (sampling.max_new_tokens)."""
-  import json, os  # pylint: disable=import-outside-toplevel,multiple-imports
+  import json  # pylint: disable=import-outside-toplevel,multiple-imports
+  import os
+
   import yaml  # pylint: disable=import-outside-toplevel
   config_path = os.path.join(os.path.dirname(metrics_path), "config.yaml")
   if not os.path.exists(config_path):

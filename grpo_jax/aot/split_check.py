@@ -9,16 +9,25 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from grpo_jax.errors import ConfigError
 from grpo_jax.aot import check as aot
 from grpo_jax.aot import programs as programs_lib
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Chips
-from grpo_jax.aot.split import (ICI_BANDWIDTH, STEADY_STEPS, Colocated,
-                                Partition, Sides, colocated_step,
-                                format_split, layout, placement, sides)
+from grpo_jax.aot.split import (
+  ICI_BANDWIDTH,
+  STEADY_STEPS,
+  Colocated,
+  Partition,
+  Sides,
+  colocated_step,
+  format_split,
+  layout,
+  placement,
+  sides,
+)
+from grpo_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,14 +33,30 @@ Modules: `paths` (where, which step is the latest, the resume order),
 """
 # pylint: disable=unused-import
 from grpo_jax.checkpoint.checkpointer import Checkpointer
-from grpo_jax.checkpoint.integrity import (UNSAFE_FIELDS, check_shapes,
+from grpo_jax.checkpoint.integrity import (
+                                           UNSAFE_FIELDS,
+                                           check_shapes,
                                            config_to_json,
                                            model_config_from_json,
-                                           tree_checksums, unsafe_changes)
+                                           tree_checksums,
+                                           unsafe_changes,
+)
 from grpo_jax.checkpoint.paths import (
-    CHECKPOINT_SUBDIR, PathLike, check_writable, checkpoint_dir,
-    finalized_steps, find_step, latest_checkpoint, latest_step, locate,
-    resolve_init)
-from grpo_jax.checkpoint.storage import (export_checkpoint, load_config,
-                                         load_host_state, load_model_config,
-                                         load_params)
+                                           CHECKPOINT_SUBDIR,
+                                           PathLike,
+                                           check_writable,
+                                           checkpoint_dir,
+                                           finalized_steps,
+                                           find_step,
+                                           latest_checkpoint,
+                                           latest_step,
+                                           locate,
+                                           resolve_init,
+)
+from grpo_jax.checkpoint.storage import (
+                                           export_checkpoint,
+                                           load_config,
+                                           load_host_state,
+                                           load_model_config,
+                                           load_params,
+)

@@ -8,21 +8,33 @@ import threading
 import time
 from typing import Any, Iterable, Optional
 
-from absl import logging
-from etils import epath
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
 
-from grpo_jax.checkpoint.integrity import (UNSAFE_FIELDS, abstract_target,
-                                           check_shapes, config_to_json,
-                                           nonfinite_leaves, to_json,
-                                           tree_checksums, unsafe_changes)
+from grpo_jax.checkpoint.integrity import (
+  UNSAFE_FIELDS,
+  abstract_target,
+  check_shapes,
+  config_to_json,
+  nonfinite_leaves,
+  to_json,
+  tree_checksums,
+  unsafe_changes,
+)
 from grpo_jax.checkpoint.paths import PathLike, check_writable
-from grpo_jax.errors import (CheckpointError, NonFiniteError,
-                             UnsafeResumeError)
-from grpo_jax.checkpoint.storage import (FORMAT, READ_ERRORS, damaged,
-                                         manager, read_meta, saved_tree,
-                                         verify)
+from grpo_jax.checkpoint.storage import (
+  FORMAT,
+  READ_ERRORS,
+  damaged,
+  manager,
+  read_meta,
+  saved_tree,
+  verify,
+)
+from grpo_jax.errors import CheckpointError, NonFiniteError, UnsafeResumeError
+
 
 class Checkpointer:
   """Saves and restores one run's checkpoints (see the module docstring).

@@ -16,16 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.errors import IncompatibleCheckpointError
 from grpo_jax.config import flat_fields
+from grpo_jax.errors import IncompatibleCheckpointError
 from grpo_jax.models.config import ModelConfig, RopeScaling
 
 # Config fields whose change makes a resumed run a different experiment (a
 # dotted prefix covers every field under it). The optimizer and the param
 # dtype define the saved state; B and G shape the dynamic-sampling carry-over
 # and the data position; seed and the data (source, arguments, prompt
-# format) drive the data order and content after resume. The model's architecture is compared through its ModelConfig, so a
-# moved weights directory (model.source) still resumes.
+# format) drive the data order and content after resume. The model's
+# architecture is compared through its ModelConfig, so a moved weights
+# directory (model.source) still resumes.
 UNSAFE_FIELDS = ("optim", "model.param_dtype", "model.lora", "rl.num_generations",
                  "rl.prompts_per_step", "seed", "data.source", "data.kwargs",
                  "data.template", "data.system_prompt")

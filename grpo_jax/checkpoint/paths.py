@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from etils import epath
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from grpo_jax.errors import CheckpointError, UnwritableDirectoryError
-
 
 PathLike = str | os.PathLike
 CHECKPOINT_SUBDIR = "checkpoints"

@@ -5,16 +5,18 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional
 
-from etils import epath
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from grpo_jax.checkpoint.integrity import (abstract_target, check_shapes,
-                                           model_config_from_json,
-                                           tree_checksums)
+from grpo_jax.checkpoint.integrity import (
+  abstract_target,
+  check_shapes,
+  model_config_from_json,
+  tree_checksums,
+)
 from grpo_jax.checkpoint.paths import PathLike, finalized_steps, find_step
-from grpo_jax.errors import (CheckpointError, CorruptCheckpointError,
-                             IncompatibleCheckpointError)
+from grpo_jax.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from grpo_jax.models import save_pretrained
 
 FORMAT = 1

@@ -25,6 +25,5 @@ from grpo_jax.data.files import read_jsonl, read_parquet
 from grpo_jax.data.generated import generated_examples
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.data.layouts import detect_layout, last_boxed, strip_answer_instructions
-from grpo_jax.data.templates import (Messages, answer_hint, render_prompt,
-                                     render_prompts)
+from grpo_jax.data.templates import Messages, answer_hint, render_prompt, render_prompts
 from grpo_jax.data.tfds_source import prepare_tfds, read_tfds

@@ -23,9 +23,8 @@ import os
 from typing import Any, Iterator, Mapping
 
 from grpo_jax.data.example import Example
+from grpo_jax.data.layouts import ON_EMPTY_ANSWER, detect_layout, empty_answer_error, missing_fields
 from grpo_jax.errors import ConfigError, DataError
-from grpo_jax.data.layouts import (ON_EMPTY_ANSWER, detect_layout,
-                                   empty_answer_error, missing_fields)
 from grpo_jax.registry import lookup, register
 
 MAX_RECORD_BYTES = 1 << 20

@@ -10,13 +10,12 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from grpo_jax.data.example import Example
-from grpo_jax.registry import lookup, register
-
 # Importing these registers the tasks.
 from grpo_jax.data import arithmetic as _arithmetic  # noqa: F401  pylint: disable=unused-import
 from grpo_jax.data import commonsense as _commonsense  # noqa: F401  pylint: disable=unused-import
 from grpo_jax.data import word_problems as _word_problems  # noqa: F401  pylint: disable=unused-import
+from grpo_jax.data.example import Example
+from grpo_jax.registry import lookup, register
 
 
 def _rng(task: str, *key: object) -> random.Random:

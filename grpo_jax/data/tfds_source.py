@@ -1,8 +1,9 @@
 """TFDS data sets (`gsm8k`, `math_dataset/<module>`) read without TensorFlow.
 
 Reading goes through `tfds.builder(...).as_data_source()` (what
-`tfds.data_source` does), TFDS's random-access path over ArrayRecord files: no TensorFlow, and each record is decoded only when it is
-indexed, so a host that serves a slice of the data reads only that slice.
+`tfds.data_source` does), TFDS's random-access path over ArrayRecord files:
+no TensorFlow, and each record is decoded only when it is indexed, so a host
+that serves a slice of the data reads only that slice.
 
 The copy must be prepared in the `array_record` format, once, on a machine
 with network access:

@@ -31,7 +31,6 @@ from grpo_jax import sharding
 from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
 
-
 KV_CACHES = ("dense", "paged")
 # Every sampler's decode loop runs under this name scope, so a compiled
 # program's ops of one decode step are found by their op_name

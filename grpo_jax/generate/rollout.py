@@ -26,7 +26,6 @@ from grpo_jax.data import templates
 from grpo_jax.generate import sampling
 
 
-
 class Groups(NamedTuple):
   """b groups of g completions of one prompt each (host numpy, the group
   axis first): one generation batch after SAMPLE + SCORE."""

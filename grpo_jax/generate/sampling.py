@@ -34,8 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding
-from grpo_jax.generate import (continuous, decoding, padded, page_pool,
-                               paged_slots)
+from grpo_jax.generate import continuous, decoding, padded, page_pool, paged_slots
 from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
 

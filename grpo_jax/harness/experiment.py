@@ -29,22 +29,19 @@ import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
-from ml_collections import ConfigDict
 import numpy as np
 import yaml
+from ml_collections import ConfigDict
 
-from grpo_jax import errors
-from grpo_jax import checkpoint, models, registry
-from grpo_jax.harness import interrupts
+from grpo_jax import checkpoint, errors, models, registry, validation
 from grpo_jax.generate import sampling
-from grpo_jax import validation
+from grpo_jax.harness import distributed, interrupts, outdir, workdir_lock
 from grpo_jax.harness import metrics as metrics_lib
-from grpo_jax.harness import distributed, outdir, workdir_lock
+from grpo_jax.models import cast, lora
 from grpo_jax.models import tokenizer as tok_lib
+from grpo_jax.models.byte_tokenizer import byte_tokenizer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
-from grpo_jax.models.byte_tokenizer import byte_tokenizer
-from grpo_jax.models import cast, lora
 
 Params = Any
 

@@ -19,6 +19,8 @@ import numpy as np
 
 from grpo_jax.data import templates
 from grpo_jax.errors import ConfigError
+
+
 def tokenizer_source(config) -> str:
   return config.model.tokenizer or config.model.source
 

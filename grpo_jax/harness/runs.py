@@ -32,10 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from grpo_jax.harness import interrupts, outdir, workdir_lock
 from grpo_jax.config import flat_fields
 from grpo_jax.errors import RunStoreError, UnwritableDirectoryError
-
+from grpo_jax.harness import interrupts, outdir, workdir_lock
 
 STATUSES = ("running", "finished", "failed", "killed", "preempted")
 # What `observed` may show besides: a "running" row whose process is gone.

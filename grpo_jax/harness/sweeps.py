@@ -119,7 +119,7 @@ def check_points(config, sweep: Sequence[Overrides],
 def run_method(config, workdir: str) -> dict:
   """Runs one point with its config's method (the "method" registry: rl is
   train.run, star is star_loop.run), as experiments/run.py does."""
-  import grpo_jax  # pylint: disable=g-import-not-at-top,unused-import  (registers the methods)
+  import grpo_jax  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import  (registers the methods)
   from grpo_jax import registry  # pylint: disable=g-import-not-at-top
   return registry.lookup("method", config.method)(config, workdir)
 
@@ -145,7 +145,7 @@ def run_sweep(config, sweep: Sequence[Overrides], run_fn: RunFn,
   Ctrl-C: interrupts.Preempted) is recorded "preempted" and stops the sweep,
   as does a second Ctrl-C. Returns the run ids in sweep order.
   """
-  from grpo_jax.checkpoint import latest_checkpoint   # imports JAX: only when running
+  from grpo_jax.checkpoint import latest_checkpoint  # imports JAX: only when running
   configs = check_points(config, sweep, validate)
   ids = []
   for index, (overrides, run_config) in enumerate(zip(sweep, configs)):

@@ -30,7 +30,6 @@ from typing import Iterator, Optional
 
 from grpo_jax.errors import WorkdirLockedError
 
-
 LOCK_NAME = ".lock"
 
 

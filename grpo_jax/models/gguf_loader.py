@@ -13,10 +13,10 @@ from typing import Any, Optional
 import numpy as np
 from gguf.quants import dequantize
 
-from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.errors import WeightsError
-from grpo_jax.models.hf import TensorSpec, tensor_specs
 from grpo_jax.models.attention import rope_frequencies
+from grpo_jax.models.config import ModelConfig, RopeScaling
+from grpo_jax.models.hf import TensorSpec, tensor_specs
 from grpo_jax.models.weights import field, open_reader
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")

@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from grpo_jax.errors import WeightsError
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.transformer import param_shapes
-from grpo_jax.errors import WeightsError
+
 # transformers class name -> our architecture (its `model_type` is the same).
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -27,10 +27,11 @@ from grpo_jax import errors
 from grpo_jax.models import hf, hf_write
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.gguf_loader import GGUFCheckpoint
-from grpo_jax.registry import names
 from grpo_jax.models.tokenizer import from_gguf
+
 # Where bundled weights and the preset cache live (also used as loading.*).
 from grpo_jax.models.weights import bundled_gguf, cached_preset_directory, no_weights
+from grpo_jax.registry import names
 
 Params = dict[str, Any]
 Source = Union[str, os.PathLike]

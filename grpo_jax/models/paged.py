@@ -33,9 +33,9 @@ import dataclasses
 from typing import Callable, NamedTuple, Optional
 
 import jax
-from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 
 from grpo_jax.models import attention, decode, ragged, transformer
 from grpo_jax.models.config import ModelConfig

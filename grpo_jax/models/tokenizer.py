@@ -22,10 +22,9 @@ from typing import Any, Optional, Sequence, Union
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-from tokenizers import processors
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from grpo_jax.models import weights
 

@@ -16,9 +16,8 @@ from typing import Any, Union
 
 import gguf
 
-from grpo_jax.registry import lookup, names, register
 from grpo_jax.errors import WeightsError
-
+from grpo_jax.registry import lookup, names, register
 
 Source = Union[str, os.PathLike]
 _CACHE_VERSION = "v1"  # bump when the cached layout changes

@@ -23,15 +23,19 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from grpo_jax import registry
+
 # Imported for their @register side effects.
-from grpo_jax.rewards import choice  # pylint: disable=unused-import
-from grpo_jax.rewards import code  # pylint: disable=unused-import
-from grpo_jax.rewards import countdown  # pylint: disable=unused-import
-from grpo_jax.rewards import format  # pylint: disable=unused-import,redefined-builtin
-from grpo_jax.rewards import last_number  # pylint: disable=unused-import
-from grpo_jax.rewards import math  # pylint: disable=unused-import
-from grpo_jax.rewards import process  # pylint: disable=unused-import  # "process_reward"
+from grpo_jax.rewards import (
+  choice,  # pylint: disable=unused-import
+  code,  # pylint: disable=unused-import
+  countdown,  # pylint: disable=unused-import
+  format,  # pylint: disable=unused-import,redefined-builtin
+  last_number,  # pylint: disable=unused-import
+  math,  # pylint: disable=unused-import
+  process,  # pylint: disable=unused-import  # "process_reward"
+)
 from grpo_jax.rewards.math import verify, verify_batch, verify_dapo  # pylint: disable=g-importing-member
+
 
 def _unpack(spec: Sequence[Any]) -> tuple[str, float, Mapping[str, Any]]:
   if not 2 <= len(spec) <= 3:

@@ -35,10 +35,9 @@ import ast
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from grpo_jax.rewards import _results
-from grpo_jax.rewards import _trusted
+from grpo_jax.rewards import _results, _trusted
 
 _FUNCTIONS = _trusted.FUNCTIONS
 _MATH = _trusted.MATH

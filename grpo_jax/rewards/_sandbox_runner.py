@@ -33,8 +33,9 @@ Four kinds of process, each trusted but the last:
     the job's header (program, limits); each call's frame (setup and
     expression) and each stdin stay in the job pipe until the child C that
     runs it reads its own, and a relay R forked from W per run forks C and
-    forwards C's result, so W never holds another call's input or output. Nothing in the sandbox sees the expected values:
-    the trusted side compares (`_checker.py`).
+    forwards C's result, so W never holds another call's input or output.
+    Nothing in the sandbox sees the expected values: the trusted side
+    compares (`_checker.py`).
   C: the model's program, one call or stdin.
 
 Exit status of L: 0 done, 3 killed at the timeout or on request, 70 setup

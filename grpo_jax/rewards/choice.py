@@ -9,6 +9,7 @@ from grpo_jax.registry import register
 from grpo_jax.rewards import extract
 from grpo_jax.rewards._common import per_completion
 
+
 def _letter_pattern(letters: str) -> re.Pattern[str]:
   """A choice letter standing alone: "B", "(B)", "B)", "**B**", "B." ..."""
   return re.compile(rf"(?<![A-Za-z])\(?([{letters}])\)?(?![A-Za-z])")

@@ -22,9 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from grpo_jax.registry import register
-from grpo_jax.rewards import _checker
-from grpo_jax.rewards import _code_checks
-from grpo_jax.rewards import sandbox
+from grpo_jax.rewards import _checker, _code_checks, sandbox
 from grpo_jax.rewards._common import per_completion
 
 _PYTHON = ("python", "py", "python3")

@@ -19,9 +19,7 @@ import fractions
 import re
 from typing import NamedTuple
 
-from grpo_jax.rewards import extract
-from grpo_jax.rewards import notation
-from grpo_jax.rewards import symbolic
+from grpo_jax.rewards import extract, notation, symbolic
 
 MAX_ANSWER_CHARS = 1000
 MIN_ROUNDED_DIGITS = 6  # E2: a decimal this precise may stand for 1/3 or pi.

@@ -23,7 +23,7 @@ import re
 from typing import NamedTuple
 
 from grpo_jax.rewards import statement
-from grpo_jax.rewards.statement import final_statement, looks_like_program  # pylint: disable=unused-import
+from grpo_jax.rewards.statement import final_statement, looks_like_program  # noqa: F401  (extract's API)
 
 TAIL_CHARS = statement.TAIL_CHARS
 MAX_BOXED_ANSWERS = 8  # A5: more different boxed answers than this earn nothing.

@@ -57,8 +57,7 @@ import time
 from typing import Any, Sequence
 
 from grpo_jax.rewards import _cgroups
-from grpo_jax.rewards._results import (  # pylint: disable=unused-import
-    NOT_RUN, READY, Iterated, Raised, decode, parse_results)
+from grpo_jax.rewards._results import NOT_RUN, READY, Raised, parse_results  # pylint: disable=unused-import
 
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_sandbox_runner.py")

@@ -34,14 +34,10 @@ import re
 
 import math_verify
 import sympy
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, grader
 from sympy import multiplicity
-from math_verify import ExprExtractionConfig, LatexExtractionConfig
-from math_verify import grader
 
-from grpo_jax.rewards import functions
-from grpo_jax.rewards import numeric
-from grpo_jax.rewards import unicode_math
-from grpo_jax.rewards import units
+from grpo_jax.rewards import functions, numeric, unicode_math, units
 
 _CONFIGS = (LatexExtractionConfig(), ExprExtractionConfig())
 # Negated relations, read as their negation (`\\not=` is not `=`); a `\\not`

@@ -22,8 +22,10 @@ from __future__ import annotations
 import re
 import unicodedata
 
-_SUPERSCRIPTS = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b\u207c\u207d\u207e\u207f\u2071",
-                         "0123456789+-=()ni"))
+_SUPERSCRIPTS = dict(zip(
+    "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079"
+    "\u207a\u207b\u207c\u207d\u207e\u207f\u2071",
+    "0123456789+-=()ni"))
 _SUBSCRIPTS = dict(zip("\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089\u208a\u208b\u208c\u208d\u208e",
                        "0123456789+-=()"))
 _VULGAR = {

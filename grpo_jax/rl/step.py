@@ -27,10 +27,16 @@ from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import rollout_correction
 from grpo_jax.rl import nonfinite, packing
 from grpo_jax.rl.batch import RolloutBatch
-from grpo_jax.rl.update import (LossSettings, Policy, UpdateBatch,
-                                UpdateProgram, micro_batch_rows,
-                                pack_update_batch, score_logprobs,
-                                update_step)
+from grpo_jax.rl.update import (
+  LossSettings,
+  Policy,
+  UpdateBatch,
+  UpdateProgram,
+  micro_batch_rows,
+  pack_update_batch,
+  score_logprobs,
+  update_step,
+)
 
 
 @dataclasses.dataclass(frozen=True)

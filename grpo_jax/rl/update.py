@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax.rl import nonfinite, packing
-from grpo_jax.rl.optimizer import as_optax
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses
-from grpo_jax.models.config import ModelConfig
 from grpo_jax.models import lora
+from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.transformer import cast
+from grpo_jax.rl import nonfinite, packing
+from grpo_jax.rl.optimizer import as_optax
 
 Params = Any
 

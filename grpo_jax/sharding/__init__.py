@@ -35,12 +35,27 @@ row helpers, `Layout`); their public names are importable from here.
 """
 from __future__ import annotations
 
-from grpo_jax.sharding.mesh import (chip_grid, make_mesh, mesh_shape,
-                                    strided_mesh)
-from grpo_jax.sharding.placement import (Layout, copy_tree, global_rows,
-                                         host_rows, put, put_rows,
-                                         shard_params, to_host)
-from grpo_jax.sharding.rules import (BATCH, LENGTH, Params, Rules,
-                                     batch_sharding, logical_rules,
-                                     opt_state_shardings, param_shardings,
-                                     param_specs, spec_for, state_shardings)
+from grpo_jax.sharding.mesh import chip_grid, make_mesh, mesh_shape, strided_mesh
+from grpo_jax.sharding.placement import (
+                                    Layout,
+                                    copy_tree,
+                                    global_rows,
+                                    host_rows,
+                                    put,
+                                    put_rows,
+                                    shard_params,
+                                    to_host,
+)
+from grpo_jax.sharding.rules import (
+                                    BATCH,
+                                    LENGTH,
+                                    Params,
+                                    Rules,
+                                    batch_sharding,
+                                    logical_rules,
+                                    opt_state_shardings,
+                                    param_shardings,
+                                    param_specs,
+                                    spec_for,
+                                    state_shardings,
+)

@@ -14,9 +14,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.sharding.mesh import make_mesh
-from grpo_jax.sharding.rules import (BATCH, Params, Rules, batch_sharding,
-                                     logical_rules, param_shardings, spec_for,
-                                     state_shardings)
+from grpo_jax.sharding.rules import (
+  BATCH,
+  Params,
+  Rules,
+  batch_sharding,
+  logical_rules,
+  param_shardings,
+  spec_for,
+  state_shardings,
+)
 
 
 def _is_global(x) -> bool:

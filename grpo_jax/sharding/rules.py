@@ -8,7 +8,8 @@ import math
 from typing import Any, Optional, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import transformer

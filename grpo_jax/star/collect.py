@@ -22,13 +22,12 @@ import jax
 import numpy as np
 
 from grpo_jax import registry
-from grpo_jax.generate import rollout, sampling
-from grpo_jax.rl.spec import RunSpec
-from grpo_jax.star import sft
 from grpo_jax.algorithms.star import mentions_hint, reasoning
 from grpo_jax.data import Example, answer_hint, templates
+from grpo_jax.generate import rollout, sampling
 from grpo_jax.rewards import equations
-
+from grpo_jax.rl.spec import RunSpec
+from grpo_jax.star import sft
 
 # ----------------------------------------------------------------------------
 # Prompts.

@@ -27,23 +27,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import errors
-from grpo_jax import checkpoint
-from grpo_jax import evaluation, registry
-from grpo_jax.harness import experiment, interrupts, preflight
-from grpo_jax.generate import sampling
-from grpo_jax.star import sft
-from grpo_jax.harness import metrics as metrics_lib
+from grpo_jax import checkpoint, errors, evaluation, registry
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
-from grpo_jax.rl.spec import RunSpec
-from grpo_jax.star.collect import (Kept, RationaleSampler, collect_examples,
-                                   sampling_prompts)
+from grpo_jax.generate import sampling
+from grpo_jax.harness import experiment, interrupts, preflight
+from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import cast, lora
 from grpo_jax.rl import nonfinite
 from grpo_jax.rl.optimizer import OptimizerSpec
+from grpo_jax.rl.spec import RunSpec
 from grpo_jax.rl.update import UpdateProgram, init_state
+from grpo_jax.star import sft
+from grpo_jax.star.collect import Kept, RationaleSampler, collect_examples, sampling_prompts
 
 Params = Any
 CURVES = ("eval/greedy_accuracy", "star/train_accuracy", "star/kept_direct",

@@ -30,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
-from grpo_jax.models import lora, transformer
+from grpo_jax.models import cast, lora, transformer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rl import packing, update
-from grpo_jax.models import cast
 from grpo_jax.rl.update import TrainState
 
 Params = transformer.Params
