@@ -98,22 +98,22 @@ def sequence_statistic(name: str, log_rho_nt: jax.Array, mask_nt: jax.Array
 
 
 def is_weights(log_rho_nt: jax.Array, mask_nt: jax.Array,
-               s: CorrectionSettings) -> tuple[jax.Array, jax.Array]:
+               correction: CorrectionSettings) -> tuple[jax.Array, jax.Array]:
   """(w [N, T], bound [N, T] bool: where the threshold changed ρ)."""
-  if s.is_level == "token":
+  if correction.is_level == "token":
     rho_nt = jnp.exp(log_rho_nt)
   else:   # sequence: ρ_seq = Π_t ρ_t, the same on every token of the row
     log_seq_n1 = jnp.clip((log_rho_nt * mask_nt).sum(axis=1, keepdims=True),
                           -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rho_nt = jnp.broadcast_to(jnp.exp(log_seq_n1), log_rho_nt.shape)
-  bound_nt = rho_nt > s.is_threshold
-  if s.is_mode == "truncate":
-    return jnp.minimum(rho_nt, s.is_threshold), bound_nt
+  bound_nt = rho_nt > correction.is_threshold
+  if correction.is_mode == "truncate":
+    return jnp.minimum(rho_nt, correction.is_threshold), bound_nt
   return jnp.where(bound_nt, 0.0, rho_nt), bound_nt
 
 
 def correct(old_logp_nt: jax.Array, roll_logp_nt: jax.Array,
-            mask_nt: jax.Array, s: CorrectionSettings,
+            mask_nt: jax.Array, correction: CorrectionSettings,
             num_tokens: Optional[jax.Array] = None, num_seqs=None):
   """(weight_nt, mask_nt, metrics): multiply the per-token loss by sg(weight)
   and aggregate it with the returned mask (see `denominator`).
@@ -147,50 +147,50 @@ def correct(old_logp_nt: jax.Array, roll_logp_nt: jax.Array,
           valid_nt, jnp.abs(old_logp_nt - roll_logp_nt), 0.0).max(),
   }
   weight_nt = jnp.ones_like(mask_nt)
-  if s.is_level != "none":
-    weight_nt, bound_nt = is_weights(log_rho_nt, mask_nt, s)
-    metrics["rollout_is/truncated_frac" if s.is_mode == "truncate"
+  if correction.is_level != "none":
+    weight_nt, bound_nt = is_weights(log_rho_nt, mask_nt, correction)
+    metrics["rollout_is/truncated_frac" if correction.is_mode == "truncate"
             else "rollout_is/masked_frac"] = frac(bound_nt)
   keep_nt = jnp.ones_like(valid_nt)
-  if s.band[1] > 0:
+  if correction.band[1] > 0:
     # IcePop: tokens whose ρ leaves the band get no gradient at all
-    keep_nt = (rho_nt >= s.band[0]) & (rho_nt <= s.band[1])
+    keep_nt = (rho_nt >= correction.band[0]) & (rho_nt <= correction.band[1])
     metrics["rollout_is/band_masked_frac"] = frac(~keep_nt)
-  if s.reject != "none":
-    stat_n = sequence_statistic(s.reject, log_rho_nt, mask_nt)
-    ok_n = (stat_n >= s.reject_min) & (stat_n <= s.reject_max)
+  if correction.reject != "none":
+    stat_n = sequence_statistic(correction.reject, log_rho_nt, mask_nt)
+    ok_n = (stat_n >= correction.reject_min) & (stat_n <= correction.reject_max)
     keep_nt = keep_nt & ok_n[:, None]
     metrics["rollout_is/rejected_seq_frac"] = (
         (nonempty_n & ~ok_n).sum(dtype=jnp.float32) / num_seqs)
   keep = keep_nt.astype(jnp.float32)
-  if s.denominator == "verl":
+  if correction.denominator == "verl":
     mask_nt = mask_nt * keep
   else:
     weight_nt = weight_nt * keep
   return weight_nt * (mask_nt > 0), mask_nt, metrics
 
 
-def validate(s: CorrectionSettings, old_logp: str) -> None:
+def validate(correction: CorrectionSettings, old_logp: str) -> None:
   """Choices and ranges of `rl.rollout_correction`, naming the field."""
-  for field, value, allowed in (("is_level", s.is_level, IS_LEVELS),
-                                ("is_mode", s.is_mode, IS_MODES),
-                                ("reject", s.reject, REJECT_STATS),
-                                ("denominator", s.denominator, DENOMINATORS)):
+  for field, value, allowed in (("is_level", correction.is_level, IS_LEVELS),
+                                ("is_mode", correction.is_mode, IS_MODES),
+                                ("reject", correction.reject, REJECT_STATS),
+                                ("denominator", correction.denominator, DENOMINATORS)):
     if value not in allowed:
       raise ValueError(f"config field 'rl.rollout_correction.{field}' = "
                        f"{value!r}; allowed: {allowed}")
-  if s.is_threshold <= 0:
+  if correction.is_threshold <= 0:
     raise ValueError(f"config field 'rl.rollout_correction.is_threshold' = "
-                     f"{s.is_threshold} must be > 0")
-  lo, hi = s.band
-  if len(s.band) != 2 or not (hi == 0 and lo == 0 or 0 <= lo < 1 < hi):
-    raise ValueError(f"config field 'rl.rollout_correction.band' = {s.band}:"
+                     f"{correction.is_threshold} must be > 0")
+  lo, hi = correction.band
+  if len(correction.band) != 2 or not (hi == 0 and lo == 0 or 0 <= lo < 1 < hi):
+    raise ValueError(f"config field 'rl.rollout_correction.band' = {correction.band}:"
                      f" (0, 0) for off, else 0 <= lo < 1 < hi")
-  if s.reject_min > s.reject_max:
+  if correction.reject_min > correction.reject_max:
     raise ValueError(f"config fields 'rl.rollout_correction.reject_min/max' "
-                     f"= {s.reject_min}/{s.reject_max}: need min <= max")
-  if old_logp == "sampler" and s.active and s.denominator == "verl" and (
-      s.reject != "none" or s.band[1] > 0):
+                     f"= {correction.reject_min}/{correction.reject_max}: need min <= max")
+  if old_logp == "sampler" and correction.active and correction.denominator == "verl" and (
+      correction.reject != "none" or correction.band[1] > 0):
     raise ValueError(
         "config field 'rl.rollout_correction.denominator' = 'verl' with "
         "rl.old_logp = 'sampler': the bypass correction is computed inside "

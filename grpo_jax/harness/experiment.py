@@ -165,14 +165,14 @@ def load_model_and_tokenizer(config) -> tuple[ModelConfig, Params, Any]:
 def sampling_config(config, tokenizer) -> sampling.SamplingConfig:
   """The sampler settings of training: `config.sampling` and the tokenizer's
   stop and pad ids."""
-  s = config.sampling
+  group = config.sampling
   return sampling.SamplingConfig(
-      max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-      top_p=s.top_p, top_k=s.top_k, stop_ids=tuple(tokenizer.stop_ids),
-      pad_id=tokenizer.pad_id or 0, chunk_rows=s.chunk_rows,
-      continuous_batching=s.continuous_batching, slots=s.slots,
-      kv_cache=s.kv_cache, page_size=s.page_size, pages=s.pages,
-      stop_check_every=s.stop_check_every, paged_kernel=s.paged_kernel)
+      max_new_tokens=group.max_new_tokens, temperature=group.temperature,
+      top_p=group.top_p, top_k=group.top_k, stop_ids=tuple(tokenizer.stop_ids),
+      pad_id=tokenizer.pad_id or 0, chunk_rows=group.chunk_rows,
+      continuous_batching=group.continuous_batching, slots=group.slots,
+      kv_cache=group.kv_cache, page_size=group.page_size, pages=group.pages,
+      stop_check_every=group.stop_check_every, paged_kernel=group.paged_kernel)
 
 
 def load_examples(config) -> tuple[list, list]:

@@ -41,23 +41,23 @@ def split_devices(settings, devices=None) -> tuple[list, list]:
   divide it, some hosts give one more), so both meshes span every host and
   each host's weight copy stays on that host. (all, []) when colocated."""
   devices = list(jax.devices() if devices is None else devices)
-  s = settings.sampler_devices
-  if s == 0 and settings.max_staleness > 0 and jax.process_count() > 1:
+  count = settings.sampler_devices
+  if count == 0 and settings.max_staleness > 0 and jax.process_count() > 1:
     raise ConfigError(
         f"config field 'rollout.max_staleness' = {settings.max_staleness} "
         f"on {jax.process_count()} processes needs rollout.sampler_devices "
         "> 0: a sampler thread on the trainer's own devices would enqueue "
         "its programs between the update's in another order on each host, "
         "and their collectives would wait on each other")
-  if s == 0:
+  if count == 0:
     return devices, []
   hosts: dict[int, list] = {}
   for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
     hosts.setdefault(d.process_index, []).append(d)
-  share = host_shares(hosts, s)
+  share = host_shares(hosts, count)
   if any(not 0 < share[p] < len(h) for p, h in hosts.items()):
     raise ConfigError(
-        f"config field 'rollout.sampler_devices' = {s}: needs at least one "
+        f"config field 'rollout.sampler_devices' = {count}: needs at least one "
         f"sampler and one trainer device on each of the {len(hosts)} "
         f"host(s) (they have {sorted({len(h) for h in hosts.values()})} "
         f"devices; {len(devices)} in all)")
