@@ -10,12 +10,16 @@ is loaded (`code.check_tests`), naming the test.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
 import numpy as np
 import pytest
 
+from configs import tiny
+from grpo_jax import errors
+from grpo_jax.harness import experiment
 from grpo_jax.rewards import _code_checks, code, sandbox
 
 QUICK = sandbox.Limits(timeout=5.0)
@@ -202,3 +206,19 @@ def test_the_standard_library_is_bound_without_installed_packages():
   reach is an empty directory (the interpreter's own included)."""
   run = sandbox.run_calls(_PACKAGES, [("", "installed()")], QUICK)
   assert run.values[0] and all(count == 0 for _, count in run.values[0]), run
+
+
+def test_an_unevaluable_test_in_the_data_is_refused_when_it_loads_naming_the_example(tmp_path):
+  rows = [{"question": "Write f.", "answer": "assert f() == 1"},
+          {"question": "Write f.", "answer": "import numpy as np\nassert f() == np.zeros(3)"}]
+  path = tmp_path / "code.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  config = tiny.get_config()
+  config.rewards = {"code": 1.0}
+  config.data.source = "jsonl"
+  config.data.kwargs = dict(path=str(path), layout="question_answer")
+  config.data.eval_kwargs = dict(path=str(path), layout="question_answer")
+  with pytest.raises(errors.DataError, match=r"example 1 of data.source = 'jsonl': code test refused"):
+    experiment.load_examples(config)
+  config.rewards = {"last_number": 1.0}   # no code reward: the tests are not read
+  assert len(experiment.load_examples(config)[0]) == 2

@@ -42,6 +42,7 @@ from grpo_jax.models import tokenizer as tok_lib
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.loading import open_checkpoint
+from grpo_jax.rewards import code
 
 Params = Any
 
@@ -194,7 +195,21 @@ def load_examples(config) -> tuple[list, list]:
         "train without held-out evaluation")
   _check_answers(train, f"data.source = {config.data.source!r}")
   _check_answers(held_out, f"data.eval_source = {eval_source!r}")
+  if "code" in config.rewards:
+    _check_code_tests(train, f"data.source = {config.data.source!r}")
+    _check_code_tests(held_out, f"data.eval_source = {eval_source!r}")
   return train, held_out
+
+
+def _check_code_tests(examples: list, source: str) -> None:
+  """The code reward's tests are decided by the trusted checker, never where
+  the model's program runs (docs/sandbox.md): a test whose expected side it
+  cannot evaluate is refused when the data loads, naming the example."""
+  for index, example in enumerate(examples):
+    try:
+      code.check_tests([example.answer])
+    except code.UnevaluableTest as e:
+      raise errors.DataError(f"example {index} of {source}: {e}") from None
 
 
 def _check_answers(examples: list, source: str) -> None:
