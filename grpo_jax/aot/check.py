@@ -122,14 +122,14 @@ def continuous_sampler(plan: Plan, slots: int) -> Program:
   x = pod_sampler.sampler_inputs(plan)
   params, resident = plan.sampler_params(), plan.sampler_resident()
   call = sampling.CallSpec(plan.model_config, plan.sampling_config(),
-                           plan.config.rl.num_generations, plan.layout, slots)
+                           plan.run.batch.generations, plan.layout, slots)
   lower = lambda: continuous.sample_slots.lower(
       call, params, x.prompt_bp, x.prompt_len_b, x.key, jnp.int32(x.prompts))
   return compile_program("sampler slots", slots, lower, resident)
 
 
 def padded_rows(plan: Plan) -> int:
-  return pod_sampler.padded_prompts(plan) * plan.config.rl.num_generations
+  return pod_sampler.padded_prompts(plan) * plan.run.batch.generations
 
 
 def auto_slots(config, plan: Plan, hbm: float, configured: bool = True

@@ -40,7 +40,7 @@ def slot_search(dense_slots_per_shard: int, rows_per_shard: int) -> list:
 def padded_prompts(plan: Plan) -> int:
   """The prompts of a step's call, padded to the row shards."""
   shards = plan.layout.batch_shards
-  return -(-plan.config.rl.prompts_per_step // shards) * shards
+  return -(-plan.run.batch.prompts // shards) * shards
 
 
 class SamplerInputs(NamedTuple):
@@ -65,7 +65,7 @@ def paged_sampler(plan: Plan, slots: int, pages: int) -> Program:
   x = sampler_inputs(plan)
   params, resident = plan.sampler_params(), plan.sampler_resident()
   call = sampling.CallSpec(plan.model_config, plan.paged_sampling_config(),
-                           plan.config.rl.num_generations, plan.layout, slots,
+                           plan.run.batch.generations, plan.layout, slots,
                            pages)
   lower = lambda: paged_slots.sample_pages.lower(
       call, params, x.prompt_bp, x.prompt_len_b, x.key, jnp.int32(x.prompts))
@@ -112,7 +112,7 @@ class Comparison(NamedTuple):
 def shard_lengths(plan: Plan, lengths_n: np.ndarray) -> np.ndarray:
   """(R, N/R): the step's rows split as the sampler splits them; the rows of
   padded prompts (never decoded) count as one-token rows."""
-  G, R = plan.config.rl.num_generations, plan.layout.batch_shards
+  G, R = plan.run.batch.generations, plan.layout.batch_shards
   rows = padded_prompts(plan) * G
   out = np.ones(rows, np.int64)
   out[:len(lengths_n)] = lengths_n
@@ -125,7 +125,7 @@ def compare(plan: Plan, chips: Chips, dense_slots: int,
   """Both samplers' schedules on `chips`, on the same rows: the dense slots
   and the paged pool of the same bytes; paged slots sampling.slots, or the
   fastest of SLOT_MULTIPLES x the dense slots and all of a shard's rows."""
-  R, G = plan.layout.batch_shards, plan.config.rl.num_generations
+  R, G = plan.layout.batch_shards, plan.run.batch.generations
   cost = step_cost(plan, chips)
   lengths_rn = shard_lengths(plan, lengths_n)
   pages = pool_pages(plan, dense_slots)

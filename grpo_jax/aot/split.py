@@ -53,6 +53,7 @@ from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Chips
+from grpo_jax.rl.spec import BatchSizes
 
 # Per-chip ICI bandwidth, bytes/s (public spec sheets: v5p 4,800 Gbps,
 # v6e 3,584 Gbps, v5e 1,600 Gbps, v4 2,400 Gbps).
@@ -99,8 +100,7 @@ def trainer_config(config, micro_rows: int, colocated_shards: int,
   24 row shards, one row each: 16, packed as 24 rows)."""
   out = copy.deepcopy(config)
   want = max(1, micro_rows * trainer_shards // colocated_shards)
-  mini = (config.rl.mini_batch_size
-          or config.rl.prompts_per_step * config.rl.num_generations)
+  mini = BatchSizes.from_config(config).mini
   if mini % want and config.rl.packing == "on":
     want = max(d for d in range(1, want + 1) if mini % d == 0)
   out.rl.micro_batch_size = want
@@ -165,7 +165,7 @@ def sampler_seconds(plan: Plan, chips: Chips, lengths_n: np.ndarray,
   other's; the what-if is the least marginal time per extra step)."""
   dense_slots = aot.auto_slots(plan.config, plan, chips.hbm, configured=False)
   cost = pod_sampler.step_cost(plan, chips)
-  R, G = plan.layout.batch_shards, plan.config.rl.num_generations
+  R, G = plan.layout.batch_shards, plan.run.batch.generations
   one_rn = pod_sampler.shard_lengths(plan, lengths_n)
   many_rn = np.concatenate(
       [pod_sampler.shard_lengths(plan, x)

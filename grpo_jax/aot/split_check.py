@@ -75,7 +75,7 @@ def run(config, splits: Splits, prompt_len: int, lengths_flag: str,
   whole = Chips.of(programs_lib.topology_devices(splits.topology))
   model_config = programs_lib.model_config_from_source(config.model.source)
   plan = Plan(config, model_config, layout(config, whole.devices), prompt_len)
-  rows = config.rl.prompts_per_step * config.rl.num_generations
+  rows = plan.rows
   more_n, what = schedule.lengths_from_flag(
       lengths_flag, rows * STEADY_STEPS, config.sampling.max_new_tokens, seed)
   lengths_n = more_n[:rows]      # the first step's rows
@@ -91,10 +91,8 @@ def run(config, splits: Splits, prompt_len: int, lengths_flag: str,
       "synchronous or asynchronous (sampler_devices=0: the same device time, "
       "host work under it)")
   sampler_config = copy.deepcopy(config)
-  from grpo_jax.rl import async_rollouts  # pylint: disable=import-outside-toplevel
-  sampler_config.mesh.shape = (tuple(splits.sampler_mesh) or async_rollouts
-                               .RolloutSettings.from_config(config)
-                               .sampler_mesh)
+  sampler_config.mesh.shape = (tuple(splits.sampler_mesh)
+                               or plan.run.rollout.sampler_mesh)
   found = []
   for partition in partitions(splits, whole, log):
     split = sides(colocated, sampler_config, partition, lengths_n, more_n,
