@@ -35,7 +35,7 @@ class Plan:
   model_config: ModelConfig
   layout: sharding.Layout
   prompt_len: int
-  run: RunSpec = None  # the run's settings, as the trainer derives them
+  run: RunSpec = dataclasses.field(init=False)   # as the trainer derives them
   state: Any = None
   base: Any = None     # LoRA: the frozen base (compute dtype), else None
 

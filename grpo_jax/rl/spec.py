@@ -1,7 +1,7 @@
 """The run's settings, derived once: `RunSpec`.
 
 The config (an ml_collections.ConfigDict) is validated once at start
-(`validation.py`); everything the loops, evaluation and `aot/` compute from it
+(`validation/`); everything the loops, evaluation and `aot/` compute from it
 is computed here, once, into small frozen values that travel instead of the
 ConfigDict:
 
