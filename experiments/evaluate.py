@@ -91,8 +91,14 @@ def _evaluate(config):
   record = {"config": config.name, "checkpoint": _CHECKPOINT.value,
             "step": step, "eval": config.eval.to_dict(),
             **result.to_json()}
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=1)
+  tmp = f"{path}.tmp.{os.getpid()}"   # a killed evaluation leaves the old file
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
   width = max(map(len, result.metrics))
   for name, value in result.metrics.items():
     print(f"{name:{width}s}  {value:.4f}")

@@ -36,6 +36,9 @@ def _rl_defaults() -> ConfigDict:
       gmpo_eps=0.4,                    # gmpo: log-space clip
       sapo_tau_pos=1.0, sapo_tau_neg=1.05,   # sapo: gate temperatures
       kl_beta=0.0, kl_estimator="k3",
+      kl_reference="start",            # π_ref: start (the policy the run
+                                       # starts from: init_from's when set)
+                                       # | model (model.source's weights)
       kl_start_step=0, kl_ramp_steps=0,
       num_updates=1,                   # μ: passes over each rollout
       mini_batch_size=0,               # completions per optimizer update (0: all)

@@ -19,6 +19,7 @@ from grpo_jax.checkpoint.integrity import (
   check_shapes,
   config_to_json,
   nonfinite_leaves,
+  refused_class,
   to_json,
   tree_checksums,
   unsafe_changes,
@@ -106,7 +107,8 @@ class Checkpointer:
       changes += unsafe_changes({"model_config": meta["model_config"]},
                                 {"model_config": self._model_config}, ["model_config"])
     if changes:
-      lines = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in changes)
+      lines = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now"
+                        f" ({refused_class(k) or 'the model'})" for k, a, b in changes)
       raise UnsafeResumeError(
           f"cannot resume from {self.step_path(step)}: the config changed in "
           f"fields that make resuming unsafe:\n{lines}\nResume with the "

@@ -20,18 +20,45 @@ from grpo_jax.config import flat_fields
 from grpo_jax.errors import IncompatibleCheckpointError
 from grpo_jax.models.config import ModelConfig, RopeScaling
 
-# Config fields whose change makes a resumed run a different experiment (a
-# dotted prefix covers every field under it). The optimizer and the param
-# dtype define the saved state; B and G shape the dynamic-sampling carry-over
-# and the data position; seed and the data (source, arguments, prompt
-# format) drive the data order and content after resume. The model's
-# architecture is compared through its ModelConfig, so a moved weights
-# directory (model.source) still resumes.
-UNSAFE_FIELDS = ("optim", "model.param_dtype", "model.lora", "rl.num_generations",
-                 "rl.prompts_per_step", "seed", "data.source", "data.kwargs",
-                 "data.template", "data.system_prompt")
+# What a resume refuses to change, by class (a dotted prefix covers every
+# field under it); every other field may change on resume
+# (docs/operations.md lists both). The model's architecture is compared
+# through its ModelConfig, so a moved weights directory (model.source)
+# still resumes.
+RESUME_REFUSED = {
+    # define the saved state
+    "the saved state": ("optim", "model.param_dtype", "model.lora"),
+    # how many optimizer updates a step is (the resume point, the schedule);
+    # B and G also shape the dynamic-sampling carry-over and the data position
+    "the updates per step": ("rl.prompts_per_step", "rl.num_generations",
+                             "rl.num_updates", "rl.mini_batch_size"),
+    # the data order and content after resume
+    "the training data": ("seed", "data.source", "data.kwargs", "data.template",
+                          "data.system_prompt"),
+    # the policy versions of the rows a checkpoint holds in flight
+    "the rows in flight": ("rollout.max_staleness", "rollout.sync_every"),
+    # what eval_before is compared with at the end
+    "the evaluation": ("data.eval_source", "data.eval_kwargs", "train.eval_examples",
+                       "eval.n", "eval.ks", "eval.temperature", "eval.top_p"),
+    # π_ref, the policy the run started from
+    "the KL reference": ("init_from", "rl.kl_reference"),
+}
+UNSAFE_FIELDS = tuple(f for fields in RESUME_REFUSED.values() for f in fields)
 # Moved data still resumes (a changed file shows as a changed example count).
-SAFE_FIELDS = ("data.kwargs.path", "data.kwargs.data_dir")
+SAFE_FIELDS = ("data.kwargs.path", "data.kwargs.data_dir",
+               "data.eval_kwargs.path", "data.eval_kwargs.data_dir")
+# Fields newer than some checkpoints: not compared when the checkpoint's
+# config lacks them (those runs ran as their value now says, or differ in
+# another compared field: init_from).
+_ADDED_LATER = ("rl.kl_reference",)
+
+
+def refused_class(field: str) -> str:
+  """The `RESUME_REFUSED` class of a refused field ("" when none)."""
+  for name, fields in RESUME_REFUSED.items():
+    if any(field == f or field.startswith(f + ".") for f in fields):
+      return name
+  return ""
 
 
 def _leaf_name(path) -> str:
@@ -160,7 +187,7 @@ def unsafe_changes(saved: Optional[Mapping], current: Optional[Mapping],
   saved, current = flat_fields(saved or {}), flat_fields(current or {})
   out = []
   for key in sorted(saved.keys() | current.keys()):
-    if key in SAFE_FIELDS:
+    if key in SAFE_FIELDS or (key in _ADDED_LATER and key not in saved):
       continue
     if any(key == f or key.startswith(f + ".") for f in fields):
       a, b = saved.get(key, missing), current.get(key, missing)

@@ -96,7 +96,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   config error reported as one line naming the field and the nearest names
   instead of ml_collections' traceback."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
     text = str(e)
     if "Traceback (most recent call last)" in text:   # config_flags embeds one
@@ -105,6 +105,22 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     sys.exit(f"error: {text}\nPass --help to see the flags.")
   except Exception as e:   # pylint: disable=broad-except
     sys.exit(f"error: {_describe_flag_error(argv, e)}")
+  expand_user_paths(flags.FLAGS)
+  return rest
+
+
+# Path flags of the entry points; `~` in them is the home directory (the
+# shell leaves `--workdir=~/x` unexpanded, which made a directory named `~`).
+PATH_FLAGS = ("workdir", "out", "checkpoint", "root", "base")
+
+
+def expand_user_paths(flag_values) -> None:
+  """Expands a leading `~` in the `PATH_FLAGS` that `flag_values` has."""
+  for name in PATH_FLAGS:
+    if name in flag_values:
+      value = flag_values[name].value
+      if isinstance(value, str) and value.startswith("~"):
+        flag_values[name].value = os.path.expanduser(value)
 
 
 # ----------------------------------------------------------------------------
@@ -119,11 +135,24 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
     error = error.__cause__ or error.__context__
 
 
-def disk_full(error: BaseException) -> bool:
-  """Whether "No space left on device" is behind `error` (orbax and
-  asyncio wrap the OSError, sometimes only in the message)."""
-  return any((isinstance(e, OSError) and e.errno == errno.ENOSPC)
-             or "No space left on device" in str(e) for e in _chain(error))
+# However the OS says the disk (or the user's quota, or the file size limit)
+# is full, and the messages they print when only the text survives.
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def disk_full(error: BaseException) -> Optional[str]:
+  """How the OS said that a full disk is behind `error` ("No space left on
+  device", "Disk quota exceeded", "File too large": ENOSPC, EDQUOT, EFBIG),
+  None when it is not; orbax and asyncio wrap the OSError, sometimes only
+  in the message."""
+  for e in _chain(error):
+    if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+      return os.strerror(e.errno)
+    for text in _FULL_TEXTS:
+      if text in str(e):
+        return text
+  return None
 
 
 def _last_good(workdir: Optional[str]) -> str:
@@ -139,9 +168,10 @@ def _last_good(workdir: Optional[str]) -> str:
 
 def describe(error: BaseException, workdir: Optional[str] = None) -> Optional[str]:
   """The message for a user error, None for anything else."""
-  if disk_full(error):
+  full = disk_full(error)
+  if full:
     where = f" under {workdir}" if workdir else ""
-    return (f"disk full (No space left on device) while writing{where}; "
+    return (f"disk full ({full}) while writing{where}; "
             f"{_last_good(workdir)}. Free space (old checkpoints: "
             "--config.train.keep_checkpoints) and run the same command again "
             "to resume.")

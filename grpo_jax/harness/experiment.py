@@ -35,7 +35,7 @@ from ml_collections import ConfigDict
 
 from grpo_jax import checkpoint, errors, models, registry, validation
 from grpo_jax.generate import sampling
-from grpo_jax.harness import distributed, interrupts, outdir, workdir_lock
+from grpo_jax.harness import distributed, interrupts, outdir, preflight, workdir_lock
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import cast, lora
 from grpo_jax.models import tokenizer as tok_lib
@@ -290,14 +290,23 @@ def _with_params(state, params: Params):
 
 
 def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
-                    state) -> Start:
+                    state, check_steps: bool = False) -> Start:
   """The resume order (`checkpoint.resolve_init`) applied to `state`, a
   pytree with a "params" entry (a TrainState, or {"params": ...}) that
   gives the shapes and shardings: this run's latest checkpoint (the whole
-  state and its host state), else config.init_from's parameters, else
-  `state` as it is (the pretrained weights)."""
+  state and its host state), else config.init_from's parameters (host
+  state {"init_from": its step directory}), else
+  `state` as it is (the pretrained weights). With `check_steps`, a resume
+  from past train.steps is refused (preflight.check_resume_step). Once the resume checks
+  passed (`ckpt`'s config comparison, this one), the config is written to
+  `<workdir>/config.yaml` on process 0: a refused resume leaves the
+  config that ran there."""
   how, where = checkpoint.resolve_init(workdir, config.init_from or None,
                                        config.model.source)
+  if how == "resume" and check_steps:
+    preflight.check_resume_step(where, config, workdir)
+  if metrics_lib.is_primary():
+    logging.info("config: %s", write_config(config, workdir))
   if how == "resume":
     state, host = ckpt.restore(state, step=where)
     logging.info("resumed from checkpoint step %d of %s", where, workdir)
@@ -305,7 +314,7 @@ def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
   if how == "init_from":
     logging.info("parameters from %s", where)
     params = checkpoint.load_params(where, _params(state))
-    return Start(_with_params(state, params), {}, None)
+    return Start(_with_params(state, params), {"init_from": where}, None)
   return Start(state, {}, None)
 
 
@@ -364,8 +373,8 @@ def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
     with started(config, workdir), \
         workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
         interrupts.handle_signals(install=jax.process_count() == 1):
-      if metrics_lib.is_primary():   # under the lock: never another run's file
-        logging.info("config: %s", write_config(config, workdir))
+      # config.yaml is written under the lock (never another run's file),
+      # once the resume checks pass: restore_or_init
       return run(config, workdir, *args, **kwargs)
   return wrapper
 
@@ -385,6 +394,10 @@ def _plain(value: Any) -> Any:
   return str(value)
 
 
+CONFIG_HEADER = ("# Output: the resolved config this run started with (written by the run;\n"
+                 "# editing it changes nothing: pass --config.<field>=... to the command).\n")
+
+
 def write_config(config, workdir: str) -> str:
   """Writes the resolved config (overrides applied) to `<workdir>/config.yaml`
   and returns its path. Plain YAML (`yaml.safe_load` reads it; tuples are
@@ -392,8 +405,8 @@ def write_config(config, workdir: str) -> str:
   the old file or the new one, never half of one."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.yaml")
-  text = yaml.safe_dump(_plain(config.to_dict()), sort_keys=False,
-                        default_flow_style=None, width=100)
+  text = CONFIG_HEADER + yaml.safe_dump(_plain(config.to_dict()), sort_keys=False,
+                                       default_flow_style=None, width=100)
   tmp = f"{path}.tmp.{os.getpid()}"
   try:
     with open(tmp, "w", encoding="utf-8") as f:

@@ -7,6 +7,11 @@ content into a temporary directory beside the target and swaps it in only
 once complete, so a failed export leaves the old directory as it was; a
 killed export's staging directory is removed by the next one.
 
+A directory that holds a run (`holds_run`: a workdir's lock, metrics or
+checkpoints, a run store, a checkpoint directory or step) is never
+replaced, whatever --overwrite says, and nothing is written inside a
+checkpoint directory (`check_not_a_run`).
+
 `check_writable` is what every entry point calls on what it will write
 (a workdir, an output or run-store directory) before it does any work.
 """
@@ -45,11 +50,64 @@ def check_writable(path: os.PathLike, what: str = "--workdir",
     raise UnwritableDirectoryError(f"cannot write to {what} {path}{where}: {advice}")
 
 
+# What only a run leaves: a workdir's lock and metrics, its checkpoints,
+# the run store, orbax's per-step metadata.
+RUN_MARKERS = (".lock", "metrics.jsonl", "checkpoints", "runs.sqlite",
+               "_CHECKPOINT_METADATA")
+# Entries `holds_run` looks at before it gives up (and calls the tree a run's:
+# an export never needs to replace a directory that large).
+_MAX_ENTRIES = 10_000
+
+
+def holds_run(path: os.PathLike) -> str | None:
+  """The first run marker (`RUN_MARKERS`) at or under `path`, or above it up
+  to a checkpoint directory: why replacing or writing into `path` would
+  lose a run's work; None when there is none."""
+  path = Path(path).absolute()
+  for above in [path, *path.parents]:
+    if _is_checkpoints(above):
+      return f"{above} is a run's checkpoint directory"
+  if not path.is_dir():
+    return None
+  seen = 0
+  for root, dirs, files in os.walk(path):
+    for name in (*dirs, *files):
+      seen += 1
+      if name in RUN_MARKERS:
+        return f"{Path(root) / name} belongs to a run"
+      if seen > _MAX_ENTRIES:
+        return f"it holds more than {_MAX_ENTRIES} entries (too many to check for a run's files)"
+  return None
+
+
+def _is_checkpoints(path: Path) -> bool:
+  """A run's checkpoint directory, or one step of it."""
+  if (path / "_CHECKPOINT_METADATA").exists():
+    return True
+  if path.name != "checkpoints" or not path.is_dir():
+    return False
+  return (any((path.parent / m).exists() for m in (".lock", "metrics.jsonl"))
+          or any(p.name.isdigit() for p in path.iterdir()))
+
+
+def check_not_a_run(out: os.PathLike, what: str = "--out") -> None:
+  """Raises OutputExistsError if `out` holds a run or is inside a checkpoint
+  directory (`holds_run`): never replaced, whatever --overwrite says."""
+  why = holds_run(out)
+  if why:
+    raise OutputExistsError(
+        f"{what} {out} holds a run's work ({why}); it is never replaced or "
+        "written into, whatever --overwrite says: choose a new directory; "
+        "nothing was written")
+
+
 def check_empty(out: os.PathLike, overwrite: bool, flag: str = "--overwrite",
                 what: str = "--out") -> None:
-  """Raises OutputExistsError if `out` is a file, or a non-empty directory
-  and not `overwrite`; UnwritableDirectoryError if it cannot be written."""
-  out = Path(out)
+  """Raises OutputExistsError if `out` is a file, holds a run
+  (`check_not_a_run`), or is a non-empty directory and not `overwrite`;
+  UnwritableDirectoryError if it cannot be written."""
+  out = Path(os.path.expanduser(out))
+  check_not_a_run(out, what)
   if out.exists() and not out.is_dir():
     raise OutputExistsError(f"{out} is a file, not a directory: choose another output "
                             "directory; nothing was written")
@@ -93,6 +151,7 @@ def staged(out: os.PathLike) -> Iterator[Path]:
   removed and `out` is untouched. A killed export's staging directories
   beside `out` are removed first (`remove_stale_staging`)."""
   out = Path(out).absolute()
+  check_not_a_run(out)   # again: a run may have started there meanwhile
   out.parent.mkdir(parents=True, exist_ok=True)
   remove_stale_staging(out)
   tmp = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, "new"), dir=out.parent))
@@ -102,6 +161,11 @@ def staged(out: os.PathLike) -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   old = None
+  try:
+    check_not_a_run(out)
+  except OutputExistsError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   if out.exists():
     old = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, "old"), dir=out.parent))
     os.replace(out, old / out.name)

@@ -17,12 +17,11 @@ several hosts only process 0 should record.
 """
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import datetime
-import importlib.util
 import json
+import logging
 import math
 import os
 import socket
@@ -35,6 +34,11 @@ from typing import Any, Iterator, Optional, Sequence
 from grpo_jax.config import flat_fields
 from grpo_jax.errors import RunStoreError, UnwritableDirectoryError
 from grpo_jax.harness import interrupts, outdir, workdir_lock
+from grpo_jax.harness.catalog import (  # noqa: F401  (runs' API: the named experiments)
+  config_variants,
+  experiment_description,
+  list_experiments,
+)
 
 STATUSES = ("running", "finished", "failed", "killed", "preempted")
 # What `observed` may show besides: a "running" row whose process is gone.
@@ -142,17 +146,17 @@ class RunStore:
     try:
       with self._connect() as db:
         db.execute(_SCHEMA)
-    except sqlite3.DatabaseError as e:
-      raise RunStoreError(
-          f"the run store {self.path} is unreadable ({e}): move it aside "
-          f"(mv {self.path} {self.path}.bad) and a new one is started; "
-          "training records nothing meanwhile") from None
+    except sqlite3.Error as e:
+      raise store_error(self.path, e) from None
+
+  # How long a call waits for another process's lock on the file.
+  timeout_s = 30.0
 
   @contextlib.contextmanager
   def _connect(self) -> Iterator[sqlite3.Connection]:
     # One short connection per call: several processes (a sweep, a run, the
     # CLI) share the file; the timeout waits out another writer's lock.
-    db = sqlite3.connect(self.path, timeout=30)
+    db = sqlite3.connect(self.path, timeout=self.timeout_s)
     db.row_factory = sqlite3.Row
     try:
       with db:   # commits, or rolls back on error
@@ -176,13 +180,16 @@ class RunStore:
     last checkpoint."""
     if status not in STATUSES[1:]:
       raise ValueError(f"status {status!r}; allowed: {STATUSES[1:]}")
-    with self._connect() as db:
+    with self._connect() as db:   # only a running row: an end is never rewritten
       updated = db.execute(
-          "UPDATE runs SET status = ?, end_time = ?, metrics = ?, checkpoint = ? WHERE id = ?",
+          "UPDATE runs SET status = ?, end_time = ?, metrics = ?, checkpoint = ? "
+          "WHERE id = ? AND status = 'running'",
           (status, time.time(), json.dumps(scalar_metrics(metrics or {})),
            None if checkpoint is None else os.fspath(checkpoint), run_id)).rowcount
     if not updated:
-      raise KeyError(f"no run {run_id} in {self.path}")
+      ended = self.get(run_id).status   # KeyError: no such run
+      logging.warning("run %d in %s already ended as %r; not recorded again as %r",
+                      run_id, self.path, ended, status)
 
   def get(self, run_id: int) -> Run:
     with self._connect() as db:
@@ -211,7 +218,11 @@ class RunStore:
     ("finished"), "failed" (an exception, re-raised), "preempted" (SIGTERM
     or a first Ctrl-C: interrupts.Preempted) or "killed" (a second Ctrl-C,
     SystemExit)."""
-    record = RunRecord(self.start(name, config, workdir, sweep=sweep))
+    try:
+      record = RunRecord(self.start(name, config, workdir, sweep=sweep))
+    except sqlite3.Error as e:   # bookkeeping never fails a run
+      logging.warning("this run is not recorded: %s", store_error(self.path, e))
+      record = RunRecord(id=-1)
     status = "failed"
     try:
       yield record
@@ -223,7 +234,35 @@ class RunStore:
       status = "killed"
       raise
     finally:
+      if record.id >= 0:
+        self._finish_or_warn(record, status)
+
+  def _finish_or_warn(self, record: RunRecord, status: str) -> None:
+    """`finish`, where a locked or damaged store is a warning: the run's
+    result (its workdir, checkpoints, metrics) stands either way."""
+    try:
       self.finish(record.id, status, record.metrics, record.checkpoint)
+    except (sqlite3.Error, KeyError) as e:
+      error = store_error(self.path, e) if isinstance(e, sqlite3.Error) else e
+      logging.warning("the end of run %d (%s) is not recorded: %s; the run's "
+                      "workdir holds its result", record.id, status, error)
+
+
+def store_error(path: Path, error: sqlite3.Error) -> RunStoreError:
+  """The RunStoreError of a failed call on the store at `path`: "locked"
+  (another process holds it: wait, nothing is wrong with it) told apart
+  from "unreadable" (damaged: move it aside)."""
+  text = str(error)
+  if "locked" in text or "busy" in text:
+    return RunStoreError(
+        f"the run store {path} is locked by another process (a long "
+        f"`sqlite3` session, a sweep, a copy in progress?): {text}. The store "
+        "is not damaged: do not move it; runs are recorded again once it is "
+        "released")
+  return RunStoreError(
+      f"the run store {path} is unreadable ({text}): move it aside "
+      f"(mv {path} {path}.bad) and a new one is started; "
+      "training records nothing meanwhile")
 
 
 def observed(runs: Sequence[Run]) -> list[Run]:
@@ -333,63 +372,3 @@ def compare_runs(runs: Sequence[Run]) -> str:
   rows += [(f"config.{k}", *(c.get(k) for c in configs)) for k in differing]
   rows += [(m, *(r.metrics.get(m) for r in runs)) for m in metrics]
   return format_table(("run", *(str(r.id) for r in runs)), rows)
-
-
-# ----------------------------------------------------------------------------
-# Named experiments: configs/*.py.
-# ----------------------------------------------------------------------------
-
-def _load_module(path: Path):
-  spec = importlib.util.spec_from_file_location(f"_grpo_jax_config_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def experiment_description(path: os.PathLike) -> str:
-  """The first line of a config file's docstring, else `get_config().description`
-  (the file is only imported when it has no docstring)."""
-  path = Path(path)
-  doc = ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
-  if doc and doc.strip():
-    return doc.strip().splitlines()[0]
-  config = _load_module(path).get_config()
-  return str(getattr(config, "description", "") or "")
-
-
-def config_variants(path: os.PathLike) -> list[tuple[str, str]]:
-  """[(variant, description)] from a config file's module-level `VARIANTS`
-  (config.VARIANTS), read without importing: a dict literal {variant:
-  function} gives each function's docstring (first line), else the
-  expression that makes it (e.g. `_loss('gspo', ...)`); a tuple of names
-  gives the names ("", the default alone, is not listed)."""
-  tree = ast.parse(Path(path).read_text(), filename=str(path))
-  docs = {n.name: (ast.get_docstring(n) or "").strip()
-          for n in tree.body if isinstance(n, ast.FunctionDef)}
-  for node in tree.body:
-    if not (isinstance(node, ast.Assign)
-            and any(getattr(t, "id", "") == "VARIANTS" for t in node.targets)):
-      continue
-    if isinstance(node.value, ast.Dict):
-      out = []
-      for key, value in zip(node.value.keys, node.value.values):
-        doc = docs.get(getattr(value, "id", ""), "")
-        out.append((key.value, doc.splitlines()[0] if doc
-                    else ast.unparse(value)))
-      return out
-    if isinstance(node.value, (ast.Tuple, ast.List)):
-      return [(e.value, "") for e in node.value.elts
-              if isinstance(e, ast.Constant) and e.value]
-  return []
-
-
-def list_experiments(configs_dir: os.PathLike = "configs") -> list[tuple[str, str]]:
-  """[(name, one-line description)] of every `configs/*.py` (not `_*.py`)
-  and of each variant its `VARIANTS` names (`name:variant`), sorted by
-  name; `python experiments/run.py --list` prints these."""
-  out = []
-  for p in sorted(Path(configs_dir).glob("*.py")):
-    if not p.name.startswith("_"):
-      out.append((p.stem, experiment_description(p)))
-      out.extend((f"{p.stem}:{v}", d) for v, d in config_variants(p))
-  return out

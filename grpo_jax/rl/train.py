@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import evaluation, registry
+from grpo_jax import checkpoint, evaluation, registry
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.data.iterator import BatchIterator
@@ -92,6 +92,7 @@ class _Run(NamedTuple):
   eval_examples: list
   sampler: sampling.Sampler   # on sampler_layout; its page pool kept all run
   base_identity: Any = None   # LoRA: experiment.base_identity, saved
+  init_from: str = ""   # the step directory the run started from, saved
 
 
 def policy(r: _Run, params, dtype: str):
@@ -136,15 +137,35 @@ def _setup(config, workdir: str):
                              init_state(params, spec.optimizer, spec.seed))
   del params
   state, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
-                                                    state)
+                                                    state, check_steps=True)
   if identity is not None and resumed is not None:
     experiment.check_base(host, identity, str(ckpt.step_path(resumed)))
+  init_from = host.get("init_from", "")
+  if resumed is not None and config.init_from and not init_from:
+    directory, step = checkpoint.find_step(config.init_from)   # an older checkpoint's run
+    init_from = str(directory / str(step))
+  if ref_params is not None and base is None:
+    ref_params = start_reference(config, state, ref_params, resumed, init_from)
   program = spec.update.program(model_config, spec.optimizer, layout)
   run = _Run(spec, model_config, tokenizer, layout, sampler_layout, ckpt,
              program, Frozen(base, ref_params), eval_examples,
              sampling.Sampler(model_config, spec.sampling, sampler_layout,
-                              sampling.PagePools()), identity)
+                              sampling.PagePools()), identity, init_from)
   return run, state, host, resumed, train_examples
+
+
+def start_reference(config, state, pretrained, resumed: int | None,
+                    init_from: str):
+  """π_ref (rl.kl_reference): "model", `pretrained` (model.source's
+  weights); "start", the policy the run started from: init_from's
+  parameters when the run started from another run's checkpoint (a copy of
+  the fresh state's, or loaded again from `init_from` on resume), else
+  `pretrained`."""
+  if config.rl.kl_reference == "model" or not init_from:
+    return pretrained
+  if resumed is None:
+    return sharding_lib.copy_tree(state.params)
+  return checkpoint.load_params(init_from, pretrained)
 
 
 def sample_step(r: _Run, compute, prompts, step_key
@@ -230,8 +251,7 @@ def run(config, workdir: str) -> dict:
   saved policy cannot regenerate; later rows are regenerated exactly.
   """
   r, state, host, resumed, train_examples = _setup(config, workdir)
-  start = r.spec.batch.steps_done(int(state.step))
-  preflight.check_resume_step(start, config, workdir)
+  start = done = resumed or 0   # the checkpoint's step is the steps completed
   data = (BatchIterator.from_state(train_examples, host["data"])
           if "data" in host else
           BatchIterator(train_examples, r.spec.batch.prompts,
@@ -262,6 +282,8 @@ def run(config, workdir: str) -> dict:
     out = {**rollouts.host_state(done, wait), "summary": summary}
     if r.base_identity is not None:
       out["lora_base"] = r.base_identity
+    if r.init_from:
+      out["init_from"] = r.init_from
     return out
 
   interrupts.defer_to_step_boundary()
@@ -274,6 +296,7 @@ def run(config, workdir: str) -> dict:
       state = state._replace(key=jax.random.key_data(key))
       state, metrics = learn(r, state, batch.groups, batch.metrics,
                              step)
+      done = step + 1
       metrics.update(rollouts.publish(step + 1, state.params))
       metrics["time/step"] = time.perf_counter() - t_step
       metrics["tokens_per_second"] = metrics["sample/tokens"] / max(
@@ -314,8 +337,7 @@ def run(config, workdir: str) -> dict:
         interrupts.mark_preempted(step + 1, str(r.ckpt.step_path(step + 1)))
         break
   except async_rollouts.SamplerError:
-    # the last completed update is saved, with the rows finished so far
-    done = r.spec.batch.steps_done(int(state.step))
+    # the last completed step is saved, with the rows finished so far
     if done > start:
       r.ckpt.save(done, state, host_state(done, wait=False), force=True)
     progress.close()
@@ -326,7 +348,7 @@ def run(config, workdir: str) -> dict:
     rollouts.close()
   progress.close()
   r.ckpt.close()
-  finished = r.spec.batch.steps_done(int(state.step)) == config.train.steps
+  finished = done == config.train.steps
   if finished and config.train.eval_at_end and r.eval_examples:
     summary["eval_after"] = evaluate(config.train.steps)["eval/greedy_accuracy"]
   writer.close()

@@ -35,6 +35,7 @@ _CHOICES = {
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),
+    "rl.kl_reference": ("start", "model"),      # π_ref: the run's start | model.source
     "optim.schedule": ("constant", "cosine"),
     "model.attention": attention.ATTENTION,
     "train.on_non_finite": ("stop", "skip"),
@@ -239,6 +240,13 @@ def _check_ranges(config: ConfigDict) -> None:
                       f"{list(_NO_GROUP_ADVANTAGES)})")
   groups.check_policy_loss(rl)
   groups.check_advantage(rl)
+  if (config.method == "rl" and rl.kl_beta > 0 and rl.kl_reference == "start"
+      and config.init_from and config.model.lora.rank > 0):
+    raise ConfigError(
+        "config field 'rl.kl_reference' = 'start' with init_from and LoRA "
+        "(model.lora.rank > 0): LoRA's reference is the base with the "
+        "adapters off, not init_from's adapters; set "
+        "--config.rl.kl_reference=model to use the base on purpose")
   if rl.micro_batch_tokens < 0:
     raise ConfigError(f"config field 'rl.micro_batch_tokens' = "
                       f"{rl.micro_batch_tokens} must be >= 0 (0: off)")

@@ -1,0 +1,299 @@
+"""Nothing lost, nothing silently wrong (issue 46).
+
+One test per class of fault: an export never replaces a run; a resume
+refuses every change it cannot honour (one list, by class) and writes
+config.yaml only once its checks pass; π_ref is the policy the run starts
+from (init_from included); the run store's locks and damage are warnings
+that keep the run's result; sizes past what a run can use, and the user
+errors of this round's features, are one line naming the field.
+"""
+import json
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from grpo_jax import checkpoint, errors
+from grpo_jax.checkpoint import integrity
+from grpo_jax.config import base_config
+from grpo_jax.harness import cli, experiment, outdir, runs
+from grpo_jax.rl import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def quiet_tiny(**train_fields):
+  config = tiny.get_config()
+  config.train.update(dict(eval_at_start=False, eval_at_end=False, **train_fields))
+  return config
+
+
+def rows_of(workdir):
+  return [json.loads(line) for line in open(Path(workdir) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """What a finished 2-step tiny run leaves (checkpoints at steps 1 and 2
+  with its config, metrics.jsonl, config.yaml, the lock file), written
+  without training: what these tests read is the files."""
+  from grpo_jax.harness import workdir_lock
+  from grpo_jax.models import get_preset
+  workdir = tmp_path_factory.mktemp("nothing_lost") / "run"
+  config = quiet_tiny(steps=2, checkpoint_every=1)
+  with workdir_lock.hold(str(workdir)):
+    experiment.write_config(config, str(workdir))
+    ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(workdir), save_every=1,
+                                   config=config, model_config=get_preset("tiny"),
+                                   handle_sigterm=False)
+    for step in (1, 2):
+      ckpt.save(step, {"w": np.full(3, step, np.float32)}, {}, force=True)
+    ckpt.close()
+    (workdir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": 0.5}) + "\n" for step in (1, 2)))
+  return workdir
+
+
+# ----------------------------------------------------------------------------
+# 1. An export never replaces what holds a run; evaluation writes atomically.
+# ----------------------------------------------------------------------------
+
+def test_export_never_replaces_a_run_whatever_overwrite_says(finished_run, tmp_path):
+  store_root = tmp_path / "store"
+  runs.RunStore(store_root)
+  step = finished_run / "checkpoints" / "2"
+  assert (step / "_CHECKPOINT_METADATA").exists()   # what orbax writes per step
+  for out in (finished_run, finished_run / "checkpoints", step, step / "hf",
+              finished_run.parent, store_root):
+    before = sorted(p.name for p in finished_run.rglob("*"))
+    with pytest.raises(errors.OutputExistsError, match="holds a run's work"):
+      outdir.check_empty(out, overwrite=True)
+    with pytest.raises(errors.OutputExistsError):
+      with outdir.staged(out) as staging:
+        (staging / "config.json").write_text("{}")
+    assert sorted(p.name for p in finished_run.rglob("*")) == before
+  # An ordinary export directory (or a new one inside the run's workdir) is fine.
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "config.json").write_text("{}")
+  outdir.check_empty(tmp_path / "hf", overwrite=True)
+  outdir.check_empty(finished_run / "export", overwrite=False)
+
+
+def test_export_command_refuses_the_workdir_in_one_line(finished_run):
+  before = sorted(p.name for p in finished_run.rglob("*"))
+  out = subprocess.run(
+      [sys.executable, "experiments/export.py", f"--workdir={finished_run}",
+       f"--out={finished_run}", "--overwrite"], cwd=REPO, capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1].startswith("error: --out")
+  assert "Traceback" not in out.stderr
+  assert sorted(p.name for p in finished_run.rglob("*")) == before
+
+
+# ----------------------------------------------------------------------------
+# 2. Resume: one list of what may not change, by class; config.yaml after.
+# ----------------------------------------------------------------------------
+
+# One field of each refused class, and a value that differs from base_config's.
+_ONE_PER_CLASS = {
+    "the saved state": ("optim.learning_rate", 1e-5),
+    "the updates per step": ("rl.num_updates", 2),
+    "the training data": ("seed", 7),
+    "the rows in flight": ("rollout.max_staleness", 1),
+    "the evaluation": ("train.eval_examples", 3),
+    "the KL reference": ("init_from", "/elsewhere"),
+}
+
+
+def _set(config, field, value):
+  *groups, name = field.split(".")
+  node = config
+  for g in groups:
+    node = node[g]
+  node[name] = value
+
+
+def test_every_refused_class_is_refused_and_named(tmp_path):
+  from grpo_jax.models import get_preset
+  assert set(_ONE_PER_CLASS) == set(integrity.RESUME_REFUSED)
+  ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(tmp_path), save_every=1,
+                                 config=base_config(), model_config=get_preset("tiny"),
+                                 handle_sigterm=False)
+  ckpt.save(1, {"w": np.ones(3, np.float32)}, {}, force=True)
+  ckpt.close()
+  for name, (field, value) in _ONE_PER_CLASS.items():
+    changed = base_config()
+    _set(changed, field, value)
+    with pytest.raises(errors.UnsafeResumeError, match=f"{field}: .* now \\({name}\\)"):
+      checkpoint.Checkpointer(checkpoint.checkpoint_dir(tmp_path), save_every=1,
+                              config=changed, handle_sigterm=False)
+  may_change = base_config()   # what may change: run length, logging, a loss knob, speed
+  may_change.train.steps, may_change.train.log_every, may_change.rl.eps_high = 9, 2, 0.2
+  may_change.sampling.stop_check_every, may_change.rollout.timeout_s = 4, 60.0
+  checkpoint.Checkpointer(checkpoint.checkpoint_dir(tmp_path), save_every=1,
+                          config=may_change, handle_sigterm=False).close()
+
+
+@pytest.mark.parametrize("field,value", [("rl.num_updates", 2), ("rl.mini_batch_size", 4),
+                                         ("rollout.max_staleness", 1)])
+def test_a_refused_resume_trains_nothing_and_keeps_config_yaml(finished_run, tmp_path,
+                                                                field, value):
+  import shutil
+  workdir = tmp_path / "run"
+  shutil.copytree(finished_run, workdir)
+  config_yaml = (workdir / "config.yaml").read_text()
+  rows = rows_of(workdir)
+  config = quiet_tiny(steps=4, checkpoint_every=1)
+  _set(config, field, value)
+  if field == "rollout.max_staleness":
+    config.rl.old_logp, config.rl.rollout_correction.is_level = "recompute", "token"
+  with pytest.raises(errors.UnsafeResumeError, match=field):
+    train.run(config, str(workdir))
+  assert (workdir / "config.yaml").read_text() == config_yaml
+  assert rows_of(workdir) == rows
+  assert checkpoint.latest_step(checkpoint.checkpoint_dir(workdir)) == 2
+
+
+# ----------------------------------------------------------------------------
+# 3. π_ref is the policy the run starts from.
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+  """A fine-tuned starting point as STaR / SFT leaves one ({"params"} under
+  <workdir>/checkpoints): model.source's weights moved."""
+  workdir = tmp_path_factory.mktemp("sft") / "sft"
+  config = tiny.get_config()
+  model_config, params = experiment.load_model(config)
+  keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(params))))
+  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype),
+                        params)
+  ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(workdir), save_every=0,
+                                 config=config, model_config=model_config,
+                                 handle_sigterm=False)
+  ckpt.save(1, {"params": params}, {"history": []}, force=True)
+  ckpt.close()
+  return workdir
+
+
+@pytest.mark.parametrize("reference", ["start", "model"])
+def test_kl_is_zero_at_step_1_against_the_policy_the_run_starts_from(
+    sft_checkpoint, tmp_path, reference):
+  config = quiet_tiny(steps=1)
+  config.init_from = str(sft_checkpoint)
+  config.rl.kl_beta, config.rl.kl_reference = 0.1, reference
+  train.run(config, str(tmp_path / "rl"))
+  kl = rows_of(tmp_path / "rl")[0]["kl"]
+  if reference == "start":   # before any update the policy is π_ref itself
+    assert kl == pytest.approx(0.0, abs=1e-7)
+  else:                      # model.source's weights, on purpose
+    assert kl > 1e-4
+
+
+@pytest.mark.slow   # two runs, ~20-40 s
+def test_a_resumed_run_keeps_its_start_as_the_reference(sft_checkpoint, tmp_path):
+  config = quiet_tiny(steps=1, checkpoint_every=1)
+  config.init_from = str(sft_checkpoint)
+  config.rl.kl_beta, config.optim.learning_rate = 0.1, 0.0   # the policy stays the start
+  workdir = tmp_path / "rl"
+  train.run(config, str(workdir))
+  config.train.steps = 2
+  train.run(config, str(workdir))   # resumed: π_ref loaded again from init_from
+  assert [r["step"] for r in rows_of(workdir)] == [1, 2]   # from the checkpoint's step
+  assert rows_of(workdir)[1]["kl"] == pytest.approx(0.0, abs=1e-7)
+  text = (workdir / "config.yaml").read_text()
+  assert text.startswith("# Output: the resolved config") and "steps: 2" in text
+
+
+def test_lora_with_init_from_names_the_reference_field():
+  config = tiny.get_config()
+  config.init_from, config.rl.kl_beta, config.model.lora.rank = "/x", 0.1, 2
+  with pytest.raises(errors.ConfigError, match="rl.kl_reference"):
+    from grpo_jax import validation
+    validation.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# 4. Bookkeeping never fails a run.
+# ----------------------------------------------------------------------------
+
+def _lock(store: runs.RunStore) -> sqlite3.Connection:
+  """Another process's write lock on the store (an open write transaction)."""
+  db = sqlite3.connect(store.path, isolation_level=None)
+  db.execute("BEGIN EXCLUSIVE")
+  return db
+
+
+def test_a_locked_store_is_a_warning_that_keeps_the_result(tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr(runs.RunStore, "timeout_s", 0.05)
+  store = runs.RunStore(tmp_path)
+  with store.record("ends-locked", {"a": 1}) as record:
+    holder = _lock(store)   # taken while the run trains
+    record.metrics = {"accuracy": 0.5}
+  holder.rollback()
+  assert "is not recorded" in caplog.text and "locked by another process" in caplog.text
+  assert "mv " not in caplog.text   # locked is not damaged: nothing to move
+  holder = _lock(store)
+  with caplog.at_level(logging.WARNING):
+    with store.record("starts-locked", {}) as record:
+      record.metrics = {"accuracy": 1.0}
+  holder.rollback()
+  holder.close()
+  assert record.id == -1 and "this run is not recorded" in caplog.text
+  with pytest.raises(errors.RunStoreError, match="locked by another process"):
+    held = _lock(store)
+    try:
+      runs.RunStore(tmp_path)
+    finally:
+      held.close()
+
+
+def test_a_damaged_store_says_move_it_aside(tmp_path):
+  (tmp_path / runs.DB_NAME).write_bytes(b"not a database" * 100)
+  with pytest.raises(errors.RunStoreError, match="unreadable .* move it aside"):
+    runs.RunStore(tmp_path)
+
+
+def test_a_finished_run_is_never_restatused(tmp_path, caplog):
+  store = runs.RunStore(tmp_path)
+  run_id = store.start("once", {})
+  store.finish(run_id, "finished", {"accuracy": 1.0})
+  with caplog.at_level(logging.WARNING):
+    store.finish(run_id, "failed", {})
+  assert store.get(run_id).status == "finished"
+  assert store.get(run_id).metrics == {"accuracy": 1.0}
+  assert "already ended as 'finished'" in caplog.text
+
+
+# ----------------------------------------------------------------------------
+# 7. One line per user error.
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code,text", [(28, "No space left on device"),
+                                       (122, "Disk quota exceeded"),
+                                       (27, "File too large")])
+def test_a_full_disk_is_recognised_however_the_os_says_it(code, text, tmp_path):
+  error = RuntimeError("save failed")
+  error.__cause__ = OSError(code, os.strerror(code))
+  message = cli.describe(error, str(tmp_path))
+  assert message.startswith(f"disk full ({text})")
+  assert cli.describe(RuntimeError(f"write: [Errno {code}] {text}")).startswith("disk full")
+
+
+def test_a_tilde_in_a_path_flag_is_the_home_directory(monkeypatch):
+  from absl import flags
+  values = flags.FlagValues()
+  flags.DEFINE_string("workdir", None, "", flag_values=values)
+  flags.DEFINE_string("out", None, "", flag_values=values)
+  values(["prog", "--workdir=~/runs/x", "--out=rel/~x"])
+  cli.expand_user_paths(values)
+  assert values.workdir == os.path.expanduser("~/runs/x") and not values.workdir.startswith("~")
+  assert values.out == "rel/~x"
