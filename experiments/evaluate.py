@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
-from grpo_jax.harness import cli
+from grpo_jax.harness import cli, interrupts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Run workdir, checkpoints "
@@ -55,7 +55,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None:
     raise app.UsageError("--config is required")
-  with cli.user_errors():
+  # SIGTERM / Ctrl-C stop at once (nothing half-written: the results file
+  # is replaced whole), in one line, with status 143 / 130.
+  with cli.user_errors(exit_hard=True), interrupts.handle_signals():
     _evaluate(_CONFIG.value)
 
 
@@ -74,6 +76,12 @@ def _evaluate(config):
   # Before any work: evaluating everything and then failing to write loses it.
   outdir.check_writable(os.path.join(workdir, "eval"), "the eval directory (--workdir)")
   examples = experiment.load_examples(config)[1][:config.train.eval_examples]
+  if not examples:
+    from grpo_jax.errors import ConfigError
+    raise ConfigError(
+        f"nothing to evaluate: config field 'train.eval_examples' = "
+        f"{config.train.eval_examples} (of data.eval_source's examples); set it "
+        "to how many held-out problems to evaluate, e.g. --config.train.eval_examples=200")
   tokenizer = experiment.load_tokenizer(config)
   preflight.check_model(   # before the weights load
       config, experiment.policy_model_config(config, _CHECKPOINT.value,

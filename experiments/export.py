@@ -29,7 +29,7 @@ from absl import (
 )
 
 from grpo_jax import checkpoint
-from grpo_jax.harness import cli, lora_export, outdir
+from grpo_jax.harness import cli, interrupts, lora_export, outdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run workdir (or checkpoint dir).",
                                required=True)
@@ -49,7 +49,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)   # orbax logs every file at INFO
-  with cli.user_errors():
+  # SIGTERM / Ctrl-C stop at once: the staging directory is removed, --out
+  # is as it was; one line, status 143 / 130.
+  with cli.user_errors(exit_hard=True), interrupts.handle_signals():
     outdir.check_empty(_OUT.value, _OVERWRITE.value)   # before reading anything
     directory, step = checkpoint.find_step(_WORKDIR.value, _STEP.value)
     with outdir.staged(_OUT.value) as staging:

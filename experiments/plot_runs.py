@@ -4,7 +4,8 @@ r"""Plots runs side by side from their metrics.jsonl and prints their numbers.
       process=workdirs/grpo_process_local outcome=workdirs/grpo_outcome_local \
       --keys=accuracy,eval/greedy_accuracy
 
-One panel per metric against the training step; the table gives each
+Runs are `label=workdir` (a bare workdir is its own label; a label given
+twice is refused). One panel per metric against the training step; the table gives each
 metric's first and last value and its mean over the steps that logged it.
 """
 from __future__ import annotations
@@ -97,11 +98,30 @@ def plot(histories: dict[str, list[dict]], keys, png_path: str,
   plt.close(fig)
 
 
+def parse_runs(args) -> dict[str, str]:
+  """{label: workdir} of `label=workdir` arguments; a bare `workdir` is
+  labelled by itself. A label given twice is refused (the second would
+  hide the first)."""
+  runs: dict[str, str] = {}
+  for arg in args:
+    label, sep, workdir = arg.partition("=")
+    if not sep:
+      label, workdir = arg, arg
+    if not label or not workdir:
+      raise errors.ArgumentError(f"{arg!r}: give runs as label=workdir (or a workdir)")
+    if label in runs:
+      raise errors.ArgumentError(
+          f"the label {label!r} names two runs ({runs[label]} and {workdir}): give "
+          "each run its own label")
+    runs[label] = os.path.expanduser(workdir)
+  return runs
+
+
 def main(argv):
-  runs = dict(arg.split("=", 1) for arg in argv[1:])
-  if not runs or any(not v for v in runs.values()):
+  if len(argv) < 2:
     raise app.UsageError("give runs as label=workdir ...")
   with cli.user_errors():
+    runs = parse_runs(argv[1:])
     if _OUT.value:   # before any work
       if os.path.isdir(_OUT.value):
         raise errors.ArgumentError(f"--out {_OUT.value} is a directory; give a .png file")

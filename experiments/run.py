@@ -42,7 +42,7 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.join("workdirs", config.name)
   # SIGTERM / Ctrl-C: see grpo_jax/harness/interrupts.py (installed before the slow
   # imports, so a signal during start-up is recorded too).
-  with cli.user_errors(workdir), interrupts.handle_signals(
+  with cli.user_errors(workdir, exit_hard=True), interrupts.handle_signals(
       install=not _distributed(config)):
     summary = _run(config, workdir)
   for key in ("eval_before", "eval_after", "reward/mean", "plot"):

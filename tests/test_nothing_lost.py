@@ -10,9 +10,11 @@ errors of this round's features, are one line naming the field.
 import json
 import logging
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -297,3 +299,143 @@ def test_a_tilde_in_a_path_flag_is_the_home_directory(monkeypatch):
   cli.expand_user_paths(values)
   assert values.workdir == os.path.expanduser("~/runs/x") and not values.workdir.startswith("~")
   assert values.out == "rel/~x"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("model.lora", {"rank": 4}, r"'model.lora' lacks \['alpha'.*--config.model.lora.rank=4"),
+    ("data.kwargs", {"num_examples": 64, "levls": 1},
+     r"'data.kwargs.levls': did you mean 'data.kwargs.levels'"),
+    ("rollout.timeout_s", 1e12, r"'rollout.timeout_s' = 1000000000000.0 .* at most"),
+])
+def test_this_rounds_config_mistakes_name_the_field(field, value, message):
+  from grpo_jax import validation
+  config = tiny.get_config()
+  _set(config, field, value)
+  with pytest.raises(errors.ConfigError, match=message):
+    validation.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# 5. Every size has an upper bound; preflight holds one chunk of ids.
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields,message", [
+    ({"sampling.continuous_batching": True, "sampling.slots": 9},
+     r"'sampling.slots' = 9 is more than the 8 rows"),
+    ({"sampling.stop_check_every": 10 ** 6}, r"'sampling.stop_check_every' = 1000000 .* at most 8"),
+])
+def test_sampler_sizes_past_what_the_run_uses_are_refused(fields, message):
+  from grpo_jax import validation
+  config = tiny.get_config()   # 2 prompts x 4 completions, eval batches of 50 x 1... capped
+  config.eval.batch_size = 8
+  for field, value in fields.items():
+    _set(config, field, value)
+  with pytest.raises(errors.ConfigError, match=message):
+    validation.validate(config)
+
+
+def test_model_sized_bounds_lora_rank_and_pages():
+  from grpo_jax.harness import preflight
+  from grpo_jax.models import get_preset
+  model = get_preset("tiny")
+  config = tiny.get_config()
+  config.model.lora.rank = model.dim + 1
+  with pytest.raises(errors.ConfigError, match="'model.lora.rank'"):
+    preflight.check_model_sizes(config, model)
+  config.model.lora.rank = model.dim
+  config.sampling.update(continuous_batching=True, kv_cache="paged", pages=10 ** 7)
+  with pytest.raises(errors.ConfigError, match="'sampling.pages' = 10000000 is more"):
+    preflight.check_model_sizes(config, model)
+  config.sampling.pages = 64
+  preflight.check_model_sizes(config, model)
+
+
+def test_preflight_tokenises_a_chunk_at_a_time_keeping_lengths():
+  from grpo_jax.harness import preflight
+  from grpo_jax.models.byte_tokenizer import byte_tokenizer
+  tokenizer, calls = byte_tokenizer(), []
+  encode = tokenizer.encode_batch
+
+  def counted(texts):
+    calls.append(len(texts))
+    return encode(texts)
+  tokenizer.encode_batch = counted
+  n = 2 * preflight.CHUNK + 5
+  texts = (("x" * (40 if i == preflight.CHUNK + 3 else 3)) for i in range(n))   # a generator
+  index, length = preflight.longest_prompt(tokenizer, texts)
+  assert index == preflight.CHUNK + 3 and length == len(encode(["x" * 40])[0])
+  assert calls == [preflight.CHUNK, preflight.CHUNK, 5]
+  assert preflight.longest_prompt(tokenizer, []) is None
+
+
+def test_plot_runs_keeps_a_bare_workdir_and_refuses_a_label_twice():
+  sys.path.insert(0, str(REPO / "experiments"))
+  try:
+    import plot_runs
+  finally:
+    sys.path.remove(str(REPO / "experiments"))
+  assert plot_runs.parse_runs(["a=W1", "W2"]) == {"a": "W1", "W2": "W2"}
+  with pytest.raises(errors.ArgumentError, match="the label 'a' names two runs"):
+    plot_runs.parse_runs(["a=W1", "a=W2"])
+
+
+def test_a_sweep_label_longer_than_a_file_name_stays_one_per_point(tmp_path):
+  from grpo_jax.harness import sweeps
+  long = {"data.system_prompt": "x" * 400}
+  other = {"data.system_prompt": "x" * 399 + "y"}
+  a, b = sweeps.sweep_workdir(tmp_path, 0, long), sweeps.sweep_workdir(tmp_path, 0, other)
+  assert a != b and len(a.name) <= 3 + sweeps.MAX_LABEL
+  a.mkdir()   # a name the file system takes
+  short = {"rl.eps_high": 0.28}
+  assert sweeps.sweep_workdir(tmp_path, 1, short).name == "01_rl.eps_high=0.28"
+
+
+def test_aot_model_directory_without_config_json_is_a_config_error(tmp_path):
+  from grpo_jax.aot import programs
+  with pytest.raises(errors.ConfigError, match="directory without config.json"):
+    programs.model_config_from_source(str(tmp_path))
+
+
+def test_a_list_ground_truth_is_its_one_answer_and_several_are_refused():
+  from grpo_jax.data import layouts
+  row = {"prompt": [{"role": "user", "content": "1+1?"}],
+         "reward_model": {"ground_truth": np.array(["2"])}}
+  assert layouts.dapo_math_example(row, "row 1").answer == "2"
+  row["reward_model"]["ground_truth"] = ["2", "3"]
+  with pytest.raises(errors.DataError, match="row 1: .* list of 2 answers"):
+    layouts.dapo_math_example(row, "row 1")
+
+
+# ----------------------------------------------------------------------------
+# 6. A signal at any moment ends cleanly.
+# ----------------------------------------------------------------------------
+
+def _catches_sigterm(pid: int) -> bool:
+  """Whether the process has a SIGTERM handler installed (Linux /proc)."""
+  try:
+    status = Path(f"/proc/{pid}/status").read_text()
+  except OSError:
+    return False
+  caught = int(next(l for l in status.splitlines() if l.startswith("SigCgt:")).split()[1], 16)
+  return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_sigterm_while_evaluate_starts_is_one_line_and_143(tmp_path):
+  proc = subprocess.Popen(
+      [sys.executable, "experiments/evaluate.py", f"--config={REPO / 'configs' / 'tiny.py'}",
+       f"--workdir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  try:
+    deadline = time.time() + 120
+    while not _catches_sigterm(proc.pid) and proc.poll() is None and time.time() < deadline:
+      time.sleep(0.01)
+    time.sleep(1.0)   # into the imports, the data, the model and its compile
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+  assert "Traceback" not in stderr
+  assert not list(tmp_path.rglob("*.json"))   # nothing half-written

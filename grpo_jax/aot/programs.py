@@ -103,8 +103,13 @@ def model_config_from_source(source: str) -> ModelConfig:
   if source in model_config_lib.preset_names():
     return model_config_lib.get_preset(source)
   path = Path(source)
-  if path.is_dir() or path.name == "config.json":
-    return hf.read_config(path)
+  config_json = path / "config.json" if path.is_dir() else path
+  if config_json.name == "config.json" and config_json.is_file():
+    return hf.read_config(config_json)
+  if path.is_dir():
+    raise ConfigError(f"config field 'model.source' = {source!r} is a directory "
+                      "without config.json: the model's shapes are read from it; "
+                      "give the Hugging Face model directory, or a preset name")
   raise ConfigError(f"config field 'model.source' = {source!r}: give a preset "
                     f"({', '.join(model_config_lib.preset_names())}) or a "
                     "directory holding config.json")

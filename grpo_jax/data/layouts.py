@@ -173,8 +173,23 @@ def dapo_math_example(record: Mapping[str, Any], where: str,
   extra = record.get("extra_info") or {}
   meta = {"data_source": record.get("data_source"), "index": extra.get("index")}
   question = strip_answer_instructions(prompt) if strip_instructions else prompt
-  return Example(question=question, answer=str(gold).strip(),
+  return Example(question=question, answer=_gold_text(gold, where),
                  meta={k: v for k, v in meta.items() if v is not None})
+
+
+def _gold_text(gold: Any, where: str) -> str:
+  """`reward_model.ground_truth` as the answer text: a value, or a list
+  (a parquet array) of exactly one; several golds are refused, naming the
+  row (their text, "['2', '3']", would never match an answer)."""
+  if hasattr(gold, "tolist") and not isinstance(gold, (str, bytes)):
+    gold = gold.tolist()
+  if isinstance(gold, (list, tuple)):
+    if len(gold) != 1:
+      raise DataError(f"{where}: field 'reward_model.ground_truth' is a list of "
+                      f"{len(gold)} answers {gold!r}; one answer per row is supported "
+                      "(a list of one is read as that answer)")
+    gold = gold[0]
+  return str(gold).strip()
 
 
 @register("layout", "aime")

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding
+from grpo_jax.errors import ConfigError
 from grpo_jax.generate import continuous, decoding, padded, page_pool, paged_slots
 from grpo_jax.models import paged, transformer
 from grpo_jax.models.config import ModelConfig
@@ -211,8 +212,8 @@ def pool_pages(sampling: SamplingConfig, real_len_b: np.ndarray, prompts: int,
     return max(need, prompts // shards * (prompt_len // Z)
                + slots // shards * row)
   if sampling.pages < need:
-    raise ValueError(
-        f"sampling.pages = {sampling.pages} pages of {Z} columns per row shard "
+    raise ConfigError(   # a user error (one line), a ValueError too
+        f"config field 'sampling.pages' = {sampling.pages} pages of {Z} columns per row shard "
         f"cannot hold this call: its prompts take {prompt_pages} pages on "
         f"the fullest shard and one row of {prompt_len} + {T} columns "
         f"{row}; use at least {need} (or 0: automatic)")

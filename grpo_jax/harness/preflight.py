@@ -11,12 +11,14 @@ made before the work they protect, each naming the field and what to do.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from grpo_jax import validation
 from grpo_jax.data import templates
 from grpo_jax.errors import ConfigError
 
@@ -26,7 +28,7 @@ def tokenizer_source(config) -> str:
 
 
 def check_model(config, model_config, tokenizer,
-                prompts: Mapping[str, Sequence[str]] | None = None,
+                prompts: Mapping[str, Iterable[str]] | None = None,
                 where: str = "config.model") -> None:
   """Raises ConfigError if the tokenizer can produce ids the model has no
   embedding for, or if a prompt of `prompts` (what gave them -> the rendered
@@ -41,12 +43,35 @@ def check_model(config, model_config, tokenizer,
         "its ids would index past the embedding. Use the model's own tokenizer "
         "(--config.model.tokenizer= empty, or the config the model was trained "
         "with).")
+  check_model_sizes(config, model_config, where)
   _check_context(config, model_config.max_seq_len, tokenizer, prompts or {},
                  where)
 
 
+def check_model_sizes(config, model_config, where: str = "config.model") -> None:
+  """The sizes whose upper bound is the model's: a LoRA rank above the
+  hidden size adds nothing a full matrix would not (and costs its memory);
+  more pages per row shard than every row of the largest sampler call and
+  its prompt can take at the model's whole context are never used."""
+  rank, dim = config.model.lora.rank, model_config.dim
+  if rank > dim:
+    raise ConfigError(
+        f"config field 'model.lora.rank' = {rank} is above the hidden size {dim} "
+        f"of the model of {where}: use at most {dim} (or 0: full fine-tuning)")
+  s = config.sampling
+  if s.kv_cache == "paged" and s.pages:
+    rows = validation.sampler_rows(config)
+    most = 2 * rows * -(-model_config.max_seq_len // s.page_size)
+    if s.pages > most:
+      raise ConfigError(
+          f"config field 'sampling.pages' = {s.pages} is more than this run can "
+          f"use: {rows} rows (and their prompts) at the model's whole context of "
+          f"{model_config.max_seq_len} tokens take at most {most} pages of "
+          f"{s.page_size}; use at most {most} (or 0: automatic)")
+
+
 def _check_context(config, context: int, tokenizer,
-                   prompts: Mapping[str, Sequence[str]], where: str) -> None:
+                   prompts: Mapping[str, Iterable[str]], where: str) -> None:
   """Prompt + completion positions within the model's context: the longest
   prompt of each set plus sampling.max_new_tokens (max position P + T - 1)."""
   T = config.sampling.max_new_tokens
@@ -56,11 +81,10 @@ def _check_context(config, context: int, tokenizer,
         f"prompt in the model's context of {context} tokens (ModelConfig."
         f"max_seq_len of {where}): lower it below {context}.")
   for source, texts in prompts.items():
-    if not texts:
+    longest = longest_prompt(tokenizer, texts)
+    if longest is None:
       continue
-    p_lengths = [len(ids) for ids in tokenizer.encode_batch(list(texts))]
-    i = int(np.argmax(p_lengths))
-    P = p_lengths[i]
+    i, P = longest
     if P + T > context:
       keep = f"only prompts of at most {context - T} tokens in the data"
       fix = (f"Lower sampling.max_new_tokens to {context - P} or less, or "
@@ -74,19 +98,55 @@ def _check_context(config, context: int, tokenizer,
           f"(ModelConfig.max_seq_len of {where}). {fix}.")
 
 
+# Prompts rendered and tokenised at a time: preflight's memory is one
+# chunk's ids, whatever the data set's size.
+CHUNK = 1024
+
+
+def longest_prompt(tokenizer, texts: Iterable[str]) -> tuple[int, int] | None:
+  """(index, tokens) of the first longest of `texts`, tokenised CHUNK at a
+  time and kept as lengths only; None when there are none."""
+  best, it = None, iter(texts)
+  for start in itertools.count(0, CHUNK):
+    chunk = list(itertools.islice(it, CHUNK))
+    if not chunk:
+      return best
+    lengths = [len(ids) for ids in tokenizer.encode_batch(chunk)]
+    i = int(np.argmax(lengths))
+    if best is None or lengths[i] > best[1]:
+      best = (start + i, lengths[i])
+
+
+class RenderedPrompts:
+  """The prompt texts of `examples`, rendered CHUNK at a time as they are
+  iterated (never all held)."""
+
+  def __init__(self, render: Callable[[Sequence[Any]], list[str]],
+               examples: Sequence[Any]):
+    self.render, self.examples = render, examples
+
+  def __len__(self) -> int:
+    return len(self.examples)
+
+  def __iter__(self) -> Iterator[str]:
+    for start in range(0, len(self.examples), CHUNK):
+      yield from self.render(self.examples[start:start + CHUNK])
+
+
 def data_prompts(config, tokenizer, train: Sequence[Any],
-                 held_out: Sequence[Any]) -> dict[str, list[str]]:
+                 held_out: Sequence[Any]) -> dict[str, RenderedPrompts]:
   """The prompts an RL run or an evaluation samples from (for
   `check_model`): every training and held-out example through data.template,
   data.system_prompt and the chat template, by the config fields that gave
-  them."""
+  them, rendered as they are checked."""
   d = config.data
   render = lambda examples: templates.render_prompts(
       tokenizer, d.template, [e.question for e in examples], d.system_prompt)
   return {f"the training data (data.source = {d.source!r}, data.kwargs)":
-              render(train),
+              RenderedPrompts(render, train),
           f"the held-out data (data.eval_source = "
-          f"{d.eval_source or d.source!r}, data.eval_kwargs)": render(held_out)}
+          f"{d.eval_source or d.source!r}, data.eval_kwargs)":
+              RenderedPrompts(render, held_out)}
 
 
 # Fields of a run's config that an evaluation of its checkpoint must keep:

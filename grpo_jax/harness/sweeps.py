@@ -15,6 +15,7 @@ re-running an interrupted sweep resumes each run from its own checkpoint.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import os
 import re
@@ -76,9 +77,19 @@ def label(overrides: Overrides) -> str:
   return "+".join(f"{k}={v}" for k, v in overrides.items()) or "base"
 
 
+# The longest label a workdir's name keeps (file names end at 255 bytes);
+# a longer one is cut and ends with a hash of the whole label.
+MAX_LABEL = 120
+
+
 def sweep_workdir(base: os.PathLike, index: int, overrides: Overrides) -> Path:
-  """`<base>/<index>_<label>`, the label made safe for a path."""
-  return Path(base) / f"{index:02d}_{re.sub(r'[^A-Za-z0-9._=+-]', '-', label(overrides))}"
+  """`<base>/<index>_<label>`, the label made safe for a path (a label
+  longer than MAX_LABEL cut there, with a hash of it: still one per point)."""
+  name = re.sub(r'[^A-Za-z0-9._=+-]', '-', label(overrides))
+  if len(name) > MAX_LABEL:
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    name = f"{name[:MAX_LABEL - 13]}-{digest}"
+  return Path(base) / f"{index:02d}_{name}"
 
 
 def override_flags(overrides: Overrides) -> list[str]:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 
+from grpo_jax.errors import ConfigError
 from grpo_jax.models import attention, decode, ragged, transformer
 from grpo_jax.models.config import ModelConfig
 
@@ -75,7 +76,7 @@ def resolve(impl: str, model_config: ModelConfig, backend: str = "") -> str:
   backend = backend or jax.default_backend()
   why = kernel_refuses(model_config, backend)
   if impl == "pallas" and why:
-    raise ValueError(f"sampling.paged_kernel = 'pallas': the TPU "
+    raise ConfigError(f"config field 'sampling.paged_kernel' = 'pallas': the TPU "
                      f"paged-attention kernel {why}; use 'reference' (or "
                      "'auto', which picks it)")
   if impl == "auto":

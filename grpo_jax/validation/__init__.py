@@ -9,3 +9,4 @@ names are importable from here.
 from __future__ import annotations
 
 from grpo_jax.validation.fields import unknown_field, validate
+from grpo_jax.validation.groups import sampler_rows

@@ -5,6 +5,7 @@ the allowed values, registry names, ranges and the fields that must agree;
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
 from typing import Any, Mapping
@@ -75,6 +76,14 @@ def _check_fields(config: ConfigDict, base: ConfigDict, prefix: str,
         continue
       if not isinstance(value, ConfigDict):
         raise ConfigError(f"config field {path!r} must be a group")
+      missing = [k for k in ref.keys() if k not in value]
+      if missing:   # e.g. --config.model.lora="{'rank': 4}" replaced the group
+        given = ", ".join(f"{k}={value[k]!r}" for k in value.keys())
+        raise ConfigError(
+            f"config field {path!r} lacks {missing}: a group given whole needs "
+            f"every field; set the ones you change one by one instead"
+            + (f" ({' '.join(f'--config.{path}.{k}={value[k]!r}' for k in value.keys())})"
+               if given else ""))
       _check_fields(value, ref, path + ".", open_fields)
     elif ref is not None and value is not None and not _same_kind(ref, value):
       raise ConfigError(f"config field {path!r} = {value!r} should be a "
@@ -156,6 +165,7 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
   if data_files:
     groups.check_data_paths(config.data)
   groups.check_layouts(config.data)
+  check_data_kwargs(config.data)
   if not config.model.source:
     raise ConfigError("config field 'model.source' is unset: give a preset "
                       "name (e.g. smollm2-135m-instruct), a Hugging Face model "
@@ -165,6 +175,7 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
     groups.check_star(config.star)
   groups.check_lora(config.model.lora)
   groups.check_rollout(config)
+  groups.check_sizes(config)
   return config
 
 
@@ -263,3 +274,19 @@ def _check_ranges(config: ConfigDict) -> None:
                       f"= {mini}")
 
 
+
+def check_data_kwargs(data: ConfigDict) -> None:
+  """data.kwargs and data.eval_kwargs name parameters of their reader (the
+  "dataset" registry's function): a misspelt keyword is refused at start,
+  naming the nearest parameters, instead of a TypeError once data loads."""
+  for field, source in (("data.kwargs", data.source),
+                        ("data.eval_kwargs", data.eval_source or data.source)):
+    if source not in registry.names("dataset"):
+      continue
+    params = inspect.signature(registry.lookup("dataset", source)).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+      continue
+    for key in data[field.split(".")[1]].keys():
+      if key not in params:
+        raise ConfigError(f"{unknown_field(f'{field}.{key}', sorted(params))} "
+                          f"(the keywords of the reader of data source {source!r})")

@@ -6,6 +6,7 @@ final answer evaluation reads, evaluation.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import ml_collections
 
@@ -38,9 +39,11 @@ def check_rollout(config: ConfigDict) -> None:
         f"[1, rollout.max_staleness + 1 = {r.max_staleness + 1}]: between two "
         "syncs the sampler's weights age by sync_every - 1 steps, which the "
         "staleness bound must cover")
-  if r.timeout_s <= 0:
+  if not 0 < r.timeout_s <= threading.TIMEOUT_MAX:
     raise ConfigError(f"config field 'rollout.timeout_s' = {r.timeout_s} "
-                      "must be > 0 (seconds the trainer waits for a batch)")
+                      "must be > 0 (seconds the trainer waits for a batch) and "
+                      f"at most {threading.TIMEOUT_MAX:.0f} (the longest wait "
+                      "Python's threads take)")
   if r.sampler_mesh and len(r.sampler_mesh) != len(config.mesh.axes):
     raise ConfigError(f"config field 'rollout.sampler_mesh' = "
                       f"{tuple(r.sampler_mesh)} needs one size per mesh axis "
@@ -249,3 +252,33 @@ def check_eval(e: ConfigDict) -> None:
     raise ConfigError(f"config fields 'eval.temperature'/'eval.top_p' = "
                       f"{e.temperature}/{e.top_p}: need temperature >= 0, "
                       f"0 < top_p <= 1")
+
+
+def sampler_rows(config: ConfigDict) -> int:
+  """The most rows one sampler call of this run can have: a step's B*G
+  (RL) or a STaR call's star.sample_batch prompts x star.samples_per_problem,
+  and an evaluation batch's eval.batch_size x max(eval.n, 1)."""
+  rows = config.eval.batch_size * max(config.eval.n, 1)
+  if config.method == "star":
+    return max(rows, config.star.sample_batch * config.star.samples_per_problem)
+  return max(rows, config.rl.prompts_per_step * config.rl.num_generations)
+
+
+def check_sizes(config: ConfigDict) -> None:
+  """Upper bounds of the sampler's sizes, against what the run can use:
+  cache slots beyond the most rows a call has (`sampler_rows`) are
+  allocated and never filled; a stop check every more decode steps than a
+  completion has runs past its end."""
+  s, rows = config.sampling, sampler_rows(config)
+  if s.continuous_batching and s.slots > rows:
+    raise ConfigError(
+        f"config field 'sampling.slots' = {s.slots} is more than the {rows} rows "
+        "the largest sampler call of this run has (RL: rl.prompts_per_step x "
+        "rl.num_generations; STaR: star.sample_batch x star.samples_per_problem; "
+        f"evaluation: eval.batch_size x eval.n): use at most {rows} (or 0: automatic)")
+  if s.stop_check_every > s.max_new_tokens:
+    raise ConfigError(
+        f"config field 'sampling.stop_check_every' = {s.stop_check_every} is more "
+        f"than sampling.max_new_tokens = {s.max_new_tokens}: a completion ends by "
+        f"then; use at most {s.max_new_tokens}")
+
