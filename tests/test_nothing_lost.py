@@ -439,3 +439,27 @@ def test_sigterm_while_evaluate_starts_is_one_line_and_143(tmp_path):
   assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM")
   assert "Traceback" not in stderr
   assert not list(tmp_path.rglob("*.json"))   # nothing half-written
+
+
+def test_a_lora_base_that_moved_resumes_and_one_that_is_gone_is_one_line(tmp_path):
+  saved = {"source": "/old/base", "dtype": "float32", "checksum": "c0ffee"}
+  experiment.check_base({"lora_base": saved}, {**saved, "source": "/new/base"}, "ckpt")
+  with pytest.raises(errors.UnsafeResumeError, match="trained on the base"):
+    experiment.check_base({"lora_base": saved}, {**saved, "checksum": "other"}, "ckpt")
+  ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(tmp_path), save_every=0,
+                                 handle_sigterm=False)
+  ckpt.save(1, {"w": np.ones(2, np.float32)}, {"lora_base": saved}, force=True)
+  ckpt.close()
+  config = tiny.get_config()
+  config.model.source = str(tmp_path / "moved_away")
+  with pytest.raises(errors.CheckpointError, match="is gone: give where it is now"):
+    experiment.load_lora_base(config, str(tmp_path), 1)
+
+
+def test_the_samplers_user_error_is_one_line():
+  from grpo_jax.rl import async_rollouts
+  stopped = async_rollouts.SamplerStopped(
+      "the sampler failed on step 1 (ConfigError: config field 'sampling.pages' = 3 ...)")
+  assert isinstance(stopped, async_rollouts.SamplerError)
+  assert cli.describe(stopped) == str(stopped)
+  assert cli.describe(async_rollouts.SamplerError("a bug")) is None   # keeps its traceback

@@ -110,8 +110,8 @@ def init_adapters(config, model_config: ModelConfig, layout) -> Params:
 
 def check_base(host: Mapping, identity: dict, where: str) -> None:
   """A resumed LoRA run's base must be the one its adapters were trained on."""
-  saved = host.get("lora_base")
-  if saved is not None and saved != identity:
+  saved = host.get("lora_base")   # a moved base (another source, same arrays) resumes
+  if saved is not None and {**saved, "source": ""} != {**identity, "source": ""}:
     raise errors.UnsafeResumeError(
         f"cannot resume from {where}: its LoRA adapters were trained on the "
         f"base {saved}, but this run's base is {identity}. Use the same "
@@ -136,6 +136,9 @@ def load_lora_base(config, source, step, base_source: str = ""):
         f"checkpoint {source} step {step} trained LoRA adapters but does not "
         "record its base (host state 'lora_base')")
   config.model.source = base_source or config.model.source
+  if os.sep in config.model.source and not os.path.exists(config.model.source):
+    raise errors.CheckpointError(f"the base {config.model.source!r} of the adapters of {source} "
+                                 "is gone: give where it is now (export.py --base=DIR)")
   config.model.compute_dtype = saved["dtype"]
   _, base = load_model(config)   # LoRA: in the compute dtype
   identity = base_identity(config, base)
@@ -295,12 +298,10 @@ def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
   pytree with a "params" entry (a TrainState, or {"params": ...}) that
   gives the shapes and shardings: this run's latest checkpoint (the whole
   state and its host state), else config.init_from's parameters (host
-  state {"init_from": its step directory}), else
-  `state` as it is (the pretrained weights). With `check_steps`, a resume
-  from past train.steps is refused (preflight.check_resume_step). Once the resume checks
-  passed (`ckpt`'s config comparison, this one), the config is written to
-  `<workdir>/config.yaml` on process 0: a refused resume leaves the
-  config that ran there."""
+  state {"init_from": its step directory}), else `state` as it is (the
+  pretrained weights). `check_steps`: a resume past train.steps is refused
+  (preflight.check_resume_step). Once the resume checks pass (`ckpt`'s, this
+  one) process 0 writes `<workdir>/config.yaml`: never a refused config."""
   how, where = checkpoint.resolve_init(workdir, config.init_from or None,
                                        config.model.source)
   if how == "resume" and check_steps:

@@ -57,6 +57,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from grpo_jax.errors import UserError
 from grpo_jax.generate import rollout
 from grpo_jax.rl.weight_sync import WeightStore, WeightSync
 
@@ -66,6 +67,11 @@ Params = Any
 class SamplerError(RuntimeError):
   """The sampler raised, hung, or its weights could not be synced: the run
   stops (after saving what the last completed update gives)."""
+
+
+class SamplerStopped(SamplerError, UserError):
+  """A SamplerError that is one line, no traceback: the sampler hung, or
+  raised a user error (a ConfigError such as too few sampling.pages)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,11 +338,12 @@ class Threaded(_Rollouts):
     while not ready():
       if self._error is not None:
         u, e = self._error
-        raise SamplerError(f"the sampler failed on step {u + 1} "
-                           f"({type(e).__name__}: {e})") from e
+        kind = SamplerStopped if isinstance(e, UserError) else SamplerError
+        raise kind(f"the sampler failed on step {u + 1} "
+                   f"({type(e).__name__}: {e})") from e
       left = deadline - time.monotonic()
       if left <= 0:
-        raise SamplerError(
+        raise SamplerStopped(
             f"the sampler is hung: no rows for {what} within "
             f"rollout.timeout_s = {self.settings.timeout_s:g} s")
       self._cond.wait(left)
