@@ -463,3 +463,14 @@ def test_the_samplers_user_error_is_one_line():
   assert isinstance(stopped, async_rollouts.SamplerError)
   assert cli.describe(stopped) == str(stopped)
   assert cli.describe(async_rollouts.SamplerError("a bug")) is None   # keeps its traceback
+
+
+def test_the_tpu_paged_kernel_off_a_tpu_is_refused_at_start():
+  from grpo_jax.harness import preflight
+  config = tiny.get_config()
+  config.sampling.update(continuous_batching=True, kv_cache="paged", paged_kernel="pallas")
+  with pytest.raises(errors.ConfigError, match="'sampling.paged_kernel' = 'pallas' .* cpu"):
+    preflight.check_backend(config, backend="cpu")
+  preflight.check_backend(config, backend="tpu")
+  config.sampling.paged_kernel = "auto"
+  preflight.check_backend(config, backend="cpu")

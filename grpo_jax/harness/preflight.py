@@ -16,6 +16,7 @@ import logging
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
+import jax
 import numpy as np
 
 from grpo_jax import validation
@@ -44,8 +45,22 @@ def check_model(config, model_config, tokenizer,
         "(--config.model.tokenizer= empty, or the config the model was trained "
         "with).")
   check_model_sizes(config, model_config, where)
+  check_backend(config)
   _check_context(config, model_config.max_seq_len, tokenizer, prompts or {},
                  where)
+
+
+def check_backend(config, backend: str = "") -> None:
+  """sampling.paged_kernel = 'pallas' is the TPU kernel: on another backend
+  (`backend`, default this process's) it fails in its lowering. Tests run
+  it interpreted on a CPU by calling the sampler directly."""
+  s = config.sampling
+  backend = backend or jax.default_backend()
+  if s.kv_cache == "paged" and s.paged_kernel == "pallas" and backend != "tpu":
+    raise ConfigError(
+        f"config field 'sampling.paged_kernel' = 'pallas' is the TPU kernel; this "
+        f"run's devices are {backend}: use 'auto' (the TPU kernel on a TPU) or "
+        "'reference'")
 
 
 def check_model_sizes(config, model_config, where: str = "config.model") -> None:
