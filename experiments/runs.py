@@ -9,6 +9,7 @@ The store is $GRPO_JAX_RUNS/runs.sqlite (default ./runs/runs.sqlite);
 --root overrides the directory.
 """
 import os
+import sqlite3
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +43,10 @@ def main(argv):
   with cli.user_errors():
     store = runs.RunStore(_ROOT.value, create=False)   # reading: never make one
     # As they stand: a run whose process died shows "died".
-    every = runs.observed(store.list())
+    try:
+      every = runs.observed(store.list())
+    except sqlite3.Error as e:   # locked (told apart) or damaged: one line
+      raise runs.store_error(store.path, e) from None
     wanted = {"name": _NAME.value, "sweep": _SWEEP.value, "status": _STATUS.value}
     selected = lambda: [r for r in every if all(
         v is None or getattr(r, k) == v for k, v in wanted.items())]

@@ -11,6 +11,7 @@ again resumes every run from its own checkpoint. Every run is recorded in
 the run store; `python experiments/runs.py list --sweep=<sweep>` finds them.
 """
 import os
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -75,7 +76,10 @@ def _sweep():
     print(f"sweep stopped: {e}; run the same sweep command again to resume "
           "(each point from its own checkpoint)", file=sys.stderr)
     sys.exit(e.exit_code)
-  recorded = [store.get(i) for i in ids]
+  try:   # a point the store could not record (locked: a warning) has id -1
+    recorded = [store.get(i) for i in ids if i >= 0]
+  except sqlite3.Error as e:
+    raise runs.store_error(store.path, e) from None
   print(runs.compare_runs(recorded))
   if any(r.status != "finished" for r in recorded):
     sys.exit(1)
