@@ -194,6 +194,7 @@ def test_kl_is_zero_at_step_1_against_the_policy_the_run_starts_from(
   config.rl.kl_beta, config.rl.kl_reference = 0.1, reference
   train.run(config, str(tmp_path / "rl"))
   kl = rows_of(tmp_path / "rl")[0]["kl"]
+  assert (tmp_path / "rl" / "config.yaml").read_text().startswith("# Output: the resolved config")
   if reference == "start":   # before any update the policy is π_ref itself
     assert kl == pytest.approx(0.0, abs=1e-7)
   else:                      # model.source's weights, on purpose

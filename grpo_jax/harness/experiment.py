@@ -300,14 +300,12 @@ def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
   state and its host state), else config.init_from's parameters (host
   state {"init_from": its step directory}), else `state` as it is (the
   pretrained weights). `check_steps`: a resume past train.steps is refused
-  (preflight.check_resume_step). Once the resume checks pass (`ckpt`'s, this
-  one) process 0 writes `<workdir>/config.yaml`: never a refused config."""
+  (preflight.check_resume_step). The loop calls `record_config` once every
+  resume check has passed."""
   how, where = checkpoint.resolve_init(workdir, config.init_from or None,
                                        config.model.source)
   if how == "resume" and check_steps:
     preflight.check_resume_step(where, config, workdir)
-  if metrics_lib.is_primary():
-    logging.info("config: %s", write_config(config, workdir))
   if how == "resume":
     state, host = ckpt.restore(state, step=where)
     logging.info("resumed from checkpoint step %d of %s", where, workdir)
@@ -317,6 +315,13 @@ def restore_or_init(ckpt: checkpoint.Checkpointer, workdir: str, config,
     params = checkpoint.load_params(where, _params(state))
     return Start(_with_params(state, params), {"init_from": where}, None)
   return Start(state, {}, None)
+
+
+def record_config(config, workdir: str) -> None:
+  """`<workdir>/config.yaml` on process 0, once every resume check passed
+  (a refused resume leaves the config that ran there)."""
+  if metrics_lib.is_primary():
+    logging.info("config: %s", write_config(config, workdir))
 
 
 def metric_writer(workdir: str, last_step: int | None, final: bool = False
@@ -374,15 +379,9 @@ def guarded(run: Callable[..., Any]) -> Callable[..., Any]:
     with started(config, workdir), \
         workdir_lock.hold(workdir, enabled=metrics_lib.is_primary()), \
         interrupts.handle_signals(install=jax.process_count() == 1):
-      # config.yaml is written under the lock (never another run's file),
-      # once the resume checks pass: restore_or_init
-      return run(config, workdir, *args, **kwargs)
+      return run(config, workdir, *args, **kwargs)   # record_config: under the lock
   return wrapper
 
-
-# ----------------------------------------------------------------------------
-# The resolved config.
-# ----------------------------------------------------------------------------
 
 def _plain(value: Any) -> Any:
   """`value` as plain YAML data: tuples as lists, anything unusual as text."""

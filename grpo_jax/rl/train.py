@@ -140,6 +140,7 @@ def _setup(config, workdir: str):
                                                     state, check_steps=True)
   if identity is not None and resumed is not None:
     experiment.check_base(host, identity, str(ckpt.step_path(resumed)))
+  experiment.record_config(config, workdir)   # every resume check passed
   init_from = host.get("init_from", "")
   if resumed is not None and config.init_from and not init_from:
     directory, step = checkpoint.find_step(config.init_from)   # an older checkpoint's run

@@ -136,6 +136,7 @@ def _start(config, workdir: str, ckpt: checkpoint.Checkpointer,
   the pretrained weights."""
   tree, host, resumed = experiment.restore_or_init(ckpt, workdir, config,
                                                    {"params": original})
+  experiment.record_config(config, workdir)   # every resume check passed
   if resumed is not None:
     return original, tree["params"], host["history"]
   return tree["params"], tree["params"], []
