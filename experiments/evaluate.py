@@ -50,6 +50,19 @@ def default_workdir(config, checkpoint: str) -> str:
   return os.fspath(directory.parent if is_run else directory)
 
 
+def write_results(path: str, record: dict) -> None:
+  """`record` as JSON at `path`, written beside it and renamed: a killed or
+  failed evaluation leaves the old results whole, never half a file."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -99,14 +112,7 @@ def _evaluate(config):
   record = {"config": config.name, "checkpoint": _CHECKPOINT.value,
             "step": step, "eval": config.eval.to_dict(),
             **result.to_json()}
-  tmp = f"{path}.tmp.{os.getpid()}"   # a killed evaluation leaves the old file
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(record, f, indent=1)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+  write_results(path, record)
   width = max(map(len, result.metrics))
   for name, value in result.metrics.items():
     print(f"{name:{width}s}  {value:.4f}")

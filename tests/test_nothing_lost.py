@@ -37,6 +37,16 @@ def quiet_tiny(**train_fields):
   return config
 
 
+def _script(name: str):
+  """experiments/<name>.py as a module of its own name (never a library's)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(f"_nothing_lost_{name}",
+                                                REPO / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def rows_of(workdir):
   return [json.loads(line) for line in open(Path(workdir) / "metrics.jsonl")]
 
@@ -370,11 +380,7 @@ def test_preflight_tokenises_a_chunk_at_a_time_keeping_lengths():
 
 
 def test_plot_runs_keeps_a_bare_workdir_and_refuses_a_label_twice():
-  sys.path.insert(0, str(REPO / "experiments"))
-  try:
-    import plot_runs
-  finally:
-    sys.path.remove(str(REPO / "experiments"))
+  plot_runs = _script("plot_runs")
   assert plot_runs.parse_runs(["a=W1", "W2"]) == {"a": "W1", "W2": "W2"}
   with pytest.raises(errors.ArgumentError, match="the label 'a' names two runs"):
     plot_runs.parse_runs(["a=W1", "a=W2"])
@@ -475,3 +481,18 @@ def test_the_tpu_paged_kernel_off_a_tpu_is_refused_at_start():
   preflight.check_backend(config, backend="tpu")
   config.sampling.paged_kernel = "auto"
   preflight.check_backend(config, backend="cpu")
+
+
+def test_evaluation_results_are_replaced_whole(tmp_path, monkeypatch):
+  evaluate = _script("evaluate")
+  path = tmp_path / "step_3.json"
+  evaluate.write_results(str(path), {"accuracy": 0.5})
+
+  def dies(record, f, **kwargs):
+    f.write('{"accura')
+    raise KeyboardInterrupt
+  monkeypatch.setattr(evaluate.json, "dump", dies)
+  with pytest.raises(KeyboardInterrupt):
+    evaluate.write_results(str(path), {"accuracy": 0.9})
+  assert json.loads(path.read_text()) == {"accuracy": 0.5}
+  assert os.listdir(tmp_path) == ["step_3.json"]
