@@ -213,7 +213,10 @@ def base_config() -> ConfigDict:
                                        # (plain JAX) | pallas (the TPU
                                        # kernel) | auto (pallas on TPU where
                                        # it can take the model)
-      compute_dtype=""))               # the sampler's dtype ("" = model's)
+      compute_dtype="",                # the sampler's dtype ("" = model's)
+      weights_dtype=""))               # "" | int8: the sampler's weights
+                                       # quantised after each sync, the
+                                       # trainer's kept (models/quant.py)
 
   c.rl = _rl_defaults()
   c.rollout = _rollout_defaults()

@@ -121,7 +121,8 @@ def _sync(store):
   layout = sharding.Layout(sharding.make_mesh(c.mesh),
                            sharding.logical_rules(c.mesh))
   return weight_sync.WeightSync(
-      c.sampling.compute_dtype or c.model.compute_dtype, model_config, layout,
+      (c.sampling.compute_dtype or c.model.compute_dtype, ""), model_config,
+      layout,
       store, None, None)
 
 

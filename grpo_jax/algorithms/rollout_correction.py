@@ -32,7 +32,8 @@ Two ways to get π_old (`rl.old_logp`):
 
 Metrics (before truncation/masking, over the valid tokens): ratio mean / max
 / min, sequence-ratio max / min, fractions truncated / masked / rejected,
-KL(π_rollout‖π_old) by k1 and k3, and max |old - roll|. They are partial
+KL(π_rollout‖π_old) by k1 and k3, the χ² divergence E[(ρ - 1)²], the
+fraction of tokens with ρ outside [0.9, 1.1], and max |old - roll|. They are partial
 sums over the given normalisers (losses.accumulate_metrics combines them).
 """
 from __future__ import annotations
@@ -143,6 +144,11 @@ def correct(old_logp_nt: jax.Array, roll_logp_nt: jax.Array,
       "rollout_kl/k1": _token_mean(-log_rho_nt, mask_nt, num_tokens),
       "rollout_kl/k3": _token_mean(rho_nt - 1.0 - log_rho_nt, mask_nt,
                                    num_tokens),
+      # χ²(π_old‖π_rollout) = E_rollout[(ρ - 1)²], and how many tokens'
+      # ratios leave [0.9, 1.1]: the mismatch a low-precision sampler adds
+      "rollout_chi2": _token_mean(jnp.square(rho_nt - 1.0), mask_nt,
+                                  num_tokens),
+      "rollout_is/outside_0.9_1.1_frac": frac((rho_nt < 0.9) | (rho_nt > 1.1)),
       "rollout_logp_diff/max": jnp.where(
           valid_nt, jnp.abs(old_logp_nt - roll_logp_nt), 0.0).max(),
   }

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import blockwise
+from grpo_jax.models import blockwise, quant
 from grpo_jax.models.attention import apply_rope, attend_fn, rope_frequencies
 from grpo_jax.models.config import ModelConfig
 
@@ -174,9 +174,10 @@ def no_constraint(x: jax.Array, logical_axes: tuple) -> jax.Array:
 
 def _project(equation: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
   """x·W for the weight `name` of layer params `lp`, plus the LoRA term
-  (x·A)·B where adapters are attached (lora.attach; α/r is folded into A).
+  (x·A)·B where adapters are attached (lora.attach; α/r is folded into A);
+  an int8 W (the sampler's, `quant`) runs as an int8 matmul.
   equation: the base einsum, e.g. "nqd,dhe->nqhe"."""
-  y = jnp.einsum(equation, x, lp[name])
+  y = quant.einsum(equation, x, lp[name])
   adapter = lp.get(LORA_KEY, {}).get(name)
   if adapter is None:
     return y
@@ -239,15 +240,14 @@ def attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
 
 
 def embed(params: Params, tokens_ns: jax.Array) -> jax.Array:
-  return jnp.take(params["embed"], tokens_ns, axis=0)
+  return quant.take_rows(params["embed"], tokens_ns)
 
 
 def unembed(model_config: ModelConfig, params: Params,
             h_nsd: jax.Array) -> jax.Array:
   """Final norm output (N, S, D) -> float32 logits (N, S, V)."""
   w = params["embed"].T if model_config.tie_embeddings else params["lm_head"]
-  return jnp.einsum("nsd,dv->nsv", h_nsd, w,
-                    preferred_element_type=jnp.float32)
+  return quant.head_logits(h_nsd, w)
 
 
 # ----------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class RunSpec:
   sampling: sampling.SamplingConfig
   sampler_dtype: str     # the sampler's weights (sampling.compute_dtype or
                          # model.compute_dtype)
+  sampler_weights: str   # "" (in sampler_dtype) | int8 (models/quant.py)
   rollout: RolloutSettings
   reward: rollout.RewardSpec
   eval: evaluation.EvalSettings
@@ -136,6 +137,7 @@ class RunSpec:
         sampling=sampler,
         sampler_dtype=(config.sampling.compute_dtype
                        or config.model.compute_dtype),
+        sampler_weights=config.sampling.weights_dtype,
         rollout=RolloutSettings.from_config(config), reward=reward,
         eval=evaluation.EvalSettings.from_config(config, sampler, reward),
         lora=lora.LoraSpec.from_config(config),

@@ -32,6 +32,7 @@ from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.generate import rollout, sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
+from grpo_jax.models import quant, transformer
 from grpo_jax.rewards import process
 from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
 from grpo_jax.rl.batch import to_rows
@@ -99,6 +100,15 @@ def policy(r: _Run, params, dtype: str):
   """The policy the sampler and evaluation run, in `dtype` (with LoRA the
   adapters merged into, or attached to, the base)."""
   return experiment.policy_params(r.spec.lora, params, r.frozen.base, dtype)
+
+
+def sampler_policy(r: _Run, params):
+  """The policy the training sampler runs: `policy` in the sampler's dtype,
+  its weights quantised where `sampling.weights_dtype` says (models/quant.py;
+  the trainer's parameters are never quantised)."""
+  return quant.sampler_weights(policy(r, params, r.spec.sampler_dtype),
+                               r.spec.sampler_weights,
+                               transformer.PROJECTION_INPUTS)
 
 
 def _setup(config, workdir: str):
@@ -227,11 +237,11 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
   sample = functools.partial(sample_step, r)
   if not async_rollouts.use_thread(spec.rollout):
     return async_rollouts.Inline(
-        source, sample, lambda params: policy(r, params, spec.sampler_dtype))
+        source, sample, functools.partial(sampler_policy, r))
   store = weight_sync.WeightStore()
   sync = weight_sync.WeightSync(
-      spec.sampler_dtype, r.model_config, r.sampler_layout, store,
-      r.frozen.base,
+      (spec.sampler_dtype, spec.sampler_weights), r.model_config,
+      r.sampler_layout, store, r.frozen.base,
       functools.partial(experiment.policy_params, spec.lora))
   return async_rollouts.Threaded(source, sample, sync, store, start,
                                  async_rollouts.key_value(state.key))

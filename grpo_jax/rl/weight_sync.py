@@ -25,7 +25,8 @@ from ml_collections import ConfigDict
 
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.errors import ConfigError
-from grpo_jax.models.transformer import cast
+from grpo_jax.models import quant
+from grpo_jax.models.transformer import PROJECTION_INPUTS, cast
 
 Params = Any
 
@@ -176,10 +177,13 @@ class WeightSync:
   sampler thread, on its own devices) merges them into, or attaches them
   to, the sampler's own copy of the frozen base."""
 
-  def __init__(self, dtype: str, model_config, layout: sharding_lib.Layout,
+  def __init__(self, dtypes: tuple[str, str], model_config,
+               layout: sharding_lib.Layout,
                store: WeightStore, base: Params | None,
                attach: Callable[[Params, Params, str], Params] | None):
-    self._dtype = dtype   # the sampler's (RunSpec.sampler_dtype)
+    # the sampler's compute dtype and weights (RunSpec.sampler_dtype,
+    # .sampler_weights: "" or int8, quantised here, on the sampler's side)
+    self._dtype, self._weights = dtypes
     self._model_config, self._layout = model_config, layout
     self._store, self._attach = store, attach
     self._base = None if base is None else sharding_lib.shard_params(
@@ -203,6 +207,6 @@ class WeightSync:
 
   def policy(self, staged: Params) -> Params:
     """The sampler's policy from a published tree (sampler thread)."""
-    if self._base is None:
-      return staged
-    return self._attach(staged, self._base, self._dtype)
+    tree = (staged if self._base is None
+            else self._attach(staged, self._base, self._dtype))
+    return quant.sampler_weights(tree, self._weights, PROJECTION_INPUTS)

@@ -16,7 +16,7 @@ from grpo_jax import registry
 from grpo_jax.algorithms import dynamic_sampling
 from grpo_jax.config import base_config
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import attention, paged, transformer
+from grpo_jax.models import attention, paged, quant, transformer
 from grpo_jax.validation import groups
 
 ConfigDict = ml_collections.ConfigDict
@@ -31,6 +31,7 @@ _CHOICES = {
     "model.compute_dtype": DTYPES,
     "model.remat": tuple(transformer.REMAT_POLICIES),
     "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
+    "sampling.weights_dtype": quant.WEIGHTS_DTYPES,  # "": compute_dtype
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
     "sampling.paged_kernel": paged.KERNELS,     # the paged decode attention
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from

@@ -1,0 +1,130 @@
+"""Int8 rollout weights (grpo_jax/models/quant.py): quantise / dequantise
+against float, the int8 model against the float one, the samplers on int8
+weights against the int8 model's own uncached forward, and off = today."""
+import async_checks
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.algorithms import rollout_correction
+from grpo_jax.generate import sampling
+from grpo_jax.models import forward, get_preset, init_params, quant, transformer
+from grpo_jax.rl import train
+
+CONFIG = get_preset("tiny")
+INPUTS = transformer.PROJECTION_INPUTS
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CONFIG, jax.random.key(0))
+
+
+def _int8(params):
+  return quant.sampler_weights(params, "int8", INPUTS)
+
+
+def test_each_weight_is_within_half_a_step_of_its_channel(params):
+  """W ≈ q·s with |W - q·s| <= s/2 per output channel (layers and outputs
+  have their own scales; inputs share them); half the bytes of bf16."""
+  q = _int8(params)
+  for name, w in params["layers"].items():
+    qw = q["layers"][name]
+    if name not in INPUTS:
+      assert qw is w                              # norms stay as they are
+      continue
+    assert qw.qvalue.dtype == jnp.int8 and qw.qvalue.shape == w.shape
+    num_in = INPUTS[name]
+    assert qw.scale.shape == (w.shape[0],) + (1,) * num_in + w.shape[1 + num_in:]
+    back = qw.qvalue.astype(jnp.float32) * qw.scale
+    assert float(jnp.max(jnp.abs(back - w) - qw.scale / 2)) <= 1e-7, name
+    # the largest |W| of each channel maps to ±127 or ±128 (absmax / 127.5)
+    assert int(jnp.max(jnp.abs(qw.qvalue.astype(jnp.int32)))) >= 127
+  assert q["embed"].scale.shape == (CONFIG.vocab_size, 1)
+  bf16 = transformer.cast(params, "bfloat16")
+  assert quant.nbytes(_int8(bf16)) < 0.55 * quant.nbytes(bf16)
+
+
+def test_off_is_the_params_themselves(params):
+  assert quant.sampler_weights(params, "", INPUTS) is params
+  with pytest.raises(ValueError, match="sampling.weights_dtype='int4'"):
+    quant.sampler_weights(params, "int4", INPUTS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_log_probs_are_close_to_the_float_models(params, dtype):
+  """Ragged rows, tied and untied heads: per-token log-probs of the int8
+  model within 0.05 nats of the float model's (W8A8 projections, a
+  weight-only head), and not equal (the int8 path ran)."""
+  tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, CONFIG.vocab_size)
+  for config in (CONFIG, CONFIG.replace(tie_embeddings=False)):
+    p = transformer.cast(init_params(config, jax.random.key(2)), dtype)
+    want = jax.nn.log_softmax(forward(config, p, tokens))
+    got = jax.nn.log_softmax(forward(config, _int8(p), tokens))
+    diff = float(jnp.max(jnp.abs(got - want)))
+    assert 0 < diff < 0.05, (dtype, config.tie_embeddings, diff)
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_int8_sampler_equals_its_own_uncached_forward(params, kv_cache):
+  """Continuous batching on int8 weights, ragged rows with stop ids on:
+  the sampler runs the int8 model. Its log-probs are the int8 model's full
+  forward over the row so far within 0.02 nats (each token's activations
+  are quantised alike, but the cached and uncached float sums differ in
+  order and a value on a rounding edge moves by one int8 step: about 0.01
+  nats here), and each greedy token is that forward's argmax wherever the
+  top two are further apart than that (most tokens; near-ties may differ)."""
+  loud = jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params)
+  q = _int8(loud)
+  rng = np.random.RandomState(0)
+  prompts = [list(rng.randint(1, CONFIG.vocab_size, n)) for n in (5, 12, 9)]
+  cfg = sampling.SamplingConfig(
+      continuous_batching=True, slots=2, max_new_tokens=10, greedy=True,
+      kv_cache=kv_cache, page_size=4, stop_ids=(33, 121, 1, 197))
+  out = sampling.sample(CONFIG, q, prompts, jax.random.key(1), cfg, 1)
+  fwd = jax.jit(forward, static_argnums=0)
+  checked = total = 0
+  for b, prompt in enumerate(prompts):
+    n, P = int(out.length_n[b]), len(prompt)
+    seq = list(prompt) + [int(t) for t in out.tokens_nt[b, :n]]
+    padded = jnp.zeros((1, 32), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    logp = np.asarray(jax.nn.log_softmax(fwd(CONFIG, q, padded)[0]))
+    steps = logp[P - 1:P - 1 + n]
+    np.testing.assert_allclose(out.logp_nt[b, :n],
+                               steps[np.arange(n), seq[P:]], atol=2e-2)
+    top2 = np.sort(steps, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.05
+    np.testing.assert_array_equal(np.argmax(steps, -1)[clear],
+                                  np.asarray(seq[P:])[clear])
+    checked, total = checked + clear.sum(), total + n
+  assert checked >= 0.7 * total, (checked, total)
+
+
+def test_the_mismatch_metrics_count_ratios_outside_the_band():
+  """χ² = E[(ρ - 1)²] and the fraction of valid tokens with ρ outside
+  [0.9, 1.1], by hand on four tokens (one padding)."""
+  old = jnp.log(jnp.array([[1.0, 1.2, 0.5, 7.0]]))
+  roll = jnp.zeros((1, 4))
+  mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+  _, _, m = rollout_correction.correct(old, roll, mask,
+                                       rollout_correction.CorrectionSettings())
+  rho = np.array([1.0, 1.2, 0.5])
+  assert float(m["rollout_chi2"]) == pytest.approx(np.mean((rho - 1) ** 2))
+  assert float(m["rollout_is/outside_0.9_1.1_frac"]) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 1])
+def test_a_run_samples_on_int8_and_trains_in_full_precision(tmp_path, k):
+  """The inline sampler (k = 0) and the sampler thread behind a weight sync
+  (k = 1): the rows come from int8 weights (the mismatch metrics see it)
+  and the trainer's parameters stay float32."""
+  c = async_checks.stale(async_checks.config(
+      steps=2, **{"sampling.weights_dtype": "int8"}), k)
+  c.rollout.max_staleness = k
+  summary = train.run(c, str(tmp_path))
+  rows = [r for r in async_checks.run_metrics(str(tmp_path)) if "loss" in r]
+  assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+  assert all(r["rollout_chi2"] > 0 and r["rollout_kl/k3"] > 0 for r in rows)
+  leaves = jax.tree.leaves(summary["state"].params)
+  assert all(x.dtype == jnp.float32 for x in leaves)
