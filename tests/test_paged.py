@@ -156,7 +156,7 @@ def test_a_small_pool_waits_and_preempts_with_the_same_samples(
   assert int(stats.preempted) > 0 and int(stats.waited) > 0
   assert int(stats.peak_pages) == 20
   _assert_accounting(stats)
-  with pytest.raises(ValueError, match="sampling.pages = 12"):
+  with pytest.raises(ValueError, match="sampling.pages' = 12"):
     _paged(params, _prompts(), dataclasses.replace(cfg, pages=12), 3)
 
 
