@@ -201,8 +201,7 @@ class WeightSync:
     staged = jax.tree.map(_put, tree, self._shardings)
     jax.block_until_ready(staged)
     self._store.publish(version, staged)
-    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    return {"sync/bytes": float(nbytes),
+    return {"sync/bytes": float(quant.nbytes(tree)),
             "sync/seconds": time.perf_counter() - t0}
 
   def policy(self, staged: Params) -> Params:
