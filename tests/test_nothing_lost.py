@@ -448,6 +448,31 @@ def test_sigterm_while_evaluate_starts_is_one_line_and_143(tmp_path):
   assert not list(tmp_path.rglob("*.json"))   # nothing half-written
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_sigterm_during_an_export_leaves_out_as_it_was(sft_checkpoint, tmp_path):
+  out = tmp_path / "hf"
+  out.mkdir()
+  (out / "config.json").write_text('{"old": true}')   # a previous export, replaced only whole
+  proc = subprocess.Popen(
+      [sys.executable, "experiments/export.py", f"--workdir={sft_checkpoint}", f"--out={out}",
+       "--overwrite"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  try:
+    deadline = time.time() + 120
+    while not _catches_sigterm(proc.pid) and proc.poll() is None and time.time() < deadline:
+      time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)   # the handler is in: the export has begun
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+  assert "Traceback" not in stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]   # no staging left beside it
+  assert [p.name for p in out.iterdir()] == ["config.json"]
+  assert json.loads((out / "config.json").read_text()) == {"old": True}
+
+
 def test_a_lora_base_that_moved_resumes_and_one_that_is_gone_is_one_line(tmp_path):
   saved = {"source": "/old/base", "dtype": "float32", "checksum": "c0ffee"}
   experiment.check_base({"lora_base": saved}, {**saved, "source": "/new/base"}, "ckpt")
