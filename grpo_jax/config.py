@@ -214,9 +214,12 @@ def base_config() -> ConfigDict:
                                        # kernel) | auto (pallas on TPU where
                                        # it can take the model)
       compute_dtype="",                # the sampler's dtype ("" = model's)
-      weights_dtype=""))               # "" | int8: the sampler's weights
+      weights_dtype="",                # "" | int8: the sampler's weights
                                        # quantised after each sync, the
                                        # trainer's kept (models/quant.py)
+      kv_dtype=""))                    # "" | int8: the paged pool's keys
+                                       # and values, a scale per column
+                                       # (models/paged.py)
 
   c.rl = _rl_defaults()
   c.rollout = _rollout_defaults()

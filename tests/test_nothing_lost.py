@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from grpo_jax import checkpoint, errors
+from grpo_jax import checkpoint, errors, validation
 from grpo_jax.checkpoint import integrity
 from grpo_jax.config import base_config
 from grpo_jax.harness import cli, experiment, outdir, runs
@@ -343,6 +343,30 @@ def test_sampler_sizes_past_what_the_run_uses_are_refused(fields, message):
     _set(config, field, value)
   with pytest.raises(errors.ConfigError, match=message):
     validation.validate(config)
+
+
+def test_a_step_larger_than_the_host_or_the_data_names_the_field(tmp_path):
+  """Session 17's round: G = 10^8 ran out of memory in a traceback, and
+  more prompts per step than examples was a ValueError from the iterator."""
+  config = quiet_tiny()
+  config.rl.num_generations = 10**8
+  with pytest.raises(errors.ConfigError, match=r"'rl.num_generations' = 100000000 .* GB"):
+    validation.validate(config, data_files=False)
+  config = quiet_tiny()
+  config.rl.prompts_per_step = 1000
+  with pytest.raises(errors.ConfigError, match=r"'rl.prompts_per_step' = 1000: .* 64 examples"):
+    train.run(config, str(tmp_path / "run"))
+  assert not [p for p in (tmp_path / "run").rglob("*") if p.name != ".lock"]
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+  out = subprocess.run([sys.executable, "experiments/run.py", "--config=configs/nope.py",
+                        f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines() == [
+      "error: flag --config=configs/nope.py: [Errno 2] No such file or directory: "
+      "'configs/nope.py'"]
 
 
 def test_model_sized_bounds_lora_rank_and_pages():

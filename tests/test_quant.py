@@ -1,6 +1,7 @@
-"""Int8 rollout weights (grpo_jax/models/quant.py): quantise / dequantise
-against float, the int8 model against the float one, the samplers on int8
-weights against the int8 model's own uncached forward, and off = today."""
+"""Int8 rollout weights (grpo_jax/models/quant.py) and int8 KV pages
+(models/paged.py, `sampling.kv_dtype`): quantise / dequantise against
+float, the int8 model against the float one, the samplers on int8 weights
+and pages against the model's own uncached forward, and off = today."""
 import async_checks
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,12 @@ import numpy as np
 import pytest
 
 from grpo_jax.algorithms import rollout_correction
+from grpo_jax.config import base_config
+from grpo_jax.errors import ConfigError
 from grpo_jax.generate import sampling
-from grpo_jax.models import forward, get_preset, init_params, quant, transformer
+from grpo_jax.models import forward, get_preset, init_params, paged, quant, transformer
 from grpo_jax.rl import train
+from grpo_jax.validation import fields
 
 CONFIG = get_preset("tiny")
 INPUTS = transformer.PROJECTION_INPUTS
@@ -101,6 +105,76 @@ def test_int8_sampler_equals_its_own_uncached_forward(params, kv_cache):
   assert checked >= 0.7 * total, (checked, total)
 
 
+def test_each_kv_column_is_within_half_a_step_of_its_scale():
+  """Per (row, head, column) absmax / 127: |x - q·s| <= s/2, an all-zero
+  column kept exact; pages and scales written and read back through both
+  pool layouts."""
+  x = jax.random.normal(jax.random.key(2), (3, 2, 5, 8)) * jnp.arange(1, 6)[:, None]
+  x = x.at[0, 0, 0].set(0.0)
+  q, s = paged.quantize_columns(x)
+  assert q.dtype == jnp.int8 and s.shape == (3, 2, 5)
+  back = paged.dequantize_columns(q, s, jnp.float32)
+  assert float(jnp.max(jnp.abs(back - x) - s[..., None] / 2)) <= 1e-6
+  assert float(jnp.abs(back[0, 0, 0]).max()) == 0.0
+  assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127
+  for layout in (paged.KERNEL_LAYOUT, paged.REFERENCE_LAYOUT):
+    K, W, Z, E = 2, 4, 5, 8
+    pool = paged.Int8Pages(jnp.zeros(layout.shape(K, W, Z, E), jnp.int8),
+                           jnp.ones(layout.shape(K, W, Z, E)[:-1]))
+    pool = layout.put(pool, jnp.moveaxis(x[:2], 1, 1), jnp.array([3, 1]))
+    got = layout.gather(pool, jnp.array([[3], [1]]), jnp.float32)
+    np.testing.assert_allclose(got, back[:2], atol=1e-6)
+    # a decode step's write of one column per row
+    new = jax.random.normal(jax.random.key(3), (2, K, E))
+    pool = layout.write(pool, new, jnp.array([3, 1]), jnp.array([4, 0]))
+    got = layout.gather(pool, jnp.array([[3], [1]]), jnp.float32)
+    np.testing.assert_allclose(got[0, :, 4], new[0], atol=float(jnp.abs(new).max()) / 127)
+    np.testing.assert_allclose(got[1, :, 0], new[1], atol=float(jnp.abs(new).max()) / 127)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_pages_sample_what_the_uncached_forward_gives(params, dtype):
+  """The paged sampler on int8 pages, ragged rows with stop ids, slots
+  fewer than rows (pages reused): its log-probs are the float model's full
+  forward over the row so far within 0.05 nats, and the pool it keeps is
+  int8 (automatic pages: as many as the dense slots' bytes hold)."""
+  p = transformer.cast(jax.tree.map(lambda w: w * 3.0 if w.ndim > 1 else w, params), dtype)
+  rng = np.random.RandomState(0)
+  prompts = [list(rng.randint(1, CONFIG.vocab_size, n)) for n in (5, 12, 9)]
+  cfg = sampling.SamplingConfig(
+      continuous_batching=True, slots=2, max_new_tokens=10, greedy=True,
+      kv_cache="paged", page_size=4, stop_ids=(33, 121, 1, 197), kv_dtype="int8")
+  sampler = sampling.Sampler(CONFIG, cfg, pools=sampling.PagePools())
+  out = sampler.sample(p, prompts, jax.random.key(1), 1)
+  assert sampler.pools.pool.k[0].values.dtype == jnp.int8
+  fwd = jax.jit(forward, static_argnums=0)
+  worst = 0.0
+  for b, prompt in enumerate(prompts):
+    n, P = int(out.length_n[b]), len(prompt)
+    seq = list(prompt) + [int(t) for t in out.tokens_nt[b, :n]]
+    padded = jnp.zeros((1, 32), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    logp = np.asarray(jax.nn.log_softmax(fwd(CONFIG, p, padded)[0].astype(jnp.float32)))
+    got = np.asarray(out.logp_nt[b, :n])
+    worst = max(worst, float(np.abs(got - logp[np.arange(P - 1, P - 1 + n), seq[P:]]).max()))
+  assert 0 < worst < 0.05, worst   # close, and not the float pool's (the int8 path ran)
+  itemsize = jnp.dtype(dtype).itemsize
+  ratio = sampling.kv_ratio(CONFIG, itemsize, "int8")
+  assert ratio == pytest.approx(itemsize * CONFIG.head_dim / (CONFIG.head_dim + 4))
+  assert sampling.pool_pages(cfg, np.array([5, 12]), 2, 2, 1, 16, ratio) > \
+      sampling.pool_pages(cfg, np.array([5, 12]), 2, 2, 1, 16)
+
+
+def test_int8_pages_are_the_paged_pools_and_not_the_kernels():
+  config = base_config()
+  config.sampling.kv_dtype = "int8"
+  with pytest.raises(ConfigError, match="'sampling.kv_dtype' = 'int8' is the paged"):
+    fields.validate(config, data_files=False)
+  config.sampling.update(kv_cache="paged", continuous_batching=True, paged_kernel="pallas")
+  with pytest.raises(ConfigError, match="'sampling.paged_kernel' = 'pallas'.*int8"):
+    fields.validate(config, data_files=False)
+  assert paged.resolve("auto", CONFIG, "tpu", kv_dtype="int8") == "reference"
+
+
 def test_the_mismatch_metrics_count_ratios_outside_the_band():
   """χ² = E[(ρ - 1)²] and the fraction of valid tokens with ρ outside
   [0.9, 1.1], by hand on four tokens (one padding)."""
@@ -117,10 +191,12 @@ def test_the_mismatch_metrics_count_ratios_outside_the_band():
 @pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_a_run_samples_on_int8_and_trains_in_full_precision(tmp_path, k):
   """The inline sampler (k = 0) and the sampler thread behind a weight sync
-  (k = 1): the rows come from int8 weights (the mismatch metrics see it)
+  (k = 1): the rows come from int8 weights and int8 KV pages (the mismatch
+  metrics see it)
   and the trainer's parameters stay float32."""
   c = async_checks.stale(async_checks.config(
-      steps=2, **{"sampling.weights_dtype": "int8"}), k)
+      steps=2, **{"sampling.weights_dtype": "int8", "sampling.kv_dtype": "int8",
+                  "sampling.continuous_batching": True, "sampling.kv_cache": "paged"}), k)
   c.rollout.max_staleness = k
   summary = train.run(c, str(tmp_path))
   rows = [r for r in async_checks.run_metrics(str(tmp_path)) if "loss" in r]

@@ -55,7 +55,9 @@ class SamplingConfig:
   whether any row is still live every that many steps (finished slots stay
   masked meanwhile; the samples do not change). paged_kernel (paged): the
   decode attention over pages, "reference" (plain JAX), "pallas" (the TPU
-  kernel) or "auto" (the kernel on TPU)."""
+  kernel) or "auto" (the kernel on TPU). kv_dtype (paged): "" (the compute
+  dtype) or "int8", pages of int8 keys and values with a float32 scale per
+  head and column (`models.paged.Int8Pages`)."""
   max_new_tokens: int = 64
   temperature: float = 1.0
   top_p: float = 1.0
@@ -71,6 +73,7 @@ class SamplingConfig:
   pages: int = 0                 # pages per row shard (0: automatic)
   stop_check_every: int = 1      # decode steps per check of "any row live"
   paged_kernel: str = "auto"     # paged decode attention: models.paged.KERNELS
+  kv_dtype: str = ""             # paged pools: models.paged.KV_DTYPES
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -94,6 +97,12 @@ class SamplingConfig:
     if self.paged_kernel not in paged.KERNELS:
       raise ValueError(f"paged_kernel must be one of {paged.KERNELS}, got "
                        f"{self.paged_kernel!r}")
+    if self.kv_dtype not in paged.KV_DTYPES:
+      raise ValueError(f"kv_dtype must be one of {paged.KV_DTYPES}, got "
+                       f"{self.kv_dtype!r}")
+    if self.kv_dtype and self.kv_cache != "paged":
+      raise ValueError(f"kv_dtype {self.kv_dtype!r} is the paged pool's: set "
+                       "kv_cache='paged'")
     if self.page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {self.page_size}")
     if self.pages < 0:

@@ -4,7 +4,8 @@ page; and how a decode step over them is placed on a mesh (the TPU kernel
 in `jax.shard_map`, the residual stream's constraints).
 
 A pool is per row shard: one (R,) + `paged.PoolLayout.shape(K, W, Z, E)`
-array per layer, shard r's rows reading and writing only pool r. Shape
+array per layer (`sampling.kv_dtype = int8`: a `paged.Int8Pages`, its
+scales without E), shard r's rows reading and writing only pool r. Shape
 letters as in `grpo_jax` and `models.paged`; per-shard arrays (a leading R)
 carry no suffix.
 """
@@ -39,8 +40,25 @@ def pool_axes(pool_layout: paged.PoolLayout) -> tuple:
 
 def pool_layout(call: decoding.CallSpec) -> paged.PoolLayout:
   """The pools' layout of a call: the resolved kernel's."""
-  return paged.pool_layout(paged.resolve(call.sampling.paged_kernel,
-                                         call.model_config))
+  return paged.pool_layout(resolve(call))
+
+
+def resolve(call: decoding.CallSpec) -> str:
+  """The call's paged decode attention, "reference" or "pallas"."""
+  return paged.resolve(call.sampling.paged_kernel, call.model_config,
+                       kv_dtype=call.sampling.kv_dtype)
+
+
+def pin_pool(layout: Layout, pool_layout: paged.PoolLayout, pool):
+  """One layer's pool pinned to the layout's shards (int8: values and
+  scales, the scales without head_dim)."""
+  if layout is None:
+    return pool
+  axes = pool_axes(pool_layout)
+  if isinstance(pool, paged.Int8Pages):
+    return paged.Int8Pages(layout.constrain(pool.values, axes),
+                           layout.constrain(pool.scales, axes[:-1]))
+  return layout.constrain(pool, axes)
 
 
 def pool_dtype(params: transformer.Params):
@@ -49,13 +67,19 @@ def pool_dtype(params: transformer.Params):
 
 
 def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
-              layout: Layout, pool_layout: paged.PoolLayout) -> paged.PagePool:
-  """A PagePool of zeros (inside jit: pinned to the layout's shards)."""
+              layout: Layout, pool_layout: paged.PoolLayout,
+              kv_dtype: str = "") -> paged.PagePool:
+  """A PagePool of zeros (inside jit: pinned to the layout's shards);
+  kv_dtype int8: `paged.Int8Pages` (scales 1)."""
   c = model_config
   shape = (R,) + pool_layout.shape(c.num_kv_heads, W, Z, c.head_dim)
-  pin = (lambda x: x) if layout is None else (
-      lambda x: layout.constrain(x, pool_axes(pool_layout)))
-  layers = lambda: tuple(pin(jnp.zeros(shape, dtype))
+
+  def one():
+    if kv_dtype == "int8":
+      return paged.Int8Pages(jnp.zeros(shape, jnp.int8),
+                             jnp.ones(shape[:-1], jnp.float32))
+    return jnp.zeros(shape, dtype)
+  layers = lambda: tuple(pin_pool(layout, pool_layout, one())
                          for _ in range(c.num_layers))
   return paged.PagePool(layers(), layers())
 
@@ -67,7 +91,7 @@ def new_pool(call: decoding.CallSpec, dtype) -> paged.PagePool:
   shards each hold their own)."""
   return zero_pool(call.model_config, call.pool_pages,
                    call.sampling.page_size, call.shards, dtype, call.layout,
-                   pool_layout(call))
+                   pool_layout(call), call.sampling.kv_dtype)
 
 
 def _compact(kv_bkpe: jax.Array, prompt_len_b: jax.Array, Z: int) -> jax.Array:
@@ -101,7 +125,7 @@ def prefill(call: decoding.CallSpec, pp: decoding.PromptPass,
         pool, slots.per_shard(R, jnp.moveaxis(pages_bkjze, 2, 1)),
         slots.per_shard(R, table_bj[:, :C]))
     pin = (lambda x, a: x) if layout is None else layout.constrain
-    return pin(pool, pool_axes(where)), pin(tail, TAIL_AXES)
+    return pin_pool(layout, where, pool), pin(tail, TAIL_AXES)
 
   ks, k_tails = zip(*(layer(pp.k[i], pool.k[i]) for i in range(L)))
   vs, v_tails = zip(*(layer(pp.v[i], pool.v[i]) for i in range(L)))
@@ -178,7 +202,7 @@ def decode_settings(call: decoding.CallSpec, filled: jax.Array
   """The paged decode step's settings of a call whose rows read at most
   `filled` pages: the reference (bucketed by `filled`) or the kernel, and
   the activations' constraints (`decode_constrain`)."""
-  impl = paged.resolve(call.sampling.paged_kernel, call.model_config)
+  impl = resolve(call)
   attend = (paged.reference_fn(call.model_config, filled)
             if impl == "reference" else kernel_fn(call.layout))
   return paged.DecodeSettings(

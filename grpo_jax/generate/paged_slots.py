@@ -90,7 +90,7 @@ def _pin_carry(layout: Layout, pool_layout: paged.PoolLayout, c: _Carry
   if layout is None:
     return c
   rows = lambda x: layout.constrain(x, (sharding.BATCH,))
-  pool = lambda x: layout.constrain(x, page_pool.pool_axes(pool_layout))
+  pool = functools.partial(page_pool.pin_pool, layout, pool_layout)
   return c._replace(
       row_m=rows(c.row_m), t_m=rows(c.t_m), live_m=rows(c.live_m),
       wait_m=rows(c.wait_m), table_mj=rows(c.table_mj), ref=rows(c.ref),
@@ -140,7 +140,7 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
   W = c.ref.shape[1]
   N = c.tokens_nt.shape[0]
   split = functools.partial(slots.per_shard, R)
-  j_m = column_m // c.pool.k[0].shape[3]
+  j_m = column_m // paged.page_values(c.pool.k[0]).shape[3]
   entry_m = jnp.take_along_axis(c.table_mj, jnp.minimum(j_m, J - 1)[:, None],
                                 1)[:, 0]
   grow_m = c.live_m & (entry_m >= W)
@@ -209,9 +209,11 @@ def _check_pool(call: decoding.CallSpec, pool: paged.PagePool, dtype) -> None:
   c = call.model_config
   want = (call.shards,) + page_pool.pool_layout(call).shape(
       c.num_kv_heads, call.pool_pages, call.sampling.page_size, c.head_dim)
-  if pool.k[0].shape != want or pool.k[0].dtype != dtype:
-    raise ValueError(f"the kept page pool is {pool.k[0].dtype}"
-                     f"{list(pool.k[0].shape)}; this call needs "
+  dtype = jnp.dtype(call.sampling.kv_dtype or dtype)
+  have = paged.page_values(pool.k[0])
+  if have.shape != want or have.dtype != dtype:
+    raise ValueError(f"the kept page pool is {have.dtype}"
+                     f"{list(have.shape)}; this call needs "
                      f"{dtype}{list(want)}")
 
 
@@ -234,7 +236,7 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
   dtype = begun.pp.k.dtype
   if pool is None:
     pool = page_pool.zero_pool(model_config, W, Z, R, dtype, call.layout,
-                               pool_layout)
+                               pool_layout, sampling.kv_dtype)
   _check_pool(call, pool, dtype)
   if T == 1:
     return (decoding.finish(begun.tokens_nt, begun.logp_nt, zero, sampling),

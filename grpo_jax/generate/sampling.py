@@ -196,11 +196,20 @@ def auto_slots(size: CacheSize, rows: int, prompts: int, prompt_len: int,
   return min(up(rows), up(max(int(free // per_slot) // shards * shards, 1)))
 
 
+def kv_ratio(model_config: ModelConfig, itemsize: int, kv_dtype: str
+             ) -> float:
+  """The dense cache's bytes per key column / a pool's (1 unless int8)."""
+  E = model_config.head_dim
+  return itemsize * E / paged.column_bytes(itemsize, kv_dtype, E)
+
+
 def pool_pages(sampling: SamplingConfig, real_len_b: np.ndarray, prompts: int,
-               slots: int, shards: int, prompt_len: int) -> int:
+               slots: int, shards: int, prompt_len: int,
+               kv_ratio: float = 1.0) -> int:
   """Pages per row shard of a paged call: `sampling.pages`, or (0) what dense
-  slots would hold (every slot a whole row, beside the prompts' pages),
-  checked to hold the fullest shard's prompt pages plus one whole row (so
+  slots would hold (every slot a whole row, beside the prompts' pages;
+  kv_ratio: the dense cache's bytes per column / the pool's, over 1 for
+  int8 pages, so the pool takes the same bytes), checked to hold the fullest shard's prompt pages plus one whole row (so
   the oldest row can always finish: `paged_slots`)."""
   Z, T = sampling.page_size, sampling.max_new_tokens
   row = page_pool.pages_needed(prompt_len, T, Z)
@@ -209,8 +218,8 @@ def pool_pages(sampling: SamplingConfig, real_len_b: np.ndarray, prompts: int,
   prompt_pages = int(full_b.reshape(shards, -1).sum(1).max())
   need = prompt_pages + row
   if not sampling.pages:
-    return max(need, prompts // shards * (prompt_len // Z)
-               + slots // shards * row)
+    return max(need, int(kv_ratio * (prompts // shards * (prompt_len // Z)
+                                     + slots // shards * row)))
   if sampling.pages < need:
     raise ConfigError(   # a user error (one line), a ValueError too
         f"config field 'sampling.pages' = {sampling.pages} pages of {Z} columns per row shard "
@@ -333,8 +342,10 @@ class Sampler:
     slots = -(-slots // shards) * shards
     prompt_bp, len_b = left_pad(prompts, P, b, sampling.pad_id)
     is_paged = sampling.kv_cache == "paged"
-    pool = (pool_pages(sampling, len_b[:B], b, slots, shards, P) if is_paged
-            else 0)
+    itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+    pool = (pool_pages(sampling, len_b[:B], b, slots, shards, P,
+                       kv_ratio(self.model_config, itemsize, sampling.kv_dtype))
+            if is_paged else 0)
     call = CallSpec(self.model_config, dataclasses.replace(
         sampling, chunk_rows=0, slots=0, pages=0), G, self.layout, slots, pool)
     COMPILES.note((call, b, P),
@@ -347,7 +358,7 @@ class Sampler:
     if is_paged and self.pools is not None:
       dtype = page_pool.pool_dtype(params)
       shape = (self.model_config, sampling.page_size, sampling.paged_kernel,
-               pool, dtype, self.layout)
+               sampling.kv_dtype, pool, dtype, self.layout)
       kept = self.pools.take(shape, lambda: page_pool.new_pool(call, dtype))
       out, stats, kept = paged_slots.sample_pages_reusing(kept, *args)
       self.pools.keep(kept, stats)

@@ -105,8 +105,24 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     sys.exit(f"error: {text}\nPass --help to see the flags.")
   except Exception as e:   # pylint: disable=broad-except
     sys.exit(f"error: {_describe_flag_error(argv, e)}")
+  check_config_files(flags.FLAGS)
   expand_user_paths(flags.FLAGS)
   return rest
+
+
+def check_config_files(flag_values) -> None:
+  """A config-file flag whose file could not be loaded (missing, or its
+  get_config failed) is one line now, not ml_collections' deferred
+  traceback at the config's first use."""
+  for name in ("config",):
+    if name not in flag_values or not flag_values[name].present:
+      continue
+    try:
+      flag_values[name].value.keys()
+    except (OSError, ImportError) as e:
+      lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+      sys.exit(f"error: flag --{name}={flag_values[name].config_filename}: "
+               f"{lines[-1] if lines else type(e).__name__}")
 
 
 # Path flags of the entry points; `~` in them is the home directory (the

@@ -176,7 +176,8 @@ def sampling_config(config, tokenizer) -> sampling.SamplingConfig:
       pad_id=tokenizer.pad_id or 0, chunk_rows=group.chunk_rows,
       continuous_batching=group.continuous_batching, slots=group.slots,
       kv_cache=group.kv_cache, page_size=group.page_size, pages=group.pages,
-      stop_check_every=group.stop_check_every, paged_kernel=group.paged_kernel)
+      stop_check_every=group.stop_check_every, paged_kernel=group.paged_kernel,
+      kv_dtype=group.kv_dtype)
 
 
 def load_examples(config) -> tuple[list, list]:

@@ -23,6 +23,13 @@ one (page, offset) and attends over its own pages, up to the longest row's
 page count (bucketed like `ragged.filled_attention`, so short calls do not
 read empty pages).
 
+With `sampling.kv_dtype = int8` a layer's pool is `Int8Pages`: int8 keys (or
+values) and one float32 scale per (page, head, column), the column's
+absolute maximum over its E entries / 127 (symmetric, per token and head;
+`quantize_columns`). Writes quantise, the reference's gather dequantises;
+the TPU kernel does not read them (its quantised path takes scales as wide
+as the values, so it would read more bytes than bf16: `kernel_refuses`).
+
 Shapes use the letters of `grpo_jax`: M rows (slots), K KV heads, H query
 heads, E head width, W pages in the pool, Z columns per page, J page-table
 entries per row; per-shard arrays add a leading R (row shards).
@@ -54,19 +61,25 @@ BLOCK_S = 32
 KERNEL_LANES = 128   # the TPU kernel's blocks hold head_dim on 128 lanes
 
 
-def kernel_refuses(model_config: ModelConfig, backend: str) -> str:
+def kernel_refuses(model_config: ModelConfig, backend: str,
+                   kv_dtype: str = "") -> str:
   """Why the TPU kernel cannot attend for this model on `backend` ("" when
   it can). Its head_dim limit is Mosaic's (the TPU lowering); interpreted
-  on a CPU (tests) any head_dim runs."""
+  on a CPU (tests) any head_dim runs. Int8 pages it does not take: its
+  quantised path wants scales of the values' full shape."""
   if model_config.sliding_window is not None:
     return "has no sliding window"
+  if kv_dtype:
+    return (f"does not read {kv_dtype} pages with per-column scales (its "
+            "quantised path takes scales as wide as the values)")
   if backend == "tpu" and model_config.head_dim % KERNEL_LANES:
     return (f"needs head_dim a multiple of {KERNEL_LANES} on a TPU (its "
             f"blocks' lanes); this model's is {model_config.head_dim}")
   return ""
 
 
-def resolve(impl: str, model_config: ModelConfig, backend: str = "") -> str:
+def resolve(impl: str, model_config: ModelConfig, backend: str = "",
+            kv_dtype: str = "") -> str:
   """"reference" or "pallas" for `impl` (one of KERNELS) on `backend`
   (default: this process's). auto: the TPU kernel on a TPU when it can
   take the model (`kernel_refuses`): SmolLM2-135M's head_dim of 64 it
@@ -74,7 +87,7 @@ def resolve(impl: str, model_config: ModelConfig, backend: str = "") -> str:
   if impl not in KERNELS:
     raise ValueError(f"sampling.paged_kernel {impl!r}; allowed: {KERNELS}")
   backend = backend or jax.default_backend()
-  why = kernel_refuses(model_config, backend)
+  why = kernel_refuses(model_config, backend, kv_dtype)
   if impl == "pallas" and why:
     raise ConfigError(f"config field 'sampling.paged_kernel' = 'pallas': the TPU "
                      f"paged-attention kernel {why}; use 'reference' (or "
@@ -82,6 +95,44 @@ def resolve(impl: str, model_config: ModelConfig, backend: str = "") -> str:
   if impl == "auto":
     return "pallas" if backend == "tpu" and not why else "reference"
   return impl
+
+
+# sampling.kv_dtype: "" (the compute dtype) or int8 pages with scales.
+KV_DTYPES = ("", "int8")
+_INT8_MAX = 127.0
+
+
+class Int8Pages(NamedTuple):
+  """One layer's int8 pool: `values` the layout's shape (int8), `scales`
+  the same without E (float32), value x stored as round(x / scale)."""
+  values: jax.Array
+  scales: jax.Array
+
+
+def quantize_columns(x_e: jax.Array) -> tuple:
+  """Symmetric int8 over the last axis: (int8 values, float32 scales of
+  the other axes), scale = max |x| / 127 (1 where a column is all 0)."""
+  x_e = x_e.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x_e), axis=-1) / _INT8_MAX
+  scale = jnp.where(scale > 0, scale, 1.0)
+  q = jnp.clip(jnp.round(x_e / scale[..., None]), -_INT8_MAX, _INT8_MAX)
+  return q.astype(jnp.int8), scale
+
+
+def dequantize_columns(values_e: jax.Array, scales: jax.Array, dtype
+                       ) -> jax.Array:
+  return (values_e.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+def page_values(pool) -> jax.Array:
+  """A layer's pool as its array of values (int8 pools: without scales)."""
+  return pool.values if isinstance(pool, Int8Pages) else pool
+
+
+def column_bytes(dtype_bytes: int, kv_dtype: str, head_dim: int) -> float:
+  """Bytes of one head's key (or value) column in a pool: the compute
+  dtype's, or int8 plus its float32 scale."""
+  return head_dim + 4.0 if kv_dtype == "int8" else float(dtype_bytes * head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,40 +159,61 @@ class PoolLayout:
     """W; also the table entry that means no page (one past the pool)."""
     return pool.shape[1 if self.heads_first else 0]
 
-  def put(self, pool: jax.Array, pages_xkze: jax.Array, ids_x: jax.Array
-          ) -> jax.Array:
+  def put(self, pool, pages_xkze: jax.Array, ids_x: jax.Array):
     """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
+    if isinstance(pool, Int8Pages):
+      values, scales = quantize_columns(pages_xkze)
+      return Int8Pages(self._put(pool.values, values, ids_x),
+                       self._put(pool.scales, scales, ids_x))
+    return self._put(pool, pages_xkze, ids_x)
+
+  def _put(self, pool: jax.Array, pages_xkz_: jax.Array, ids_x: jax.Array
+           ) -> jax.Array:
     if self.heads_first:
       return decode.set_in_bits(
-          pool, jnp.moveaxis(pages_xkze, ids_x.ndim, 0),
+          pool, jnp.moveaxis(pages_xkz_, ids_x.ndim, 0),
           lambda p, new: p.at[:, ids_x].set(new, mode="drop"))
     return decode.set_in_bits(
-        pool, pages_xkze, lambda p, new: p.at[ids_x].set(new, mode="drop"))
+        pool, pages_xkz_, lambda p, new: p.at[ids_x].set(new, mode="drop"))
 
-  def write(self, pool: jax.Array, new_mke: jax.Array, page_m: jax.Array,
-            offset_m: jax.Array) -> jax.Array:
+  def write(self, pool, new_mke: jax.Array, page_m: jax.Array,
+            offset_m: jax.Array):
     """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
     nowhere)."""
+    if isinstance(pool, Int8Pages):
+      values, scales = quantize_columns(new_mke)
+      return Int8Pages(self._write(pool.values, values, page_m, offset_m),
+                       self._write(pool.scales, scales, page_m, offset_m))
+    return self._write(pool, new_mke, page_m, offset_m)
+
+  def _write(self, pool: jax.Array, new_mk_: jax.Array, page_m: jax.Array,
+             offset_m: jax.Array) -> jax.Array:
     if self.heads_first:
       return decode.set_in_bits(
-          pool, jnp.swapaxes(new_mke, 0, 1),
+          pool, jnp.swapaxes(new_mk_, 0, 1),
           lambda p, new: p.at[:, page_m, offset_m].set(new, mode="drop"))
     return decode.set_in_bits(
-        pool, new_mke,
+        pool, new_mk_,
         lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 
-  def gather(self, pool: jax.Array, table_mj: jax.Array) -> jax.Array:
+  def gather(self, pool, table_mj: jax.Array, dtype=None) -> jax.Array:
     """Row m's pages in table order, as the dense cache's columns:
-    (M, K, J * Z, E). Entries past the pool read its last page (clipped;
-    the caller masks them)."""
+    (M, K, J * Z, E), int8 pools dequantised to `dtype`. Entries past the
+    pool read its last page (clipped; the caller masks them)."""
+    if isinstance(pool, Int8Pages):
+      return dequantize_columns(self._gather(pool.values, table_mj),
+                                self._gather(pool.scales, table_mj), dtype)
+    return self._gather(pool, table_mj)
+
+  def _gather(self, pool: jax.Array, table_mj: jax.Array) -> jax.Array:
     M, J = table_mj.shape
     axis = 1 if self.heads_first else 0
     pages = jnp.take(pool, table_mj, axis=axis, mode="clip")
-    # heads first: (K, M, J, Z, E); pages first: (M, J, K, Z, E)
+    # heads first: (K, M, J, Z, ...); pages first: (M, J, K, Z, ...)
     pages = jnp.moveaxis(pages, 0, 1) if self.heads_first else jnp.moveaxis(
         pages, 2, 1)
-    K, Z, E = pages.shape[1], pages.shape[3], pages.shape[4]
-    return pages.reshape(M, K, J * Z, E)
+    K, Z = pages.shape[1], pages.shape[3]
+    return pages.reshape(M, K, J * Z, *pages.shape[4:])
 
 
 KERNEL_LAYOUT = PoolLayout(heads_first=True)
@@ -165,8 +237,8 @@ def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
   the last `window` columns. The kernel's contract (`paged_attention(q,
   k_pages, v_pages, lengths, page_indices)`) plus the window. Returns
   (M, H, E)."""
-  k_mkse = layout.gather(k_pool, table_mj)
-  v_mkse = layout.gather(v_pool, table_mj)
+  k_mkse = layout.gather(k_pool, table_mj, q_mhe.dtype)
+  v_mkse = layout.gather(v_pool, table_mj, q_mhe.dtype)
   col_s = jnp.arange(k_mkse.shape[2])
   mask_ms = col_s[None] < length_m[:, None]
   if window is not None:
@@ -191,7 +263,7 @@ def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
   only, rounded up to whole blocks of `buckets.block` columns: one
   `lax.switch` branch per prefix (as `ragged.filled_attention`), so a step
   reads the pages up to the longest row's, not the table's width."""
-  Z, J = k_pool.shape[2], table_mj.shape[1]
+  Z, J = page_values(k_pool).shape[2], table_mj.shape[1]
   per_block = max(1, buckets.block // Z)
   cuts = sorted({min(J, per_block * (i + 1))
                  for i in range(-(-J // per_block))})
@@ -259,7 +331,7 @@ def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
 
 class PagePool(NamedTuple):
   """The keys' and values' pools of a paged call, one array per layer,
-  (R,) + `pool_layout(impl).shape(K, W, Z, E)`. It depends on no row and
+  (R,) + `pool_layout(impl).shape(K, W, Z, E)` (int8: an `Int8Pages`). It depends on no row and
   no weight, so a run keeps one across calls (`paged_slots`)."""
   k: tuple
   v: tuple
@@ -300,7 +372,7 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   `decode.weights` gives them. Returns float32 logits (M, V) and the
   updated pool."""
   M, R = tokens_m.shape[0], settings.shards
-  Z = pool.k[0].shape[3]
+  Z = page_values(pool.k[0]).shape[3]
   constrain = settings.constrain
   split = lambda x: x.reshape(R, M // R, *x.shape[1:])
   page, offset = split(rows.page_m), split(rows.column_m % Z)

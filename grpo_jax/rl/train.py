@@ -29,6 +29,7 @@ from grpo_jax import checkpoint, evaluation, registry
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import advantages as adv_lib
 from grpo_jax.data.iterator import BatchIterator
+from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout, sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
@@ -125,6 +126,12 @@ def _setup(config, workdir: str):
   sampler_layout = (weight_sync.sampler_layout(config, spec.rollout,
                                                   sample_devices)
                     if sample_devices else layout)
+  if len(train_examples) < spec.batch.prompts:
+    raise ConfigError(
+        f"config field 'rl.prompts_per_step' = {config.rl.prompts_per_step}: a step "
+        f"takes {spec.batch.prompts} prompts but the training data (data.source = "
+        f"{config.data.source!r}, data.kwargs) has {len(train_examples)} examples: "
+        f"use at most {len(train_examples)}, or more data")
   os.makedirs(workdir, exist_ok=True)
   preflight.check_model(
       config, experiment.model_config_of(config), tokenizer,

@@ -34,6 +34,7 @@ _CHOICES = {
     "sampling.weights_dtype": quant.WEIGHTS_DTYPES,  # "": compute_dtype
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
     "sampling.paged_kernel": paged.KERNELS,     # the paged decode attention
+    "sampling.kv_dtype": paged.KV_DTYPES,       # "": compute_dtype | int8 pages
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),
@@ -224,6 +225,15 @@ def _check_ranges(config: ConfigDict) -> None:
                       "continuous-batching sampler's cache: set "
                       "sampling.continuous_batching = True (or kv_cache = "
                       "'dense')")
+  if config.sampling.kv_dtype and config.sampling.kv_cache != "paged":
+    raise ConfigError(f"config field 'sampling.kv_dtype' = "
+                      f"{config.sampling.kv_dtype!r} is the paged pool's: set "
+                      "sampling.kv_cache = 'paged' (or kv_dtype = '')")
+  if config.sampling.kv_dtype and config.sampling.paged_kernel == "pallas":
+    raise ConfigError(f"config field 'sampling.paged_kernel' = 'pallas': the "
+                      f"TPU kernel does not read {config.sampling.kv_dtype} "
+                      "pages; use 'auto' or 'reference' (the plain-JAX "
+                      "attention, which dequantises)")
   if not 0 < config.sampling.top_p <= 1:
     raise ConfigError(f"config field 'sampling.top_p' = "
                       f"{config.sampling.top_p} must be in (0, 1]")

@@ -6,6 +6,7 @@ final answer evaluation reads, evaluation.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 
 import ml_collections
@@ -254,6 +255,19 @@ def check_eval(e: ConfigDict) -> None:
                       f"0 < top_p <= 1")
 
 
+# Bytes a step's host arrays take per token (ids, log-probs, masks, the
+# behaviour and old log-probs, advantages, rewards...): 8 4-byte arrays.
+STEP_BYTES_PER_TOKEN = 32
+
+
+def host_memory() -> int:
+  """This host's physical memory in bytes (0 where the OS does not say)."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return 0
+
+
 def sampler_rows(config: ConfigDict) -> int:
   """The most rows one sampler call of this run can have: a step's B*G
   (RL) or a STaR call's star.sample_batch prompts x star.samples_per_problem,
@@ -276,6 +290,15 @@ def check_sizes(config: ConfigDict) -> None:
         "the largest sampler call of this run has (RL: rl.prompts_per_step x "
         "rl.num_generations; STaR: star.sample_batch x star.samples_per_problem; "
         f"evaluation: eval.batch_size x eval.n): use at most {rows} (or 0: automatic)")
+  rows_per_step = config.rl.prompts_per_step * config.rl.num_generations
+  need, have = rows_per_step * s.max_new_tokens * STEP_BYTES_PER_TOKEN, host_memory()
+  if config.method == "rl" and have and need > have / 2:
+    raise ConfigError(
+        f"config field 'rl.num_generations' = {config.rl.num_generations} (x "
+        f"rl.prompts_per_step = {config.rl.prompts_per_step}): a step's "
+        f"{rows_per_step} rows of up to {s.max_new_tokens} tokens take "
+        f"{need / 1e9:.1f} GB of host arrays ({STEP_BYTES_PER_TOKEN} bytes a token), "
+        f"more than half this host's {have / 1e9:.1f} GB: lower them")
   if s.stop_check_every > s.max_new_tokens:
     raise ConfigError(
         f"config field 'sampling.stop_check_every' = {s.stop_check_every} is more "
