@@ -167,14 +167,14 @@ class PoolLayout:
                        self._put(pool.scales, scales, ids_x))
     return self._put(pool, pages_xkze, ids_x)
 
-  def _put(self, pool: jax.Array, pages_xkz_: jax.Array, ids_x: jax.Array
+  def _put(self, pool: jax.Array, pages_x: jax.Array, ids_x: jax.Array
            ) -> jax.Array:
     if self.heads_first:
       return decode.set_in_bits(
-          pool, jnp.moveaxis(pages_xkz_, ids_x.ndim, 0),
+          pool, jnp.moveaxis(pages_x, ids_x.ndim, 0),
           lambda p, new: p.at[:, ids_x].set(new, mode="drop"))
     return decode.set_in_bits(
-        pool, pages_xkz_, lambda p, new: p.at[ids_x].set(new, mode="drop"))
+        pool, pages_x, lambda p, new: p.at[ids_x].set(new, mode="drop"))
 
   def write(self, pool, new_mke: jax.Array, page_m: jax.Array,
             offset_m: jax.Array):
@@ -186,14 +186,14 @@ class PoolLayout:
                        self._write(pool.scales, scales, page_m, offset_m))
     return self._write(pool, new_mke, page_m, offset_m)
 
-  def _write(self, pool: jax.Array, new_mk_: jax.Array, page_m: jax.Array,
+  def _write(self, pool: jax.Array, new_m: jax.Array, page_m: jax.Array,
              offset_m: jax.Array) -> jax.Array:
     if self.heads_first:
       return decode.set_in_bits(
-          pool, jnp.swapaxes(new_mk_, 0, 1),
+          pool, jnp.swapaxes(new_m, 0, 1),
           lambda p, new: p.at[:, page_m, offset_m].set(new, mode="drop"))
     return decode.set_in_bits(
-        pool, new_mk_,
+        pool, new_m,
         lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 
   def gather(self, pool, table_mj: jax.Array, dtype=None) -> jax.Array:
