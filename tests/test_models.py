@@ -29,6 +29,17 @@ PUBLISHED = {
     "qwen3-0.6b": 0.596e9,
     "qwen3-8b": 8.19e9,
     "smollm2-135m-instruct": 134.5e6,
+    # Gemma 2 and Gemma 3 1B/270M: the safetensors totals of the HF pages.
+    "gemma-2-2b": 2.61e9,
+    "gemma-2-9b": 9.24e9,
+    "gemma-2-27b": 27.2e9,
+    "gemma-3-270m": 268.1e6,
+    "gemma-3-1b": 999.9e6,
+    # Gemma 3 4B/12B/27B: the multimodal totals (4.30B, 12.2B, 27.4B) less
+    # the SigLIP vision tower and projector (0.42B).
+    "gemma-3-4b": 3.88e9,
+    "gemma-3-12b": 11.77e9,
+    "gemma-3-27b": 27.0e9,
 }
 
 
@@ -59,4 +70,4 @@ def test_abstract_params_follow_param_shapes_and_axes(name):
 
 
 def test_published_table_covers_every_big_preset():
-  assert set(preset_names()) - {"tiny"} == set(PUBLISHED)
+  assert set(preset_names()) - {"tiny", "tiny-gemma"} == set(PUBLISHED)

@@ -57,10 +57,14 @@ def _head_logits(head: Params, h_nsd: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
-def _logprobs_from_hidden(temperature: float, head: Params, h_nsd: jax.Array,
+def _logprobs_from_hidden(temperature: float, softcap: Optional[float],
+                          head: Params, h_nsd: jax.Array,
                           targets_ns: jax.Array):
-  """log p(target) and entropy per position, from the full logits of h_nsd."""
+  """log p(target) and entropy per position, from the full logits of h_nsd
+  (soft-capped first where the model's are: Gemma 2)."""
   logits_nsv = _head_logits(head, h_nsd)  # (N, S, V) float32
+  if softcap is not None:
+    logits_nsv = softcap * jnp.tanh(logits_nsv / softcap)
   if temperature != 1.0:
     logits_nsv = logits_nsv / temperature
   logz_ns = jax.nn.logsumexp(logits_nsv, axis=-1)
@@ -77,7 +81,8 @@ def token_logprobs_naive(model_config: ModelConfig, params: Params,
                          temperature: float = 1.0):
   """Reference path that materialises the (N, S, V) logits; tests and
   benchmarks compare the chunked path against it."""
-  return _logprobs_from_hidden(temperature, _head_params(model_config, params),
+  return _logprobs_from_hidden(temperature, model_config.final_softcap,
+                               _head_params(model_config, params),
                                h_nsd, targets_ns)
 
 
@@ -114,7 +119,8 @@ def token_logprobs(model_config: ModelConfig, params: Params, h_nsd: jax.Array,
   chunk = max(1, min(chunk_size, S))
 
   fn = jax.checkpoint(
-      functools.partial(_logprobs_from_hidden, temperature),
+      functools.partial(_logprobs_from_hidden, temperature,
+                        model_config.final_softcap),
       prevent_cse=False)
   head = _head_params(model_config, params)
   logp_chunks, entropy_chunks = jax.lax.map(

@@ -22,12 +22,15 @@ _NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
 def rope_frequencies(model_config: ModelConfig) -> np.ndarray:
-  """Inverse frequencies [hd/2], with Llama-3 scaling when configured."""
+  """Inverse frequencies [hd/2], with Llama-3 (or linear) scaling when
+  configured."""
   hd = model_config.head_dim
   inv_freq = 1.0 / (model_config.rope_theta ** (np.arange(0, hd, 2) / hd))
   s = model_config.rope_scaling
   if s is None:
     return inv_freq
+  if s.kind == "linear":
+    return inv_freq / s.factor
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * np.pi / inv_freq
@@ -52,9 +55,16 @@ def apply_rope(x_nqhe: jax.Array, positions_nq: jax.Array,
   return out.astype(x_nqhe.dtype)
 
 
+def soft_cap(x: jax.Array, cap: Optional[float]) -> jax.Array:
+  """Gemma 2's logit soft-capping, cap * tanh(x / cap) (None: x)."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
-              mask_nqs: jax.Array) -> jax.Array:
+              mask_nqs: jax.Array, softcap: Optional[float] = None
+              ) -> jax.Array:
   """Grouped-query attention; softmax in float32. Returns (N, Q, H, E).
+  softcap: the scores soft-capped (`soft_cap`) before the mask.
 
   Keys and values are (N, K, S, E): heads before positions, the KV cache's
   layout, so the decode step's dots need no transpose of the cache.
@@ -64,6 +74,7 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   q = q_nqhe.reshape(N, Q, K, H // K, E)
   scores = jnp.einsum("nqkre,nkse->nkrqs", q, k_nkse,
                       preferred_element_type=jnp.float32) / np.sqrt(E)
+  scores = soft_cap(scores, softcap)
   scores = jnp.where(mask_nqs[:, None, None], scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_nkse.dtype)
   # Heads-first output, then one transpose: asking the dot for (n, q, k, r, e)
@@ -113,7 +124,8 @@ def attend_fn(model_config: ModelConfig, impl: str, q_pos_nq: jax.Array,
         blockwise.attention,
         mask=blockwise.MaskInfo(q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
                                 k_seg_ns),
-        sliding_window=model_config.sliding_window)
+        sliding_window=model_config.sliding_window,
+        softcap=model_config.attn_softcap)
   mask = attention_mask(model_config, q_pos_nq, k_pos_ns, k_valid_ns, q_seg_nq,
                         k_seg_ns)
-  return lambda q, k, v: attention(q, k, v, mask)
+  return lambda q, k, v: attention(q, k, v, mask, model_config.attn_softcap)

@@ -103,13 +103,25 @@ class _Static(NamedTuple):
   block_k: int
   q_offset: int
   window: Optional[int]
+  softcap: Optional[float] = None
 
 
-def _scores(q_blk, k_blk, mask, scale):
-  """(N, K, R, bq, bk) float32 scores of one block pair, masked."""
+def _scores(q_blk, k_blk, mask, scale, softcap=None):
+  """(N, K, R, bq, bk) float32 scores of one block pair, soft-capped
+  (Gemma 2: cap * tanh(s / cap)) when `softcap`, masked."""
   s = jnp.einsum("nkrqe,nkse->nkrqs", q_blk, k_blk,
                  preferred_element_type=jnp.float32) * scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
   return jnp.where(mask[:, None, None], s, _NEG_INF)
+
+
+def _softcap_slope(s, softcap):
+  """d(capped)/d(raw) from the capped scores: 1 - (s / cap)^2; 0 where
+  masked (s = _NEG_INF), 1 without a cap."""
+  if softcap is None:
+    return 1.0
+  return jnp.where(jnp.abs(s) <= softcap, 1 - jnp.square(s / softcap), 0.0)
 
 
 def _forward(st: _Static, q, k, v, info: MaskInfo):
@@ -129,7 +141,8 @@ def _forward(st: _Static, q, k, v, info: MaskInfo):
       k_blk = jax.lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, 2)
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, 2)
       s = _scores(q_blk, k_blk, _block_mask(info, i, j, st.block_q,
-                                            st.block_k, st.window), scale)
+                                            st.block_k, st.window), scale,
+                  st.softcap)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       corr = jnp.exp(m - m_new)
@@ -183,13 +196,15 @@ def _backward(st: _Static, res: _Residuals, dout):
       k_blk = jax.lax.dynamic_slice_in_dim(k, j * st.block_k, st.block_k, 2)
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * st.block_k, st.block_k, 2)
       s = _scores(q_blk, k_blk, _block_mask(info, i, j, st.block_q,
-                                            st.block_k, st.window), scale)
+                                            st.block_k, st.window), scale,
+                  st.softcap)
       p = jnp.exp(s - lse_blk[..., None])                    # (N,K,R,bq,bk)
       dv_blk = jnp.einsum("nkrqs,nkrqe->nkse", p.astype(dout.dtype), do_blk,
                           preferred_element_type=jnp.float32)
       dp = jnp.einsum("nkrqe,nkse->nkrqs", do_blk, v_blk,
                       preferred_element_type=jnp.float32)
-      ds = p * (dp - delta_blk[..., None]) * scale
+      ds = (p * (dp - delta_blk[..., None]) * scale
+            * _softcap_slope(s, st.softcap))
       dq = dq + jnp.einsum("nkrqs,nkse->nkrqe", ds.astype(k.dtype), k_blk,
                            preferred_element_type=jnp.float32)
       dk_blk = jnp.einsum("nkrqs,nkrqe->nkse", ds.astype(q.dtype), q_blk,
@@ -231,7 +246,8 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
               mask: MaskInfo, *, sliding_window: Optional[int] = None,
-              block_q: int = 512, block_k: int = 512) -> jax.Array:
+              softcap: Optional[float] = None, block_q: int = 512,
+              block_k: int = 512) -> jax.Array:
   """`attention.attention(q, k, v, attention.attention_mask(...))` for
   queries that are the last Q of the S key columns. Returns (N, Q, H, E).
 
@@ -250,6 +266,6 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   info = MaskInfo(_pad_to(mask.q_pos, 1, bq), _pad_to(mask.k_pos, 1, bk),
                   _pad_to(mask.k_valid, 1, bk, False),
                   seg(mask.q_seg, Q, bq), seg(mask.k_seg, S, bk))
-  st = _Static(bq, bk, S - Q, sliding_window)
+  st = _Static(bq, bk, S - Q, sliding_window, softcap)
   out = _attend(st, q, k, v, info)[:, :, :, :Q]
   return jnp.moveaxis(out, 3, 1).reshape(N, Q, H, E)

@@ -3,6 +3,13 @@
 One family covers Llama 2/3/3.1, Mistral, SmolLM2 (Llama architecture),
 Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm blocks,
 rotary embeddings, grouped-query attention and a SwiGLU MLP.
+
+Gemma 2 and 3 are the same decoder with a few switches (docs/models.md):
+norms also after attention and the MLP, a GELU-tanh gated MLP, embeddings
+times sqrt(D), `query_scale`, soft-capped scores and logits (Gemma 2), and
+per-layer attention (`layer_types`: sliding or full, each kind with its own
+RoPE base). `layer_config(i)` is layer i's config with one window and one
+RoPE base, so everything below a layer reads the same fields as before.
 """
 from __future__ import annotations
 
@@ -11,16 +18,23 @@ from typing import Optional
 
 from grpo_jax.registry import lookup, names, register
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+# Blocks with norms after attention and the MLP too, a GELU-tanh MLP and
+# embeddings scaled by sqrt(D). Their RMSNorm is x * (1 + w) in transformers:
+# the loader stores 1 + w (hf.py), so the norm here is the same function.
+GEMMA = ("gemma2", "gemma3")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama-3 frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+  """Llama-3 frequency-dependent RoPE scaling (`rope_type: llama3`), or
+  `kind="linear"` (Gemma 3 global layers): every frequency / factor."""
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  kind: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +56,13 @@ class ModelConfig:
   tie_embeddings: bool = False
   sliding_window: Optional[int] = None   # Mistral v0.1 style local attention
   max_seq_len: int = 4096
+  # Per-layer attention (Gemma): LAYER_TYPES per layer, sliding ones use
+  # `sliding_window`; None: every layer uses `sliding_window` (or none).
+  layer_types: Optional[tuple] = None
+  rope_local_theta: Optional[float] = None  # Gemma 3: sliding layers' base
+  attn_softcap: Optional[float] = None      # Gemma 2: c * tanh(score / c)
+  final_softcap: Optional[float] = None     # Gemma 2: on the logits
+  query_scale: Optional[float] = None       # scores / sqrt(this), not sqrt(E)
 
   def __post_init__(self):
     if self.architecture not in ARCHITECTURES:
@@ -56,8 +77,50 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a "
                        f"multiple of num_kv_heads={self.num_kv_heads}")
 
+    self._check_layer_types()
+
+  def _check_layer_types(self):
+    if self.layer_types is None:
+      return
+    if not isinstance(self.layer_types, tuple):  # hashable: a jit static arg
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+    if bad or len(self.layer_types) != self.num_layers:
+      raise ValueError(f"ModelConfig.layer_types must list one of "
+                       f"{LAYER_TYPES} per layer ({self.num_layers}); got "
+                       f"{len(self.layer_types)} entries, unknown {bad}")
+    if "sliding_attention" in self.layer_types and not self.sliding_window:
+      raise ValueError("ModelConfig.sliding_window must be set when "
+                       "layer_types has sliding_attention layers")
+
+  @property
+  def gemma(self) -> bool:
+    return self.architecture in GEMMA
+
   def replace(self, **kwargs) -> "ModelConfig":
     return dataclasses.replace(self, **kwargs)
+
+  def layer_config(self, i: int) -> "ModelConfig":
+    """Layer i's config: its own window (None for a full layer) and RoPE
+    base, and no `layer_types`; the config itself when layers are alike."""
+    if self.layer_types is None:
+      return self
+    if self.layer_types[i] == "full_attention":
+      return self.replace(layer_types=None, sliding_window=None)
+    local = self.rope_local_theta
+    return self.replace(
+        layer_types=None,
+        rope_theta=self.rope_theta if local is None else local,
+        rope_scaling=self.rope_scaling if local is None else None)
+
+  def layer_period(self) -> int:
+    """The smallest P with layer_config(i) == layer_config(i % P) for
+    every layer: the forward scans groups of P layers (1: plain scan)."""
+    kinds = self.layer_types or ("",) * self.num_layers
+    for period in range(1, self.num_layers + 1):
+      if all(kinds[i] == kinds[i % period] for i in range(self.num_layers)):
+        return period
+    return self.num_layers
 
 
 def _preset(name: str, **kwargs) -> ModelConfig:
@@ -115,3 +178,60 @@ _preset("qwen3-0.6b", dim=1024, num_layers=28, num_heads=16, num_kv_heads=8,
         mlp_dim=3072, tie_embeddings=True, **_QWEN3)
 _preset("qwen3-8b", dim=4096, num_layers=36, num_heads=32, num_kv_heads=8,
         mlp_dim=12288, **_QWEN3)
+
+# Gemma 2 (google/gemma-2-*): local (4096) and global layers alternate, the
+# first local; soft-capped attention scores (50) and logits (30).
+_GEMMA2 = dict(architecture="gemma2", vocab_size=256000, head_dim=256,
+               norm_eps=1e-6, tie_embeddings=True, sliding_window=4096,
+               attn_softcap=50.0, final_softcap=30.0, query_scale=256.0,
+               max_seq_len=8192)
+_gemma2_layers = lambda n: ("sliding_attention", "full_attention") * (n // 2)
+_preset("gemma-2-2b", dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
+        mlp_dim=9216, layer_types=_gemma2_layers(26), **_GEMMA2)
+_preset("gemma-2-9b", dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
+        mlp_dim=14336, layer_types=_gemma2_layers(42), **_GEMMA2)
+_preset("gemma-2-27b", **{**_GEMMA2, "head_dim": 128, "query_scale": 144.0},
+        dim=4608, num_layers=46, num_heads=32, num_kv_heads=16,
+        mlp_dim=36864, layer_types=_gemma2_layers(46))
+
+
+def _gemma3_layers(n: int) -> tuple:
+  """Five sliding layers, then a full one (transformers' Gemma3 pattern)."""
+  return tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+               for i in range(n))
+
+
+# Gemma 3 text decoders (google/gemma-3-*-pt/it; 4B and up are the text part
+# of Gemma3ForConditionalGeneration): q/k-norm, RoPE 1M on global layers
+# (linear x8 from 4B) and 10k on local ones.
+_GEMMA3 = dict(architecture="gemma3", vocab_size=262144, head_dim=256,
+               norm_eps=1e-6, qk_norm=True, tie_embeddings=True,
+               sliding_window=512, rope_theta=1_000_000.0,
+               rope_local_theta=10_000.0, query_scale=256.0,
+               max_seq_len=32768)
+_GEMMA3_BIG = dict(_GEMMA3, vocab_size=262208, sliding_window=1024,
+                   rope_scaling=RopeScaling(factor=8.0, kind="linear"),
+                   max_seq_len=131072)
+_preset("gemma-3-270m", dim=640, num_layers=18, num_heads=4, num_kv_heads=1,
+        mlp_dim=2048, layer_types=_gemma3_layers(18), **_GEMMA3)
+_preset("gemma-3-1b", dim=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+        mlp_dim=6912, layer_types=_gemma3_layers(26), **_GEMMA3)
+_preset("gemma-3-4b", dim=2560, num_layers=34, num_heads=8, num_kv_heads=4,
+        mlp_dim=10240, layer_types=_gemma3_layers(34), **_GEMMA3_BIG)
+_preset("gemma-3-12b", dim=3840, num_layers=48, num_heads=16,
+        num_kv_heads=8, mlp_dim=15360, layer_types=_gemma3_layers(48),
+        **_GEMMA3_BIG)
+_preset("gemma-3-27b", **{**_GEMMA3_BIG, "head_dim": 128,
+                          "query_scale": 168.0},
+        dim=5376, num_layers=62, num_heads=32, num_kv_heads=16,
+        mlp_dim=21504, layer_types=_gemma3_layers(62))
+
+# A random Gemma 3 for tests: a window shorter than test rows, 3 layers so
+# the 2-layer period leaves one over (sliding, full, sliding).
+_preset("tiny-gemma", architecture="gemma3", vocab_size=256, dim=64,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+        norm_eps=1e-6, qk_norm=True, tie_embeddings=True, sliding_window=4,
+        layer_types=("sliding_attention", "full_attention",
+                     "sliding_attention"),
+        rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_scale=8.0,
+        max_seq_len=512)

@@ -107,16 +107,20 @@ def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
   valid = jax.lax.dynamic_update_slice(
       cache.valid_ns, jnp.ones((tokens_n.shape[0], 1), bool), (0, index))
   kpos = jax.lax.dynamic_update_slice(cache.pos_ns, pos_nq, (0, index))
-  mask = attention.attention_mask(model_config, pos_nq, kpos, valid)
-  x = transformer.embed(params, tokens_n[:, None])
+  configs = [model_config.layer_config(i) for i in range(len(layers))]
+  masks = {c: attention.attention_mask(c, pos_nq, kpos, valid)
+           for c in set(configs)}                  # one per layer kind
+  x = transformer.embed(params, tokens_n[:, None], model_config)
   ks, vs = list(cache.k), list(cache.v)
   for i, lp in enumerate(layers):
-    q, k, v = transformer.qkv(model_config, lp, x, pos_nq)
+    c = configs[i]
+    q, k, v = transformer.qkv(c, lp, x, pos_nq)
     ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
                                          (0, 0, index, 0))
     vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
                                          (0, 0, index, 0))
-    x = transformer.attn_out_and_mlp(model_config, lp, x,
-                                     attention.attention(q, ks[i], vs[i], mask))
+    x = transformer.attn_out_and_mlp(
+        c, lp, x, attention.attention(q, ks[i], vs[i], masks[c],
+                                      c.attn_softcap))
   return logits(model_config, params, x), KVCache(tuple(ks), tuple(vs), valid,
                                                   kpos)

@@ -19,6 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from grpo_jax.errors import WeightsError
+from grpo_jax.models import hf_gemma
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.transformer import param_shapes
 
@@ -28,8 +29,12 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    **hf_gemma.CLASSES,
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+# config.json's model_type -> our architecture (Gemma 3's text model is
+# "gemma3_text").
+_MODEL_TYPES = {**{a: a for a in _HF_CLASS}, **hf_gemma.MODEL_TYPES}
 
 
 # ----------------------------------------------------------------------------
@@ -63,7 +68,8 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
   def unsupported(what):
     return WeightsError(f"{source}: {what} is not supported by grpo_jax")
 
-  if hf.get("hidden_act", "silu") != "silu":
+  gemma = arch in hf_gemma.MODEL_TYPES.values()
+  if hf.get("hidden_act", "silu") != "silu" and not gemma:
     raise unsupported(f"hidden_act={hf['hidden_act']!r}")
   if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
     raise unsupported("attention_bias/mlp_bias=true")
@@ -71,19 +77,25 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
   if missing:
     raise WeightsError(f"{source} lacks {', '.join(missing)}, which a "
                           f"{arch} config.json must give: is it complete?")
-  heads = hf["num_attention_heads"]
+  if gemma:
+    return _config(hf, arch, **hf_gemma.config_from_hf(hf, arch, unsupported))
   theta, scaling = _rope(hf, unsupported)
+  return _config(hf, arch, rope_theta=theta, rope_scaling=scaling,
+                 qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                 sliding_window=_sliding_window(hf, arch, unsupported))
+
+
+def _config(hf: dict[str, Any], arch: str, **fields) -> ModelConfig:
+  """The fields every family reads the same way, plus `fields`."""
+  heads = hf["num_attention_heads"]
   return ModelConfig(
       architecture=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      mlp_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
-      norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=arch == "qwen2",
-      qk_norm=arch == "qwen3",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      sliding_window=_sliding_window(hf, arch, unsupported),
-      max_seq_len=hf.get("max_position_embeddings") or 4096)
+      mlp_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+      max_seq_len=hf.get("max_position_embeddings") or 4096, **fields)
 
 
 def _architecture(hf: dict[str, Any], source: str) -> str:
@@ -91,12 +103,12 @@ def _architecture(hf: dict[str, Any], source: str) -> str:
   for cls in classes:
     if cls in HF_ARCHITECTURES:
       return HF_ARCHITECTURES[cls]
-  if not classes and hf.get("model_type") in _HF_CLASS:
-    return hf["model_type"]
+  if not classes and hf.get("model_type") in _MODEL_TYPES:
+    return _MODEL_TYPES[hf["model_type"]]
   found = classes or hf.get("model_type")
   raise WeightsError(
       f"{source}: unknown architecture {found!r}; supported: "
-      f"{sorted(HF_ARCHITECTURES)} (model_type {sorted(_HF_CLASS)})")
+      f"{sorted(HF_ARCHITECTURES)} (model_type {sorted(_MODEL_TYPES)})")
 
 
 def _rope(hf: dict[str, Any], unsupported: Callable[[str], Exception]
@@ -109,6 +121,8 @@ def _rope(hf: dict[str, Any], unsupported: Callable[[str], Exception]
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   if kind == "default":
     return float(theta), None
+  if kind == "linear":
+    return float(theta), RopeScaling(factor=scaling["factor"], kind="linear")
   if kind != "llama3":
     raise unsupported(f"rope type {kind!r}")
   return float(theta), RopeScaling(
@@ -141,6 +155,14 @@ def _sliding_window(hf: dict[str, Any], arch: str,
   raise unsupported("a mix of sliding-window and full-attention layers")
 
 
+def _scaling_to_hf(scaling: RopeScaling) -> dict[str, Any]:
+  if scaling.kind == "linear":
+    return {"rope_type": "linear", "factor": scaling.factor}
+  fields = dataclasses.asdict(scaling)
+  del fields["kind"]
+  return {"rope_type": "llama3", **fields}
+
+
 def config_to_hf(model_config: ModelConfig, dtype_name: str,
                  token_ids: Optional[dict[str, Any]] = None) -> dict[str, Any]:
   """config.json content that transformers 4.x and 5.x both read."""
@@ -148,8 +170,7 @@ def config_to_hf(model_config: ModelConfig, dtype_name: str,
   if c.sliding_window is not None and c.architecture == "llama":
     raise ValueError("a llama config with sliding_window has no "
                      "transformers equivalent; use architecture='mistral'")
-  scaling = None if c.rope_scaling is None else {
-      "rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)}
+  scaling = None if c.rope_scaling is None else _scaling_to_hf(c.rope_scaling)
   hf = {
       "architectures": [_HF_CLASS[c.architecture]],
       "model_type": c.architecture,
@@ -166,6 +187,8 @@ def config_to_hf(model_config: ModelConfig, dtype_name: str,
       "dtype": dtype_name, "torch_dtype": dtype_name,
       **(token_ids or {}),
   }
+  if c.gemma:
+    hf.update(hf_gemma.config_to_hf(c))
   if c.architecture != "qwen2":
     hf.update(attention_bias=False, mlp_bias=False)
   if c.architecture == "mistral":
@@ -195,12 +218,14 @@ class TensorSpec:
   hf_shape: one HF tensor's shape; matrices are (out, in) as in nn.Linear.
   shape: our shape of one layer's slice (the leaf without its L axis).
   transposed: ours is the HF matrix transposed, then reshaped.
+  offset: ours is HF's + offset (Gemma's norms: 1 + w), added in float32.
   """
   path: tuple[str, ...]
   hf_name: str
   hf_shape: tuple[int, ...]
   shape: tuple[int, ...]
   transposed: bool
+  offset: float = 0.0
 
   @property
   def per_layer(self) -> bool:
@@ -211,10 +236,16 @@ class TensorSpec:
       return [self.hf_name]
     return [self.hf_name.format(i=i) for i in range(num_layers)]
 
-  def to_ours(self, w_hf: np.ndarray) -> np.ndarray:
-    return (w_hf.T if self.transposed else w_hf).reshape(self.shape)
+  def to_ours(self, w_hf: np.ndarray, dtype=None) -> np.ndarray:
+    """Ours in `dtype` (None: the stored one)."""
+    w = (w_hf.T if self.transposed else w_hf).reshape(self.shape)
+    if self.offset:
+      w = np.asarray(w, np.float32) + np.float32(self.offset)
+    return w.astype(w_hf.dtype if dtype is None else dtype, copy=False)
 
   def to_hf(self, w: np.ndarray) -> np.ndarray:
+    if self.offset:
+      w = (np.asarray(w, np.float32) - np.float32(self.offset)).astype(w.dtype)
     if self.transposed:
       return np.ascontiguousarray(w.reshape(self.hf_shape[::-1]).T)
     return w.reshape(self.hf_shape)
@@ -243,13 +274,16 @@ def _hf_layout(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
       "w_gate": (_LAYER + "mlp.gate_proj.weight", (F, D), True),
       "w_up": (_LAYER + "mlp.up_proj.weight", (F, D), True),
       "w_down": (_LAYER + "mlp.down_proj.weight", (D, F), True),
-  }
+  } | ({leaf: (_LAYER + name + ".weight", (D,), False)
+        for leaf, name in hf_gemma.NORM_NAMES.items()} if c.gemma else {})
 
 
 def tensor_specs(model_config: ModelConfig) -> list[TensorSpec]:
   """Every leaf of `param_shapes(config)` with its HF tensor, in HF order."""
   layout = _hf_layout(model_config)
   shapes = param_shapes(model_config)
+  offset = lambda leaf: (hf_gemma.NORM_OFFSET if model_config.gemma
+                         and leaf.endswith("norm") else 0.0)
   specs = []
   for key in ("embed", "layers", "final_norm", "lm_head"):
     if key not in shapes:
@@ -257,10 +291,12 @@ def tensor_specs(model_config: ModelConfig) -> list[TensorSpec]:
     if key == "layers":
       for leaf, shape in shapes["layers"].items():
         name, hf_shape, t = layout[leaf]
-        specs.append(TensorSpec(("layers", leaf), name, hf_shape, shape[1:], t))
+        specs.append(TensorSpec(("layers", leaf), name, hf_shape, shape[1:], t,
+                                offset(leaf)))
     else:
       name, hf_shape, t = layout[key]
-      specs.append(TensorSpec((key,), name, hf_shape, shapes[key], t))
+      specs.append(TensorSpec((key,), name, hf_shape, shapes[key], t,
+                              offset(key)))
   return specs
 
 

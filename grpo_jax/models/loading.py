@@ -145,8 +145,7 @@ def _load_leaf(ckpt, spec: hf.TensorSpec, model_config: ModelConfig, dtype,
   shards: dict[tuple, np.ndarray] = {}  # devices that share a slice share it
 
   def layer(i: int) -> np.ndarray:
-    w = spec.to_ours(ckpt.read(names_[i]))
-    return w if dtype is None else w.astype(dtype, copy=False)
+    return spec.to_ours(ckpt.read(names_[i]), dtype)
 
   def callback(index: tuple[slice, ...]) -> np.ndarray:
     key = tuple((s.start, s.stop, s.step) for s in index)

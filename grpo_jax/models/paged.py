@@ -69,6 +69,8 @@ def kernel_refuses(model_config: ModelConfig, backend: str,
   quantised path wants scales of the values' full shape."""
   if model_config.sliding_window is not None:
     return "has no sliding window"
+  if model_config.attn_softcap is not None:
+    return "has no attention soft-cap here"
   if kv_dtype:
     return (f"does not read {kv_dtype} pages with per-column scales (its "
             "quantised path takes scales as wide as the values)")
@@ -228,15 +230,16 @@ def pool_layout(impl: str) -> PoolLayout:
 def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
                               v_pool: jax.Array, length_m: jax.Array,
                               table_mj: jax.Array, window=None,
-                              layout: PoolLayout = KERNEL_LAYOUT) -> jax.Array:
+                              layout: PoolLayout = KERNEL_LAYOUT,
+                              softcap=None) -> jax.Array:
   """Decode attention (one query per row) over row m's first length_m[m]
   columns, read through its page table from pools of `layout`;
   grouped-query (H a multiple of K), softmax in float32
   (`attention.attention` over the gathered columns). The query is at
   column length_m - 1 (its own key written); with a sliding window it sees
   the last `window` columns. The kernel's contract (`paged_attention(q,
-  k_pages, v_pages, lengths, page_indices)`) plus the window. Returns
-  (M, H, E)."""
+  k_pages, v_pages, lengths, page_indices)`) plus the window and a
+  soft-cap of the scores (Gemma 2). Returns (M, H, E)."""
   k_mkse = layout.gather(k_pool, table_mj, q_mhe.dtype)
   v_mkse = layout.gather(v_pool, table_mj, q_mhe.dtype)
   col_s = jnp.arange(k_mkse.shape[2])
@@ -244,7 +247,7 @@ def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
   if window is not None:
     mask_ms &= col_s[None] > length_m[:, None] - 1 - window
   return attention.attention(q_mhe[:, None], k_mkse, v_mkse,
-                             mask_ms[:, None])[:, 0]
+                             mask_ms[:, None], softcap)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +257,7 @@ class Buckets:
   window: Optional[int] = None
   block: int = BLOCK_S
   layout: PoolLayout = KERNEL_LAYOUT
+  softcap: Optional[float] = None
 
 
 def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
@@ -270,7 +274,8 @@ def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
 
   def prefix(cut: int):
     return lambda q, k, v, n, t: paged_attention_reference(
-        q, k, v, n, t[:, :cut], buckets.window, buckets.layout)
+        q, k, v, n, t[:, :cut], buckets.window, buckets.layout,
+        buckets.softcap)
 
   index = jnp.clip(-(-filled_pages // per_block) - 1, 0, len(cuts) - 1)
   return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_pool,
@@ -323,10 +328,14 @@ def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
 def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
                  layout: PoolLayout = REFERENCE_LAYOUT):
   """The reference over R shards' pools of `layout`: `DecodeSettings`'s
-  `attend`."""
-  buckets = Buckets(model_config.sliding_window, layout=layout)
-  return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
-      q, k, v, n, t, filled_pages, buckets))
+  `attend`; `layer` (a `layer_config`) gives a layer's window and
+  soft-cap where layers differ (Gemma)."""
+  def attend(q, k, v, n, t, layer: ModelConfig = model_config):
+    buckets = Buckets(layer.sliding_window, layout=layout,
+                      softcap=layer.attn_softcap)
+    return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
+        q, k, v, n, t, filled_pages, buckets))(q, k, v, n, t)
+  return attend
 
 
 class PagePool(NamedTuple):
@@ -378,16 +387,18 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   page, offset = split(rows.page_m), split(rows.column_m % Z)
   length, table = split(rows.column_m + 1), split(rows.table_mj)
   write = jax.vmap(settings.pool_layout.write)
-  x = constrain(transformer.embed(weights.params, tokens_m[:, None]),
-                transformer.RESIDUAL_AXES)
+  x = constrain(transformer.embed(weights.params, tokens_m[:, None],
+                                model_config), transformer.RESIDUAL_AXES)
   ks, vs = list(pool.k), list(pool.v)
   for i, lp in enumerate(weights.layers):
-    q, k, v = transformer.qkv(model_config, lp, x, rows.column_m[:, None],
-                              constrain)
+    c = model_config.layer_config(i)   # Gemma: this layer's window, RoPE
+    per_layer = {} if c is model_config else {"layer": c}
+    q, k, v = transformer.qkv(c, lp, x, rows.column_m[:, None], constrain)
     ks[i] = write(ks[i], split(k[:, :, 0]), page, offset)
     vs[i] = write(vs[i], split(v[:, :, 0]), page, offset)
-    attn = settings.attend(split(q[:, 0]), ks[i], vs[i], length, table)
-    x = transformer.attn_out_and_mlp(model_config, lp, x,
+    attn = settings.attend(split(q[:, 0]), ks[i], vs[i], length, table,
+                           **per_layer)
+    x = transformer.attn_out_and_mlp(c, lp, x,
                                      attn.reshape(M, 1, *attn.shape[2:]),
                                      constrain)
   return (decode.logits(model_config, weights.params, x),

@@ -30,14 +30,16 @@ BLOCK_S = 128          # key columns per block of the decode attention
 
 def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
                      mask: blockwise.MaskInfo, filled: jax.Array,
-                     window=None, block: int = BLOCK_S) -> jax.Array:
+                     window=None, block: int = BLOCK_S,
+                     softcap=None) -> jax.Array:
   """One query per row (Q = 1) against key columns [0, filled), rounded up to
   whole blocks: bucketed, one `lax.switch` branch per prefix length (1, 2,
   ... S/block blocks), each a dense `attention.attention` over its
   prefix. S must be a multiple of `block`. The mask is
   `attention.attention_mask`'s over `mask`'s q_pos (N, 1), k_pos and
   k_valid (N, S) (no segments: decoding): valid keys at positions <= the
-  query's (and within the sliding window). Returns (N, 1, H, E).
+  query's (and within the sliding window). Scores soft-capped by
+  `softcap` (Gemma 2). Returns (N, 1, H, E).
 
   Why buckets, not a loop over blocks with an online softmax: on CPU the
   loop's dynamic slices copy every block of every row's cache each step.
@@ -60,7 +62,7 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
       if window is not None:
         mask_ns &= diff_ns < window
       return attention.attention(q, k[:, :, :cut], v[:, :, :cut],
-                                   mask_ns[:, None])
+                                   mask_ns[:, None], softcap)
     return attend
 
   buckets = S // block
@@ -82,15 +84,16 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   valid = cache.valid_ns.at[rows, columns_n].set(True)
   kpos = cache.pos_ns.at[rows, columns_n].set(positions_n)
   keys = blockwise.MaskInfo(positions_n[:, None], kpos, valid)
-  x = transformer.embed(weights.params, tokens_n[:, None])
+  x = transformer.embed(weights.params, tokens_n[:, None], model_config)
   ks, vs = list(cache.k), list(cache.v)
   write = lambda c, new_nke: decode.set_in_bits(
       c, new_nke, lambda c, new: c.at[rows, :, columns_n].set(new))
   for i, lp in enumerate(weights.layers):
-    q, k, v = transformer.qkv(model_config, lp, x, positions_n[:, None])
+    c = model_config.layer_config(i)     # its window and RoPE base
+    q, k, v = transformer.qkv(c, lp, x, positions_n[:, None])
     ks[i], vs[i] = write(ks[i], k[:, :, 0]), write(vs[i], v[:, :, 0])
-    attn = filled_attention(q, ks[i], vs[i], keys, filled,
-                            model_config.sliding_window)
-    x = transformer.attn_out_and_mlp(model_config, lp, x, attn)
+    attn = filled_attention(q, ks[i], vs[i], keys, filled, c.sliding_window,
+                            softcap=c.attn_softcap)
+    x = transformer.attn_out_and_mlp(c, lp, x, attn)
   return (decode.logits(model_config, weights.params, x),
           decode.KVCache(tuple(ks), tuple(vs), valid, kpos))

@@ -1,11 +1,10 @@
 """The decoder as pure functions over a parameter pytree.
 
 Parameters are a plain nested dict of arrays. Per-layer weights are stacked
-on a leading `layers` axis so the forward pass is one `lax.scan` (fast to
-compile at any depth, and remat applies per layer). `param_axes(config)`
-returns the same tree with a tuple of logical axis names per leaf; the
-sharding module maps those names to mesh axes (MaxText-style), so nothing
-here knows about devices.
+on a leading `layers` axis so the forward pass is one `lax.scan`
+(`layer_scan`: fast to compile at any depth, remat per layer).
+`param_axes(config)` gives each leaf's logical axis names; the sharding
+module maps them to mesh axes (MaxText-style).
 
 Shapes use the letters of `grpo_jax` (upper case for a size): N rows, S a
 row's columns (the keys; the KV cache's length when decoding), Q query
@@ -13,9 +12,8 @@ columns (the last Q of the S), D model width, H query heads, K KV heads,
 E head width (`head_dim`), V vocab, L layers; F is the MLP width and, in the
 einsums, r = H // K query heads per KV head.
 
-Cached decoding (the KV cache, the samplers' decode steps) builds on the
-layer functions here (`qkv`, `attn_out_and_mlp`): `decode`, `ragged`,
-`paged`.
+Cached decoding builds on the layer functions here (`qkv`,
+`attn_out_and_mlp`): `decode`, `ragged`, `paged`.
 """
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import blockwise, quant
-from grpo_jax.models.attention import apply_rope, attend_fn, rope_frequencies
+from grpo_jax.models import blockwise, layer_scan, quant
+from grpo_jax.models.attention import apply_rope, rope_frequencies, soft_cap
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -57,6 +55,8 @@ def param_shapes(model_config: ModelConfig) -> dict[str, Any]:
     layers.update(bq=(L, H, hd), bk=(L, K, hd), bv=(L, K, hd))
   if c.qk_norm:
     layers.update(q_norm=(L, hd), k_norm=(L, hd))
+  if c.gemma:
+    layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
   shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
   if not c.tie_embeddings:
     shapes["lm_head"] = (D, c.vocab_size)
@@ -68,6 +68,7 @@ _AXES = {
     "lm_head": ("embed", "vocab"),
     "final_norm": ("norm",),
     "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
+    "post_attn_norm": ("layers", "norm"), "post_mlp_norm": ("layers", "norm"),
     "wq": ("layers", "embed", "q_heads", "head_dim"),
     "wk": ("layers", "embed", "kv_heads", "head_dim"),
     "wv": ("layers", "embed", "kv_heads", "head_dim"),
@@ -133,8 +134,7 @@ def init_params(model_config: ModelConfig, key: jax.Array,
 
 
 def cast(params: Params, dtype: str) -> Params:
-  """`params` with every leaf in `dtype` (the sampler's or trainer's
-  compute dtype)."""
+  """`params` with every leaf in `dtype` (a compute dtype)."""
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
@@ -204,6 +204,9 @@ def qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
   if model_config.qk_norm:
     q = rms_norm(q, lp["q_norm"], model_config.norm_eps)
     k = rms_norm(k, lp["k_norm"], model_config.norm_eps)
+  if model_config.query_scale is not None:  # scores / sqrt(query_scale)
+    q = q * jnp.asarray(np.sqrt(model_config.head_dim
+                                / model_config.query_scale), q.dtype)
   inv_freq = rope_frequencies(model_config)
   k = apply_rope(k, positions_nq, inv_freq)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)
@@ -211,12 +214,10 @@ def qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
 
 
 def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
-  """attn · wo summed over heads and head width, as one (H*E, D) matmul.
-  wo (H, E, D) and its LoRA A (H, E, r) are flattened in place (free:
-  row-major); the einsum "nqhe,hed->nqd" let XLA:CPU copy wo into another
-  layout inside every decode step (31 weight copies per step for
-  SmolLM2-135M, 2 to 8% of a continuous-batching decode step on
-  this CPU; docs/paged.md)."""
+  """attn · wo summed over heads and head width, as one (H*E, D) matmul;
+  wo (H, E, D) and its LoRA A flattened in place (free). The einsum
+  "nqhe,hed->nqd" let XLA:CPU copy wo inside every decode step
+  (docs/paged.md)."""
   N, Q, H, E = attn_nqhe.shape
   flat = lambda w: w.reshape((H * E,) + w.shape[2:])
   lp_flat = {"wo": flat(lp["wo"])}
@@ -230,24 +231,34 @@ def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
 def attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
                       attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
-  x = constrain(x_nqd + _out_projection(attn_nqhe, lp), RESIDUAL_AXES)
-  h = rms_norm(x, lp["mlp_norm"], model_config.norm_eps)
+  c = model_config
+  post_norm = lambda y, name: (rms_norm(y, lp[name], c.norm_eps) if c.gemma
+                               else y)   # Gemma: outputs normed, then added
+  x = constrain(x_nqd + post_norm(_out_projection(attn_nqhe, lp),
+                                  "post_attn_norm"), RESIDUAL_AXES)
+  h = rms_norm(x, lp["mlp_norm"], c.norm_eps)
   gate = constrain(_project("nqd,df->nqf", h, lp, "w_gate"), MLP_AXES)
   up = constrain(_project("nqd,df->nqf", h, lp, "w_up"), MLP_AXES)
-  return constrain(
-      x + _project("nqf,fd->nqd", jax.nn.silu(gate) * up, lp, "w_down"),
-      RESIDUAL_AXES)
+  act = jax.nn.gelu(gate, approximate=True) if c.gemma else jax.nn.silu(gate)
+  mlp = _project("nqf,fd->nqd", act * up, lp, "w_down")
+  return constrain(x + post_norm(mlp, "post_mlp_norm"), RESIDUAL_AXES)
 
 
-def embed(params: Params, tokens_ns: jax.Array) -> jax.Array:
-  return quant.take_rows(params["embed"], tokens_ns)
+def embed(params: Params, tokens_ns: jax.Array,
+          model_config: Optional[ModelConfig] = None) -> jax.Array:
+  """Token embeddings (N, S, D); Gemma's times sqrt(D) in their dtype."""
+  x = quant.take_rows(params["embed"], tokens_ns)
+  if model_config is None or not model_config.gemma:
+    return x
+  return x * jnp.asarray(np.sqrt(model_config.dim), x.dtype)
 
 
 def unembed(model_config: ModelConfig, params: Params,
             h_nsd: jax.Array) -> jax.Array:
-  """Final norm output (N, S, D) -> float32 logits (N, S, V)."""
+  """Final norm output (N, S, D) -> float32 logits (N, S, V), soft-capped
+  where the model says (Gemma 2)."""
   w = params["embed"].T if model_config.tie_embeddings else params["lm_head"]
-  return quant.head_logits(h_nsd, w)
+  return soft_cap(quant.head_logits(h_nsd, w), model_config.final_softcap)
 
 
 # ----------------------------------------------------------------------------
@@ -304,18 +315,20 @@ def _decoder(model_config: ModelConfig, params: Params, rows: Rows,
   """The layers' scan over `rows`: final-normed hidden states (N, S, D) and
   (return_kv) every layer's k, v, each (L, N, K, S, E)."""
   constrain = settings.constrain or no_constraint
-  attend = attend_fn(model_config, settings.attention, rows.positions_ns,
-                     rows.positions_ns, rows.valid_ns, segment_ns, segment_ns)
+  attend = layer_scan.attends_per_layer(model_config, settings.attention,
+                             rows.positions_ns, rows.positions_ns,
+                             rows.valid_ns, segment_ns, segment_ns)
 
-  def layer(x, lp):
-    q, k, v = qkv(model_config, lp, x, rows.positions_ns, constrain)
-    x = attn_out_and_mlp(model_config, lp, x, attend(q, k, v), constrain)
+  def layer(layer_config, x, lp):
+    q, k, v = qkv(layer_config, lp, x, rows.positions_ns, constrain)
+    x = attn_out_and_mlp(layer_config, lp, x, attend[layer_config](q, k, v),
+                         constrain)
     return x, ((k, v) if return_kv else None)
 
-  if settings.remat != "none":
-    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[settings.remat])
-  x = constrain(embed(params, rows.tokens_ns), RESIDUAL_AXES)
-  x, kv = jax.lax.scan(layer, x, params["layers"])
+  x = constrain(embed(params, rows.tokens_ns, model_config), RESIDUAL_AXES)
+  x, kv = layer_scan.scan_layers(
+      model_config, layer, x, params["layers"],
+      layer_scan.remat(REMAT_POLICIES[settings.remat]))
   return rms_norm(x, params["final_norm"], model_config.norm_eps), kv
 
 
@@ -358,10 +371,9 @@ def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
   of the B prompts (B, P) run through the decoder ONCE instead of G times.
 
   Row n continues prompt b = n // G. Its continuation tokens (N, T) attend
-  to the prompt's keys and values (repeated to the G rows; autodiff sums
-  their cotangents back) and causally to their own. The result equals
-  `hidden_states` on the concatenated rows: the same logits, a GRPO update
-  with fewer FLOPs (B*P + N*T tokens instead of N*(P+T)).
+  to the prompt's keys and values (repeated to the G rows) and causally to
+  their own: `hidden_states` of the concatenated rows in fewer FLOPs
+  (B*P + N*T tokens instead of N*(P+T)).
 
   Returns the last prompt column's hidden state per prompt (B, D), which
   predicts the first continuation token, and the continuation's (N, T, D).
@@ -378,22 +390,22 @@ def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
                                axis=1)
   key_valid_ns = jnp.concatenate([rep(prompt.valid_ns),
                                   continuation.valid_ns], axis=1)
-  attend = attend_fn(model_config, settings.attention, positions_nt,
-                     key_pos_ns, key_valid_ns)
+  attend = layer_scan.attends_per_layer(model_config, settings.attention,
+                             positions_nt, key_pos_ns, key_valid_ns)
 
-  def layer(x, xs):
+  def layer(layer_config, x, xs):
     lp, k_prompt, v_prompt = xs
-    q, k, v = qkv(model_config, lp, x, positions_nt, constrain)
+    q, k, v = qkv(layer_config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return attn_out_and_mlp(model_config, lp, x, attend(q, k, v),
-                            constrain), None
+    return attn_out_and_mlp(layer_config, lp, x,
+                            attend[layer_config](q, k, v), constrain), None
 
-  if settings.remat != "none":
-    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[settings.remat])
-  x, _ = jax.lax.scan(
-      layer, constrain(embed(params, continuation.tokens_ns), RESIDUAL_AXES),
-      (params["layers"], k_lbkpe, v_lbkpe))
+  x = constrain(embed(params, continuation.tokens_ns, model_config),
+                RESIDUAL_AXES)
+  x, _ = layer_scan.scan_layers(
+      model_config, layer, x, (params["layers"], k_lbkpe, v_lbkpe),
+      layer_scan.remat(REMAT_POLICIES[settings.remat]))
   return h_bpd[:, -1], rms_norm(x, params["final_norm"], model_config.norm_eps)
 
 
