@@ -12,8 +12,8 @@ names the rewards it wants with weights; `compute_rewards` sums them:
     specs = [("math", 1.0), ("overlong", 1.0, {"max_length": 4096, "cache_length": 512})]
     reward_n, metrics = compute_rewards(specs, prompts, completions, answers, lengths)
 
-Registered: math, math_dapo, format_think, format_r1, overlong, countdown,
-multiple_choice, code, last_number.
+Registered: math, math_dapo, format_think, format_r1, language_consistency,
+overlong, countdown, multiple_choice, code, last_number.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from grpo_jax.rewards import (
   code,  # pylint: disable=unused-import
   countdown,  # pylint: disable=unused-import
   format,  # pylint: disable=unused-import,redefined-builtin
+  language,  # pylint: disable=unused-import
   last_number,  # pylint: disable=unused-import
   math,  # pylint: disable=unused-import
   process,  # pylint: disable=unused-import  # "process_reward"

@@ -14,9 +14,11 @@ from grpo_jax.rewards._common import per_completion
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+BOXED = "\\boxed{"
+ANSWER_RULES = ("any", "boxed")
 
 
-def _with_prefill(prompt: str, completion: str) -> str:
+def with_prefill(prompt: str, completion: str) -> str:
   """R1-Zero style templates end the prompt with "<think>"; the completion
   then starts inside the thought, and the tag belongs to it."""
   if prompt.rstrip().endswith(THINK_OPEN) and not completion.lstrip().startswith(THINK_OPEN):
@@ -35,10 +37,28 @@ def _split_think(text: str) -> tuple[str, str] | None:
   return thought, rest
 
 
-def is_think_format(text: str) -> bool:
-  """`<think>reasoning</think>` then a non-empty answer."""
+def has_boxed_answer(text: str) -> bool:
+  """A non-empty `\\boxed{...}` (braces balanced) in the text."""
+  start = text.find(BOXED)
+  while start >= 0:
+    depth, i = 1, start + len(BOXED)
+    while i < len(text) and depth:
+      depth += {"{": 1, "}": -1}.get(text[i], 0)
+      i += 1
+    if depth == 0 and text[start + len(BOXED):i - 1].strip():
+      return True
+    start = text.find(BOXED, i)
+  return False
+
+
+def is_think_format(text: str, answer: str = "any") -> bool:
+  """`<think>reasoning</think>` then a non-empty answer; with answer="boxed"
+  the text after `</think>` must hold a non-empty `\\boxed{}` (the r1_think
+  template's answer), so prose without a box after the thought earns nothing."""
   parts = _split_think(text)
-  return parts is not None and bool(parts[0].strip()) and bool(parts[1].strip())
+  if parts is None or not parts[0].strip() or not parts[1].strip():
+    return False
+  return answer == "any" or has_boxed_answer(parts[1])
 
 
 def is_r1_format(text: str) -> bool:
@@ -56,16 +76,19 @@ def is_r1_format(text: str) -> bool:
 
 def _format_reward(check, prompts, completions) -> np.ndarray:
   prompts = per_completion(prompts, len(completions))
-  return np.array([float(check(_with_prefill(p, c)))
+  return np.array([float(check(with_prefill(p, c)))
                    for p, c in zip(prompts, completions)], np.float32)
 
 
 @register("reward", "format_think")
-def format_think_reward(prompts, completions, answers, completion_lengths
-                        ) -> np.ndarray:
-  """1 if the completion is `<think>…</think>` followed by an answer, else 0."""
+def format_think_reward(prompts, completions, answers, completion_lengths, *,
+                        answer: str = "any") -> np.ndarray:
+  """1 if the completion is `<think>…</think>` followed by an answer, else 0;
+  answer="boxed" asks for a `\\boxed{}` answer after the thought."""
   del answers, completion_lengths
-  return _format_reward(is_think_format, prompts, completions)
+  if answer not in ANSWER_RULES:
+    raise ValueError(f"format_think: answer={answer!r}, want one of {ANSWER_RULES}")
+  return _format_reward(lambda text: is_think_format(text, answer), prompts, completions)
 
 
 @register("reward", "format_r1")
