@@ -45,7 +45,9 @@ from grpo_jax.models import get_preset, init_params, lora, transformer
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
 
-MODEL = get_preset("tiny")   # H=4, K=2, hd=16, D=64, F=128, V=256, L=2
+# H=4, K=2, hd=16, D=64, F=128, V=256, L=2; env SHARDING_CHECKS_MODEL names
+# another preset of these widths (tests/test_gemma_runs.py: tiny-gemma).
+MODEL = get_preset(os.environ.get("SHARDING_CHECKS_MODEL", "tiny"))
 SETTINGS = update.LossSettings(chunk=4, kl_beta=0.05)
 NUM_MICRO = 2
 GREEDY = sampling.SamplingConfig(max_new_tokens=6, greedy=True)
@@ -59,7 +61,10 @@ SEQUENCE_PARALLEL = {(1, 2, 4)}
 
 # Expected specs, written out by hand from the default rules (not computed
 # by the code under test). Size-1 mesh axes never appear in a spec.
-_REPLICATED = {"final_norm": P(), "attn_norm": P(), "mlp_norm": P()}
+_REPLICATED = {"final_norm": P(), "attn_norm": P(), "mlp_norm": P(),
+               # tiny-gemma's (q/k-norm, norms after attention and MLP)
+               "q_norm": P(), "k_norm": P(), "post_attn_norm": P(),
+               "post_mlp_norm": P()}
 
 
 def _specs(embed, wq, wkv, wo, w_in, w_down):
@@ -89,11 +94,12 @@ EXPECTED_ROWS = {(8, 1, 1): P("data"), (1, 8, 1): P("fsdp"),
 EXPECTED_CACHE_SHARD = {(8, 1, 1): (1, 2), (1, 8, 1): (1, 2),
                         (2, 2, 2): (2, 1), (1, 2, 4): (4, 2)}
 # Shard shapes of two leaves, by hand: wq (L, D, H, hd), embed (V, D).
+L = MODEL.num_layers
 EXPECTED_SHARD = {
-    (8, 1, 1): {"wq": (2, 64, 4, 16), "embed": (256, 64)},
-    (1, 8, 1): {"wq": (2, 8, 4, 16), "embed": (256, 8)},
-    (2, 2, 2): {"wq": (2, 32, 2, 16), "embed": (128, 32)},
-    (1, 2, 4): {"wq": (2, 32, 1, 16), "wk": (2, 32, 2, 16),
+    (8, 1, 1): {"wq": (L, 64, 4, 16), "embed": (256, 64)},
+    (1, 8, 1): {"wq": (L, 8, 4, 16), "embed": (256, 8)},
+    (2, 2, 2): {"wq": (L, 32, 2, 16), "embed": (128, 32)},
+    (1, 2, 4): {"wq": (L, 32, 1, 16), "wk": (L, 32, 2, 16),
                 "embed": (64, 32)},
 }
 

@@ -177,3 +177,91 @@ def test_cached_decode_matches_forward(softcaps):
   for i in range(12):
     logits, cache = step(cache, tokens[:, i], i)
     np.testing.assert_allclose(logits, full[:, i], atol=2e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer files as Gemma checkpoints ship them: a byte-fallback BPE
+# (SentencePiece style, "▁" for spaces), <bos> added by the template,
+# <end_of_turn> ending a turn, generation_config listing both stop ids.
+# ----------------------------------------------------------------------------
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first "
+    "else '') }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}"
+    "{%- endif -%}")
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+            "<end_of_turn>"]
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer_dir(tmp_path_factory):
+  import json
+
+  from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+  backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+  backend.normalizer = normalizers.Replace(" ", "\u2581")
+  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                       decoders.ByteFallback(),
+                                       decoders.Fuse()])
+  corpus = ["What is 2 + 3? The answer is 5.", "Natalia sold clips to 48 "
+            "of her friends in April.", "model user system turn"] * 20
+  backend.train_from_iterator(corpus, trainers.BpeTrainer(
+      vocab_size=200, special_tokens=SPECIALS,
+      initial_alphabet=[f"<0x{b:02X}>" for b in range(256)]))
+  directory = tmp_path_factory.mktemp("gemma_tok")
+  backend.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps({
+      "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+      "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+      "chat_template": GEMMA_TEMPLATE}))
+  end_of_turn = backend.token_to_id("<end_of_turn>")
+  (directory / "generation_config.json").write_text(json.dumps({
+      "eos_token_id": [1, end_of_turn], "bos_token_id": 2}))
+  return directory
+
+
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Answer briefly."},
+     {"role": "user", "content": "Natalia sold clips"},
+     {"role": "assistant", "content": "48 "},
+     {"role": "user", "content": "In April?"}],
+]
+
+
+@pytest.mark.parametrize("chat", range(len(CHATS)))
+def test_gemma_chat_template_and_ids_match_transformers(gemma_tokenizer_dir,
+                                                        chat):
+  from grpo_jax.models.tokenizer import load_tokenizer
+  ours = load_tokenizer(gemma_tokenizer_dir)
+  ref = transformers.AutoTokenizer.from_pretrained(gemma_tokenizer_dir)
+  text = ours.apply_chat_template(CHATS[chat])
+  assert text == ref.apply_chat_template(CHATS[chat], tokenize=False,
+                                         add_generation_prompt=True)
+  assert text.startswith("<bos><start_of_turn>user\n")
+  assert text.endswith("<end_of_turn>\n<start_of_turn>model\n")
+  ids = ours.encode(text)
+  assert ids == ref(text, add_special_tokens=False)["input_ids"]
+  assert ids.count(ours.bos_id) == 1 and ids[0] == ours.bos_id
+  assert ours.decode(ids) == ref.decode(ids)
+
+
+def test_gemma_stop_ids_come_from_the_checkpoint(gemma_tokenizer_dir):
+  from grpo_jax.models.tokenizer import load_tokenizer
+  tok = load_tokenizer(gemma_tokenizer_dir)
+  end_of_turn = tok.token_id("<end_of_turn>")
+  assert set(tok.stop_ids) == {1, end_of_turn}
+  assert tok.eos_id == 1 and tok.pad_id == 0

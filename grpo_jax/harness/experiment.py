@@ -48,18 +48,20 @@ Params = Any
 
 
 def load_tokenizer(config):
-  """The tokenizer of `config.model` without loading its weights ("tiny":
-  the byte tokenizer)."""
+  """The tokenizer of `config.model` without loading its weights (the
+  random presets, "tiny" and "tiny-gemma": the byte tokenizer)."""
   source = config.model.tokenizer or config.model.source
-  return byte_tokenizer() if source == "tiny" else tok_lib.load_tokenizer(source)
+  if source in models.RANDOM_PRESETS:
+    return byte_tokenizer()
+  return tok_lib.load_tokenizer(source)
 
 
 def model_config_of(config) -> ModelConfig:
   """The ModelConfig of `config.model` without loading its weights (the
   preset, a Hugging Face directory's config.json, a GGUF file's header):
   what the checks before the model loads need (preflight.check_model)."""
-  if config.model.source == "tiny":
-    return models.get_preset("tiny")
+  if config.model.source in models.RANDOM_PRESETS:
+    return models.get_preset(config.model.source)
   ckpt = open_checkpoint(config.model.source)
   try:
     return ckpt.config
@@ -68,14 +70,14 @@ def model_config_of(config) -> ModelConfig:
 
 
 def load_model(config) -> tuple[ModelConfig, Params]:
-  """The model that `config.model` names (the `tiny` preset is randomly
-  initialised from config.seed), in model.param_dtype; with LoRA
+  """The model that `config.model` names (the random presets, `tiny` and
+  `tiny-gemma`, initialised from config.seed), in model.param_dtype; with LoRA
   (model.lora.rank > 0) the frozen base, in model.compute_dtype."""
   source = config.model.source
   frozen = lora.LoraSpec.from_config(config).enabled
   dtype = config.model.compute_dtype if frozen else config.model.param_dtype
-  if source == "tiny":
-    model_config = models.get_preset("tiny")
+  if source in models.RANDOM_PRESETS:
+    model_config = models.get_preset(source)
     params = models.init_params(model_config, jax.random.key(config.seed))
   else:
     model_config, params = models.load_pretrained(source, dtype=dtype)

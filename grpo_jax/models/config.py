@@ -138,6 +138,10 @@ def preset_names() -> list[str]:
   return names("model")
 
 
+# Presets without weights: experiments initialise them at random (config.seed)
+# and read them with the byte tokenizer.
+RANDOM_PRESETS = ("tiny", "tiny-gemma")
+
 # A random model for tests: small enough to compile and run in seconds.
 _preset("tiny", architecture="llama", vocab_size=256, dim=64, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
