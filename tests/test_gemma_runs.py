@@ -5,12 +5,12 @@ export) on the tiny-gemma preset."""
 import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
 
-import jax
-import jax.numpy as jnp
 from configs import tiny
 from grpo_jax.generate import sampling
 from grpo_jax.harness import lora_export
