@@ -51,9 +51,8 @@ def load_tokenizer(config):
   """The tokenizer of `config.model` without loading its weights (the
   random presets, "tiny" and "tiny-gemma": the byte tokenizer)."""
   source = config.model.tokenizer or config.model.source
-  if source in models.RANDOM_PRESETS:
-    return byte_tokenizer()
-  return tok_lib.load_tokenizer(source)
+  return (byte_tokenizer() if source in models.RANDOM_PRESETS
+          else tok_lib.load_tokenizer(source))
 
 
 def model_config_of(config) -> ModelConfig:
