@@ -66,6 +66,12 @@ def _rl_defaults() -> ConfigDict:
           denominator="verl",          # verl: dropped rows leave the
                                        # normalisers | trl: weight 0 only
       )),
+      # On-policy distillation (rl/distill.py): the advantage of each sampled
+      # token is -(log π_student - log π_teacher), scored in the same pass.
+      distill=ConfigDict(dict(
+          mode="off",                  # off | on_policy
+          teacher="",                  # preset, HF dir, .gguf or a run dir
+      )),
   ))
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding as sharding_lib
-from grpo_jax.algorithms import rollout_correction
+from grpo_jax.algorithms import distillation, rollout_correction
 from grpo_jax.rl import nonfinite, packing
 from grpo_jax.rl.batch import RolloutBatch
 from grpo_jax.rl.update import (
@@ -58,6 +58,7 @@ class UpdateSpec:
   shared_prompt: bool = True
   packing: str = "off"
   recompute_old: bool = False
+  distill: bool = False
   correction: rollout_correction.CorrectionSettings = (
       rollout_correction.CorrectionSettings())
 
@@ -71,13 +72,15 @@ class UpdateSpec:
         micro_batch_tokens=rl.micro_batch_tokens,
         num_generations=rl.num_generations, shared_prompt=rl.shared_prompt,
         packing=rl.packing, recompute_old=rl.old_logp == "recompute",
+        distill=rl.distill.mode == "on_policy",
         correction=rollout_correction.CorrectionSettings.from_config(
             rl.rollout_correction))
 
   @property
   def scores(self) -> bool:
-    """Whether a step scores its rows (π_ref or π_old recomputed)."""
-    return self.loss.use_kl or self.recompute_old
+    """Whether a step scores its rows (π_ref, π_old recomputed, or the
+    distillation teacher)."""
+    return self.loss.use_kl or self.recompute_old or self.distill
 
   def program(self, model_config, optimizer, layout=None) -> UpdateProgram:
     """The run's static update world (`update.UpdateProgram`) with these
@@ -94,10 +97,12 @@ class UpdateSpec:
 
 class Frozen(NamedTuple):
   """The parameters a step reads and never trains: with LoRA the frozen
-  `base` (state.params are its adapters), and the `reference` policy's
-  params when β > 0 (with LoRA the base itself: adapters off)."""
+  `base` (state.params are its adapters), the `reference` policy's
+  params when β > 0 (with LoRA the base itself: adapters off), and the
+  on-policy distillation `teacher` (rl/distill.py's Teacher)."""
   base: object = None
   reference: object = None
+  teacher: object = None
 
 
 def _put(program: UpdateProgram):
@@ -197,7 +202,11 @@ def score_step(plan: UpdatePlan, program: UpdateProgram, state,
   ref = jnp.zeros_like(old)
   if spec.loss.use_kl:
     ref = score_logprobs(Policy(frozen.reference), scored, score)
-  mask, weight = put(rollout.mask_nt), None
+  mask, weight, adv = put(rollout.mask_nt), None, None
+  if spec.distill:   # the teacher grades every sampled token
+    adv, distill_metrics = teacher_advantages(frozen.teacher, scored, score,
+                                                old, mask)
+    metrics.update(distill_metrics)
   if spec.recompute_old:   # decoupled: ρ = π_old / π_rollout
     weight, mask, corr = decoupled_correction(
         spec.correction, old, put(rollout.old_logp_nt), mask)
@@ -205,7 +214,8 @@ def score_step(plan: UpdatePlan, program: UpdateProgram, state,
   jax.block_until_ready(ref)
   metrics["time/reference"] = time.perf_counter() - t0
   return cols._replace(mask_nt=mask, old_logp_nt=old, ref_logp_nt=ref,
-                       adv_n=put(adv_n), is_weight_nt=weight), metrics
+                       adv_n=put(adv_n) if adv is None else adv,
+                       is_weight_nt=weight), metrics
 
 
 def update_passes(plan: UpdatePlan, program: UpdateProgram, state,
@@ -270,6 +280,18 @@ def train_step(spec: UpdateSpec, program: UpdateProgram, state,
   metrics["time/update"] = time.perf_counter() - t0
   metrics.update(mean_update_metrics(step_metrics, pack_metrics))
   return state, metrics
+
+
+def teacher_advantages(teacher, scored: UpdateBatch, score: UpdateProgram,
+                       student_nt, mask_nt):
+  """On-policy distillation's per-token advantages [n, t], -(log π_S - log
+  π_T) (algorithms/distillation.py), with the teacher scored on the same
+  rows as the student (its own model config) and its reverse-KL metrics."""
+  teacher_nt = score_logprobs(Policy(teacher.params), scored,
+                              dataclasses.replace(score, model_config=teacher.model_config))
+  adv_nt = distillation.reverse_kl_advantages(student_nt, teacher_nt, mask_nt)
+  metrics = distillation.reverse_kl_metrics(student_nt, teacher_nt, mask_nt)
+  return adv_nt, {k: float(v) for k, v in metrics.items()}
 
 
 def decoupled_correction(correction: rollout_correction.CorrectionSettings,

@@ -35,7 +35,7 @@ from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import quant, transformer
 from grpo_jax.rewards import process
-from grpo_jax.rl import async_rollouts, nonfinite, weight_sync
+from grpo_jax.rl import async_rollouts, distill, nonfinite, weight_sync
 from grpo_jax.rl.batch import to_rows
 from grpo_jax.rl.spec import AdvantageSettings, RunSpec
 from grpo_jax.rl.step import Frozen, train_step
@@ -136,6 +136,7 @@ def _setup(config, workdir: str):
   preflight.check_model(
       config, experiment.model_config_of(config), tokenizer,
       preflight.data_prompts(config, tokenizer, train_examples, eval_examples))
+  teacher = distill.load_teacher(config, tokenizer, layout)
   model_config, params = experiment.load_model(config)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
   # Policy and reference on one mesh; the reference is its own copy, as the
@@ -166,7 +167,7 @@ def _setup(config, workdir: str):
     ref_params = start_reference(config, state, ref_params, resumed, init_from)
   program = spec.update.program(model_config, spec.optimizer, layout)
   run = _Run(spec, model_config, tokenizer, layout, sampler_layout, ckpt,
-             program, Frozen(base, ref_params), eval_examples,
+             program, Frozen(base, ref_params, teacher), eval_examples,
              sampling.Sampler(model_config, spec.sampling, sampler_layout,
                               sampling.PagePools()), identity, init_from)
   return run, state, host, resumed, train_examples
@@ -209,7 +210,9 @@ def learn(r: _Run, state, groups: rollout.Groups, metrics: dict,
   metrics = dict(metrics)
   batch = to_rows(groups, spec.sampling.pad_id, spec.overlong_filter)
   # ADVANTAGE
-  if spec.advantage.per_token:    # per token [N, T]
+  if spec.update.distill:    # per token [N, T], from the teacher (score_step)
+    adv_n = np.zeros(batch.mask_nt.shape, np.float32)
+  elif spec.advantage.per_token:    # per token [N, T]
     adv_n, process_metrics = process_advantages(spec.advantage, r.tokenizer,
                                                 groups)
     metrics.update(process_metrics)
@@ -218,9 +221,10 @@ def learn(r: _Run, state, groups: rollout.Groups, metrics: dict,
     if spec.advantage.process_reward:   # its metrics only, to compare
       metrics.update(process_step_rewards(spec.advantage, r.tokenizer,
                                           groups)[2])
-  metrics.update({"advantage/mean": float(adv_n.mean()),
-                  "advantage/std": float(adv_n.std()),
-                  "advantage/abs_max": float(np.abs(adv_n).max())})
+  if not spec.update.distill:
+    metrics.update({"advantage/mean": float(adv_n.mean()),
+                    "advantage/std": float(adv_n.std()),
+                    "advantage/abs_max": float(np.abs(adv_n).max())})
   # REFERENCE + UPDATE
   state, update_metrics = train_step(
       spec.update, r.program, state, batch, adv_n, r.frozen,

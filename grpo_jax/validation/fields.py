@@ -39,6 +39,7 @@ _CHOICES = {
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),
     "rl.kl_reference": ("start", "model"),      # π_ref: the run's start | model.source
+    "rl.distill.mode": ("off", "on_policy"),    # rl/distill.py MODES
     "optim.schedule": ("constant", "cosine"),
     "model.attention": attention.ATTENTION,
     "train.on_non_finite": ("stop", "skip"),
@@ -262,6 +263,7 @@ def _check_ranges(config: ConfigDict) -> None:
                       f"{list(_NO_GROUP_ADVANTAGES)})")
   groups.check_policy_loss(rl)
   groups.check_advantage(rl)
+  groups.check_distill(rl)
   if (config.method == "rl" and rl.kl_beta > 0 and rl.kl_reference == "start"
       and config.init_from and config.model.lora.rank > 0):
     raise ConfigError(

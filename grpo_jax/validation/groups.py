@@ -190,6 +190,24 @@ def check_policy_loss(rl: ConfigDict) -> None:
     raise ConfigError(f"config group 'rl': {e}") from e
 
 
+def check_distill(rl: ConfigDict) -> None:
+  """On-policy distillation needs a teacher, and every sampled group: the
+  teacher grades each token, so a group whose rewards are equal still
+  teaches (dynamic sampling would drop it)."""
+  d = rl.distill
+  if d.mode == "off":
+    return
+  if not d.teacher:
+    raise ConfigError("config field 'rl.distill.teacher' is empty but rl.distill.mode = "
+                      f"{d.mode!r}: name the teacher (a preset, an HF directory or a run)")
+  if rl.dynamic_sampling:
+    raise ConfigError("config field 'rl.dynamic_sampling' = True with rl.distill.mode = "
+                      f"{d.mode!r}: distillation trains on every group; set it False")
+  if rl.advantage == "grpo_process":
+    raise ConfigError("config field 'rl.advantage' = 'grpo_process' with rl.distill.mode = "
+                      f"{d.mode!r}: the teacher gives the per-token advantage")
+
+
 def _takes_outcome_rewards(name: str) -> bool:
   """Whether the advantage runs as the RL loop calls it on outcome rewards
   (train.advantages): fn(reward_bg, ddof=, eps=, length_bg=) with reward_bg
