@@ -189,8 +189,9 @@ def test_every_config_and_variant_validates_after_import_grpo_jax():
   assert files == {os.path.basename(p) for p in configs}
   assert checked["star_commonsenseqa.py:commonsenseqa"] == {
       "unset": ["data.kwargs.path", "data.eval_kwargs.path"], "method": "star"}
-  assert checked["grpo_gsm8k.py:"]["unset"] == [
-      "data.kwargs.path", "data.eval_kwargs.path", "model.source"]
+  for variant in ("deepseekmath", "gemma3_1b"):
+    assert checked[f"grpo_gsm8k.py:{variant}"]["unset"] == [
+        "data.kwargs.path", "data.eval_kwargs.path", "model.source"]
 
 
 @pytest.mark.parametrize("kind", ["layout", "method", "final_answer"])
