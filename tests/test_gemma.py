@@ -2,6 +2,8 @@
 random checkpoints written here (float32 log-softmax within 1e-4), export
 back, and the per-layer sliding window (shorter than the rows) in the
 blockwise attention and the cached decode steps."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,3 +267,36 @@ def test_gemma_stop_ids_come_from_the_checkpoint(gemma_tokenizer_dir):
   end_of_turn = tok.token_id("<end_of_turn>")
   assert set(tok.stop_ids) == {1, end_of_turn}
   assert tok.eos_id == 1 and tok.pad_id == 0
+
+
+@pytest.mark.slow
+def test_text_decoder_of_a_multimodal_gemma3(tmp_path):
+  """Gemma3ForConditionalGeneration's directory: its text_config and text
+  tensors load (the vision tower is not read) and give its text logits."""
+  text = dict(_COMMON, num_hidden_layers=3, sliding_window_pattern=2)
+  vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=14)
+  model = _randomize(transformers.Gemma3ForConditionalGeneration(
+      transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                mm_tokens_per_image=4)))
+  model.save_pretrained(tmp_path)
+  config, params = load_pretrained(tmp_path)
+  assert config.architecture == "gemma3" and config.num_layers == 3
+  ours = np.asarray(jax.nn.log_softmax(
+      forward(config, params, jnp.asarray(TOKENS))))
+  assert np.abs(ours - _logprobs(model, TOKENS)).max() < 1e-4
+  # transformers 4.50's names (the published files): language_model.model.*
+  import shutil
+
+  from safetensors.numpy import load_file, save_file
+  old = tmp_path / "v450"
+  old.mkdir()
+  shutil.copy(tmp_path / "config.json", old / "config.json")
+  renamed = {re.sub(r"^model\.language_model\.", "language_model.model.",
+                    re.sub(r"^model\.(vision_tower|multi_modal_projector)",
+                           r"\1", k)): v
+             for k, v in load_file(tmp_path / "model.safetensors").items()}
+  assert any(k.startswith("vision_tower.") for k in renamed)
+  save_file(renamed, old / "model.safetensors")
+  _, params_v450 = load_pretrained(old)
+  jax.tree.map(np.testing.assert_array_equal, params, params_v450)

@@ -53,7 +53,7 @@ def read_config(path: Path) -> ModelConfig:
     hf = json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise WeightsError(f"{path} is not valid JSON: {e}") from e
-  return config_from_hf(hf, source=str(path))
+  return config_from_hf(hf_gemma.text_config(hf), source=str(path))
 
 
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers",
@@ -336,6 +336,9 @@ class SafetensorsCheckpoint:
       self._files = {f: self._open(f) for f in self._weight_files()}
       self._where = {name: f for f, handle in self._files.items()
                      for name in handle.keys()}
+      # our name -> the stored one (a multimodal Gemma 3's text decoder)
+      self._stored = hf_gemma.text_names(self._where)
+      self._where = {ours: self._where[s] for ours, s in self._stored.items()}
       check_names(self.config, self._where, str(self.directory))
     except BaseException:
       self._stack.close()
@@ -377,10 +380,11 @@ class SafetensorsCheckpoint:
   def shape(self, name: str) -> Optional[tuple[int, ...]]:
     if name not in self._where:
       return None
-    return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+    handle = self._files[self._where[name]]
+    return tuple(handle.get_slice(self._stored[name]).get_shape())
 
   def read(self, name: str) -> np.ndarray:
-    return self._files[self._where[name]].get_tensor(name)
+    return self._files[self._where[name]].get_tensor(self._stored[name])
 
   def close(self):
     self._stack.close()

@@ -16,6 +16,50 @@ from typing import Any, Callable, Optional
 from grpo_jax.models.config import ModelConfig, RopeScaling
 
 CLASSES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+# Gemma 3 4B and up ship as this class: its `text_config` and its text
+# tensors are a Gemma3ForCausalLM (the vision tower is not read).
+MULTIMODAL = "Gemma3ForConditionalGeneration"
+# transformers' Gemma3TextConfig defaults, which the published multimodal
+# config.json files rely on (their text_config omits most keys).
+TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
+    num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096)
+# Where the text decoder's tensors are: transformers 4.50's files, then
+# 4.52+ and 5.x's; ours are under "model.".
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.",
+                   "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+  """A multimodal config.json's text decoder as a Gemma3ForCausalLM config
+  (itself for any other config)."""
+  if MULTIMODAL not in (hf.get("architectures") or []):
+    return hf
+  return {**TEXT_DEFAULTS, **hf.get("text_config", {}),
+          "architectures": ["Gemma3ForCausalLM"],
+          "model_type": "gemma3_text"}
+
+
+def text_names(names) -> dict[str, str]:
+  """A multimodal checkpoint's tensor names -> ours: the text decoder's
+  renamed under "model.", lm_head kept, the vision tower's dropped. Names
+  of any other checkpoint map to themselves."""
+  if not any(name.startswith(TEXT_PREFIXES) for name in names):
+    return {name: name for name in names}
+  out = {}
+  for name in names:
+    prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+    if prefix is not None:
+      out["model." + name[len(prefix):]] = name
+    elif name in ("lm_head.weight", "language_model.lm_head.weight"):
+      out["lm_head.weight"] = name
+    elif not name.startswith(VISION_PREFIXES):
+      out[name] = name      # unexpected: check_names names it
+  return out
 MODEL_TYPES = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
 NORM_OFFSET = 1.0
 ACTIVATION = "gelu_pytorch_tanh"
