@@ -32,6 +32,8 @@ never `b` followed by `t`, `s` or `q` (tests/test_architecture.py checks).
 __version__ = "0.1.0"
 
 # pylint: disable=wrong-import-position,unused-import
+import grpo_jax.harness.pipeline  # the method "pipeline"
 import grpo_jax.rl.train  # the method "rl"
 import grpo_jax.star.loop  # the method "star"
+import grpo_jax.star.sft_run  # the method "sft"
 from grpo_jax import algorithms, data, evaluation, models, rewards

@@ -79,6 +79,9 @@ def _star_defaults() -> ConfigDict:
   """config.star: the STaR loop, read when method == "star"."""
   return ConfigDict(dict(
       iterations=3,                    # outer iterations (Algorithm 1's N)
+      teacher="",                      # "": the model samples itself; else
+                                       # a teacher samples (preset, HF dir or
+                                       # run): off-policy distillation
       rationalize=True,                # retry failures with the answer as a
                                        # hint (off: the paper's ablation)
       samples_per_problem=1,           # attempts; the first correct is kept
@@ -174,7 +177,9 @@ def base_config() -> ConfigDict:
   c.seed = 0
   c.init_from = ""          # a checkpoint dir to start from (resume order)
   c.method = "rl"           # a "method" registry name: rl (train.run) |
-                            # star (star_loop.run)
+                            # star (star_loop.run) | sft (star/sft_run.py) |
+                            # pipeline (harness/pipeline.py: `stages`)
+  c.stages = ()             # pipeline: dicts {"kind", "name", "overrides"}
 
   c.model = ConfigDict(dict(
       source="smollm2-135m-instruct",  # preset, HF directory or .gguf file

@@ -117,3 +117,36 @@ def test_distillation_run_from_a_run_teacher(tmp_path):
   kl = [r["distill/reverse_kl_token"] for r in rows if "loss" in r]
   assert len(kl) == 6 and all(np.isfinite(kl))
   assert np.mean(kl[-2:]) < np.mean(kl[:2])
+
+
+def test_off_policy_distillation_samples_with_the_teacher(tmp_path, monkeypatch):
+  """star.teacher: each outer iteration's answers come from the teacher's
+  params (and its model config); the student is what is fine-tuned."""
+  from grpo_jax.star import collect, loop   # pylint: disable=import-outside-toplevel
+  teacher_cfg = get_preset("tiny").replace(num_layers=get_preset("tiny").num_layers + 1)
+  teacher = distill.Teacher(teacher_cfg, init_params(teacher_cfg, jax.random.key(5)), "t")
+  seen = []
+  monkeypatch.setattr(distill, "load_model_as_teacher",
+                      lambda config, source, tok, layout, field: teacher)
+
+  def record(config, sampler, params, *args):
+    seen.append((sampler.model_config, params))
+    return collect.Kept([], [], []), {}
+
+  monkeypatch.setattr(loop, "collect_examples", record)
+  config = tiny.get_config()
+  config.method, config.star.teacher, config.star.iterations = "star", "a_teacher", 1
+  config.train.eval_examples = 1
+  loop.run(config, str(tmp_path))
+  (model_config, params), = seen
+  assert model_config == teacher_cfg
+  jax.tree.map(np.testing.assert_array_equal, params, teacher.params)
+
+
+def test_a_mismatched_teacher_is_refused_before_its_weights_load(monkeypatch):
+  config = tiny.get_config()
+  student = byte_tokenizer()
+  student.backend.add_tokens(["<only_the_student_has_it>"])
+  monkeypatch.setattr(distill.experiment, "load_model", lambda c: pytest.fail("loaded"))
+  with pytest.raises(errors.ConfigError, match="'star.teacher' = 'tiny'.*tokenizer differs"):
+    distill.load_model_as_teacher(config, "tiny", student, None, "star.teacher")

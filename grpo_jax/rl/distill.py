@@ -48,13 +48,13 @@ def is_run(source: str) -> bool:
   return True
 
 
-def teacher_config(config, source: str) -> ConfigDict:
+def teacher_config(config, source: str, field: str = "rl.distill.teacher") -> ConfigDict:
   """The config whose model is the teacher: a run's own saved config, or
   this run's with model.source = `source` (no tokenizer override, no LoRA)."""
   if is_run(source):
     saved = checkpoint.load_config(source)
     if not saved:
-      raise ConfigError(f"config field 'rl.distill.teacher' = {source!r}: the run "
+      raise ConfigError(f"config field {field!r} = {source!r}: the run "
                         "saved no config, so its tokenizer is unknown")
     return ConfigDict(saved)
   out = copy.deepcopy(config)
@@ -62,7 +62,8 @@ def teacher_config(config, source: str) -> ConfigDict:
   return out
 
 
-def check_tokenizers(student, teacher, source: str) -> None:
+def check_tokenizers(student, teacher, source: str,
+                     field: str = "rl.distill.teacher") -> None:
   """Refuses a teacher whose vocabulary differs from the student's."""
   vocab_s = student.backend.get_vocab(with_added_tokens=True)
   vocab_t = teacher.backend.get_vocab(with_added_tokens=True)
@@ -70,7 +71,7 @@ def check_tokenizers(student, teacher, source: str) -> None:
     return
   differ = sorted(set(vocab_s.items()) ^ set(vocab_t.items()))[:3]
   raise ConfigError(
-      f"config field 'rl.distill.teacher' = {source!r}: its tokenizer differs from "
+      f"config field {field!r} = {source!r}: its tokenizer differs from "
       f"the student's ({len(vocab_t)} vs {len(vocab_s)} tokens; e.g. {differ}); "
       "distillation compares log-probs of the same token ids, so both need one tokenizer")
 
@@ -79,12 +80,18 @@ def load_teacher(config, student_tokenizer, layout=None) -> Teacher | None:
   """The teacher of config.rl.distill (None when off), its tokenizer checked
   against the student's before its weights load, its params in the
   student's compute dtype, placed on `layout`."""
-  distill = config.rl.distill
-  if distill.mode == "off":
+  if config.rl.distill.mode == "off":
     return None
-  source = distill.teacher
-  tconf = teacher_config(config, source)
-  check_tokenizers(student_tokenizer, experiment.load_tokenizer(tconf), source)
+  return load_model_as_teacher(config, config.rl.distill.teacher,
+                               student_tokenizer, layout)
+
+
+def load_model_as_teacher(config, source: str, student_tokenizer, layout=None,
+                          field: str = "rl.distill.teacher") -> Teacher:
+  """The model `source` names (config field `field`) as a Teacher: its
+  tokenizer checked against the student's first, then its weights."""
+  tconf = teacher_config(config, source, field)
+  check_tokenizers(student_tokenizer, experiment.load_tokenizer(tconf), source, field)
   if is_run(source):
     model_config, params, _, _ = experiment.load_policy(tconf, source)
   else:

@@ -1,6 +1,7 @@
 """STaR: the self-taught reasoner loop (Zelikman et al. 2022, Algorithm 1).
 
-    M_0 = the original model
+    M_0 = the original model      (star.teacher: a teacher samples instead of
+                                   M_{n-1}: off-policy distillation, R1 §2.4)
     for n = 1 .. N:                                       (outer iteration)
       # SAMPLE       a rationale + answer for every problem with M_{n-1}
       # FILTER       keep the verified-correct ones                    (l. 5)
@@ -35,7 +36,7 @@ from grpo_jax.generate import sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import cast, lora
-from grpo_jax.rl import nonfinite
+from grpo_jax.rl import distill, nonfinite
 from grpo_jax.rl.optimizer import OptimizerSpec
 from grpo_jax.rl.spec import RunSpec
 from grpo_jax.rl.update import UpdateProgram, init_state
@@ -170,8 +171,11 @@ def run(config, workdir: str) -> dict:
   model_config, original = experiment.load_model(config)
   spec = RunSpec.from_config(config, tokenizer)
   eval_settings = spec.eval
-  sampler = RationaleSampler.of(spec, st, model_config, tokenizer)
   layout = sharding_lib.Layout.from_config(config)
+  teacher = (distill.load_model_as_teacher(config, st.teacher, tokenizer, layout,
+                                           "star.teacher") if st.teacher else None)
+  sampler = RationaleSampler.of(spec, st, teacher.model_config if teacher
+                                else model_config, tokenizer)
   ckpt = experiment.make_checkpointer(config, workdir, model_config)
   original, params, history = _start(
       config, workdir, ckpt, layout.shard_params(model_config, original))
@@ -197,8 +201,9 @@ def run(config, workdir: str) -> dict:
     chosen = iteration_problems(st, problems, config.seed, n)
     use_shots = shots if n == 1 or not st.few_shot_first_only else []
     t0 = time.perf_counter()
-    kept, metrics = collect_examples(
-        config, sampler, cast(params, spec.eval.compute_dtype), chosen,
+    kept, metrics = collect_examples(   # off-policy distillation: the teacher's
+        config, sampler, cast(teacher.params if teacher else params,
+                              spec.eval.compute_dtype), chosen,
         use_shots, jax.random.fold_in(jax.random.key(config.seed), n))
     metrics["time/sample"] = time.perf_counter() - t0
     if writer.enabled:

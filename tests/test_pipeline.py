@@ -1,0 +1,86 @@
+"""The method "pipeline": stage configs, stage directories, and a restart
+that skips finished stages and resumes the stopped one at its step."""
+import json
+import os
+import shutil
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from configs import r1_tiny, tiny
+from grpo_jax import checkpoint, errors
+from grpo_jax.harness import interrupts, pipeline
+from grpo_jax.rl import train
+
+
+def _two_stages():
+  c = r1_tiny.get_config()
+  c.stages = (c.stages[0], {"kind": "rl", "name": "rl", "overrides": {
+      "train.steps": 2, "train.checkpoint_every": 1, "rl.kl_beta": 0.01,
+      "train.eval_at_end": False}})
+  c.star.sft_steps = 2
+  c.train.eval_examples = 0   # no held-out evaluation: a cheaper test
+  return c
+
+
+def test_stage_configs(tmp_path):
+  c = r1_tiny.get_config()
+  configs = pipeline.stage_configs(c, str(tmp_path))
+  assert [s.method for s in configs] == ["sft", "rl", "star"]
+  assert configs[0].init_from == ""
+  assert configs[1].init_from == str(tmp_path / "stage0_cold_start")
+  assert configs[2].init_from == str(tmp_path / "stage1_reasoning_rl")
+  assert configs[1].rl.kl_reference == "start" and configs[1].train.steps == 2
+  assert (configs[2].star.iterations, configs[2].star.rationalize) == (1, False)
+  assert configs[0].data.source == "jsonl" and configs[1].data.source == "arithmetic"
+  assert all(s.stages == () for s in configs)
+
+
+@pytest.mark.parametrize("stage,match", [
+    ({"kind": "ppo"}, r"stages\[0\].*needs 'kind'"),
+    ({"kind": "rl", "overrides": {"rl.eps_hihg": 0.3}}, r"stages\[0\].overrides.rl.eps_hihg"),
+    ({"kind": "rl", "steps": 3}, r"unknown keys \['steps'\]"),
+    ({"kind": "distill"}, r"stages\[0\] \(distill\).*rl.distill.teacher"),
+])
+def test_bad_stages_are_refused_naming_the_stage(stage, match, tmp_path):
+  c = tiny.get_config()
+  c.method, c.stages = "pipeline", (stage,)
+  with pytest.raises(errors.ConfigError, match=match):
+    pipeline.stage_configs(c, str(tmp_path))
+
+
+def test_restart_skips_finished_stages_and_resumes_the_stopped_one(tmp_path, monkeypatch):
+  """A SIGTERM in the RL stage's first step: the stage saves step 1 and the
+  pipeline stops; the restart skips the cold start and runs RL step 2 only,
+  ending with the parameters of a run that never stopped."""
+  config, learn, calls = _two_stages(), train.learn, []
+
+  def stop_in_first_step(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+      os.kill(os.getpid(), signal.SIGTERM)   # handled: save at the step's end
+    return learn(*args, **kwargs)
+
+  monkeypatch.setattr(train, "learn", stop_in_first_step)
+  stopped = str(tmp_path / "stopped")
+  with pytest.raises(interrupts.Preempted):
+    pipeline.run(config, stopped)
+  rl_dir = os.path.join(stopped, "stage1_rl")
+  assert checkpoint.latest_step(checkpoint.checkpoint_dir(rl_dir)) == 1
+  # An uninterrupted RL stage from the same cold start, for comparison.
+  whole = str(tmp_path / "whole")
+  shutil.copytree(os.path.join(stopped, "stage0_cold_start"),
+                  os.path.join(whole, "stage0_cold_start"))
+  summary = pipeline.run(config, stopped)
+  assert len(calls) == 2   # only RL step 2 ran after the restart
+  assert summary["stopped_at"] == "" and "stage0_cold_start/sft/loss_last" in summary
+  assert summary["stages"] == "stage0_cold_start,stage1_rl"
+  rows = [json.loads(l) for l in open(os.path.join(rl_dir, "metrics.jsonl"))]
+  assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+  pipeline.run(config, whole)
+  assert len(calls) == 4   # no cold start again: copied with its results
+  got = checkpoint.load_params(os.path.join(rl_dir, "checkpoints", "2"))
+  want = checkpoint.load_params(os.path.join(whole, "stage1_rl", "checkpoints", "2"))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
