@@ -14,6 +14,7 @@ from grpo_jax.models import get_preset, init_params, transformer
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
 from grpo_jax.rl import distill, step, train, update
 from grpo_jax.rl.batch import RolloutBatch
+from grpo_jax.star import collect, loop
 
 
 def test_reverse_kl_advantages_by_hand():
@@ -122,7 +123,6 @@ def test_distillation_run_from_a_run_teacher(tmp_path):
 def test_off_policy_distillation_samples_with_the_teacher(tmp_path, monkeypatch):
   """star.teacher: each outer iteration's answers come from the teacher's
   params (and its model config); the student is what is fine-tuned."""
-  from grpo_jax.star import collect, loop   # pylint: disable=import-outside-toplevel
   teacher_cfg = get_preset("tiny").replace(num_layers=get_preset("tiny").num_layers + 1)
   teacher = distill.Teacher(teacher_cfg, init_params(teacher_cfg, jax.random.key(5)), "t")
   seen = []
