@@ -489,3 +489,14 @@ def test_restore_onto_a_different_mesh_and_back(tmp_path):
     ckpt.save(2, doubled, {"mesh": "1"})
   assert "restored on 8" in run_python(_RESTORE_ON_8.replace("WORKDIR", repr(str(on1))),
                                        devices=8)
+
+
+def test_a_gemma_model_config_resumes_as_itself(tmp_path):
+  """Tuple fields (Gemma's layer_types) are stored as JSON lists: the same
+  model config is no change on resume, and it exports back equal."""
+  from grpo_jax.models import get_preset
+  gemma = get_preset("tiny-gemma")
+  with new_checkpointer(tmp_path, model_config=gemma) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(3)}, {})
+  new_checkpointer(tmp_path, model_config=gemma).close()
+  assert ckpt_lib.load_model_config(tmp_path) == gemma

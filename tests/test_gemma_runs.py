@@ -91,3 +91,22 @@ def test_a_tiny_gemma_run_with_lora_packing_paged_and_export(tmp_path):
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
   assert type(model).__name__ == "Gemma3ForCausalLM"
   assert model.config.sliding_window == GEMMA3.sliding_window
+
+
+@pytest.mark.slow
+def test_a_stale_tiny_gemma_run_resumes(tmp_path):
+  """The asynchronous loop (a sampler thread, rows one version stale) on
+  tiny-gemma; stopped after step 2, the same command with 3 steps resumes
+  from the checkpoint and runs step 3 only."""
+  import async_checks
+  c = async_checks.stale(async_checks.config(steps=2))
+  c.model.source = "tiny-gemma"
+  c.train.checkpoint_every = 1
+  train.run(c, str(tmp_path))
+  c.train.steps = 3
+  summary = train.run(c, str(tmp_path))
+  rows = async_checks.run_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert [r["staleness/max"] for r in rows][:2] == [0, 1]
+  assert all(np.isfinite(r["loss"]) for r in rows)
+  assert int(summary["state"].step) == 3 * 2   # two mini-batches a step

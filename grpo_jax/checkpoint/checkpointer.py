@@ -3,6 +3,7 @@ request, on SIGTERM), what it holds, and restoring the latest one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import threading
 import time
@@ -69,8 +70,10 @@ class Checkpointer:
     self.directory = check_writable(directory)
     self._save_every = save_every
     self._config = config_to_json(config)
-    self._model_config = (None if model_config is None
-                          else dataclasses.asdict(model_config))
+    # As stored (JSON: tuples such as Gemma's layer_types become lists),
+    # so that a resume compares like with like.
+    self._model_config = (None if model_config is None else json.loads(
+        json.dumps(dataclasses.asdict(model_config))))
     self._manager = manager(self.directory, keep=keep, async_save=async_save)
     try:
       self.check_resume()
