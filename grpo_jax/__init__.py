@@ -36,4 +36,4 @@ import grpo_jax.harness.pipeline  # the method "pipeline"
 import grpo_jax.rl.train  # the method "rl"
 import grpo_jax.star.loop  # the method "star"
 import grpo_jax.star.sft_run  # the method "sft"
-from grpo_jax import algorithms, data, evaluation, models, rewards
+from grpo_jax import algorithms, data, envs, evaluation, models, rewards

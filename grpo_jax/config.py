@@ -149,6 +149,22 @@ def _rollout_defaults() -> ConfigDict:
   ))
 
 
+def _env_defaults() -> ConfigDict:
+  """config.env: multi-turn episodes with tools (generate/agent.py,
+  docs/agents.md). name "" is the single-turn rollout, unchanged."""
+  return ConfigDict(dict(
+      name="",                         # an "env" registry name: python |
+                                       # calculator | scripted ("": none)
+      max_turns=4,                     # model turns per episode
+      max_observation_tokens=64,       # an observation's tokens, the
+                                       # tool-turn markers included
+                                       # (longer output is cut)
+      tool_timeout_s=5.0,              # wall-clock per tool call: past it
+                                       # the observation is a time-out
+      kwargs=ConfigDict(),             # the env's own keyword arguments
+  ))
+
+
 def _mesh_defaults() -> ConfigDict:
   """config.mesh: the device grid, the logical-axis rules, multi-host start-up."""
   return ConfigDict(dict(
@@ -234,6 +250,7 @@ def base_config() -> ConfigDict:
 
   c.rl = _rl_defaults()
   c.rollout = _rollout_defaults()
+  c.env = _env_defaults()
 
   # Rewards: name -> weight; reward_kwargs: name -> keyword arguments.
   c.rewards = ConfigDict({"last_number": 1.0})

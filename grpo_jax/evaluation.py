@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from grpo_jax import registry, sharding
+from grpo_jax.envs import base as envs
 from grpo_jax.generate import rollout, sampling
 from grpo_jax.models import cast
 from grpo_jax.rewards import choice, extract, last_number, minerva
@@ -262,6 +263,7 @@ class EvalSettings:
   top_p: float
   batch_size: int
   greedy: bool = True
+  env: envs.EnvSpec | None = None     # episodes with tools (config.env)
 
   @classmethod
   def from_config(cls, config, sample_cfg: sampling.SamplingConfig,
@@ -274,7 +276,8 @@ class EvalSettings:
                system_prompt=config.data.system_prompt,
                compute_dtype=config.model.compute_dtype, seed=config.seed,
                n=e.n, ks=tuple(e.ks), temperature=e.temperature,
-               top_p=e.top_p, batch_size=e.batch_size)
+               top_p=e.top_p, batch_size=e.batch_size,
+               env=envs.EnvSpec.from_config(config))
 
   def sampler(self, greedy: bool) -> sampling.SamplingConfig:
     """The sampler settings of an evaluation: greedy, or at the settings'
@@ -288,11 +291,9 @@ class EvalSettings:
 
 def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
   """The completion texts of a group batch, [b][g], as the rewards read them
-  (`rollout.completion_texts`)."""
-  B, G, T = groups.tokens_bgt.shape
-  texts_n = rollout.completion_texts(
-      tokenizer, groups.tokens_bgt.reshape(B * G, T),
-      groups.length_bg.reshape(-1), groups.truncated_bg.reshape(-1))
+  (`rollout.answer_texts`: with an env, each episode's last turn)."""
+  B, G = groups.tokens_bgt.shape[:2]
+  texts_n = rollout.answer_texts(tokenizer, groups)
   return [texts_n[b * G:(b + 1) * G] for b in range(B)]
 
 
@@ -306,7 +307,8 @@ def sample_completions(settings: EvalSettings, sampler: sampling.Sampler,
   # One padded chunk shape for the whole set: the sampler compiles once.
   size = min(settings.batch_size, len(examples))
   groups = rollout.GroupSettings(n, settings.rewards, settings.template,
-                                 settings.system_prompt, batch_multiple=size)
+                                 settings.system_prompt, batch_multiple=size,
+                                 env=settings.env)
   texts, correct, lengths = [], [], []
   for start in range(0, len(examples), size):
     batch, _ = rollout.generate_groups(

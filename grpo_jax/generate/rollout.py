@@ -23,7 +23,8 @@ import numpy as np
 from grpo_jax import rewards, sharding
 from grpo_jax.algorithms import dynamic_sampling
 from grpo_jax.data import templates
-from grpo_jax.generate import sampling
+from grpo_jax.envs import base as envs
+from grpo_jax.generate import agent, sampling
 
 
 class Groups(NamedTuple):
@@ -37,6 +38,9 @@ class Groups(NamedTuple):
   truncated_bg: np.ndarray    # bool: no stop within max_new_tokens
   reward_bg: np.ndarray       # float32 weighted reward
   correct_bg: np.ndarray      # bool: the accuracy reward > 0
+  # bool: env observation tokens (attended to, never trained; mask_bgt is
+  # False there); None: no env, every generated token is the model's
+  observation_bgt: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,7 @@ class GroupSettings:
   template: str
   system_prompt: str = ""
   batch_multiple: int = 1
+  env: envs.EnvSpec | None = None      # multi-turn episodes (agent.py)
 
 
 def generate_groups(sampler: sampling.Sampler, params, tokenizer, examples,
@@ -93,6 +98,9 @@ def generate_groups(sampler: sampling.Sampler, params, tokenizer, examples,
   pool holder (`sampling.PagePools`, kv_cache "paged") is kept across
   calls."""
   G = settings.num_generations
+  if settings.env is not None:
+    return generate_episodes(sampler, params, tokenizer, examples, key,
+                             settings)
   t0 = time.perf_counter()
   texts = templates.render_prompts(tokenizer, settings.template,
                                    [e.question for e in examples],
@@ -109,6 +117,54 @@ def generate_groups(sampler: sampling.Sampler, params, tokenizer, examples,
                   "sample/decode_steps": int(out.steps),
                   "sample/tokens": int(out.length_n.sum())})
   return groups, metrics
+
+
+def generate_episodes(sampler: sampling.Sampler, params, tokenizer, examples,
+                      key, settings: GroupSettings
+                      ) -> tuple[Groups, dict[str, float]]:
+  """`generate_groups` with an env: G multi-turn episodes per example
+  (agent.run_episodes), the rewards on each last turn's text plus the
+  env's reward terms; the loss mask covers the model's turns only."""
+  G, B = settings.num_generations, len(examples)
+  t0 = time.perf_counter()
+  ep = agent.run_episodes(sampler, params, tokenizer, examples, key, G,
+                          settings.env, settings.system_prompt,
+                          settings.batch_multiple)
+  t1 = time.perf_counter()
+  actions_n = ep.action_nt.sum(axis=1).astype(np.int32)
+  reward_n, correct_n, metrics = score(
+      settings.rewards, np.repeat(ep.prompt_texts, G).tolist(),
+      ep.final_texts, [e.answer for e in examples for _ in range(G)],
+      actions_n)
+  prompts_b = np.empty((B,), object)
+  prompts_b[:] = ep.prompt_ids
+  shape = lambda x: x.reshape(B, G, *x.shape[1:])
+  groups = Groups(prompts_b, shape(ep.tokens_nt), shape(ep.logp_nt),
+                  shape(ep.action_nt), shape(ep.length_n),
+                  shape(ep.truncated_n),
+                  shape((reward_n + ep.env_reward_n).astype(np.float32)),
+                  shape(correct_n), shape(ep.observation_nt))
+  metrics.update(agent.metrics(ep))
+  metrics.update({"time/sample": t1 - t0,
+                  "time/score": time.perf_counter() - t1,
+                  "sample/tokens": int(actions_n.sum())})
+  return groups, metrics
+
+
+def answer_texts(tokenizer, groups: Groups) -> list[str]:
+  """What the rewards read of each row [n]: the completion, or with an env
+  the last model turn (after the last observation token)."""
+  B, G, T = groups.tokens_bgt.shape
+  tokens_nt = groups.tokens_bgt.reshape(B * G, T)
+  length_n = groups.length_bg.reshape(-1)
+  truncated_n = groups.truncated_bg.reshape(-1)
+  if groups.observation_bgt is None:
+    return completion_texts(tokenizer, tokens_nt, length_n, truncated_n)
+  obs_nt = groups.observation_bgt.reshape(B * G, T)
+  starts = np.where(obs_nt.any(axis=1), T - np.argmax(obs_nt[:, ::-1], axis=1), 0)
+  ends = length_n - (~truncated_n)
+  return [tokenizer.decode(row[s:e], skip_special_tokens=True)
+          for row, s, e in zip(tokens_nt, starts, ends)]
 
 
 def score_samples(spec: RewardSpec, texts: Sequence[str],
@@ -196,6 +252,6 @@ def _merge_generation_metrics(seen) -> dict[str, float]:
       if k.startswith(("time/", "sample/")) or k.endswith("/seconds"):
         out[k] = out.get(k, 0.0) + v       # summed over generation batches
   for k in {k for _, m in seen for k in m
-            if k.startswith("reward/") and not k.endswith("/seconds")}:
+            if k.startswith(("reward/", "env/")) and not k.endswith("/seconds")}:
     out[k] = float(np.mean([m[k] for _, m in seen if k in m]))
   return out

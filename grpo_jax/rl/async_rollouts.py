@@ -147,7 +147,8 @@ def encode(batch: Batch) -> dict:
   return {"step": batch.step, "version": batch.version,
           "metrics": batch.metrics, "data_after": batch.data_after,
           "key_data": _array_text(batch.key_data), "prompt_ids": prompts,
-          "arrays": {k: _array_text(v) for k, v in g.items()}}
+          "arrays": {k: _array_text(v) for k, v in g.items()
+                     if v is not None}}
 
 
 def decode(d: dict) -> Batch:

@@ -40,7 +40,10 @@ def to_rows(groups: Groups, pad_id: int, overlong_filter: bool
   col = np.arange(P + T)[None, :]
   pad_n = P - len_n[:, None]
   positions = np.maximum(col - pad_n, 0).astype(np.int32)
-  valid = np.concatenate([col[:, :P] >= pad_n, mask_nt], axis=1)
+  # Env observation tokens are attended to (valid) but never trained.
+  seen_nt = mask_nt if groups.observation_bgt is None else (
+      mask_nt | groups.observation_bgt.reshape(B * G, T))
+  valid = np.concatenate([col[:, :P] >= pad_n, seen_nt], axis=1)
   loss_mask = mask_nt.astype(np.float32)
   if overlong_filter:
     loss_mask = np.asarray(dynamic_sampling.overlong_filter(

@@ -30,6 +30,7 @@ import dataclasses
 from typing import NamedTuple
 
 from grpo_jax import evaluation
+from grpo_jax.envs import base as envs
 from grpo_jax.generate import rollout, sampling
 from grpo_jax.harness import experiment
 from grpo_jax.models import lora
@@ -144,7 +145,8 @@ class RunSpec:
         advantage=AdvantageSettings.from_config(config),
         groups=rollout.GroupSettings(
             batch.generations, reward, config.data.template,
-            config.data.system_prompt),
+            config.data.system_prompt,
+            env=envs.EnvSpec.from_config(config)),
         dynamic=rollout.DynamicSampling(
             bool(config.rl.dynamic_sampling), config.rl.max_gen_batches,
             config.rl.on_cap),

@@ -142,7 +142,8 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
   data_files=False: the data sets' files may be unset (experiments/aot.py
   compiles without reading them)."""
   _check_fields(config, base_config(), "",
-                ("rewards", "reward_kwargs", "data.kwargs", "data.eval_kwargs"))
+                ("rewards", "reward_kwargs", "data.kwargs", "data.eval_kwargs",
+                 "env.kwargs"))
   _check_finite(config, "")
   for path, allowed in _CHOICES.items():
     if _get(config, path) not in allowed:
@@ -178,6 +179,7 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
     groups.check_star(config.star)
   groups.check_lora(config.model.lora)
   groups.check_rollout(config)
+  groups.check_env(config)
   groups.check_sizes(config)
   return config
 

@@ -63,6 +63,40 @@ def check_rollout(config: ConfigDict) -> None:
         "(--config.rl.old_logp=sampler) with a correction on")
 
 
+def check_env(config: ConfigDict) -> None:
+  """config.env (envs/, generate/agent.py): a registered env, its budgets
+  in range, its host able to run it (the python env needs the sandbox), and
+  no setting that reads a single-turn completion's text (process rewards,
+  STaR)."""
+  e = config.env
+  if not e.name:
+    return
+  if e.name not in registry.names("env"):
+    raise ConfigError(f"config field 'env.name' = {e.name!r}; allowed: "
+                      f"{[''] + registry.names('env')}")
+  for name in ("max_turns", "max_observation_tokens"):
+    if e[name] < 1:
+      raise ConfigError(f"config field 'env.{name}' = {e[name]} must be >= 1")
+  if not e.tool_timeout_s > 0:
+    raise ConfigError(f"config field 'env.tool_timeout_s' = "
+                      f"{e.tool_timeout_s} must be > 0 (seconds per tool call)")
+  if config.method != "rl":
+    raise ConfigError(f"config field 'env.name' = {e.name!r}: episodes with "
+                      f"tools are trained by method 'rl' only, not "
+                      f"{config.method!r}")
+  if config.rl.advantage == "grpo_process" or config.rl.process_reward:
+    raise ConfigError("config field 'env.name': process rewards read a "
+                      "single completion's steps; set rl.process_reward='' "
+                      "and an outcome advantage with an env")
+  check_host = getattr(registry.lookup("env", e.name), "check_host", None)
+  if check_host is not None:
+    try:
+      check_host()
+    except Exception as err:  # pylint: disable=broad-except
+      raise ConfigError(f"config field 'env.name' = {e.name!r} cannot run "
+                        f"on this host: {err}") from err
+
+
 def check_lora(c: ConfigDict) -> None:
   """model.lora: rank >= 0 (0: off), alpha > 0, targets that name
   projections, dropout 0, a known sampler."""
