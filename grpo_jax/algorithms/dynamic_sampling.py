@@ -36,10 +36,13 @@ def group_has_signal(reward_bg: np.ndarray) -> np.ndarray:
 
 
 def _map(fn: Callable, *batches: Batch) -> Batch:
-  """fn over each field of same-typed batches (dicts or NamedTuples)."""
+  """fn over each field of same-typed batches (dicts or NamedTuples); an
+  optional field that is None (e.g. `Groups.observation_bgt` without an
+  env) stays None."""
+  one = lambda *values: None if values[0] is None else fn(*values)
   if isinstance(batches[0], Mapping):
-    return {key: fn(*(b[key] for b in batches)) for key in batches[0]}
-  return type(batches[0])(*(fn(*values) for values in zip(*batches)))
+    return {key: one(*(b[key] for b in batches)) for key in batches[0]}
+  return type(batches[0])(*(one(*values) for values in zip(*batches)))
 
 
 def _field(batch: Batch, key: str) -> np.ndarray:
