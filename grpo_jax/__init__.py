@@ -22,6 +22,8 @@ Shape letters, one meaning in every name and file (`reward_bg`, `logp_nt`,
                                        sequences (packing.py)
     w  pages of a KV page pool      z  columns of a page
        (models/paged.py)            j  a row's page-table entries
+    x  experts of an MoE layer      c  experts chosen per token
+       (models/moe.py)
 
 A name's shape suffix is its last `_` part: these letters in axis order
 (`logits_nsv` is [n, s, v]); a trailing 1 is a kept axis of size one

@@ -214,7 +214,7 @@ def test_names_exist_after_a_bare_import(kind):
 VOWELS = set("aeiouy")
 # Suffixes that pass for shapes by the rule below but are words: backward,
 # forward, the MLP, TensorFlow Datasets.
-NOT_SHAPES = {"bwd", "fwd", "mlp", "tfds"}
+NOT_SHAPES = {"bwd", "cdf", "cfg", "fwd", "mlp", "tfds"}
 
 
 def shape_letters(doc: str) -> set[str]:
@@ -286,7 +286,7 @@ def test_shape_table_is_read_from_the_package_docstring():
     # The model code's old vocabulary (b = any rows, t = their length).
     ("positions_bt", "bt"), ("h_btd", "bt"), ("logits_btv", "bt"),
     ("valid_bs", "bs"), ("q_bthd", "bt"), ("mask_bts", "bt"),
-    ("x_nbc", "not in the table"), ("logits_nxv", "not in the table"),
+    ("x_nbf", "not in the table"), ("logits_nfv", "not in the table"),
     # Shapes of the table, and words that are not shapes.
     ("tokens_ns", None), ("reward_bg", None), ("mask_bgt", None),
     ("adv_n1", None), ("q_nqhe", None), ("k_lbkpe", None), ("h_last_bd", None),

@@ -40,6 +40,9 @@ PUBLISHED = {
     "gemma-3-4b": 3.88e9,
     "gemma-3-12b": 11.77e9,
     "gemma-3-27b": 27.0e9,
+    # Qwen3 mixtures of experts (Qwen3 technical report: 30.5B and 235B).
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-235b-a22b": 235.0e9,
 }
 
 
@@ -70,4 +73,4 @@ def test_abstract_params_follow_param_shapes_and_axes(name):
 
 
 def test_published_table_covers_every_big_preset():
-  assert set(preset_names()) - {"tiny", "tiny-gemma"} == set(PUBLISHED)
+  assert set(preset_names()) - {"tiny", "tiny-gemma", "tiny-moe"} == set(PUBLISHED)

@@ -111,7 +111,7 @@ def generate(call: decoding.CallSpec, params: transformer.Params,
   G = N // prompt_len_b.shape[0]
   len_rows = _pin_rows(layout, jnp.repeat(prompt_len_b, G))
   row_n = row_offset + jnp.arange(N, dtype=jnp.int32)
-  layers = decode.unstack_layers(params, model_config.num_layers)  # once
+  layers = decode.unstack_layers(model_config, params)  # once
 
   def cond(c: _Carry):
     return (c.t < T) & ~jnp.all(c.done_n)

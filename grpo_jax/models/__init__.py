@@ -1,4 +1,5 @@
 """Decoder models: configs and presets, pure forward, KV cache, weights in/out."""
+from grpo_jax.models import moe
 from grpo_jax.models.config import (
   RANDOM_PRESETS,
   ModelConfig,

@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from grpo_jax.models.moe_config import MoeConfig
 from grpo_jax.registry import lookup, names, register
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                 "qwen3_moe")
 # Blocks with norms after attention and the MLP too, a GELU-tanh MLP and
 # embeddings scaled by sqrt(D). Their RMSNorm is x * (1 + w) in transformers:
 # the loader stores 1 + w (hf.py), so the norm here is the same function.
 GEMMA = ("gemma2", "gemma3")
+MOE = ("qwen3_moe",)   # sparse MLPs (`moe`; a dense layer's config has none)
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -63,6 +66,7 @@ class ModelConfig:
   attn_softcap: Optional[float] = None      # Gemma 2: c * tanh(score / c)
   final_softcap: Optional[float] = None     # Gemma 2: on the logits
   query_scale: Optional[float] = None       # scores / sqrt(this), not sqrt(E)
+  moe: Optional[MoeConfig] = None           # sparse MLPs (moe_config.py)
 
   def __post_init__(self):
     if self.architecture not in ARCHITECTURES:
@@ -73,11 +77,19 @@ class ModelConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"ModelConfig.{field} must be > 0, "
                          f"got {getattr(self, field)}")
+    if self.moe is not None and self.architecture not in MOE:
+      raise ValueError(f"ModelConfig.moe is set but architecture="
+                       f"{self.architecture!r} has no experts; one of {MOE}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a "
                        f"multiple of num_kv_heads={self.num_kv_heads}")
 
     self._check_layer_types()
+    if self.moe is not None and any(not 0 <= i < self.num_layers
+                                    for i in self.moe.dense_layers):
+      raise ValueError(f"ModelConfig.moe.dense_layers="
+                       f"{self.moe.dense_layers} must be layer indices "
+                       f"below num_layers={self.num_layers}")
 
   def _check_layer_types(self):
     if self.layer_types is None:
@@ -102,7 +114,14 @@ class ModelConfig:
 
   def layer_config(self, i: int) -> "ModelConfig":
     """Layer i's config: its own window (None for a full layer) and RoPE
-    base, and no `layer_types`; the config itself when layers are alike."""
+    base, and no `layer_types`; no `moe` for an MoE model's dense layers;
+    the config itself when layers are alike."""
+    c = self._attention_config(i)
+    if self.moe is not None and self.moe.is_dense(i):
+      return c.replace(moe=None)
+    return c
+
+  def _attention_config(self, i: int) -> "ModelConfig":
     if self.layer_types is None:
       return self
     if self.layer_types[i] == "full_attention":
@@ -113,14 +132,25 @@ class ModelConfig:
         rope_theta=self.rope_theta if local is None else local,
         rope_scaling=self.rope_scaling if local is None else None)
 
-  def layer_period(self) -> int:
-    """The smallest P with layer_config(i) == layer_config(i % P) for
-    every layer: the forward scans groups of P layers (1: plain scan)."""
-    kinds = self.layer_types or ("",) * self.num_layers
-    for period in range(1, self.num_layers + 1):
-      if all(kinds[i] == kinds[i % period] for i in range(self.num_layers)):
+  def layer_period(self, start: int = 0, stop: Optional[int] = None) -> int:
+    """The smallest P with layer_config(i) == layer_config(start + (i -
+    start) % P) for the layers in [start, stop): the forward scans groups
+    of P layers (1: plain scan)."""
+    stop = self.num_layers if stop is None else stop
+    kinds = [self.layer_config(i) for i in range(start, stop)]
+    for period in range(1, len(kinds) + 1):
+      if all(kinds[i] == kinds[i % period] for i in range(len(kinds))):
         return period
-    return self.num_layers
+    return len(kinds)
+
+  def mlp_segments(self) -> list[tuple[int, int]]:
+    """[start, stop) runs of layers with the same MLP kind (dense or
+    sparse): their weights stack separately (`layer_scan`)."""
+    dense = [self.moe is None or self.moe.is_dense(i)
+             for i in range(self.num_layers)]
+    starts = [i for i in range(self.num_layers)
+              if i == 0 or dense[i] != dense[i - 1]]
+    return list(zip(starts, starts[1:] + [self.num_layers]))
 
 
 def _preset(name: str, **kwargs) -> ModelConfig:
@@ -140,7 +170,7 @@ def preset_names() -> list[str]:
 
 # Presets without weights: experiments initialise them at random (config.seed)
 # and read them with the byte tokenizer.
-RANDOM_PRESETS = ("tiny", "tiny-gemma")
+RANDOM_PRESETS = ("tiny", "tiny-gemma", "tiny-moe")
 
 # A random model for tests: small enough to compile and run in seconds.
 _preset("tiny", architecture="llama", vocab_size=256, dim=64, num_layers=2,
@@ -239,3 +269,22 @@ _preset("tiny-gemma", architecture="gemma3", vocab_size=256, dim=64,
                      "sliding_attention"),
         rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_scale=8.0,
         max_seq_len=512)
+
+# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B: Qwen3 attention, every layer a
+# mixture of 128 experts, 8 chosen (softmax, renormalised).
+_QWEN3_MOE = dict(_QWEN3, architecture="qwen3_moe")
+_preset("qwen3-30b-a3b", dim=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, mlp_dim=6144, moe=MoeConfig(
+            num_experts=128, experts_per_token=8, expert_dim=768,
+            norm_topk_prob=True, aux_loss_coef=0.001), **_QWEN3_MOE)
+_preset("qwen3-235b-a22b", dim=4096, num_layers=94, num_heads=64,
+        num_kv_heads=4, mlp_dim=12288, moe=MoeConfig(
+            num_experts=128, experts_per_token=8, expert_dim=1536,
+            norm_topk_prob=True, aux_loss_coef=0.001), **_QWEN3_MOE)
+# A random Qwen3-MoE for tests: 8 experts, 2 chosen, the first layer dense.
+_preset("tiny-moe", architecture="qwen3_moe", vocab_size=256, dim=64,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+        qk_norm=True, norm_eps=1e-6, tie_embeddings=True, max_seq_len=512,
+        moe=MoeConfig(num_experts=8, experts_per_token=2, expert_dim=32,
+                      norm_topk_prob=True, dense_layers=(0,),
+                      aux_loss_coef=0.001))

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import attention, transformer
+from grpo_jax.models import attention, layer_scan, transformer
 from grpo_jax.models.config import ModelConfig
 
 Params = transformer.Params
@@ -42,10 +42,11 @@ def init_cache(model_config: ModelConfig, batch: int, length: int,
                  jnp.zeros((batch, length), jnp.int32))
 
 
-def unstack_layers(params: Params, num_layers: int) -> list[Params]:
-  """Per-layer weight dicts, sliced from the stacked (L, ...) arrays."""
-  return [jax.tree.map(lambda w: w[i], params["layers"])
-          for i in range(num_layers)]
+def unstack_layers(model_config: ModelConfig, params: Params) -> list[Params]:
+  """Per-layer weight dicts, sliced from the stacked (L, ...) arrays (an
+  MoE model's expert and dense-MLP weights from their own stacks)."""
+  return [layer_scan.take_layer(model_config, params["layers"], i)
+          for i in range(model_config.num_layers)]
 
 
 def set_in_bits(cache: jax.Array, new: jax.Array, set_) -> jax.Array:
@@ -74,7 +75,7 @@ class Weights(NamedTuple):
 
 
 def weights(model_config: ModelConfig, params: Params) -> Weights:
-  return Weights(params, unstack_layers(params, model_config.num_layers))
+  return Weights(params, unstack_layers(model_config, params))
 
 
 def logits(model_config: ModelConfig, params: Params, x: jax.Array
@@ -101,7 +102,7 @@ def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
   model's worth of weight copies per decode step.
   """
   if layers is None:
-    layers = unstack_layers(params, model_config.num_layers)
+    layers = unstack_layers(model_config, params)
   pos_nq = positions_n[:, None]                      # Q = 1 query column
 
   valid = jax.lax.dynamic_update_slice(

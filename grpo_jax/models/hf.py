@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from grpo_jax.errors import WeightsError
-from grpo_jax.models import hf_gemma
+from grpo_jax.models import hf_gemma, hf_moe
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.transformer import param_shapes
 
@@ -30,11 +30,13 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     **hf_gemma.CLASSES,
+    **hf_moe.CLASSES,
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 # config.json's model_type -> our architecture (Gemma 3's text model is
 # "gemma3_text").
-_MODEL_TYPES = {**{a: a for a in _HF_CLASS}, **hf_gemma.MODEL_TYPES}
+_MODEL_TYPES = {**{a: a for a in _HF_CLASS}, **hf_gemma.MODEL_TYPES,
+                **hf_moe.MODEL_TYPES}
 
 
 # ----------------------------------------------------------------------------
@@ -80,8 +82,10 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
   if gemma:
     return _config(hf, arch, **hf_gemma.config_from_hf(hf, arch, unsupported))
   theta, scaling = _rope(hf, unsupported)
+  moe = arch == "qwen3_moe"
   return _config(hf, arch, rope_theta=theta, rope_scaling=scaling,
-                 qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                 qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
+                 moe=hf_moe.moe_from_hf(hf, unsupported) if moe else None,
                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                  sliding_window=_sliding_window(hf, arch, unsupported))
 
@@ -193,7 +197,9 @@ def config_to_hf(model_config: ModelConfig, dtype_name: str,
     hf.update(attention_bias=False, mlp_bias=False)
   if c.architecture == "mistral":
     hf["sliding_window"] = c.sliding_window
-  if c.architecture in ("qwen2", "qwen3"):
+  if c.moe is not None:
+    hf.update(hf_moe.moe_to_hf(c))
+  if c.architecture in ("qwen2", "qwen3", "qwen3_moe"):
     windowed = c.sliding_window is not None
     kind = "sliding_attention" if windowed else "full_attention"
     hf.update(use_sliding_window=windowed, sliding_window=c.sliding_window,
@@ -219,6 +225,9 @@ class TensorSpec:
   shape: our shape of one layer's slice (the leaf without its L axis).
   transposed: ours is the HF matrix transposed, then reshaped.
   offset: ours is HF's + offset (Gemma's norms: 1 + w), added in float32.
+  layers: the HF layers stacked on our axis 0 (None: all; an MoE model's
+    expert and dense-MLP leaves stack only theirs).
+  experts: > 0: our axis 1 stacks that many HF tensors, "{x}" in hf_name.
   """
   path: tuple[str, ...]
   hf_name: str
@@ -226,19 +235,34 @@ class TensorSpec:
   shape: tuple[int, ...]
   transposed: bool
   offset: float = 0.0
+  layers: Optional[tuple[int, ...]] = None
+  experts: int = 0
 
   @property
   def per_layer(self) -> bool:
     return self.path[0] == "layers"
 
-  def names(self, num_layers: int) -> list[str]:
+  def slices(self, num_layers: int) -> list[list[str]]:
+    """The HF names of each index of our axis 0 (one, or one per expert)."""
     if not self.per_layer:
-      return [self.hf_name]
-    return [self.hf_name.format(i=i) for i in range(num_layers)]
+      return [[self.hf_name]]
+    ids = range(num_layers) if self.layers is None else self.layers
+    return [[self.hf_name.format(i=i, x=x) for x in range(self.experts)]
+            if self.experts else [self.hf_name.format(i=i)] for i in ids]
+
+  def names(self, num_layers: int) -> list[str]:
+    return [n for names in self.slices(num_layers) for n in names]
+
+  def read_slice(self, read: Callable, names: list[str], dtype=None):
+    """Ours of one index of axis 0 from its HF tensors (`read(name)`)."""
+    if not self.experts:
+      return self.to_ours(read(names[0]), dtype)
+    return np.stack([self.to_ours(read(n), dtype) for n in names])
 
   def to_ours(self, w_hf: np.ndarray, dtype=None) -> np.ndarray:
     """Ours in `dtype` (None: the stored one)."""
-    w = (w_hf.T if self.transposed else w_hf).reshape(self.shape)
+    shape = self.shape[1:] if self.experts else self.shape
+    w = (w_hf.T if self.transposed else w_hf).reshape(shape)
     if self.offset:
       w = np.asarray(w, np.float32) + np.float32(self.offset)
     return w.astype(w_hf.dtype if dtype is None else dtype, copy=False)
@@ -275,7 +299,8 @@ def _hf_layout(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
       "w_up": (_LAYER + "mlp.up_proj.weight", (F, D), True),
       "w_down": (_LAYER + "mlp.down_proj.weight", (D, F), True),
   } | ({leaf: (_LAYER + name + ".weight", (D,), False)
-        for leaf, name in hf_gemma.NORM_NAMES.items()} if c.gemma else {})
+        for leaf, name in hf_gemma.NORM_NAMES.items()} if c.gemma else {}
+       ) | hf_moe.layout(c)
 
 
 def tensor_specs(model_config: ModelConfig) -> list[TensorSpec]:
@@ -291,8 +316,9 @@ def tensor_specs(model_config: ModelConfig) -> list[TensorSpec]:
     if key == "layers":
       for leaf, shape in shapes["layers"].items():
         name, hf_shape, t = layout[leaf]
+        layers, experts = hf_moe.stacking(model_config, leaf)
         specs.append(TensorSpec(("layers", leaf), name, hf_shape, shape[1:], t,
-                                offset(leaf)))
+                                offset(leaf), layers, experts))
     else:
       name, hf_shape, t = layout[key]
       specs.append(TensorSpec((key,), name, hf_shape, shapes[key], t,

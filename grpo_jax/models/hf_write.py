@@ -164,7 +164,8 @@ def _check_params(model_config: ModelConfig, params: dict[str, Any]):
       shape = tuple(_leaf(params, spec.path).shape)
     except KeyError:
       raise ValueError(f"params has no leaf {'/'.join(spec.path)}") from None
-    want = ((model_config.num_layers,) if spec.per_layer else ()) + spec.shape
+    want = ((len(spec.slices(model_config.num_layers)),) if spec.per_layer
+            else ()) + spec.shape
     if shape != want:
       raise ValueError(f"params leaf {'/'.join(spec.path)} has shape {shape}, "
                        f"expected {want} for this config")
@@ -184,8 +185,10 @@ def _out_tensors(model_config: ModelConfig, params: dict[str, Any],
   for spec in specs:
     itemsize = np.dtype(_leaf(params, spec.path).dtype).itemsize
     nbytes = math.prod(spec.hf_shape) * itemsize
-    for i, name in enumerate(spec.names(model_config.num_layers)):
-      def load(spec=spec, i=i):
-        w = host_leaf(spec.path)
-        return spec.to_hf(w[i] if spec.per_layer else w)
-      yield OutTensor(name, nbytes, load)
+    for i, names in enumerate(spec.slices(model_config.num_layers)):
+      for x, name in enumerate(names):
+        def load(spec=spec, i=i, x=x):
+          w = host_leaf(spec.path)
+          w = w[i] if spec.per_layer else w
+          return spec.to_hf(w[x] if spec.experts else w)
+        yield OutTensor(name, nbytes, load)

@@ -140,12 +140,12 @@ def _leaf_shardings(model_config: ModelConfig,
 def _load_leaf(ckpt, spec: hf.TensorSpec, model_config: ModelConfig, dtype,
                sharding) -> jax.Array:
   """One leaf onto its sharding; per-layer leaves are stacked on axis 0."""
-  names_ = spec.names(model_config.num_layers)
-  shape = ((len(names_),) if spec.per_layer else ()) + spec.shape
+  slices = spec.slices(model_config.num_layers)
+  shape = ((len(slices),) if spec.per_layer else ()) + spec.shape
   shards: dict[tuple, np.ndarray] = {}  # devices that share a slice share it
 
   def layer(i: int) -> np.ndarray:
-    return spec.to_ours(ckpt.read(names_[i]), dtype)
+    return spec.read_slice(ckpt.read, slices[i], dtype)
 
   def callback(index: tuple[slice, ...]) -> np.ndarray:
     key = tuple((s.start, s.stop, s.step) for s in index)

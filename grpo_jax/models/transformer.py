@@ -24,124 +24,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import blockwise, layer_scan, quant
+from grpo_jax.models import blockwise, layer_scan, moe, quant
 from grpo_jax.models.attention import apply_rope, rope_frequencies, soft_cap
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.params import _AXES as _AXES  # re-exported
+from grpo_jax.models.params import LORA_KEY as LORA_KEY
+from grpo_jax.models.params import LORA_RANK as LORA_RANK
+from grpo_jax.models.params import PROJECTION_INPUTS as PROJECTION_INPUTS
+from grpo_jax.models.params import cast as cast
+from grpo_jax.models.params import count_params as count_params
+from grpo_jax.models.params import init_params as init_params
+from grpo_jax.models.params import lora_axes as lora_axes
+from grpo_jax.models.params import param_axes as param_axes
+from grpo_jax.models.params import param_shapes as param_shapes
+from grpo_jax.models.params import tree_axes as tree_axes
 
 Params = dict[str, Any]
 # (array, logical axes) -> the array pinned to the sharding those axes get
 # (`sharding.Layout.constrain` inside jit); the model only names the axes.
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 SEGMENT_MEMBERS = blockwise.SEGMENT_MEMBERS
-
-
-# ----------------------------------------------------------------------------
-# Parameters and their logical axes.
-# ----------------------------------------------------------------------------
-
-def param_shapes(model_config: ModelConfig) -> dict[str, Any]:
-  """Shape of every parameter, as the same nested dict `init_params` returns."""
-  c = model_config
-  L, D, H, K, hd, F = (c.num_layers, c.dim, c.num_heads, c.num_kv_heads,
-                       c.head_dim, c.mlp_dim)
-  layers = {
-      "attn_norm": (L, D),
-      "wq": (L, D, H, hd), "wk": (L, D, K, hd), "wv": (L, D, K, hd),
-      "wo": (L, H, hd, D),
-      "mlp_norm": (L, D),
-      "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
-  }
-  if c.qkv_bias:
-    layers.update(bq=(L, H, hd), bk=(L, K, hd), bv=(L, K, hd))
-  if c.qk_norm:
-    layers.update(q_norm=(L, hd), k_norm=(L, hd))
-  if c.gemma:
-    layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
-  shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
-  if not c.tie_embeddings:
-    shapes["lm_head"] = (D, c.vocab_size)
-  return shapes
-
-
-_AXES = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("norm",),
-    "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
-    "post_attn_norm": ("layers", "norm"), "post_mlp_norm": ("layers", "norm"),
-    "wq": ("layers", "embed", "q_heads", "head_dim"),
-    "wk": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "wo": ("layers", "q_heads", "head_dim", "embed"),
-    "bq": ("layers", "q_heads", "head_dim"),
-    "bk": ("layers", "kv_heads", "head_dim"),
-    "bv": ("layers", "kv_heads", "head_dim"),
-    "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
-    "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-}
-
-
-# The projections LoRA may adapt (models/lora.py): name -> how many of the
-# weight's axes after `layers` are its inputs (contracted with x).
-PROJECTION_INPUTS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2,
-                     "w_gate": 1, "w_up": 1, "w_down": 1}
-LORA_KEY = "lora"          # params["layers"]["lora"][name] = {"a", "b"}
-LORA_RANK = "lora_rank"    # the adapters' rank axis (replicated by default)
-
-
-def param_axes(model_config: ModelConfig) -> dict[str, Any]:
-  """Logical axis names of every parameter, as a tree shaped like the params."""
-  shapes = param_shapes(model_config)
-  layer_axes = {k: _AXES[k] for k in shapes["layers"]}
-  return {**{k: _AXES[k] for k in shapes if k != "layers"},
-          "layers": layer_axes}
-
-
-def lora_axes(name: str) -> dict[str, tuple]:
-  """Logical axes of the adapters of projection `name`: A (layers, in...,
-  rank) and B (layers, rank, out...), split like the weight's own axes."""
-  axes, k = _AXES[name], 1 + PROJECTION_INPUTS[name]
-  return {"a": axes[:k] + (LORA_RANK,), "b": axes[:1] + (LORA_RANK,) + axes[k:]}
-
-
-def tree_axes(params: Params) -> Params:
-  """`param_axes` of any tree of parameters by leaf path: the base's, the
-  adapters' alone (lora.init_adapters) or the two attached."""
-  def axes(path, _):
-    keys = [getattr(k, "key", k) for k in path]
-    if LORA_KEY in keys:
-      return lora_axes(keys[-2])[keys[-1]]
-    return _AXES[keys[-1]]
-  return jax.tree_util.tree_map_with_path(axes, params)
-
-
-def init_params(model_config: ModelConfig, key: jax.Array,
-                dtype=jnp.float32) -> Params:
-  """Random parameters (normal, std 0.02; norms at 1) for tests and demos."""
-  shapes = param_shapes(model_config)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(
-      shapes, is_leaf=lambda x: isinstance(x, tuple))
-  keys = jax.random.split(key, len(flat))
-  leaves = []
-  for (path, shape), k in zip(flat, keys):
-    name = path[-1].key
-    if name.endswith("norm"):
-      leaves.append(jnp.ones(shape, dtype))
-    else:
-      leaves.append(0.02 * jax.random.normal(k, shape, dtype))
-  return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def cast(params: Params, dtype: str) -> Params:
-  """`params` with every leaf in `dtype` (a compute dtype)."""
-  return jax.tree.map(lambda x: x.astype(dtype), params)
-
-
-def count_params(model_config: ModelConfig) -> int:
-  leaves = jax.tree_util.tree_leaves(param_shapes(model_config),
-                                     is_leaf=lambda x: isinstance(x, tuple))
-  return int(sum(np.prod(s) for s in leaves))
 
 
 # ----------------------------------------------------------------------------
@@ -231,17 +133,30 @@ def _out_projection(attn_nqhe: jax.Array, lp: Params) -> jax.Array:
 def attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
                       attn_nqhe: jax.Array,
                       constrain: Constrain = no_constraint) -> jax.Array:
+  return attn_out_and_routed_mlp(model_config, lp, x_nqd, attn_nqhe,
+                                 constrain)[0]
+
+
+def attn_out_and_routed_mlp(model_config: ModelConfig, lp: Params,
+                            x_nqd: jax.Array, attn_nqhe: jax.Array,
+                            constrain: Constrain = no_constraint) -> tuple:
+  """The layer after attention: (x, the sparse MLP's `moe.Routing`, None
+  for a dense MLP). A sparse layer replays `lp["routes"]` (N, Q, C) when
+  given (routing replay)."""
   c = model_config
   post_norm = lambda y, name: (rms_norm(y, lp[name], c.norm_eps) if c.gemma
                                else y)   # Gemma: outputs normed, then added
   x = constrain(x_nqd + post_norm(_out_projection(attn_nqhe, lp),
                                   "post_attn_norm"), RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], c.norm_eps)
+  if c.moe is not None:
+    mlp, routing = moe.sparse_mlp(c.moe, lp, h, lp.get("routes"))
+    return constrain(x + mlp, RESIDUAL_AXES), routing
   gate = constrain(_project("nqd,df->nqf", h, lp, "w_gate"), MLP_AXES)
   up = constrain(_project("nqd,df->nqf", h, lp, "w_up"), MLP_AXES)
   act = jax.nn.gelu(gate, approximate=True) if c.gemma else jax.nn.silu(gate)
   mlp = _project("nqf,fd->nqd", act * up, lp, "w_down")
-  return constrain(x + post_norm(mlp, "post_mlp_norm"), RESIDUAL_AXES)
+  return constrain(x + post_norm(mlp, "post_mlp_norm"), RESIDUAL_AXES), None
 
 
 def embed(params: Params, tokens_ns: jax.Array,

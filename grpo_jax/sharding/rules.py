@@ -25,7 +25,7 @@ LENGTH = "length"  # a row's columns in the residual stream (activations)
 
 def _known_logical_axes() -> set[str]:
   axes = set(transformer._AXES.values())  # pylint: disable=protected-access
-  return ({a for names in axes for a in names}
+  return ({a for names in axes for a in names if a}
           | {BATCH, LENGTH, transformer.LORA_RANK})
 
 

@@ -1,0 +1,168 @@
+"""The sparse MLP of a mixture-of-experts layer: router, dispatch, experts.
+
+Shapes as in `transformer` plus X experts and C experts chosen per token;
+the layer's N*Q tokens are flattened to rows n (their count N here).
+
+Route (float32, whatever the weights' dtype): `route` gives each token's C
+experts and their gates by the family's rule (`MoeConfig`). Dispatch: the
+N*C (token, expert) pairs are sorted by expert and the three expert
+matmuls run as grouped matmuls over the sorted rows (`jax.lax.ragged_dot`:
+each expert multiplies only its own rows, no expert's weights are gathered
+per token). There is no capacity: every pair is computed, no token is ever
+dropped (RL must not change the policy's distribution by dropping), so a
+token's output depends on that token alone, never on the batch's others.
+The pairs' outputs are unsorted and summed with their gates; shared
+experts (DeepSeek-V3) are a dense SwiGLU every token passes through.
+
+Routing replay: given `experts_nc` (the sampler's recorded choice), the
+same gates are recomputed from the current router at those experts, so
+the router still learns (`route(..., experts_nc=)`).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.models.moe_config import MoeConfig
+
+Params = dict[str, Any]
+
+
+def param_shapes(moe: MoeConfig, num_layers: int, dim: int) -> dict:
+  """The sparse layers' leaves, stacked over their `num_layers` layers."""
+  L, D, X, F = num_layers, dim, moe.num_experts, moe.expert_dim
+  shapes = {"router": (L, D, X), "expert_gate": (L, X, D, F),
+            "expert_up": (L, X, D, F), "expert_down": (L, X, F, D)}
+  if moe.correction_bias:
+    shapes["router_bias"] = (L, X)
+  if moe.shared_dim:
+    S = moe.shared_dim
+    shapes.update(shared_gate=(L, D, S), shared_up=(L, D, S),
+                  shared_down=(L, S, D))
+  return shapes
+
+
+AXES = {
+    "router": ("layers", "embed", None),
+    "router_bias": ("layers", None),
+    "expert_gate": ("layers", "experts", "embed", "expert_mlp"),
+    "expert_up": ("layers", "experts", "embed", "expert_mlp"),
+    "expert_down": ("layers", "experts", "expert_mlp", "embed"),
+    "shared_gate": ("layers", "embed", "mlp"),
+    "shared_up": ("layers", "embed", "mlp"),
+    "shared_down": ("layers", "mlp", "embed"),
+}
+
+
+class Routing(NamedTuple):
+  """Each token's chosen experts and gates, and what the balancing loss
+  and the replay metrics read."""
+  experts_nc: jax.Array     # int32
+  gates_nc: jax.Array       # float32
+  probs_nx: jax.Array       # float32: softmax probs / normalised scores
+
+
+def _choose_grouped(moe: MoeConfig, choice_nx: jax.Array) -> jax.Array:
+  """DeepSeek-V3's group-limited choice: the C best of `choice_nx` within
+  the topk_groups groups whose two best experts sum highest."""
+  N, X = choice_nx.shape
+  G = moe.num_groups
+  if G > 1:
+    grouped = choice_nx.reshape(N, G, X // G)
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    _, best_groups = jax.lax.top_k(group_score, moe.topk_groups)
+    keep = jnp.zeros((N, G), bool).at[
+        jnp.arange(N)[:, None], best_groups].set(True)
+    keep_nx = jnp.repeat(keep, X // G, axis=1)
+    choice_nx = jnp.where(keep_nx, choice_nx, -jnp.inf)
+  return jax.lax.top_k(choice_nx, moe.experts_per_token)[1]
+
+
+def route(moe: MoeConfig, lp: Params, h_nd: jax.Array,
+          experts_nc: Optional[jax.Array] = None) -> Routing:
+  """The router on tokens (N, D): chosen experts (the top C, or the given
+  `experts_nc`: routing replay) and their gates, in float32."""
+  logits_nx = jnp.einsum("nd,dx->nx", h_nd.astype(jnp.float32),
+                         lp["router"].astype(jnp.float32))
+  if moe.router == "softmax":      # Qwen3-MoE
+    score_nx = jax.nn.softmax(logits_nx, axis=-1)
+    choice_nx, probs_nx = score_nx, score_nx
+  else:                            # DeepSeek-V3
+    score_nx = jax.nn.sigmoid(logits_nx)
+    choice_nx = score_nx
+    if moe.correction_bias:
+      choice_nx = score_nx + lp["router_bias"].astype(jnp.float32)
+    probs_nx = score_nx / score_nx.sum(-1, keepdims=True)
+  if experts_nc is None:
+    experts_nc = _choose_grouped(moe, choice_nx)
+  gates_nc = jnp.take_along_axis(score_nx, experts_nc, axis=-1)
+  if moe.norm_topk_prob:
+    eps = 1e-20 if moe.router == "sigmoid" else 0.0
+    gates_nc = gates_nc / (gates_nc.sum(-1, keepdims=True) + eps)
+  gates_nc = gates_nc * moe.routed_scaling
+  return Routing(experts_nc.astype(jnp.int32), gates_nc, probs_nx)
+
+
+def experts(lp: Params, h_nd: jax.Array, routing: Routing) -> jax.Array:
+  """Sum over each token's C experts of gate * SwiGLU_expert(h): (N, D).
+  The N*C pairs sorted by expert, each expert's rows one group of the
+  grouped matmuls (`jax.lax.ragged_dot`)."""
+  N, C = routing.experts_nc.shape
+  X = lp["expert_gate"].shape[0]
+  flat = routing.experts_nc.reshape(-1)                   # N*C pairs
+  order = jnp.argsort(flat, stable=True)
+  sizes_x = jnp.bincount(flat, length=X).astype(jnp.int32)
+  x_sorted = h_nd[order // C]
+  dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes_x)
+  act_sorted = jax.nn.silu(dot(x_sorted, lp["expert_gate"])) * dot(x_sorted,
+                                                          lp["expert_up"])
+  y_sorted = dot(act_sorted, lp["expert_down"])
+  y_ncd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(N, C, -1)
+  gates = routing.gates_nc.astype(h_nd.dtype)
+  return jnp.einsum("ncd,nc->nd", y_ncd, gates)
+
+
+def shared(lp: Params, h_nd: jax.Array) -> jax.Array:
+  """The shared experts: one dense SwiGLU every token goes through."""
+  w = lambda name: lp[name].astype(h_nd.dtype)
+  gate = jnp.einsum("nd,df->nf", h_nd, w("shared_gate"))
+  up = jnp.einsum("nd,df->nf", h_nd, w("shared_up"))
+  return jnp.einsum("nf,fd->nd", jax.nn.silu(gate) * up, w("shared_down"))
+
+
+def sparse_mlp(moe: MoeConfig, lp: Params, h_nqd: jax.Array,
+               experts_nqc: Optional[jax.Array] = None) -> tuple:
+  """The MoE MLP of normed input (N, Q, D): its output (N, Q, D) and the
+  `Routing` of its N*Q tokens (replayed at `experts_nqc` when given)."""
+  N, Q, D = h_nqd.shape
+  h_nd = h_nqd.reshape(N * Q, D)
+  replay = None if experts_nqc is None else experts_nqc.reshape(N * Q, -1)
+  routing = route(moe, lp, h_nd, replay)
+  out_nd = experts(lp, h_nd, routing)
+  if moe.shared_dim:
+    out_nd = out_nd + shared(lp, h_nd)
+  return out_nd.reshape(N, Q, D), routing
+
+
+def balance_terms(moe: MoeConfig, routing: Routing,
+                  valid_n: jax.Array) -> tuple:
+  """One layer's sums for the load-balancing loss over valid tokens:
+  (assignments per expert (X,), router probability per expert (X,),
+  token count), summed over layers before `balance_loss`."""
+  w_n = valid_n.astype(jnp.float32)
+  counts_x = jnp.zeros(moe.num_experts, jnp.float32).at[
+      routing.experts_nc].add(jnp.broadcast_to(
+          w_n[:, None], routing.experts_nc.shape))
+  return counts_x, (routing.probs_nx * w_n[:, None]).sum(0), w_n.sum()
+
+
+def balance_loss(moe: MoeConfig, counts_x: jax.Array, probs_x: jax.Array,
+                 tokens: jax.Array) -> jax.Array:
+  """Switch Transformer eq. 4-6 as transformers' `load_balancing_loss_func`
+  (Qwen3-MoE): X * sum_x f_x * P_x, f_x the mean assignments to expert x
+  per token, P_x its mean router probability (sums over layers and tokens,
+  divided once). Uniform routing gives C."""
+  tokens = jnp.maximum(tokens, 1.0)
+  return moe.num_experts * jnp.sum((counts_x / tokens) * (probs_x / tokens))
