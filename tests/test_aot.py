@@ -270,6 +270,36 @@ def test_split_sync_and_memory():
       w - w // 4, (w - w // 4 + w) / ici)
 
 
+def test_int8_sampler_reads_half_the_weights_and_kv_bytes():
+  """sampling.weights_dtype / kv_dtype = int8 in the pod check: the
+  sampler's chips hold int8 weights beside the bf16 staging copy the sync
+  sends, a decode step reads int8 weights and (paged) int8 columns with
+  their scales, and the automatic pool holds the pages the same bytes do."""
+  from grpo_jax.aot import sampler as pod_sampler  # pylint: disable=import-outside-toplevel
+  from grpo_jax.aot import split  # pylint: disable=import-outside-toplevel
+  config = cli.load_config(os.path.join(ROOT, "configs", "tiny.py"))
+  config.mesh.shape = (1, 1, 1)
+  config.model.compute_dtype = "bfloat16"
+  config.sampling.update(continuous_batching=True, kv_cache="paged")
+  layout = sharding.Layout.from_config(config, jax.devices()[:1])
+  model = get_preset(config.model.source)
+  bf16 = split.SamplerSide(config, model, layout, 16)
+  config = config.copy_and_resolve_references()
+  config.sampling.update(weights_dtype="int8", kv_dtype="int8")
+  int8 = split.SamplerSide(config, model, layout, 16)
+  w, q = bf16.weight_bytes(), int8.weight_bytes()
+  assert 0.5 * w < q < 0.56 * w
+  assert int8.sampler_budget(10 * w) == 10 * w - q - w   # + the staging copy
+  assert split.sync_cost(int8, bf16, 1.0) == (w, w)      # bf16 travels
+  chips = types.SimpleNamespace(count=1, spec={"bandwidth": 1.0, "flops": 1.0})
+  cost = pod_sampler.step_cost(int8, chips)
+  cost8 = pod_sampler.step_cost(int8, chips, "int8")
+  E = model.head_dim
+  assert cost8.column_bytes / cost.column_bytes == pytest.approx((E + 4) / (2 * E))
+  assert cost8.weight_bytes == q
+  assert pod_sampler.pool_pages(int8, 64) > 1.5 * pod_sampler.pool_pages(bf16, 64)
+
+
 def test_schedule_only_compares_dense_and_paged_slots():
   """--schedule_only: no compile, the simulated schedules of both samplers
   on the same lognormal rows, and the step's roofline from the paged one."""

@@ -18,6 +18,7 @@ from grpo_jax.aot.programs import (
   abstract_state,
   compile_program,
   per_chip_bytes,
+  quantized,
   replicated,
   row_sharded,
 )
@@ -82,15 +83,25 @@ class Plan:
       return 0
     return per_chip_bytes(self.compute_params())
 
+  @property
+  def int8_weights(self) -> bool:
+    """The sampler reads int8 weights (`sampling.weights_dtype`; LoRA:
+    merged adapters only, unmerged ones attach to the compute-dtype base)."""
+    return (self.config.sampling.weights_dtype == "int8"
+            and not (self.base is not None and self.lora.sampler == "unmerged"))
+
   def sampler_params(self):
     """What the sampler decodes with: the compute-dtype params (LoRA: the
-    merged copy, or the base with the adapters attached)."""
+    merged copy, or the base with the adapters attached), int8 where
+    `sampling.weights_dtype` says."""
     if self.base is not None and self.lora.sampler == "unmerged":
       cast = lambda x: jax.ShapeDtypeStruct(
           x.shape, jnp.dtype(self.config.model.compute_dtype),
           sharding=x.sharding)
       return lora.attach(self.base, jax.tree.map(cast, self.state.params),
                          1.0)
+    if self.int8_weights:
+      return quantized(self.compute_params())
     return self.compute_params()
 
   def sampler(self, prompts: int, generations: int,
@@ -116,6 +127,8 @@ class Plan:
     if self.base is not None:
       return self.state_bytes + (self.base_bytes
                                  if self.compute_copy_bytes() else 0)
+    if self.int8_weights:   # the int8 copy is the argument; all else stays
+      return self.state_bytes + self.reference_bytes()
     return self.state_bytes + self.reference_bytes() - (
         0 if self.compute_copy_bytes() else per_chip_bytes(self.state.params))
 
@@ -123,11 +136,15 @@ class Plan:
     """Per-chip bytes the sampler's caches may take a share of (sampling
     .KV_FRACTION): what the train state, the reference and the compute copy
     leave."""
-    return (hbm - self.state_bytes - self.reference_bytes()
-            - self.compute_copy_bytes() - self.base_bytes)
+    copy = (self.weight_bytes() if self.int8_weights
+            else self.compute_copy_bytes())
+    return (hbm - self.state_bytes - self.reference_bytes() - copy
+            - self.base_bytes)
 
   def weight_bytes(self) -> int:
     """The per-chip bytes of the weights the sampler reads each decode step."""
+    if self.int8_weights:
+      return per_chip_bytes(self.sampler_params())
     if self.base is not None:
       return self.base_bytes
     return per_chip_bytes(self.state.params) * jnp.dtype(
@@ -150,14 +167,14 @@ class Plan:
     the model, `paged.kernel_refuses`); this process itself runs on the
     CPU backend."""
     return paged.resolve(self.run.sampling.paged_kernel, self.model_config,
-                         backend="tpu")
+                         backend="tpu", kv_dtype=self.run.sampling.kv_dtype)
 
   def paged_sampling_config(self) -> sampling.SamplingConfig:
     """The training sampler's config with the paged KV cache."""
     return dataclasses.replace(
         self.sampling_config(), continuous_batching=True, kv_cache="paged",
         page_size=self.run.sampling.page_size,
-        paged_kernel=self.paged_kernel())
+        paged_kernel=self.paged_kernel(), kv_dtype=self.run.sampling.kv_dtype)
 
   def sequence_columns(self, n: int) -> tuple:
     """Abstract (tokens, positions, valid) [n, s] of n padded rows, split

@@ -5,6 +5,7 @@ lowers a config's programs on them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from grpo_jax import sharding
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import decoding
 from grpo_jax.models import config as model_config_lib
-from grpo_jax.models import hf, lora, transformer
+from grpo_jax.models import hf, lora, quant, transformer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rl import optimizer as optimizer_lib
 from grpo_jax.rl import update
@@ -124,6 +125,27 @@ def abstract_params(model_config: ModelConfig, dtype, layout) -> Any:
   shapes = transformer.param_shapes(model_config)
   return jax.tree.map(lambda s, sh: _sds(s, jnp.dtype(dtype), sh), shapes,
                       shardings, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def quantized(params) -> Any:
+  """`params` (sharded ShapeDtypeStructs) as the sampler holds them with
+  `sampling.weights_dtype = int8` (`quant.sampler_weights`): int8 values
+  sharded as their weights, scales as their weights along the axes they
+  keep (replicated along the input axes they reduce)."""
+  out = jax.eval_shape(
+      lambda p: quant.sampler_weights(p, "int8", transformer.PROJECTION_INPUTS),
+      params)
+
+  def place(w, q):
+    if not quant.is_quantized(q):
+      return w
+    spec = tuple(w.sharding.spec) + (None,) * (w.ndim - len(w.sharding.spec))
+    kept = P(*(a if n > 1 else None for a, n in zip(spec, q.scale.shape)))
+    return dataclasses.replace(
+        q, qvalue=_sds(q.qvalue.shape, q.qvalue.dtype, w.sharding),
+        scale=_sds(q.scale.shape, q.scale.dtype,
+                   NamedSharding(w.sharding.mesh, kept)))
+  return jax.tree.map(place, params, out)
 
 
 def abstract_adapters(model_config: ModelConfig, spec, dtype, layout) -> Any:

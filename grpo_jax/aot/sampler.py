@@ -23,6 +23,7 @@ from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Chips, Program, compile_program, replicated, row_sharded
 from grpo_jax.generate import paged_slots, sampling
+from grpo_jax.models import paged
 
 # Paged slots tried per row shard when sampling.slots is 0: these multiples
 # of the dense slots, and every row of the shard (admission by pages alone).
@@ -80,15 +81,21 @@ def pool_pages(plan: Plan, dense_slots: int) -> int:
   paged_config = dataclasses.replace(plan.paged_sampling_config(),
                                      pages=plan.config.sampling.pages)
   lengths_b = np.full(b, plan.prompt_len)
-  return sampling.pool_pages(paged_config, lengths_b, b, dense_slots, shards,
-                             plan.prompt_len)
-
-
-def step_cost(plan: Plan, chips: Chips) -> schedule.Cost:
-  """Per-chip costs of one decode step on `chips`: rows over the batch
-  shards, each shard's heads (and weights' output columns) over its chips."""
-  c = plan.model_config
   item = jnp.dtype(plan.config.model.compute_dtype).itemsize
+  ratio = sampling.kv_ratio(plan.model_config, item, plan.run.sampling.kv_dtype)
+  return sampling.pool_pages(paged_config, lengths_b, b, dense_slots, shards,
+                             plan.prompt_len, ratio)
+
+
+def step_cost(plan: Plan, chips: Chips, kv_dtype: str = "") -> schedule.Cost:
+  """Per-chip costs of one decode step on `chips`: rows over the batch
+  shards, each shard's heads (and weights' output columns) over its chips;
+  the KV columns in the compute dtype or (kv_dtype int8, the paged pool's)
+  int8 with a float32 scale."""
+  c = plan.model_config
+  item = paged.column_bytes(
+      jnp.dtype(plan.config.model.compute_dtype).itemsize, kv_dtype,
+      c.head_dim) / c.head_dim
   kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads", c.num_kv_heads)
   per_shard = chips.count / plan.layout.batch_shards
   return schedule.Cost(
@@ -127,6 +134,7 @@ def compare(plan: Plan, chips: Chips, dense_slots: int,
   fastest of SLOT_MULTIPLES x the dense slots and all of a shard's rows."""
   R, G = plan.layout.batch_shards, plan.run.batch.generations
   cost = step_cost(plan, chips)
+  paged_cost = step_cost(plan, chips, plan.run.sampling.kv_dtype)
   lengths_rn = shard_lengths(plan, lengths_n)
   pages = pool_pages(plan, dense_slots)
   Z = plan.config.sampling.page_size
@@ -137,7 +145,7 @@ def compare(plan: Plan, chips: Chips, dense_slots: int,
     candidates = slot_search(dense_slots // R, lengths_rn.shape[1])
   tried = []
   for m in candidates:
-    tried.append(schedule.paged(lengths_rn, m, pages, Z, G, cost))
+    tried.append(schedule.paged(lengths_rn, m, pages, Z, G, paged_cost))
     log(f"  simulated paged, {m} slots per row shard: {tried[-1].steps} "
         f"steps, {tried[-1].seconds:.1f} s")
   best = min(tried, key=lambda s: s.seconds)

@@ -52,7 +52,7 @@ from grpo_jax.aot import check as aot
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
-from grpo_jax.aot.programs import Chips
+from grpo_jax.aot.programs import Chips, per_chip_bytes, quantized
 from grpo_jax.rl.spec import BatchSizes
 
 # Per-chip ICI bandwidth, bytes/s (public spec sheets: v5p 4,800 Gbps,
@@ -63,17 +63,20 @@ STEADY_STEPS = 2
 
 
 class SamplerSide(Plan):
-  """The sampler's own chips: no train state; its weights in the compute
-  dtype and one staging copy (the next weights, swapped in atomically)."""
+  """The sampler's own chips: no train state; its weights (compute dtype,
+  or int8) and one staging copy of the compute-dtype weights the sync
+  sends (the next weights, swapped in atomically; int8: quantised there)."""
 
   def sampler_params(self):
+    if self.int8_weights:
+      return quantized(self.compute_params())
     return self.compute_params()
 
   def sampler_resident(self) -> int:
     return self.weight_bytes()
 
   def sampler_budget(self, hbm: float) -> float:
-    return hbm - 2 * self.weight_bytes()
+    return hbm - self.weight_bytes() - per_chip_bytes(self.compute_params())
 
 
 def placement(devices: list, sampler_chips: int) -> tuple[list, list]:
@@ -145,11 +148,15 @@ def sync_cost(sampler: Plan, trainer: Plan, bandwidth: float,
   trainer's chips (each receives the whole sampler-dtype model but its
   own share: bytes), then each host copies its sampler chips' slices, one
   after the other."""
-  receive = sampler.weight_bytes()
+  # int8: the compute-dtype weights travel, quantised on arrival.
+  int8 = sampler.int8_weights
+  sent = lambda plan: (per_chip_bytes(plan.compute_params()) if int8
+                       else plan.weight_bytes())
+  receive = sent(sampler)
   if hosts > 1:
-    whole = sum(x.size * x.dtype.itemsize
-                for x in jax.tree.leaves(sampler.sampler_params()))
-    gather = whole - trainer.weight_bytes()
+    tree = sampler.compute_params() if int8 else sampler.sampler_params()
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    gather = whole - sent(trainer)
     return gather, (gather + receive) / bandwidth
   send = receive * sampler.layout.mesh.size / trainer.layout.mesh.size
   return max(receive, send), max(receive, send) / bandwidth
@@ -164,7 +171,7 @@ def sampler_seconds(plan: Plan, chips: Chips, lengths_n: np.ndarray,
   on STEADY_STEPS steps' rows (each shard's rows of one step after the
   other's; the what-if is the least marginal time per extra step)."""
   dense_slots = aot.auto_slots(plan.config, plan, chips.hbm, configured=False)
-  cost = pod_sampler.step_cost(plan, chips)
+  cost = pod_sampler.step_cost(plan, chips, plan.run.sampling.kv_dtype)
   R, G = plan.layout.batch_shards, plan.run.batch.generations
   one_rn = pod_sampler.shard_lengths(plan, lengths_n)
   many_rn = np.concatenate(
