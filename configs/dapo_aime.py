@@ -20,6 +20,8 @@ Sampling in bfloat16 while the trainer runs in float32 (π_old recomputed by
 the trainer, so ρ = π_old / π_rollout is what the sampler's dtype changes):
   :local_bf16       no correction
   :local_bf16_tis   token-level truncated IS, C = 2 (verl's default)
+  :local_int8_tis   the paged sampler on int8 weights (W8A8) and int8 KV
+                    pages, token TIS, C = 2 (docs/paged.md#int8-rollout-weights-and-pages)
 Asynchronous rollouts (docs/async.md):
   :local_async      rows one policy version stale (a sampler thread samples
                     step u + 1 while the trainer updates on step u), on the
@@ -133,6 +135,16 @@ def local_bf16_tis(c):
   return c
 
 
+def local_int8_tis(c):
+  """local_bf16_tis with the sampler's weights and KV pages in int8 (the
+  paged continuous-batching sampler; the trainer in float32)."""
+  c = local_bf16_tis(c)
+  c.name = "dapo_local_int8_tis"
+  c.sampling.update(continuous_batching=True, kv_cache="paged",
+                    weights_dtype="int8", kv_dtype="int8")
+  return c
+
+
 def local_async(c):
   """The local run with rows one version stale (rollout.max_staleness = 1):
   stale rows need a correction, so π_old is recomputed by the trainer and
@@ -187,6 +199,7 @@ VARIANTS = {
     "local_sapo": _loss("sapo", "seq-mean-token-mean", sapo_tau_pos=1.0,
                         sapo_tau_neg=1.05),
     "local_bf16": local_bf16, "local_bf16_tis": local_bf16_tis,
+    "local_int8_tis": local_int8_tis,
     "local_async": local_async,
     "local_lora": local_lora, "paper_lora": paper_lora,
 }
