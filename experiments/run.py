@@ -69,7 +69,9 @@ def _run(config, workdir: str) -> dict:
     with _record(config, workdir) as record:
       summary = run(config, workdir)
       record.metrics = runs.scalar_metrics(summary)
-      record.checkpoint = checkpoint.latest_checkpoint(workdir)
+      # a pipeline's is its last stage's
+      record.checkpoint = (summary.get("checkpoint")
+                           or checkpoint.latest_checkpoint(workdir))
   return summary
 
 

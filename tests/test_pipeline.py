@@ -77,6 +77,7 @@ def test_restart_skips_finished_stages_and_resumes_the_stopped_one(tmp_path, mon
   assert len(calls) == 2   # only RL step 2 ran after the restart
   assert summary["stopped_at"] == "" and "stage0_cold_start/sft/loss_last" in summary
   assert summary["stages"] == "stage0_cold_start,stage1_rl"
+  assert summary["checkpoint"] == os.path.join(rl_dir, "checkpoints", "2")
   rows = [json.loads(l) for l in open(os.path.join(rl_dir, "metrics.jsonl"))]
   assert [r["step"] for r in rows if "loss" in r] == [1, 2]
   pipeline.run(config, whole)

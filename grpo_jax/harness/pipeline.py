@@ -130,8 +130,8 @@ def _scalars(summary: dict) -> dict:
 def run(config, workdir: str) -> dict:
   """Runs the stages in order (module docstring); returns each stage's
   scalar results as `stage<i>_<name>/<key>`, `stages` (their names), the
-  first stage's `eval_before` and the last's `eval_after`, and `stopped_at`
-  (the stage a signal stopped, "" when all finished)."""
+  first stage's `eval_before` and the last's `eval_after` and `checkpoint`,
+  and `stopped_at` (the stage a pre-emption stopped, "" when all finished)."""
   configs = stage_configs(config, workdir)   # all validated before any work
   experiment.record_config(config, workdir)
   names = [stage_name(i, s) for i, s in enumerate(config.stages)]
@@ -145,6 +145,7 @@ def run(config, workdir: str) -> dict:
   for key, name in (("eval_before", names[0]), ("eval_after", names[-1])):
     if f"{name}/{key}" in summary:
       summary[key] = summary[f"{name}/{key}"]
+  summary["checkpoint"] = checkpoint.latest_checkpoint(os.path.join(workdir, names[-1]))
   return summary
 
 
