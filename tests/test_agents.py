@@ -289,3 +289,13 @@ def test_env_config_is_validated():
     bad.env[field] = value
     with pytest.raises(errors.ConfigError, match=words):
       validation.validate(bad)
+
+
+def test_observation_budget_is_checked_at_start():
+  from grpo_jax.harness import preflight
+  c = config_lib.base_config()
+  c.env.update(name="scripted", max_observation_tokens=8)
+  with pytest.raises(errors.ConfigError, match="env.max_observation_tokens"):
+    preflight.check_env(c, byte_tokenizer())      # markers: 19 bytes
+  c.env.max_observation_tokens = 20
+  preflight.check_env(c, byte_tokenizer())

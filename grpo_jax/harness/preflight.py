@@ -21,7 +21,9 @@ import numpy as np
 
 from grpo_jax import validation
 from grpo_jax.data import templates
+from grpo_jax.envs import base as envs
 from grpo_jax.errors import ConfigError
+from grpo_jax.generate import agent
 
 
 def tokenizer_source(config) -> str:
@@ -46,6 +48,7 @@ def check_model(config, model_config, tokenizer,
         "with).")
   check_model_sizes(config, model_config, where)
   check_backend(config)
+  check_env(config, tokenizer)
   _check_context(config, model_config.max_seq_len, tokenizer, prompts or {},
                  where)
 
@@ -85,11 +88,24 @@ def check_model_sizes(config, model_config, where: str = "config.model") -> None
           f"{s.page_size}; use at most {most} (or 0: automatic)")
 
 
+def check_env(config, tokenizer) -> None:
+  """With an env: the chat template renders a tool turn and its markers
+  leave room for an observation in env.max_observation_tokens (else the
+  first observation of the run would fail, not its start)."""
+  env = envs.EnvSpec.from_config(config)
+  if env is not None:
+    agent.ToolTurns.of(tokenizer, tokenizer.stop_ids).wrap(tokenizer, "",
+                                             env.max_observation_tokens)
+
+
 def _check_context(config, context: int, tokenizer,
                    prompts: Mapping[str, Iterable[str]], where: str) -> None:
   """Prompt + completion positions within the model's context: the longest
   prompt of each set plus sampling.max_new_tokens (max position P + T - 1)."""
   T = config.sampling.max_new_tokens
+  env = envs.EnvSpec.from_config(config)
+  if env is not None:    # an episode's turns and observations after its prompt
+    T = env.trajectory_tokens(T)
   if T >= context:
     raise ConfigError(
         f"config field 'sampling.max_new_tokens' = {T} leaves no room for a "

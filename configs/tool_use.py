@@ -1,0 +1,54 @@
+"""An agent that uses a tool: SmolLM2-135M-Instruct learns to call a calculator on 3-operand arithmetic.
+
+    python experiments/run.py --config=configs/tool_use.py:local --workdir=workdirs/tool_use
+
+Three 3-digit operands with + - * (data level 5): a 135M model rarely gets them
+right in its head. The `calculator` env (envs/calculator.py) answers a turn's
+<calc>EXPR</calc> with the value; the episode's reward is the last number of
+its last turn (`last_number`), trained with DAPO's token-mean loss over the
+model's tokens only (docs/agents.md). `:local` is sized for 2 CPU cores.
+"""
+from grpo_jax.config import base_config, pick_variant
+
+
+def default(c):
+  return c
+
+
+def local(c):
+  """2 CPU cores: 4 prompts x 8 episodes a step, turns of 48 tokens."""
+  c.name = "tool_use_local"
+  c.rl.update(prompts_per_step=4, num_generations=8, micro_batch_size=8)
+  c.sampling.max_new_tokens = 48
+  c.train.steps = 60
+  c.train.eval_every, c.train.eval_examples = 20, 64
+  return c
+
+
+# The `:arg` values get_config accepts (no arg: default);
+# tests/test_architecture.py validates each.
+VARIANTS = {"default": default, "local": local}
+
+
+def get_config(arg=None):
+  c = base_config()
+  c.name = "tool_use"
+  c.description = __doc__.splitlines()[0]
+  c.model.source = "smollm2-135m-instruct"
+  c.data.source = "arithmetic"
+  c.data.kwargs = dict(num_examples=5000, levels=5, seed=0)
+  c.data.eval_kwargs = dict(num_examples=200, levels=5, seed=12345)
+  c.env.update(name="calculator", max_turns=3, max_observation_tokens=32,
+               tool_timeout_s=5.0)
+  c.sampling.max_new_tokens = 96
+  c.sampling.temperature = 1.0
+  c.rewards = {"last_number": 1.0}
+  c.accuracy_reward = "last_number"
+  # DAPO's objective: clip-higher, token-mean over the model's tokens.
+  c.rl.update(loss_agg="token-mean", eps_low=0.2, eps_high=0.28,
+              prompts_per_step=16, num_generations=8, dynamic_sampling=True,
+              max_gen_batches=3, on_cap="fill")
+  c.optim.update(learning_rate=1e-5, warmup_steps=5)
+  c.train.steps = 200
+  c.train.eval_every, c.train.eval_examples = 25, 200
+  return pick_variant(VARIANTS, arg, "default", "configs/tool_use.py")(c)
