@@ -211,6 +211,7 @@ class Completions(NamedTuple):
   answers: list[list[str | None]]     # [B][G], FinalAnswer.extract of each
   correct_bg: np.ndarray              # bool [B, G]
   length_bg: np.ndarray               # int32 [B, G], tokens
+  tools: dict | None = None           # with an env: its "env/..." means
 
 
 
@@ -309,17 +310,20 @@ def sample_completions(settings: EvalSettings, sampler: sampling.Sampler,
   groups = rollout.GroupSettings(n, settings.rewards, settings.template,
                                  settings.system_prompt, batch_multiple=size,
                                  env=settings.env)
-  texts, correct, lengths = [], [], []
+  texts, correct, lengths, tools = [], [], [], []
   for start in range(0, len(examples), size):
-    batch, _ = rollout.generate_groups(
+    batch, metrics = rollout.generate_groups(
         sampler, params, tokenizer, examples[start:start + size],
         jax.random.fold_in(key, start), groups)
     texts += completion_texts(tokenizer, batch)
     correct.append(batch.correct_bg)
     lengths.append(batch.length_bg)
+    tools.append({k: v for k, v in metrics.items() if k.startswith("env/")})
   answers = [[answer(t) for t in row] for row in texts]
   return Completions(texts, answers, np.concatenate(correct),
-                     np.concatenate(lengths))
+                     np.concatenate(lengths),
+                     {k: float(np.mean([t[k] for t in tools])) for k in tools[0]}
+                     if settings.env is not None else None)
 
 
 def summarise(sampled: Completions | None, greedy: Completions | None,
@@ -330,10 +334,14 @@ def summarise(sampled: Completions | None, greedy: Completions | None,
   if greedy is not None:
     metrics["greedy_accuracy"] = greedy_accuracy(greedy.correct_bg[:, 0])
     metrics["response_length"] = float(greedy.length_bg.mean())
+    metrics.update({f"greedy_{k[len('env/'):]}": v
+                    for k, v in (greedy.tools or {}).items()})
   if sampled is not None:
     metrics.update(sampled_metrics(sampled.correct_bg.tolist(), ks))
     metrics.update(majority_metrics(sampled.answers, golds, equivalent, ks))
     metrics["sampled_response_length"] = float(sampled.length_bg.mean())
+    metrics.update({f"sampled_{k[len('env/'):]}": v
+                    for k, v in (sampled.tools or {}).items()})
   return {f"eval/{k}": v for k, v in metrics.items()}
 
 

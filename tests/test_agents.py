@@ -299,3 +299,18 @@ def test_observation_budget_is_checked_at_start():
     preflight.check_env(c, byte_tokenizer())      # markers: 19 bytes
   c.env.max_observation_tokens = 20
   preflight.check_env(c, byte_tokenizer())
+
+
+def test_evaluation_with_an_env_reports_tool_use(params):
+  from grpo_jax import evaluation
+  settings = evaluation.EvalSettings(
+      _sampler().sampling, rollout.RewardSpec((("last_number", 1.0, {}),),
+                                              "last_number"),
+      "last_number", "last_number", "", "float32", 0, n=0, ks=(1,),
+      temperature=1.0, top_p=1.0, batch_size=2, env=_spec())
+  out = evaluation.evaluate_policy(settings, CONFIG, params, byte_tokenizer(),
+                                   EXAMPLES)
+  m = out.metrics
+  assert m["eval/greedy_turns_mean"] >= 1 and "eval/greedy_tool_call_rate" in m
+  # the answer read is each episode's last turn, after its last observation
+  assert all("tool:" not in t for row in out.greedy.texts for t in row)
