@@ -43,6 +43,8 @@ PUBLISHED = {
     # Qwen3 mixtures of experts (Qwen3 technical report: 30.5B and 235B).
     "qwen3-30b-a3b": 30.5e9,
     "qwen3-235b-a22b": 235.0e9,
+    # DeepSeek-V3 without its multi-token-prediction module (671B).
+    "deepseek-v3": 671.0e9,
 }
 
 

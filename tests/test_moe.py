@@ -171,3 +171,47 @@ def test_balance_loss_matches_transformers():
                         jnp.full((4, 8), 1 / 8))
   assert float(moe.balance_loss(cfg, *moe.balance_terms(
       cfg, uniform, jnp.ones(4, bool)))) == pytest.approx(2.0)
+
+
+@pytest.fixture(scope="module", params=[24, None])
+def deepseek_v3(request, tmp_path_factory):
+  """A tiny DeepSeek-V3: latent attention (with and without the query's low
+  rank), interleaved rope, a dense first layer, grouped sigmoid routing
+  with a correction bias, a shared expert."""
+  config = transformers.DeepseekV3Config(
+      vocab_size=300, hidden_size=32, intermediate_size=48,
+      moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+      num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+      n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=16,
+      q_lora_rank=request.param, qk_nope_head_dim=8, qk_rope_head_dim=4,
+      v_head_dim=8, n_shared_experts=1, max_position_embeddings=128)
+  model = _randomize(transformers.DeepseekV3ForCausalLM(config), seed=5)
+  with torch.no_grad():
+    for layer in model.model.layers[1:]:
+      layer.mlp.gate.e_score_correction_bias.copy_(torch.linspace(-.3, .3, 8))
+  directory = tmp_path_factory.mktemp("deepseek_v3")
+  model.save_pretrained(directory)
+  return model, directory
+
+
+def test_deepseek_v3_matches_transformers_and_exports(deepseek_v3, tmp_path):
+  model, directory = deepseek_v3
+  config, params = load_pretrained(directory)
+  assert (config.num_kv_heads, config.head_dim) == (1, 20)  # latent + rope
+  assert config.moe.dense_layers == (0,)
+  tokens = TOKENS % 300
+  ours = jax.nn.log_softmax(forward(config, params, jnp.asarray(tokens)))
+  np.testing.assert_allclose(ours, _logprobs(model, tokens), atol=1e-4)
+  save_pretrained(config, params, tmp_path / "out")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+  np.testing.assert_allclose(_logprobs(back.eval(), tokens),
+                             _logprobs(model, tokens), atol=1e-5)
+  # The cache holds the latent and the rope key: one head of 16 + 4.
+  cache = decode.init_cache(config, 2, tokens.shape[1])
+  assert cache.k[0].shape == (2, 1, tokens.shape[1], 20)
+  step = jax.jit(decode.decode_step, static_argnums=0)
+  full = forward(config, params, jnp.asarray(tokens))
+  for t in range(4):
+    logits, cache = step(config, params, cache, jnp.asarray(tokens[:, t]),
+                         jnp.full((2,), t), t)
+    np.testing.assert_allclose(logits, full[:, t], atol=1e-4)

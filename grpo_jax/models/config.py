@@ -16,16 +16,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from grpo_jax.models.moe_config import MoeConfig
+from grpo_jax.models.moe_config import MlaConfig, MoeConfig
 from grpo_jax.registry import lookup, names, register
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                 "qwen3_moe")
+                 "qwen3_moe", "deepseek_v3")
 # Blocks with norms after attention and the MLP too, a GELU-tanh MLP and
 # embeddings scaled by sqrt(D). Their RMSNorm is x * (1 + w) in transformers:
 # the loader stores 1 + w (hf.py), so the norm here is the same function.
 GEMMA = ("gemma2", "gemma3")
-MOE = ("qwen3_moe",)   # sparse MLPs (`moe`; a dense layer's config has none)
+MOE = ("qwen3_moe", "deepseek_v3")   # sparse MLPs (`moe`; a dense layer's config has none)
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -67,6 +67,7 @@ class ModelConfig:
   final_softcap: Optional[float] = None     # Gemma 2: on the logits
   query_scale: Optional[float] = None       # scores / sqrt(this), not sqrt(E)
   moe: Optional[MoeConfig] = None           # sparse MLPs (moe_config.py)
+  mla: Optional[MlaConfig] = None           # latent attention (mla.py)
 
   def __post_init__(self):
     if self.architecture not in ARCHITECTURES:
@@ -80,6 +81,12 @@ class ModelConfig:
     if self.moe is not None and self.architecture not in MOE:
       raise ValueError(f"ModelConfig.moe is set but architecture="
                        f"{self.architecture!r} has no experts; one of {MOE}")
+    if self.mla is not None and (self.num_kv_heads, self.head_dim) != (
+        1, self.mla.cache_dim):
+      raise ValueError(f"ModelConfig of an MLA model: num_kv_heads must be 1 "
+                       f"and head_dim kv_lora_rank + rope_dim = "
+                       f"{self.mla.cache_dim}, got {self.num_kv_heads}, "
+                       f"{self.head_dim}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a "
                        f"multiple of num_kv_heads={self.num_kv_heads}")
@@ -288,3 +295,18 @@ _preset("tiny-moe", architecture="qwen3_moe", vocab_size=256, dim=64,
         moe=MoeConfig(num_experts=8, experts_per_token=2, expert_dim=32,
                       norm_topk_prob=True, dense_layers=(0,),
                       aux_loss_coef=0.001))
+
+# deepseek-ai/DeepSeek-V3 (and R1): latent attention, 256 routed experts
+# (8 chosen within 4 of 8 groups, sigmoid + bias) and one shared, the first
+# 3 layers dense. Its YaRN rope scaling (x40 past 4096) is not modelled:
+# positions up to 4096 are exact (docs/models.md).
+_preset("deepseek-v3", architecture="deepseek_v3", vocab_size=129280,
+        dim=7168, num_layers=61, num_heads=128, num_kv_heads=1,
+        head_dim=576, mlp_dim=18432, norm_eps=1e-6, max_seq_len=4096,
+        moe=MoeConfig(num_experts=256, experts_per_token=8, expert_dim=2048,
+                      router="sigmoid", norm_topk_prob=True, num_groups=8,
+                      topk_groups=4, routed_scaling=2.5,
+                      correction_bias=True, shared_dim=2048,
+                      dense_layers=(0, 1, 2)),
+        mla=MlaConfig(kv_lora_rank=512, nope_dim=128, rope_dim=64,
+                      v_head_dim=128, q_lora_rank=1536))

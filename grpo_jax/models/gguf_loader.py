@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) checkpoints, read through the `gguf` package.
 
-`GGUFCheckpoint` serves the same interface as `hf.SafetensorsCheckpoint`:
+`GGUFCheckpoint` serves the same interface as `hf_read.SafetensorsCheckpoint`:
 tensors by their transformers name, in transformers layout, dequantised to
 float32 one at a time. llama.cpp stores Llama's Q and K projections with the
 rows of each head interleaved for its rotary layout; that is undone here.

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints: config.json <-> ModelConfig, reading safetensors
-(writing: `hf_write.py`).
+(reading the files: `hf_read.py`; writing: `hf_write.py`).
 
 Parameters map to transformers tensor names through `tensor_specs(config)`:
 each leaf of the params tree is one HF tensor (or one per layer, stacked on
@@ -9,14 +9,12 @@ hand out tensors in that HF layout; `TensorSpec.to_ours` turns them into ours.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from grpo_jax.errors import WeightsError
 from grpo_jax.models import hf_gemma, hf_moe
@@ -70,6 +68,12 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json"
   def unsupported(what):
     return WeightsError(f"{source}: {what} is not supported by grpo_jax")
 
+  if arch == "deepseek_v3":
+    theta, scaling = _rope(hf, unsupported)
+    if scaling is not None:
+      raise unsupported("DeepSeek-V3 rope scaling (yarn)")
+    return ModelConfig(**hf_moe.deepseek_from_hf(hf, unsupported),
+                       rope_theta=theta)
   gemma = arch in hf_gemma.MODEL_TYPES.values()
   if hf.get("hidden_act", "silu") != "silu" and not gemma:
     raise unsupported(f"hidden_act={hf['hidden_act']!r}")
@@ -197,8 +201,10 @@ def config_to_hf(model_config: ModelConfig, dtype_name: str,
     hf.update(attention_bias=False, mlp_bias=False)
   if c.architecture == "mistral":
     hf["sliding_window"] = c.sliding_window
-  if c.moe is not None:
+  if c.architecture == "qwen3_moe":
     hf.update(hf_moe.moe_to_hf(c))
+  if c.architecture == "deepseek_v3":
+    hf.update(hf_moe.deepseek_to_hf(c))
   if c.architecture in ("qwen2", "qwen3", "qwen3_moe"):
     windowed = c.sliding_window is not None
     kind = "sliding_attention" if windowed else "full_attention"
@@ -237,6 +243,7 @@ class TensorSpec:
   offset: float = 0.0
   layers: Optional[tuple[int, ...]] = None
   experts: int = 0
+  perm: Optional[tuple[int, ...]] = None   # ours[..., j] = HF's[..., perm[j]]
 
   @property
   def per_layer(self) -> bool:
@@ -263,11 +270,15 @@ class TensorSpec:
     """Ours in `dtype` (None: the stored one)."""
     shape = self.shape[1:] if self.experts else self.shape
     w = (w_hf.T if self.transposed else w_hf).reshape(shape)
+    if self.perm is not None:
+      w = w[..., list(self.perm)]
     if self.offset:
       w = np.asarray(w, np.float32) + np.float32(self.offset)
     return w.astype(w_hf.dtype if dtype is None else dtype, copy=False)
 
   def to_hf(self, w: np.ndarray) -> np.ndarray:
+    if self.perm is not None:
+      w = np.asarray(w)[..., list(np.argsort(self.perm))]
     if self.offset:
       w = (np.asarray(w, np.float32) - np.float32(self.offset)).astype(w.dtype)
     if self.transposed:
@@ -318,7 +329,8 @@ def tensor_specs(model_config: ModelConfig) -> list[TensorSpec]:
         name, hf_shape, t = layout[leaf]
         layers, experts = hf_moe.stacking(model_config, leaf)
         specs.append(TensorSpec(("layers", leaf), name, hf_shape, shape[1:], t,
-                                offset(leaf), layers, experts))
+                                offset(leaf), layers, experts,
+                                hf_moe.rope_perm(model_config, leaf)))
     else:
       name, hf_shape, t = layout[key]
       specs.append(TensorSpec((key,), name, hf_shape, shapes[key], t,
@@ -341,76 +353,3 @@ def check_names(model_config: ModelConfig, names: Iterable[str], source: str):
   if extra:
     raise WeightsError(f"{source}: tensors that a {model_config.architecture} "
                           f"model as configured does not have: {extra[:8]}")
-
-
-# ----------------------------------------------------------------------------
-# Reading safetensors (one file or many with model.safetensors.index.json).
-# ----------------------------------------------------------------------------
-
-class SafetensorsCheckpoint:
-  """A model directory's tensors by HF name, in HF layout; files stay mapped.
-
-  Every file is opened (and its header checked) on construction, so a
-  missing or truncated file fails before anything is loaded.
-  """
-
-  def __init__(self, directory: Path):
-    self.directory = Path(directory)
-    self.config = read_config(self.directory)
-    self._stack = contextlib.ExitStack()
-    try:
-      self._files = {f: self._open(f) for f in self._weight_files()}
-      self._where = {name: f for f, handle in self._files.items()
-                     for name in handle.keys()}
-      # our name -> the stored one (a multimodal Gemma 3's text decoder)
-      self._stored = hf_gemma.text_names(self._where)
-      self._where = {ours: self._where[s] for ours, s in self._stored.items()}
-      check_names(self.config, self._where, str(self.directory))
-    except BaseException:
-      self._stack.close()
-      raise
-    self.source = str(self.directory)
-
-  def _weight_files(self) -> list[Path]:
-    index = self.directory / "model.safetensors.index.json"
-    if index.is_file():
-      try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-      except (json.JSONDecodeError, KeyError) as e:
-        raise WeightsError(f"{index}: not a safetensors index ({e})") from e
-      files = [self.directory / f for f in sorted(set(weight_map.values()))]
-    else:
-      files = sorted(self.directory.glob("*.safetensors"))
-    if not files:
-      raise FileNotFoundError(
-          f"no *.safetensors in {self.directory} (PyTorch .bin checkpoints "
-          "are not read: re-save them with transformers' save_pretrained)")
-    for f in files:
-      if not f.is_file():
-        raise FileNotFoundError(f"{f} is listed in {index.name} but missing")
-    return files
-
-  def _open(self, path: Path):
-    try:
-      return self._stack.enter_context(safe_open(str(path), framework="numpy"))
-    except SafetensorError as e:
-      raise WeightsError(f"{path}: unreadable safetensors file "
-                            f"(truncated or corrupt?): {e}") from e
-
-  def names(self) -> list[str]:
-    return list(self._where)
-
-  def where(self, name: str) -> str:
-    return f"tensor {name!r} in {self._where.get(name, self.directory)}"
-
-  def shape(self, name: str) -> Optional[tuple[int, ...]]:
-    if name not in self._where:
-      return None
-    handle = self._files[self._where[name]]
-    return tuple(handle.get_slice(self._stored[name]).get_shape())
-
-  def read(self, name: str) -> np.ndarray:
-    return self._files[self._where[name]].get_tensor(self._stored[name])
-
-  def close(self):
-    self._stack.close()

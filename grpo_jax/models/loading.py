@@ -27,6 +27,7 @@ from grpo_jax import errors
 from grpo_jax.models import hf, hf_write
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.gguf_loader import GGUFCheckpoint
+from grpo_jax.models.hf_read import SafetensorsCheckpoint
 from grpo_jax.models.tokenizer import from_gguf
 
 # Where bundled weights and the preset cache live (also used as loading.*).
@@ -69,7 +70,7 @@ def open_checkpoint(source: Source):
   """A reader: .config, .shape(name), .read(name), .where(name), .close()."""
   path = Path(source)
   if path.is_dir():
-    return hf.SafetensorsCheckpoint(path)
+    return SafetensorsCheckpoint(path)
   if path.suffix == ".gguf" or path.is_file():
     if path.suffix != ".gguf":
       raise errors.WeightsError(f"{path}: expected a model directory or a "
@@ -77,7 +78,7 @@ def open_checkpoint(source: Source):
     return GGUFCheckpoint(path)
   if str(source) not in names("weights"):
     raise no_weights(source)
-  return hf.SafetensorsCheckpoint(preset_directory(str(source)))
+  return SafetensorsCheckpoint(preset_directory(str(source)))
 
 
 def validate(ckpt, model_config: ModelConfig):

@@ -67,3 +67,34 @@ class MoeConfig:
 
   def is_dense(self, layer: int) -> bool:
     return layer in self.dense_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """DeepSeek's multi-head latent attention (`ModelConfig.mla`, models/mla.py).
+
+  Keys and values come from one latent of `kv_lora_rank` per token (plus a
+  rope part of `rope_dim` shared by the heads): the cache holds those
+  R + rope_dim numbers per token. The decoder runs MLA as multi-query
+  attention over that latent (the key up-projection absorbed into the
+  queries), so the `ModelConfig` of an MLA model has num_kv_heads=1 and
+  head_dim = kv_lora_rank + rope_dim.
+  """
+  kv_lora_rank: int             # R
+  nope_dim: int                 # qk_nope_head_dim
+  rope_dim: int                 # qk_rope_head_dim
+  v_head_dim: int
+  q_lora_rank: int = 0          # 0: a plain query projection
+
+  def __post_init__(self):
+    for name in ("kv_lora_rank", "nope_dim", "rope_dim", "v_head_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"MlaConfig.{name} must be > 0, got "
+                         f"{getattr(self, name)}")
+    if self.rope_dim % 2 or self.q_lora_rank < 0:
+      raise ValueError(f"MlaConfig.rope_dim={self.rope_dim} must be even "
+                       f"and q_lora_rank={self.q_lora_rank} >= 0")
+
+  @property
+  def cache_dim(self) -> int:
+    return self.kv_lora_rank + self.rope_dim

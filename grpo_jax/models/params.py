@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import moe
+from grpo_jax.models import mla, moe
 from grpo_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -41,6 +41,10 @@ def param_shapes(model_config: ModelConfig) -> dict[str, Any]:
     layers.update(q_norm=(L, hd), k_norm=(L, hd))
   if c.gemma:
     layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
+  if c.mla is not None:   # latent attention instead of wq, wk, wv
+    for name in ("wq", "wk", "wv", "wo"):
+      del layers[name]
+    layers.update(mla.param_shapes(c.mla, L, D, H))
   if c.moe is not None:   # the dense MLP on the dense layers only
     dense = len(c.moe.dense_layers)
     for name in ("w_gate", "w_up", "w_down"):
@@ -71,6 +75,7 @@ _AXES = {
     "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
     **moe.AXES,
+    **mla.AXES,
 }
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import blockwise, layer_scan, moe, quant
+from grpo_jax.models import blockwise, layer_scan, mla, moe, quant
 from grpo_jax.models.attention import apply_rope, rope_frequencies, soft_cap
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.params import _AXES as _AXES  # re-exported
@@ -98,6 +98,9 @@ def qkv(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
          positions_nq: jax.Array, constrain: Constrain = no_constraint):
   """Projects the normed input to rotated q (N,Q,H,E), k and v (N,K,Q,E)."""
   h = rms_norm(x_nqd, lp["attn_norm"], model_config.norm_eps)
+  if model_config.mla is not None:   # latent attention as one KV head
+    return mla.qkv(model_config.mla, lp, h, positions_nq,
+                   model_config.rope_theta, model_config.norm_eps, rms_norm)
   q = constrain(_project("nqd,dhe->nqhe", h, lp, "wq"), Q_AXES)
   k = constrain(_project("nqd,dhe->nqhe", h, lp, "wk"), KV_AXES)
   v = constrain(_project("nqd,dhe->nqhe", h, lp, "wv"), KV_AXES)
@@ -146,6 +149,8 @@ def attn_out_and_routed_mlp(model_config: ModelConfig, lp: Params,
   c = model_config
   post_norm = lambda y, name: (rms_norm(y, lp[name], c.norm_eps) if c.gemma
                                else y)   # Gemma: outputs normed, then added
+  if c.mla is not None:
+    attn_nqhe = mla.values(c.mla, lp, attn_nqhe)
   x = constrain(x_nqd + post_norm(_out_projection(attn_nqhe, lp),
                                   "post_attn_norm"), RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], c.norm_eps)
