@@ -173,7 +173,10 @@ def _mesh_defaults() -> ConfigDict:
              ("embed", "fsdp"),
              ("vocab", "tensor"), ("q_heads", "tensor"),
              ("kv_heads", "tensor"), ("mlp", "tensor"),
-             ("head_dim", None), ("layers", None), ("norm", None)),
+             ("head_dim", None), ("layers", None), ("norm", None),
+             # MoE: experts split over `tensor` (expert parallelism), each
+             # expert's width whole (models/moe.py)
+             ("experts", "tensor"), ("expert_mlp", None)),
       # Multi-host: config field, else env JAX_COORDINATOR_ADDRESS /
       # JAX_NUM_PROCESSES / JAX_PROCESS_ID; on TPU pods only distributed=True.
       distributed=False, coordinator_address="", num_processes=0,

@@ -215,3 +215,19 @@ def test_deepseek_v3_matches_transformers_and_exports(deepseek_v3, tmp_path):
     logits, cache = step(config, params, cache, jnp.asarray(tokens[:, t]),
                          jnp.full((2,), t), t)
     np.testing.assert_allclose(logits, full[:, t], atol=1e-4)
+
+
+def test_default_rules_split_the_experts_over_tensor():
+  """(data, fsdp, tensor) = (2, 2, 2) with the default rules: each chip
+  holds X / 2 experts (and half of each one's input width, over fsdp)."""
+  from jax.sharding import AbstractMesh
+  from jax.sharding import PartitionSpec as P
+
+  from grpo_jax import config as config_lib
+  from grpo_jax import sharding
+  mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  rules = sharding.logical_rules(config_lib.base_config().mesh)
+  specs = sharding.param_specs(mesh, rules, get_preset("tiny-moe"))["layers"]
+  assert specs["expert_gate"] == P(None, "tensor", "fsdp")
+  assert specs["expert_down"] == P(None, "tensor", None, "fsdp")
+  assert specs["router"] == P(None, "fsdp")
