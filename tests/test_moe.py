@@ -231,3 +231,30 @@ def test_default_rules_split_the_experts_over_tensor():
   assert specs["expert_gate"] == P(None, "tensor", "fsdp")
   assert specs["expert_down"] == P(None, "tensor", None, "fsdp")
   assert specs["router"] == P(None, "fsdp")
+
+
+def test_replayed_routes_reproduce_and_keep_the_router_learning():
+  """forward_routed records the experts; replaying them at the same params
+  gives the same logits; after a router change that reroutes some tokens,
+  replay still uses the recorded experts, and the router has a gradient."""
+  from grpo_jax.models import routing
+  config = get_preset("tiny-moe")
+  params = init_params(config, jax.random.key(2))
+  tokens = jnp.asarray(TOKENS % config.vocab_size)
+  logits, routes = routing.forward_routed(config, params, tokens)
+  assert routes.shape == (2, 2, 12, 2)          # 2 sparse layers, C = 2
+  np.testing.assert_allclose(logits, forward(config, params, tokens),
+                             atol=1e-5)
+  again, replayed = routing.forward_routed(config, params, tokens, routes)
+  np.testing.assert_array_equal(again, logits)
+  np.testing.assert_array_equal(replayed, routes)
+  moved = dict(params, layers=dict(params["layers"]))
+  moved["layers"]["router"] = params["layers"]["router"] + 0.05 * \
+      jax.random.normal(jax.random.key(3), params["layers"]["router"].shape)
+  _, free = routing.forward_routed(config, moved, tokens)
+  assert 0 < float(routing.routes_differ(free, routes).mean()) < 1
+  _, kept = routing.forward_routed(config, moved, tokens, routes)
+  np.testing.assert_array_equal(kept, routes)
+  grad = jax.grad(lambda p: routing.forward_routed(
+      config, p, tokens, routes)[0].sum())(moved)
+  assert float(jnp.abs(grad["layers"]["router"]).sum()) > 0

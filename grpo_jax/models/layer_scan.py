@@ -95,7 +95,8 @@ def scan_layers(model_config: ModelConfig, layer: Callable, x: jax.Array,
                      slice_layers(model_config, xs, start, stop), wrap,
                      start, stop)
     ys.append(y)
-  if ys[0] is None:
+  ys = [y for y in ys if y is not None]   # e.g. routes: sparse layers only
+  if not ys:
     return x, None
   return x, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
 
