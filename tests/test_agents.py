@@ -301,6 +301,7 @@ def test_observation_budget_is_checked_at_start():
   preflight.check_env(c, byte_tokenizer())
 
 
+@pytest.mark.slow   # 23 s of compiles; the default tests keep under a minute
 def test_evaluation_with_an_env_reports_tool_use(params):
   from grpo_jax import evaluation
   settings = evaluation.EvalSettings(
