@@ -61,10 +61,12 @@ SEQUENCE_PARALLEL = {(1, 2, 4)}
 
 # Expected specs, written out by hand from the default rules (not computed
 # by the code under test). Size-1 mesh axes never appear in a spec.
-_REPLICATED = {"final_norm": P(), "attn_norm": P(), "mlp_norm": P(),
-               # tiny-gemma's (q/k-norm, norms after attention and MLP)
-               "q_norm": P(), "k_norm": P(), "post_attn_norm": P(),
-               "post_mlp_norm": P()}
+# The norms: tiny's three, and tiny-gemma's q/k-norm and norms after
+# attention and MLP where the model has them.
+_SHAPES = transformer.param_shapes(MODEL)
+_REPLICATED = {name: P() for name in (
+    "final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm",
+    "post_attn_norm", "post_mlp_norm") if name in _SHAPES or name in _SHAPES["layers"]}
 
 
 def _specs(embed, wq, wkv, wo, w_in, w_down):
