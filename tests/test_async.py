@@ -111,6 +111,9 @@ def test_a_batch_survives_the_host_state_bit_for_bit():
   assert (back.step, back.version, back.metrics, back.data_after) == (
       3, 2, batch.metrics, batch.data_after)
   for a, b in zip(batch.groups, back.groups):
+    if a is None:   # an optional field (observation_bgt without an env)
+      assert b is None
+      continue
     assert a.dtype == b.dtype and a.shape == b.shape
     assert all(x == y for x, y in zip(a.ravel(), b.ravel()))
 
