@@ -80,6 +80,9 @@ def test_restart_skips_finished_stages_and_resumes_the_stopped_one(tmp_path, mon
   assert summary["checkpoint"] == os.path.join(rl_dir, "checkpoints", "2")
   rows = [json.loads(l) for l in open(os.path.join(rl_dir, "metrics.jsonl"))]
   assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+  # Issue 46: π_ref is the policy the RL stage starts from (the real SFT
+  # cold start's), so before its first update the KL is 0.
+  assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7)
   pipeline.run(config, whole)
   assert len(calls) == 4   # no cold start again: copied with its results
   got = checkpoint.load_params(os.path.join(rl_dir, "checkpoints", "2"))
