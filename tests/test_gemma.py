@@ -4,11 +4,11 @@ back, and the per-layer sliding window (shorter than the rows) in the
 blockwise attention and the cached decode steps."""
 import re
 
+import hf_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from grpo_jax.models import (
@@ -51,18 +51,10 @@ def _gemma3():
 def _randomize(model, seed=0):
   """Weights far from init (norm weights ~N(0, 0.3): transformers scales by
   1 + w, so a missing offset shows)."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for p in model.parameters():
-      p.copy_(torch.randn(p.shape, generator=gen)
-              * (0.3 if p.ndim == 1 else 0.1))
-  return model.eval()
+  return hf_reference.randomize(model, seed)
 
 
-def _logprobs(model, tokens):
-  with torch.no_grad():
-    logits = model(torch.tensor(tokens)).logits
-  return torch.log_softmax(logits.float(), -1).numpy()
+_logprobs = hf_reference.logprobs
 
 
 TOKENS = np.random.RandomState(0).randint(0, 300, (2, 24))

@@ -5,6 +5,7 @@ bias, grouped top-k, scaling) and shared experts against transformers'
 `DeepseekV3MoE`; no token dropped (a token's output does not depend on the
 batch's other tokens); the balancing loss against transformers'; the cached
 decode step against the full forward."""
+import hf_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,18 +28,10 @@ TOKENS = np.random.RandomState(0).randint(0, 300, (2, 12))
 
 
 def _randomize(model, seed=0):
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for p in model.parameters():
-      p.copy_(torch.randn(p.shape, generator=gen)
-              * (0.3 if p.ndim == 1 else 0.1) + (1.0 if p.ndim == 1 else 0))
-  return model.eval()
+  return hf_reference.randomize(model, seed, norm_offset=1.0)
 
 
-def _logprobs(model, tokens):
-  with torch.no_grad():
-    logits = model(torch.tensor(tokens)).logits
-  return torch.log_softmax(logits.float(), -1).numpy()
+_logprobs = hf_reference.logprobs
 
 
 @pytest.fixture(scope="module")
