@@ -162,6 +162,11 @@ def _env_defaults() -> ConfigDict:
       tool_timeout_s=5.0,              # wall-clock per tool call: past it
                                        # the observation is a time-out
       kwargs=ConfigDict(),             # the env's own keyword arguments
+      engine="turns",                  # turns: a sampler call per turn;
+                                       # parked: rows wait on the paged
+                                       # engine (kv_cache paged)
+      engine_steps=16,                 # parked: decode steps per device
+                                       # call, at most
   ))
 
 

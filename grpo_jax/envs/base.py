@@ -53,17 +53,26 @@ def tool_error(what: str) -> Observation:
   return Observation(f"error: {what}", error=True)
 
 
+# env.engine: "turns", a sampler call per turn for the whole batch
+# (generate/agent.py); "parked", rows that wait on the paged engine
+# (generate/agent_parked.py).
+ENGINES = ("turns", "parked")
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
   """config.env, derived once per run: the env's registry name, at most
   `max_turns` model turns per episode, observations of at most
   `max_observation_tokens` tokens (the tool-turn markers included), each
-  tool call bounded by `tool_timeout_s`, the env's own keyword arguments."""
+  tool call bounded by `tool_timeout_s`, the env's own keyword arguments,
+  and the engine that runs the episodes (ENGINES)."""
   name: str
   max_turns: int = 4
   max_observation_tokens: int = 64
   tool_timeout_s: float = 5.0
   kwargs: tuple = ()        # sorted (key, value) pairs: hashable
+  engine: str = "turns"     # ENGINES
+  engine_steps: int = 16    # "parked": decode steps per device call, at most
 
   @classmethod
   def from_config(cls, config) -> "EnvSpec | None":
@@ -72,7 +81,8 @@ class EnvSpec:
     if not e.name:
       return None
     return cls(e.name, int(e.max_turns), int(e.max_observation_tokens),
-               float(e.tool_timeout_s), tuple(sorted(dict(e.kwargs).items())))
+               float(e.tool_timeout_s), tuple(sorted(dict(e.kwargs).items())),
+               e.engine, int(e.engine_steps))
 
   def make(self) -> Env:
     """A fresh env for one episode."""

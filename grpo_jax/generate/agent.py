@@ -34,7 +34,7 @@ from grpo_jax.envs import base
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import sampling
 
-_GRACE_S = 1.0     # beyond tool_timeout_s: a tool's own time-out answers first
+GRACE_S = 1.0     # beyond tool_timeout_s: a tool's own time-out answers first
 _A, _O = "\x01A\x01", "\x01O\x01"      # placeholders located in the template
 
 
@@ -93,7 +93,7 @@ class Episodes(NamedTuple):
 
 
 @dataclasses.dataclass
-class _Row:
+class Row:
   """One episode's host bookkeeping."""
   env: base.Env
   history: list        # prompt + trajectory ids: the next turn's prompt
@@ -129,19 +129,43 @@ def run_tools(calls, timeout_s: float) -> list[base.StepResult]:
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls)))
   try:
     futures = [pool.submit(env.step, text, ids) for env, text, ids in calls]
-    deadline = time.monotonic() + timeout_s + _GRACE_S
-    return [_result(f, deadline, timeout_s) for f in futures]
+    deadline = time.monotonic() + timeout_s + GRACE_S
+    return [tool_result(f, deadline, timeout_s) for f in futures]
   finally:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _result(future, deadline: float, timeout_s: float) -> base.StepResult:
+def tool_result(future, deadline: float, timeout_s: float) -> base.StepResult:
+  """A step's future by its deadline: its result, or a tool error."""
   try:
     return future.result(timeout=max(0.0, deadline - time.monotonic()))
   except concurrent.futures.TimeoutError:
     return base.tool_error(f"timed out after {timeout_s:g} s")
   except Exception as e:  # pylint: disable=broad-except
     return base.tool_error(type(e).__name__)
+
+
+def take_turn(row: Row, tokenizer, ids: list, logp: list, truncated: bool
+              ) -> str | None:
+  """A finished turn into the row; its text (without the stop) for the
+  env's step, or None where it has no stop (the episode ends truncated)."""
+  text = tokenizer.decode(ids[:len(ids) - (not truncated)],
+                          skip_special_tokens=True)
+  row.add_turn(ids, logp, text, truncated)
+  return None if truncated else text
+
+
+def take_result(row: Row, result: base.StepResult, turns: ToolTurns,
+                tokenizer, spec: base.EnvSpec) -> bool:
+  """The env's answer into the row: its reward term, and the observation's
+  ids unless the episode ends (Done, or no turn left). True: it goes on."""
+  row.env_reward += float(result.reward)
+  if isinstance(result, base.Done) or row.turns >= spec.max_turns:
+    return False
+  row.tool_errors += bool(result.error)
+  row.add_observation(turns.wrap(tokenizer, result.text,
+                                 spec.max_observation_tokens))
+  return True
 
 
 def render_prompts(tokenizer, envs: Sequence[base.Env], examples,
@@ -153,6 +177,19 @@ def render_prompts(tokenizer, envs: Sequence[base.Env], examples,
           for env, e in zip(envs, examples)]
 
 
+def start_rows(tokenizer, examples, G: int, spec: base.EnvSpec,
+               system_prompt: str) -> tuple:
+  """G fresh episodes per example, each with its env and its prompt as its
+  history: (rows [n], rendered prompts [b], prompt ids [b] as tuples)."""
+  rows = [Row(spec.make(), []) for _ in range(len(examples) * G)]
+  texts = render_prompts(tokenizer, [r.env for r in rows[::G]], examples,
+                         system_prompt)
+  prompt_ids = [tuple(p) for p in tokenizer.encode_batch(texts)]
+  for i, row in enumerate(rows):
+    row.history = list(prompt_ids[i // G])
+  return rows, texts, prompt_ids
+
+
 def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
                  num_generations: int, spec: base.EnvSpec,
                  system_prompt: str = "", batch_multiple: int = 1
@@ -162,12 +199,8 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
   prompt), later turns one call over the live rows' histories."""
   G, cfg = num_generations, sampler.sampling
   turns = ToolTurns.of(tokenizer, cfg.stop_ids)
-  rows = [_Row(spec.make(), []) for _ in range(len(examples) * G)]
-  texts = render_prompts(tokenizer, [r.env for r in rows[::G]], examples,
-                         system_prompt)
-  prompt_ids = [tuple(p) for p in tokenizer.encode_batch(texts)]
-  for i, row in enumerate(rows):
-    row.history = list(prompt_ids[i // G])
+  rows, texts, prompt_ids = start_rows(tokenizer, examples, G, spec,
+                                       system_prompt)
   T = spec.trajectory_tokens(cfg.max_new_tokens)
   live = list(range(len(rows)))
   for turn in range(spec.max_turns):
@@ -182,31 +215,23 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
     for j, i in enumerate(live):
       k = int(out.length_n[j])
       ids = [int(x) for x in out.tokens_nt[j, :k]]
-      truncated = bool(out.truncated_n[j])
-      text = tokenizer.decode(ids[:k - (not truncated)], skip_special_tokens=True)
-      rows[i].add_turn(ids, [float(x) for x in out.logp_nt[j, :k]], text,
-                       truncated)
-      if not truncated:
+      text = take_turn(rows[i], tokenizer, ids,
+                       [float(x) for x in out.logp_nt[j, :k]],
+                       bool(out.truncated_n[j]))
+      if text is not None:
         calls.append((i, text, ids))
     results = run_tools([(rows[i].env, text, ids) for i, text, ids in calls],
                         spec.tool_timeout_s)
-    live = []
-    for (i, _, _), result in zip(calls, results):
-      row = rows[i]
-      row.env_reward += float(result.reward)
-      if isinstance(result, base.Done) or turn + 1 == spec.max_turns:
-        continue
-      ids = turns.wrap(tokenizer, result.text, spec.max_observation_tokens)
-      row.tool_errors += bool(result.error)
-      row.add_observation(ids)
-      live.append(i)
+    live = [i for (i, _, _), result in zip(calls, results)
+            if take_result(rows[i], result, turns, tokenizer, spec)]
     if not live:
       break
-  return _episodes(rows, prompt_ids, texts, T, cfg.pad_id)
+  return collect(rows, prompt_ids, texts, T, cfg.pad_id)
 
 
-def _episodes(rows: list[_Row], prompt_ids, texts, T: int, pad_id: int
-              ) -> Episodes:
+def collect(rows: list[Row], prompt_ids, texts, T: int, pad_id: int
+            ) -> Episodes:
+  """The finished rows as fixed-shape `Episodes` of width T."""
   n = len(rows)
   tokens = np.full((n, T), pad_id, np.int32)
   logp = np.zeros((n, T), np.float32)

@@ -24,7 +24,7 @@ from grpo_jax import rewards, sharding
 from grpo_jax.algorithms import dynamic_sampling
 from grpo_jax.data import templates
 from grpo_jax.envs import base as envs
-from grpo_jax.generate import agent, sampling
+from grpo_jax.generate import agent, agent_parked, sampling
 
 
 class Groups(NamedTuple):
@@ -123,13 +123,20 @@ def generate_episodes(sampler: sampling.Sampler, params, tokenizer, examples,
                       key, settings: GroupSettings
                       ) -> tuple[Groups, dict[str, float]]:
   """`generate_groups` with an env: G multi-turn episodes per example
-  (agent.run_episodes), the rewards on each last turn's text plus the
-  env's reward terms; the loss mask covers the model's turns only."""
+  (agent.run_episodes; env.engine "parked": agent_parked.run_episodes),
+  the rewards on each last turn's text plus the env's reward terms; the
+  loss mask covers the model's turns only."""
   G, B = settings.num_generations, len(examples)
   t0 = time.perf_counter()
-  ep = agent.run_episodes(sampler, params, tokenizer, examples, key, G,
-                          settings.env, settings.system_prompt,
-                          settings.batch_multiple)
+  engine: dict = {}
+  if settings.env.engine == "parked":
+    ep = agent_parked.run_episodes(sampler, params, tokenizer, examples, key,
+                                   G, settings.env, settings.system_prompt,
+                                   stats=engine)
+  else:
+    ep = agent.run_episodes(sampler, params, tokenizer, examples, key, G,
+                            settings.env, settings.system_prompt,
+                            settings.batch_multiple)
   t1 = time.perf_counter()
   actions_n = ep.action_nt.sum(axis=1).astype(np.int32)
   reward_n, correct_n, metrics = score(
@@ -145,6 +152,7 @@ def generate_episodes(sampler: sampling.Sampler, params, tokenizer, examples,
                   shape((reward_n + ep.env_reward_n).astype(np.float32)),
                   shape(correct_n), shape(ep.observation_nt))
   metrics.update(agent.metrics(ep))
+  metrics.update(agent_parked.metrics(engine))
   metrics.update({"time/sample": t1 - t0,
                   "time/score": time.perf_counter() - t1,
                   "sample/tokens": int(actions_n.sum())})

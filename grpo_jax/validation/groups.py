@@ -14,6 +14,7 @@ import ml_collections
 from grpo_jax import registry
 from grpo_jax.algorithms import losses, rollout_correction
 from grpo_jax.data.files import MAX_RECORD_BYTES, check_reading_options
+from grpo_jax.envs import base as envs
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import lora
 
@@ -77,6 +78,16 @@ def check_env(config: ConfigDict) -> None:
   for name in ("max_turns", "max_observation_tokens"):
     if e[name] < 1:
       raise ConfigError(f"config field 'env.{name}' = {e[name]} must be >= 1")
+  if e.engine not in envs.ENGINES:
+    raise ConfigError(f"config field 'env.engine' = {e.engine!r}; allowed: "
+                      f"{list(envs.ENGINES)}")
+  if e.engine == "parked" and config.sampling.kv_cache != "paged":
+    raise ConfigError("config field 'env.engine' = 'parked' runs on the paged "
+                      "pool: set sampling.continuous_batching=True and "
+                      "sampling.kv_cache='paged', or env.engine='turns'")
+  if e.engine_steps < 1:
+    raise ConfigError(f"config field 'env.engine_steps' = {e.engine_steps} "
+                      "must be >= 1")
   if not e.tool_timeout_s > 0:
     raise ConfigError(f"config field 'env.tool_timeout_s' = "
                       f"{e.tool_timeout_s} must be > 0 (seconds per tool call)")

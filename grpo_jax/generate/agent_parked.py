@@ -1,0 +1,176 @@
+"""Multi-turn episodes on the parked engine (`env.engine = "parked"`,
+docs/agents.md "Rows that wait").
+
+The per-turn path (`agent.run_episodes`) samples a turn for the whole batch,
+re-prefills each row's history and waits for the batch's slowest tool. Here
+each row goes its own way through `parked.Engine`:
+
+    admit -> decode its turn -> park (slot freed, pages kept) -> its tool
+    runs in a thread while the other rows decode -> the observation is
+    appended and the row admitted again (only the turn's last id and the
+    observation are prefilled) ... -> the episode ends: pages released
+
+The host loop: admit whatever rows are ready (FIFO) while slots and pages
+last; one engine step (a device call of at most env.engine_steps decode
+steps, left as soon as a turn ends); the ended turns to the env's step in
+the worker pool; the observations that are back (or past
+env.tool_timeout_s: a time-out observation) make their rows ready. With
+nothing decoding, it blocks on the first tool to answer. If the head of the
+ready queue cannot get its pages while nothing decodes, the youngest other
+rows' pages are released (they are recomputed from their first token at
+admission), so some row always proceeds. Budgets per row are the per-turn
+path's: env.max_turns turns of at most sampling.max_new_tokens, observations
+of at most env.max_observation_tokens, env.tool_timeout_s per call, so a row
+stays within its prompt + `EnvSpec.trajectory_tokens` columns.
+
+Row i's turn k draws its noise as number i * max_turns + k (`parked`): an
+episode depends on the key and the weights, never on the tools' timing.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+
+from grpo_jax.envs import base
+from grpo_jax.errors import ConfigError
+from grpo_jax.generate import agent, parked, sampling
+
+
+def engine_spec(sampler: sampling.Sampler, rows: int, prompt_len: int,
+                spec: base.EnvSpec) -> parked.EngineSpec:
+  """The engine of a batch: sampling.slots slots (0: one per row), a row's
+  context its prompt plus its trajectory budget, sampling.pages pages (0: a
+  whole context per row, parked rows included, so no row waits for
+  pages)."""
+  if sampler.shards > 1:
+    raise ConfigError("config field 'env.engine' = 'parked' runs on one row "
+                      f"shard; this mesh has {sampler.shards}: use "
+                      "env.engine='turns'")
+  cfg = sampler.sampling
+  slots = min(cfg.slots or rows, rows)
+  context = prompt_len + spec.trajectory_tokens(cfg.max_new_tokens)
+  pages = cfg.pages or rows * -(-context // cfg.page_size)
+  return parked.EngineSpec(sampler.model_config, cfg, slots, pages, context,
+                           spec.engine_steps)
+
+
+class _Tools:
+  """The env steps in flight: a worker pool, each call's row and deadline."""
+
+  def __init__(self, workers: int, timeout_s: float):
+    self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+    self.timeout_s = timeout_s
+    self.calls: dict = {}          # future -> (parked row, deadline)
+
+  def submit(self, env: base.Env, text: str, ids: list, row: parked.Parked):
+    deadline = time.monotonic() + self.timeout_s + agent.GRACE_S
+    self.calls[self.pool.submit(env.step, text, ids)] = (row, deadline)
+
+  def answered(self, block: bool) -> list:
+    """(row, result) of the calls done or past their deadline; block: wait
+    for the first of them."""
+    if block and self.calls:
+      first = min(d for _, d in self.calls.values())
+      concurrent.futures.wait(
+          self.calls, timeout=max(0.0, first - time.monotonic()),
+          return_when=concurrent.futures.FIRST_COMPLETED)
+    now = time.monotonic()
+    out = []
+    for future, (row, deadline) in list(self.calls.items()):
+      if future.done() or now >= deadline:
+        del self.calls[future]
+        out.append((row, agent.tool_result(future, deadline, self.timeout_s)))
+    return out
+
+
+def _make_room(engine: parked.Engine, ready: collections.deque,
+               tools: _Tools) -> int:
+  """Nothing decodes and the head of `ready` cannot get its pages: release
+  the pages of the other waiting rows, youngest (highest id) first, until
+  it can. Returns how many rows were released."""
+  head = ready[0]
+  holders = sorted([r for r in list(ready)[1:] if r.pages]
+                   + [r for r, _ in tools.calls.values() if r.pages],
+                   key=lambda r: -r.row)
+  released = 0
+  for r in holders:
+    if engine.free_pages >= engine.spec.table_width - len(head.pages):
+      break
+    engine.release(r)
+    released += 1
+    _replace_row(ready, tools, r, r._replace(cached=0, pages=()))
+  return released
+
+
+def _replace_row(ready, tools, old: parked.Parked, new: parked.Parked):
+  for i, r in enumerate(ready):
+    if r is old:
+      ready[i] = new
+      return
+  for future, (r, deadline) in tools.calls.items():
+    if r is old:
+      tools.calls[future] = (new, deadline)
+      return
+
+
+def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
+                 num_generations: int, spec: base.EnvSpec,
+                 system_prompt: str = "", batch_multiple: int = 1,
+                 stats: dict | None = None) -> agent.Episodes:
+  """`agent.run_episodes` on the parked engine (module docstring): the same
+  Episodes. stats (a dict): the engine's `parked.Stats` and the rows
+  released for room, filled in."""
+  del batch_multiple      # the engine's shapes do not depend on the batch
+  cfg = sampler.sampling
+  turns = agent.ToolTurns.of(tokenizer, cfg.stop_ids)
+  rows, texts, prompt_ids = agent.start_rows(tokenizer, examples,
+                                             num_generations, spec,
+                                             system_prompt)
+  n = len(rows)
+  engine = parked.Engine(
+      engine_spec(sampler, n, max(map(len, prompt_ids)), spec), params, key)
+  ready = collections.deque(parked.Parked(i, tuple(r.history))
+                            for i, r in enumerate(rows))
+  tools = _Tools(n, spec.tool_timeout_s)
+  finished, released = 0, 0
+  try:
+    while finished < n:
+      while ready and engine.admit(
+          ready[0], ready[0].row * spec.max_turns + rows[ready[0].row].turns,
+          cfg.max_new_tokens):
+        ready.popleft()
+      if ready and not engine.busy:
+        freed = _make_room(engine, ready, tools)
+        if not freed:
+          raise RuntimeError(f"row {ready[0].row} cannot get its pages in an "
+                             "idle engine")
+        released += freed
+        continue
+      for turn in engine.step():
+        row = rows[turn.row]
+        text = agent.take_turn(row, tokenizer, turn.ids, turn.logp,
+                               not turn.stopped)
+        if text is None:
+          engine.release(turn.parked)
+          finished += 1
+        else:
+          tools.submit(row.env, text, turn.ids, turn.parked)
+      for p, result in tools.answered(block=not engine.busy and not ready):
+        if agent.take_result(rows[p.row], result, turns, tokenizer, spec):
+          ready.append(p._replace(tokens=tuple(rows[p.row].history)))
+        else:
+          engine.release(p)
+          finished += 1
+  finally:
+    tools.pool.shutdown(wait=False, cancel_futures=True)
+  if stats is not None:
+    stats.update(engine.stats._asdict(), released=released,
+                 free_pages=engine.free_pages, pages=engine.spec.pages)
+  T = spec.trajectory_tokens(cfg.max_new_tokens)
+  return agent.collect(rows, prompt_ids, texts, T, cfg.pad_id)
+
+
+def metrics(stats: dict) -> dict[str, float]:
+  """The engine's counters as "env/engine_..." metrics."""
+  return {f"env/engine_{k}": float(v) for k, v in stats.items()}

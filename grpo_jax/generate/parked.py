@@ -1,0 +1,345 @@
+"""Rows that leave the device loop with their pages and come back: the paged
+engine of multi-turn episodes (docs/agents.md, "Rows that wait"), and the
+mechanism partial rollouts reuse (docs/async.md rule 4).
+
+`paged_slots.sample_pages` runs every row of a call to its end inside one
+`while_loop`. Here the loop is cut into calls and a row's life into turns:
+
+  admit     `Engine.admit(Parked(row, tokens, cached, pages), ...)`: a
+            slot, and pages for the row's columns up to the end of this
+            turn's budget. The tokens past `cached` (those whose keys and
+            values are not yet on the row's pages) are prefilled onto its
+            pages in one call for every row admitted since the last
+            (`_prefill`); the history before `cached` is never prefilled
+            again. cached 0 with no pages is a row recomputed from its
+            first token: a row whose pages were released (`release`),
+            e.g. after a weight switch (partial rollouts).
+  decode    `Engine.step`: one jitted loop of at most `steps_per_call`
+            decode steps over the slots, left as soon as `return_after`
+            rows have ended their turn (a stop id, or the turn's budget).
+            The host reads the slots once per call, never per step.
+  park      a row whose turn ended leaves its slot: its tokens (the turn
+            appended) and its cached length go to the host, its pages up
+            to that length stay allocated in the pool (`Turn.parked`), the
+            pages reserved past it return. The caller runs its tool, then
+            admits it again with the observation appended (only the turn's
+            last token and the observation are prefilled), or releases it.
+
+The pool is one `models.paged` pool on one device (one row shard), its
+pages handed out on the host (`free_pages`): a row holds its own pages
+only (no prompt pages shared, so nothing is copied on write), reserved at
+admission, so the decode loop never waits for a page and nobody is
+preempted inside it. A caller that finds no room and nothing decoding
+releases parked rows' pages (they come back with cached 0).
+
+Noise: a token is drawn with `decoding.token_uniforms(key, noise, t)`,
+`noise` the caller's number for the (row, turn), so samples do not depend on
+which slot, call or order served a row. Shape letters as in `grpo_jax` and
+`models.paged`: M slots, A rows admitted in one call, L their new tokens
+(padded), J table entries, W pages, Z columns per page.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.generate import decoding, page_pool, sampling
+from grpo_jax.models import attention, decode, paged, transformer
+from grpo_jax.models.config import ModelConfig
+
+_LAYOUT = paged.REFERENCE_LAYOUT
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """What the engine's programs are compiled for: the model, the sampler
+  settings (max_new_tokens is a turn's budget), M slots, W pages of
+  sampling.page_size columns, at most `context` columns per row, at most
+  `steps_per_call` decode steps per call, a call left once `return_after`
+  turns have ended."""
+  model_config: ModelConfig
+  sampling: decoding.SamplingConfig
+  slots: int
+  pages: int
+  context: int
+  steps_per_call: int = 16
+  return_after: int = 1
+
+  def __post_init__(self):
+    J = self.table_width
+    if self.pages < J:
+      raise ValueError(f"a pool of {self.pages} pages cannot hold one row of "
+                       f"{self.context} columns ({J} pages)")
+    if min(self.slots, self.steps_per_call, self.return_after) < 1:
+      raise ValueError("slots, steps_per_call and return_after must be >= 1")
+
+  @property
+  def table_width(self) -> int:
+    """J: page-table entries of a row."""
+    return -(-self.context // self.sampling.page_size)
+
+
+class Parked(NamedTuple):
+  """A row off the device: every token so far (the columns it attends
+  over once admitted), how many leading ones have their keys and values on
+  `pages` (its pages in table order), and the caller's id."""
+  row: int
+  tokens: tuple
+  cached: int = 0
+  pages: tuple = ()
+
+
+class Turn(NamedTuple):
+  """A turn that ended: its ids and log-probs as sampled, whether it ended
+  in a stop id, and the row parked after it (tokens + ids, cached all but
+  the last id, whose keys the next admission writes)."""
+  row: int
+  ids: list
+  logp: list
+  stopped: bool
+  parked: Parked
+
+
+class _Slots(NamedTuple):
+  """The slots as the decode loop carries them (host numpy between calls)."""
+  noise_m: np.ndarray       # int32: the noise number of the slot's turn
+  t_m: np.ndarray           # int32: tokens chosen this turn
+  column_m: np.ndarray      # int32: the column of the last chosen token
+  limit_m: np.ndarray       # int32: this turn's token budget
+  live_m: np.ndarray        # bool: decoding
+  table_mj: np.ndarray      # int32 page ids (W: none)
+  tokens_mt: np.ndarray     # int32 this turn's tokens
+  logp_mt: np.ndarray       # float32 their log-probs
+
+
+class Stats(NamedTuple):
+  prefilled: int = 0        # tokens prefilled onto pages
+  decode_calls: int = 0     # device calls of the decode loop
+  decode_steps: int = 0     # decode steps run
+  peak_pages: int = 0       # most pages allocated at once
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
+def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
+             start_a, count_a, table_aj, noise_a, key) -> tuple:
+  """Row a's count_a[a] new tokens at columns start_a[a]... written onto its
+  pages, each attending over its columns up to itself; the turn's first
+  token chosen from the last one's logits. Returns (pool, first_a, logp_a)."""
+  mc, Z = spec.model_config, spec.sampling.page_size
+  A, L = tokens_al.shape
+  W, J = spec.pages, table_aj.shape[1]
+  col_al = start_a[:, None] + jnp.arange(L)[None]
+  real_al = jnp.arange(L)[None] < count_a[:, None]
+  page_al = jnp.where(real_al, jnp.take_along_axis(
+      table_aj, jnp.minimum(col_al // Z, J - 1), 1), W)
+  write = lambda pool, new: jax.vmap(_LAYOUT.write)(
+      pool, new.reshape(1, A * L, *new.shape[2:]), page_al.reshape(1, -1),
+      (col_al % Z).reshape(1, -1))
+  key_s = jnp.arange(J * Z)
+  weights = decode.weights(mc, params)
+  x = transformer.embed(params, tokens_al, mc)
+  ks, vs = list(pool.k), list(pool.v)
+  for i, lp in enumerate(weights.layers):
+    c = mc.layer_config(i)
+    q, k, v = transformer.qkv(c, lp, x, col_al)       # k, v: (A, K, L, E)
+    ks[i] = write(ks[i], jnp.swapaxes(k, 1, 2))
+    vs[i] = write(vs[i], jnp.swapaxes(v, 1, 2))
+    gather = lambda p: jax.vmap(lambda p, t: _LAYOUT.gather(p, t, q.dtype))(
+        p, table_aj[None])[0]                       # (A, K, J*Z, E)
+    mask_als = key_s[None, None] <= col_al[:, :, None]
+    if c.sliding_window is not None:
+      mask_als &= key_s[None, None] > col_al[:, :, None] - c.sliding_window
+    attn = attention.attention(q, gather(ks[i]), gather(vs[i]), mask_als,
+                               c.attn_softcap)
+    x = transformer.attn_out_and_mlp(c, lp, x, attn)
+  last = jnp.take_along_axis(x, jnp.maximum(count_a - 1, 0)[:, None, None], 1)
+  first_a, logp_a = decoding.choose_tokens(
+      decode.logits(mc, params, last), key, spec.sampling, noise_a, 0)
+  return paged.PagePool(tuple(ks), tuple(vs)), first_a, logp_a
+
+
+@functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
+def _decode(spec: EngineSpec, params, pool: paged.PagePool, s: _Slots, key
+            ) -> tuple:
+  """DECODE: at most spec.steps_per_call steps, left once return_after
+  turns have ended or nothing is live. Returns (pool, slots, steps)."""
+  mc, cfg = spec.model_config, spec.sampling
+  Z, W = cfg.page_size, spec.pages
+  M, J = s.table_mj.shape
+  m = jnp.arange(M)
+  weights = decode.weights(mc, params)
+
+  def step(carry):
+    i, ended, pool, s = carry
+    j_m = s.column_m // Z
+    page_m = jnp.where(s.live_m, s.table_mj[m, jnp.minimum(j_m, J - 1)], W)
+    filled = jnp.max(jnp.where(s.live_m, j_m + 1, 0))
+    settings = paged.DecodeSettings(paged.reference_fn(mc, filled), 1,
+                                    _LAYOUT)
+    logits_mv, pool = paged.decode_step(
+        mc, weights, pool, s.tokens_mt[m, s.t_m - 1],
+        paged.RowPages(s.column_m, page_m, s.table_mj), settings)
+    tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, s.noise_m,
+                                           s.t_m)
+    at_m = jnp.where(s.live_m, s.t_m, s.tokens_mt.shape[1])    # dead: drop
+    end_m = s.live_m & (decoding.is_stop(tok_m, cfg.stop_ids)
+                        | (s.t_m + 1 >= s.limit_m))
+    s = s._replace(
+        t_m=s.t_m + s.live_m, column_m=s.column_m + s.live_m,
+        live_m=s.live_m & ~end_m,
+        tokens_mt=s.tokens_mt.at[m, at_m].set(tok_m, mode="drop"),
+        logp_mt=s.logp_mt.at[m, at_m].set(logp_m, mode="drop"))
+    return i + 1, ended + end_m.sum(), pool, s
+
+  def going(carry):
+    i, ended, _, s = carry
+    return ((i < spec.steps_per_call) & (ended < spec.return_after)
+            & jnp.any(s.live_m))
+
+  with jax.named_scope(decoding.DECODE_SCOPE):
+    steps, _, pool, s = jax.lax.while_loop(
+        going, step, (jnp.int32(0), jnp.int32(0), pool, s))
+  return pool, s, steps
+
+
+def _pages_for(columns: int, Z: int) -> int:
+  return -(-columns // Z)
+
+
+class Engine:
+  """The paged engine of rows that wait (module docstring): `admit` rows,
+  `step` until turns end, `release` a row's pages when it is done."""
+
+  def __init__(self, spec: EngineSpec, params, key: jax.Array):
+    c, cfg = spec.model_config, spec.sampling
+    self.spec, self.params, self.key = spec, params, key
+    self.pool = page_pool.zero_pool(c, spec.pages, cfg.page_size, 1,
+                                    page_pool.pool_dtype(params), None,
+                                    _LAYOUT, cfg.kv_dtype)
+    M, J, T = spec.slots, spec.table_width, cfg.max_new_tokens
+    self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
+    self._used_w = np.zeros(spec.pages, bool)
+    self._slots = _Slots(
+        np.zeros(M, np.int32), np.ones(M, np.int32), np.zeros(M, np.int32),
+        np.ones(M, np.int32), np.zeros(M, bool),
+        np.full((M, J), spec.pages, np.int32),
+        np.full((M, T), cfg.pad_id, np.int32), np.zeros((M, T), np.float32))
+    self._held: list = [None] * M      # slot -> Parked with the turn's pages
+    self._pending: list = []           # (slot, Parked, noise): to prefill
+    self.stats = Stats()
+
+  @property
+  def free_pages(self) -> int:
+    return len(self._free)
+
+  @property
+  def busy(self) -> bool:
+    """A row holds a slot (decoding, or admitted and not yet prefilled)."""
+    return any(h is not None for h in self._held)
+
+  def admit(self, row: Parked, noise: int, max_new: int) -> bool:
+    """Takes `row` for a turn of at most max_new tokens (within the
+    context) if a slot and its pages are free; False (nothing taken) if
+    not. Its tokens past row.cached are prefilled at the next `step`."""
+    spec, Z = self.spec, self.spec.sampling.page_size
+    n = len(row.tokens)
+    if not 0 <= row.cached < n or len(row.pages) != _pages_for(row.cached, Z):
+      raise ValueError(f"row {row.row}: {n} tokens, {row.cached} cached on "
+                       f"{len(row.pages)} pages")
+    limit = min(max_new, spec.sampling.max_new_tokens, spec.context + 1 - n)
+    if limit < 1:
+      raise ValueError(f"row {row.row}: {n} tokens leave no room in a "
+                       f"context of {spec.context}")
+    extra = _pages_for(n + limit - 1, Z) - len(row.pages)
+    slot = next((m for m, h in enumerate(self._held) if h is None), None)
+    if slot is None or extra > len(self._free):
+      return False
+    row = row._replace(pages=row.pages + self._take(extra))
+    self._held[slot] = row
+    self._pending.append((slot, row, noise, limit))
+    self.stats = self.stats._replace(peak_pages=max(
+        self.stats.peak_pages, spec.pages - len(self._free)))
+    return True
+
+  def release(self, row: Parked) -> Parked:
+    """A parked row's pages back to the pool: the row, cached 0."""
+    self._give(row.pages)
+    return row._replace(cached=0, pages=())
+
+  def _give(self, pages) -> None:
+    if not self._used_w[list(pages)].all():
+      raise ValueError(f"pages {sorted(pages)}: some are already free")
+    self._used_w[list(pages)] = False
+    self._free.extend(pages)
+
+  def _take(self, count: int) -> tuple:
+    pages = tuple(self._free.pop() for _ in range(count))
+    self._used_w[list(pages)] = True
+    return pages
+
+  def step(self) -> list:
+    """PREFILL the rows admitted since the last call, then one DECODE call;
+    returns the turns that ended (their rows parked)."""
+    if self._pending:
+      self._prefill_pending()
+    s = self._slots
+    if s.live_m.any():
+      self.pool, s, steps = _decode(self.spec, self.params, self.pool,
+                                    jax.tree.map(jnp.asarray, s), self.key)
+      self._slots = _Slots(*map(np.array, jax.device_get(tuple(s))))
+      self.stats = self.stats._replace(
+          decode_calls=self.stats.decode_calls + 1,
+          decode_steps=self.stats.decode_steps + int(steps))
+    return [self._park(m) for m, h in enumerate(self._held)
+            if h is not None and not self._slots.live_m[m]]
+
+  def _prefill_pending(self) -> None:
+    spec, cfg = self.spec, self.spec.sampling
+    rows = self._pending
+    A = sampling.bucket(len(rows), 1)
+    L = sampling.bucket(max(len(r.tokens) - r.cached for _, r, _, _ in rows))
+    tokens_al = np.full((A, L), cfg.pad_id, np.int32)
+    start_a, count_a, noise_a = (np.zeros(A, np.int32) for _ in range(3))
+    table_aj = np.full((A, spec.table_width), spec.pages, np.int32)
+    for a, (_, row, noise, _) in enumerate(rows):
+      new = row.tokens[row.cached:]
+      tokens_al[a, :len(new)] = new
+      start_a[a], count_a[a], noise_a[a] = row.cached, len(new), noise
+      table_aj[a, :len(row.pages)] = row.pages
+    self.pool, first_a, logp_a = _prefill(
+        spec, self.params, self.pool, tokens_al, start_a, count_a, table_aj,
+        noise_a, self.key)
+    first_a, logp_a = jax.device_get((first_a, logp_a))
+    s = self._slots
+    for a, (m, row, noise, limit) in enumerate(rows):
+      s.tokens_mt[m] = cfg.pad_id
+      s.tokens_mt[m, 0], s.logp_mt[m, 0] = first_a[a], logp_a[a]
+      s.noise_m[m], s.t_m[m], s.limit_m[m] = noise, 1, limit
+      s.column_m[m] = len(row.tokens)
+      s.live_m[m] = limit > 1 and int(first_a[a]) not in cfg.stop_ids
+      s.table_mj[m] = spec.pages
+      s.table_mj[m, :len(row.pages)] = row.pages
+    self.stats = self.stats._replace(
+        prefilled=self.stats.prefilled + int(count_a.sum()))
+    self._pending = []
+
+  def _park(self, m: int) -> Turn:
+    """Slot m's ended turn; the row leaves the slot with the pages of its
+    cached columns, the rest back to the pool."""
+    s, row, Z = self._slots, self._held[m], self.spec.sampling.page_size
+    t = int(s.t_m[m])
+    ids = [int(x) for x in s.tokens_mt[m, :t]]
+    tokens = row.tokens + tuple(ids)
+    cached = len(tokens) - 1
+    keep = _pages_for(cached, Z)
+    self._give(row.pages[keep:])
+    self._held[m] = None
+    s.table_mj[m] = self.spec.pages
+    return Turn(row.row, ids, [float(x) for x in s.logp_mt[m, :t]],
+                ids[-1] in self.spec.sampling.stop_ids,
+                Parked(row.row, tokens, cached, row.pages[:keep]))

@@ -1,0 +1,153 @@
+"""Rows that wait on the paged engine (generate/parked.py, agent_parked.py):
+a parked row keeps its pages, re-admission prefills only its new tokens,
+episodes equal the per-turn path's and an uncached reference, no page leaks."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import test_agents as ta  # the tiny model, the scripted env, the reference
+
+from grpo_jax import config as config_lib
+from grpo_jax import errors, validation
+from grpo_jax.generate import agent, agent_parked, parked
+from grpo_jax.models import init_params
+from grpo_jax.models.byte_tokenizer import byte_tokenizer
+
+Z = 4          # columns per page: small, so turns cross pages
+
+
+@pytest.fixture(scope="module")
+def params():
+  return jax.tree.map(lambda x: 4.0 * x,
+                      init_params(ta.CONFIG, jax.random.key(0)))
+
+
+def _paged(**kwargs):
+  return ta._sampler(continuous_batching=True, kv_cache="paged",
+                     page_size=Z, **kwargs)
+
+
+def _engine(params, pages=32, slots=2, max_new=6):
+  spec = parked.EngineSpec(ta.CONFIG, _paged(max_new_tokens=max_new).sampling,
+                           slots, pages, context=64)
+  return parked.Engine(spec, params, jax.random.key(0))
+
+
+def _greedy(params, seq, n):
+  """n greedy ids after seq by a full forward per token (no cache)."""
+  seq = list(seq)
+  for _ in range(n):
+    seq.append(ta._next_greedy(params, seq))
+  return seq[-n:]
+
+
+def _run(engine, row, max_new=6):
+  assert engine.admit(row, noise=0, max_new=max_new)
+  turns = []
+  while not turns:
+    turns = engine.step()
+  return turns[0]
+
+
+@pytest.mark.parametrize("slots,pages", [(2, 0), (3, 32)])
+def test_greedy_episodes_equal_the_per_turn_path_and_an_uncached_reference(
+    params, slots, pages):
+  """slots < rows: rows queue for slots; pages 32 (one row's context):
+  parked rows' pages are released for room and recomputed."""
+  tok = byte_tokenizer()
+  spec = dataclasses.replace(ta._spec(), engine="parked")
+  stats = {}
+  ep = agent_parked.run_episodes(_paged(slots=slots, pages=pages), params, tok,
+                                 ta.EXAMPLES, jax.random.key(3), 2, spec,
+                                 stats=stats)
+  assert ep.turns_n.max() >= 3, "the test must cover several turns"
+  if not pages:
+    want = agent.run_episodes(ta._sampler(), params, tok, ta.EXAMPLES,
+                              jax.random.key(3), 2, ta._spec())
+    for name in ("tokens_nt", "action_nt", "observation_nt", "length_n",
+                 "truncated_n", "turns_n", "tool_calls_n"):
+      np.testing.assert_array_equal(getattr(ep, name), getattr(want, name),
+                                    name)
+    np.testing.assert_allclose(ep.logp_nt, want.logp_nt, atol=1e-4)
+  for i in range(4):
+    ref, _ = ta._reference(params, tok, ep.prompt_ids[i // 2], spec, 6)
+    np.testing.assert_array_equal(ep.tokens_nt[i, :len(ref)], ref)
+  assert stats["free_pages"] == stats["pages"], "every page back at the end"
+  if pages:
+    assert stats["released"] > 0, "the test must cover releasing for room"
+
+
+def test_a_parked_row_keeps_its_pages_and_only_new_tokens_are_prefilled(
+    params):
+  engine = _engine(params)
+  prompt = tuple(range(40, 51))                              # 11 tokens
+  turn = _run(engine, parked.Parked(0, prompt))
+  assert engine.stats.prefilled == len(prompt)
+  assert turn.ids == _greedy(params, prompt, len(turn.ids))
+  row = turn.parked
+  assert row.cached == len(prompt) + len(turn.ids) - 1
+  assert len(row.pages) == -(-row.cached // Z)
+  assert engine.free_pages == 32 - len(row.pages), "held while parked"
+  observation = (7, 8, 9, 10, 11)
+  again = _run(engine, row._replace(tokens=row.tokens + observation))
+  # the turn's last id (its keys were never written) and the observation
+  assert engine.stats.prefilled == len(prompt) + 1 + len(observation)
+  history = row.tokens + observation
+  assert again.ids == _greedy(params, history, len(again.ids))
+  engine.release(again.parked)
+  assert engine.free_pages == 32 and not engine.busy
+
+
+def test_a_released_row_comes_back_with_cached_zero(params):
+  """The partial-rollouts admission: pages released (a weight switch), the
+  row recomputed from its first token."""
+  engine = _engine(params)
+  turn = _run(engine, parked.Parked(0, tuple(range(40, 51))))
+  row = engine.release(turn.parked._replace(
+      tokens=turn.parked.tokens + (7, 8, 9)))
+  assert row.cached == 0 and row.pages == () and engine.free_pages == 32
+  before = engine.stats.prefilled
+  again = _run(engine, row)
+  assert engine.stats.prefilled - before == len(row.tokens)
+  assert again.ids == _greedy(params, row.tokens, len(again.ids))
+  engine.release(again.parked)
+  assert engine.free_pages == 32
+  with pytest.raises(ValueError, match="free"):
+    engine.release(again.parked)
+
+
+def test_admission_waits_for_a_slot_and_for_pages(params):
+  engine = _engine(params, pages=16, slots=1)
+  row = parked.Parked(0, tuple(range(40, 51)))
+  assert engine.admit(row, 0, 6)
+  assert not engine.admit(row._replace(row=1), 1, 6), "no slot left"
+  turns = []
+  while not turns:
+    turns = engine.step()
+  held = 16 - engine.free_pages
+  big = parked.Parked(1, tuple(range(30, 30 + 4 * (16 - held) + 1)))
+  assert not engine.admit(big, 1, 6), "its pages are not free"
+  engine.release(turns[0].parked)
+  assert engine.admit(big, 1, 6)
+
+
+def test_a_bad_admission_is_refused(params):
+  engine = _engine(params)
+  with pytest.raises(ValueError, match="cached"):
+    engine.admit(parked.Parked(0, (1, 2, 3), cached=3), 0, 6)
+  with pytest.raises(ValueError, match="context"):
+    engine.admit(parked.Parked(0, tuple(range(70))), 0, 6)
+
+
+def test_the_engine_is_chosen_and_checked_in_the_config():
+  c = config_lib.base_config()
+  c.env.name, c.env.engine = "scripted", "nope"
+  with pytest.raises(errors.ConfigError, match="env.engine"):
+    validation.validate(c)
+  c.env.engine = "parked"
+  with pytest.raises(errors.ConfigError, match="kv_cache"):
+    validation.validate(c)
+  c.sampling.continuous_batching, c.sampling.kv_cache = True, "paged"
+  validation.validate(c)
+  assert ta.base.EnvSpec.from_config(c).engine == "parked"
