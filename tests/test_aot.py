@@ -227,6 +227,19 @@ def test_flops_by_hand():
   assert aot.halvings(48) == [48, 24, 12, 6, 3]
 
 
+def test_window_columns_by_hand():
+  """tiny-gemma (window 4: sliding, full, sliding): over t decode steps
+  after p columns a full layer reads the integral of x from p to p + t
+  columns, a sliding layer skipping its window's past of min(x, 4)."""
+  c = get_preset("tiny-gemma")
+  assert flops.layer_windows(c) == [4, None, 4]
+  assert flops.kv_columns(c, 2, 6) == 3 * 30          # 2*6 + 6*6/2
+  assert flops.kv_columns(c, 2, 6, skip_windows=True) == 30 + 2 * 22
+  assert flops.kv_columns(c, 5, 3, skip_windows=True) == 19.5 + 2 * 12
+  full = get_preset("tiny")
+  assert flops.kv_columns(full, 2, 6, True) == flops.kv_columns(full, 2, 6)
+
+
 def test_update_flops_at_the_rows_lengths():
   """Packed rows compute their own tokens: at every row's length = t the
   padded count; shorter rows, fewer FLOPs, by the hand count."""

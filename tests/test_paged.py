@@ -119,6 +119,33 @@ def test_paged_attention_equals_dense(window):
     np.testing.assert_array_equal(calls, kernel)
 
 
+def test_window_reads_only_its_pages():
+  """A sliding layer's bucketed attention (window 6, pages of 4) reads only
+  the pages holding each row's window: pages wholly behind it hold NaN and
+  the output is still the reference's over clean pools, where the
+  reference, which reads every page, gives NaN."""
+  M, K, H, E, Z, W, window = 2, 2, 4, 8, 4, 16, 6
+  ks = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(ks[0], (M, H, E))
+  k_pool, v_pool = (jax.random.normal(key, (W, K, Z, E)) for key in ks[1:])
+  length_m = jnp.array([27, 13])
+  table_mj = jnp.array([list(range(8)), [8, 9, 10, 11] + [W] * 4])
+  behind = [0, 1, 2, 3, 4, 8]         # row 0: columns < 21; row 1: < 7
+  poison = lambda pool: pool.at[jnp.array(behind)].set(jnp.nan)
+  layout = paged.REFERENCE_LAYOUT
+  want = paged.paged_attention_reference(q, k_pool, v_pool, length_m,
+                                         table_mj, window, layout)
+  assert paged.window_pages(window, Z) == 3
+  for block in (4, 32):       # a branch per page, or one of all 8 pages
+    got = paged.bucketed_attention(q, poison(k_pool), poison(v_pool),
+                                   length_m, table_mj, jnp.int32(8),
+                                   paged.Buckets(window, block, layout))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+  read_all = paged.paged_attention_reference(
+      q, poison(k_pool), poison(v_pool), length_m, table_mj, window, layout)
+  assert np.isnan(np.asarray(read_all)).all()
+
+
 def test_greedy_equals_the_dense_sampler(params):
   """Greedy, float32, ragged rows (stop ids on; weights x3 so that greedy
   does not repeat one token), prompts with and without a partly-filled last

@@ -272,12 +272,51 @@ def check(config, topology: str, prompt_len: int,
         b, g, plan.sampling_config(greedy), name)
     run(lambda: build_eval(prompts), lambda: largest_fitting(
         halvings(prompts)[1:], build_eval, hbm), "eval batch (prompts x g)")
+  if not config.sampling.continuous_batching:
+    for line in window_lines(plan, rows_per_call):
+      log(line)
   step = step_roofline(plan, spec, len(devices), rows_per_call, (
       None if comparison is None else
       comparison.paged if config.sampling.kv_cache == "paged" else
       comparison.dense), None if lengths is None else lengths[0])
   return Report(topology, len(devices), spec["kind"], hbm,
                 dict(layout.mesh.shape), programs, advice, step, comparison)
+
+
+def static_decode_bytes(plan: Plan, rows_per_call: int,
+                        skip_windows: bool = False) -> float:
+  """HBM bytes per chip the sampler's decode reads over a step, every row
+  to the cap, `rows_per_call` rows at a time (ceil(b·g / rows_per_call)
+  waves of t steps, `flops.decode_bytes_per_chip`)."""
+  c, config = plan.model_config, plan.config
+  rows = config.rl.prompts_per_step * config.rl.num_generations
+  kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads", c.num_kv_heads)
+  return -(-rows // rows_per_call) * flops_lib.decode_bytes_per_chip(
+      c, rows_per_call / plan.layout.batch_shards, kv_heads,
+      plan.prompt_len, config.sampling.max_new_tokens, plan.weight_bytes(),
+      jnp.dtype(config.model.compute_dtype).itemsize, skip_windows)
+
+
+def window_lines(plan: Plan, rows_per_call: int) -> list[str]:
+  """For a model with sliding windows: the decode's reads as the roofline
+  counts them (every layer every column: the static and dense-slot
+  samplers mask a window, they do not skip its columns) and with sliding
+  layers reading only their windows (the paged reference,
+  `paged.window_attention`)."""
+  c = plan.model_config
+  windows = flops_lib.layer_windows(c)
+  if all(w is None for w in windows):
+    return []
+  x = plan.prompt_len + plan.config.sampling.max_new_tokens
+  at_cap = sum(x if w is None else min(x, w) for w in windows)
+  every, skip = (static_decode_bytes(plan, rows_per_call, s) / 1e12
+                 for s in (False, True))
+  return [f"sliding windows ({sum(w is not None for w in windows)} of "
+          f"{len(windows)} layers): a decode step at the cap reads "
+          f"{len(windows) * x:,} key columns per row over all layers, "
+          f"{at_cap:,} if sliding layers read only their windows; the step's "
+          f"decode reads {every:,.1f} TB per chip (the roofline below), "
+          f"{skip:,.1f} TB skipping the columns behind the windows"]
 
 
 def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
@@ -294,14 +333,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
   rl, p, t = config.rl, plan.prompt_len, config.sampling.max_new_tokens
   b, g = rl.prompts_per_step, rl.num_generations
   shape = flops_lib.StepShape(b, g, p, t)
-  calls = -(-(b * g) // rows_per_call)
-  compute_item = jnp.dtype(config.model.compute_dtype).itemsize
-  weights = plan.weight_bytes()
-  shards = plan.layout.batch_shards
-  kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads",
-                                                 c.num_kv_heads)
-  read = calls * flops_lib.decode_bytes_per_chip(
-      c, rows_per_call / shards, kv_heads, p, t, weights, compute_item)
+  read = static_decode_bytes(plan, rows_per_call)
   out = {"sampler": flops_lib.roofline(
       flops_lib.sampler_flops(c, shape), chips, spec["flops"], read,
       spec["bandwidth"])}

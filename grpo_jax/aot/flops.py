@@ -130,12 +130,41 @@ def roofline(flops: float, chips: int, peak_flops: float,
   return Roofline(flops, compute, "compute")
 
 
+def _columns_between(p: int, t: int, window=None) -> float:
+  """One layer's key columns read over t decode steps after p columns,
+  each step all of its row's so far (the integral of x from p to p + t),
+  or with a `window` at most the window's (of min(x, window))."""
+  if window is None or window >= p + t:
+    return t * p + t * t / 2
+  if window <= p:
+    return float(t * window)
+  return (window * window - p * p) / 2 + (p + t - window) * window
+
+
+def layer_windows(c: ModelConfig) -> list:
+  """Each layer's sliding window (None: it reads every column)."""
+  return [c.layer_config(i).sliding_window for i in range(c.num_layers)]
+
+
+def kv_columns(c: ModelConfig, p: int, t: int, skip_windows: bool = False
+               ) -> float:
+  """Key columns, summed over layers, one row reads over t decode steps
+  after a p-token prompt: every layer all of the row's columns (the
+  samplers that mask a window without skipping its columns), or with
+  `skip_windows` a sliding layer only its window's (Gemma's layer_types;
+  the paged reference, `paged.window_attention`, to within a page)."""
+  windows = layer_windows(c) if skip_windows else [None] * c.num_layers
+  return sum(_columns_between(p, t, w) for w in windows)
+
+
 def decode_bytes_per_chip(c: ModelConfig, rows_per_chip: float,
                           kv_heads_per_chip: float, p: int, t: int,
                           weight_bytes_per_chip: float,
-                          kv_itemsize: int) -> float:
+                          kv_itemsize: int, skip_windows: bool = False
+                          ) -> float:
   """HBM bytes a chip reads over t decode steps: its weight shard every step
-  and its rows' KV cache, which grows from p to p + t positions."""
-  kv_per_position = 2 * c.num_layers * kv_heads_per_chip * c.head_dim
-  kv = rows_per_chip * kv_per_position * kv_itemsize * (t * p + t * t / 2)
+  and its rows' KV cache, which grows from p to p + t positions (sliding
+  layers only their windows with `skip_windows`: `kv_columns`)."""
+  kv_per_column = 2 * kv_heads_per_chip * c.head_dim * kv_itemsize
+  kv = rows_per_chip * kv_per_column * kv_columns(c, p, t, skip_windows)
   return t * weight_bytes_per_chip + kv

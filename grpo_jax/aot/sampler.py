@@ -23,7 +23,7 @@ from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Chips, Program, compile_program, replicated, row_sharded
 from grpo_jax.generate import paged_slots, sampling
-from grpo_jax.models import paged
+from grpo_jax.models import int8_pages
 
 # Paged slots tried per row shard when sampling.slots is 0: these multiples
 # of the dense slots, and every row of the shard (admission by pages alone).
@@ -93,7 +93,7 @@ def step_cost(plan: Plan, chips: Chips, kv_dtype: str = "") -> schedule.Cost:
   the KV columns in the compute dtype or (kv_dtype int8, the paged pool's)
   int8 with a float32 scale."""
   c = plan.model_config
-  item = paged.column_bytes(
+  item = int8_pages.column_bytes(
       jnp.dtype(plan.config.model.compute_dtype).itemsize, kv_dtype,
       c.head_dim) / c.head_dim
   kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads", c.num_kv_heads)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
-from grpo_jax.models import paged, transformer
+from grpo_jax.models import int8_pages, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 KV_CACHES = ("dense", "paged")
@@ -73,7 +73,7 @@ class SamplingConfig:
   pages: int = 0                 # pages per row shard (0: automatic)
   stop_check_every: int = 1      # decode steps per check of "any row live"
   paged_kernel: str = "auto"     # paged decode attention: models.paged.KERNELS
-  kv_dtype: str = ""             # paged pools: models.paged.KV_DTYPES
+  kv_dtype: str = ""             # paged pools: models.int8_pages.KV_DTYPES
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -97,8 +97,8 @@ class SamplingConfig:
     if self.paged_kernel not in paged.KERNELS:
       raise ValueError(f"paged_kernel must be one of {paged.KERNELS}, got "
                        f"{self.paged_kernel!r}")
-    if self.kv_dtype not in paged.KV_DTYPES:
-      raise ValueError(f"kv_dtype must be one of {paged.KV_DTYPES}, got "
+    if self.kv_dtype not in int8_pages.KV_DTYPES:
+      raise ValueError(f"kv_dtype must be one of {int8_pages.KV_DTYPES}, got "
                        f"{self.kv_dtype!r}")
     if self.kv_dtype and self.kv_cache != "paged":
       raise ValueError(f"kv_dtype {self.kv_dtype!r} is the paged pool's: set "

@@ -36,7 +36,7 @@ import numpy as np
 from grpo_jax import sharding
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import continuous, decoding, padded, page_pool, paged_slots
-from grpo_jax.models import paged, transformer
+from grpo_jax.models import int8_pages, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Params = transformer.Params
@@ -200,7 +200,7 @@ def kv_ratio(model_config: ModelConfig, itemsize: int, kv_dtype: str
              ) -> float:
   """The dense cache's bytes per key column / a pool's (1 unless int8)."""
   E = model_config.head_dim
-  return itemsize * E / paged.column_bytes(itemsize, kv_dtype, E)
+  return itemsize * E / int8_pages.column_bytes(itemsize, kv_dtype, E)
 
 
 def pool_pages(sampling: SamplingConfig, real_len_b: np.ndarray, prompts: int,

@@ -15,7 +15,9 @@ of it clipped and masked.
 
 `paged_attention_reference` is the plain-JAX decode attention (CPU, GPU, and
 the check of the kernel): it gathers the row's pages through its table and
-masks columns at or past its length. `kernel_attention` is the same by the
+masks columns at or past its length. A sliding layer (`window_attention`)
+gathers only the pages holding the row's window, so the pages behind it
+are not read (they stay the row's until it ends: a full layer reads them). `kernel_attention` is the same by the
 TPU Pallas kernel (one shard; `paged_slots` wraps it in `jax.shard_map`),
 chosen by `sampling.paged_kernel` (KERNELS, `resolve`). `decode_step` is
 `ragged.decode_step` over pages: each row writes its new key and value at
@@ -23,10 +25,9 @@ one (page, offset) and attends over its own pages, up to the longest row's
 page count (bucketed like `ragged.filled_attention`, so short calls do not
 read empty pages).
 
-With `sampling.kv_dtype = int8` a layer's pool is `Int8Pages`: int8 keys (or
-values) and one float32 scale per (page, head, column), the column's
-absolute maximum over its E entries / 127 (symmetric, per token and head;
-`quantize_columns`). Writes quantise, the reference's gather dequantises;
+With `sampling.kv_dtype = int8` a layer's pool is `Int8Pages`
+(`models/int8_pages.py`): int8 keys (or values) and one float32 scale per
+(page, head, column). Writes quantise, the reference's gather dequantises;
 the TPU kernel does not read them (its quantised path takes scales as wide
 as the values, so it would read more bytes than bf16: `kernel_refuses`).
 
@@ -47,6 +48,12 @@ from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import attention, decode, ragged, transformer
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.int8_pages import (
+  Int8Pages,
+  dequantize_columns,
+  page_values,
+  quantize_columns,
+)
 
 # sampling.paged_kernel: the decode attention over pages. auto: the TPU kernel
 # on TPU (where the model has no sliding window), else the reference.
@@ -97,44 +104,6 @@ def resolve(impl: str, model_config: ModelConfig, backend: str = "",
   if impl == "auto":
     return "pallas" if backend == "tpu" and not why else "reference"
   return impl
-
-
-# sampling.kv_dtype: "" (the compute dtype) or int8 pages with scales.
-KV_DTYPES = ("", "int8")
-_INT8_MAX = 127.0
-
-
-class Int8Pages(NamedTuple):
-  """One layer's int8 pool: `values` the layout's shape (int8), `scales`
-  the same without E (float32), value x stored as round(x / scale)."""
-  values: jax.Array
-  scales: jax.Array
-
-
-def quantize_columns(x_e: jax.Array) -> tuple:
-  """Symmetric int8 over the last axis: (int8 values, float32 scales of
-  the other axes), scale = max |x| / 127 (1 where a column is all 0)."""
-  x_e = x_e.astype(jnp.float32)
-  scale = jnp.max(jnp.abs(x_e), axis=-1) / _INT8_MAX
-  scale = jnp.where(scale > 0, scale, 1.0)
-  q = jnp.clip(jnp.round(x_e / scale[..., None]), -_INT8_MAX, _INT8_MAX)
-  return q.astype(jnp.int8), scale
-
-
-def dequantize_columns(values_e: jax.Array, scales: jax.Array, dtype
-                       ) -> jax.Array:
-  return (values_e.astype(jnp.float32) * scales[..., None]).astype(dtype)
-
-
-def page_values(pool) -> jax.Array:
-  """A layer's pool as its array of values (int8 pools: without scales)."""
-  return pool.values if isinstance(pool, Int8Pages) else pool
-
-
-def column_bytes(dtype_bytes: int, kv_dtype: str, head_dim: int) -> float:
-  """Bytes of one head's key (or value) column in a pool: the compute
-  dtype's, or int8 plus its float32 scale."""
-  return head_dim + 4.0 if kv_dtype == "int8" else float(dtype_bytes * head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +196,16 @@ def pool_layout(impl: str) -> PoolLayout:
   return KERNEL_LAYOUT if impl == "pallas" else REFERENCE_LAYOUT
 
 
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """How `bucketed_attention` reads: a sliding `window` (None: none), in
+  buckets of `block` key columns, from pools of `layout`."""
+  window: Optional[int] = None
+  block: int = BLOCK_S
+  layout: PoolLayout = KERNEL_LAYOUT
+  softcap: Optional[float] = None
+
+
 def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
                               v_pool: jax.Array, length_m: jax.Array,
                               table_mj: jax.Array, window=None,
@@ -240,24 +219,46 @@ def paged_attention_reference(q_mhe: jax.Array, k_pool: jax.Array,
   the last `window` columns. The kernel's contract (`paged_attention(q,
   k_pages, v_pages, lengths, page_indices)`) plus the window and a
   soft-cap of the scores (Gemma 2). Returns (M, H, E)."""
-  k_mkse = layout.gather(k_pool, table_mj, q_mhe.dtype)
-  v_mkse = layout.gather(v_pool, table_mj, q_mhe.dtype)
-  col_s = jnp.arange(k_mkse.shape[2])
-  mask_ms = col_s[None] < length_m[:, None]
-  if window is not None:
-    mask_ms &= col_s[None] > length_m[:, None] - 1 - window
+  first_m = jnp.zeros_like(length_m)
+  return _attend_pages(q_mhe, k_pool, v_pool, length_m, table_mj, first_m,
+                       Buckets(window, layout=layout, softcap=softcap))
+
+
+def window_pages(window: int, Z: int) -> int:
+  """Pages that hold `window` consecutive columns wherever they start."""
+  return -(-(window - 1) // Z) + 1
+
+
+def window_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
+                     buckets: Buckets) -> jax.Array:
+  """`paged_attention_reference` with `buckets.window` (not None), reading
+  only the pages that hold each row's window: row m's columns
+  [length_m - window, length_m) lie in the `window_pages` table entries
+  from (length_m - window) // Z on, so a step gathers that many pages per
+  row however long the row is; pages behind the window are not read."""
+  Z, J = page_values(k_pool).shape[2], table_mj.shape[1]
+  n = min(J, window_pages(buckets.window, Z))
+  first_m = jnp.clip((length_m - buckets.window) // Z, 0, J - n)
+  table_mn = jnp.take_along_axis(table_mj, first_m[:, None] + jnp.arange(n),
+                                 axis=1)
+  return _attend_pages(q_mhe, k_pool, v_pool, length_m, table_mn, first_m,
+                       buckets)
+
+
+def _attend_pages(q_mhe, k_pool, v_pool, length_m, table_mj, first_m,
+                  buckets: Buckets) -> jax.Array:
+  """Attention over the pages of `table_mj`, whose first entry is row m's
+  page first_m[m] (its columns from first_m * Z on), masked to the row's
+  columns [0, length_m) and its window."""
+  k_mkse = buckets.layout.gather(k_pool, table_mj, q_mhe.dtype)
+  v_mkse = buckets.layout.gather(v_pool, table_mj, q_mhe.dtype)
+  Z = page_values(k_pool).shape[2]
+  col_ms = first_m[:, None] * Z + jnp.arange(k_mkse.shape[2])
+  mask_ms = col_ms < length_m[:, None]
+  if buckets.window is not None:
+    mask_ms &= col_ms > length_m[:, None] - 1 - buckets.window
   return attention.attention(q_mhe[:, None], k_mkse, v_mkse,
-                             mask_ms[:, None], softcap)[:, 0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-  """How `bucketed_attention` reads: a sliding `window` (None: none), in
-  buckets of `block` key columns, from pools of `layout`."""
-  window: Optional[int] = None
-  block: int = BLOCK_S
-  layout: PoolLayout = KERNEL_LAYOUT
-  softcap: Optional[float] = None
+                             mask_ms[:, None], buckets.softcap)[:, 0]
 
 
 def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
@@ -266,20 +267,27 @@ def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
   """`paged_attention_reference` over the first `filled_pages` table entries
   only, rounded up to whole blocks of `buckets.block` columns: one
   `lax.switch` branch per prefix (as `ragged.filled_attention`), so a step
-  reads the pages up to the longest row's, not the table's width."""
+  reads the pages up to the longest row's, not the table's width. With a
+  window, prefixes longer than the window's pages are one branch,
+  `window_attention`: a sliding layer reads at most `window_pages` pages
+  per row."""
   Z, J = page_values(k_pool).shape[2], table_mj.shape[1]
   per_block = max(1, buckets.block // Z)
   cuts = sorted({min(J, per_block * (i + 1))
                  for i in range(-(-J // per_block))})
 
   def prefix(cut: int):
-    return lambda q, k, v, n, t: paged_attention_reference(
-        q, k, v, n, t[:, :cut], buckets.window, buckets.layout,
-        buckets.softcap)
+    return lambda q, k, v, n, t: _attend_pages(
+        q, k, v, n, t[:, :cut], jnp.zeros_like(n), buckets)
 
-  index = jnp.clip(-(-filled_pages // per_block) - 1, 0, len(cuts) - 1)
-  return jax.lax.switch(index, [prefix(c) for c in cuts], q_mhe, k_pool,
-                        v_pool, length_m, table_mj)
+  most = J if buckets.window is None else window_pages(buckets.window, Z)
+  branches = [prefix(c) for c in cuts if c <= most]
+  if len(branches) < len(cuts):
+    branches.append(lambda q, k, v, n, t: window_attention(
+        q, k, v, n, t, buckets))
+  index = jnp.clip(-(-filled_pages // per_block) - 1, 0, len(branches) - 1)
+  return jax.lax.switch(index, branches, q_mhe, k_pool, v_pool, length_m,
+                        table_mj)
 
 
 # Bytes of a TPU core's scalar memory (SMEM) the kernel's page table may

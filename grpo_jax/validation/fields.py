@@ -16,7 +16,7 @@ from grpo_jax import registry
 from grpo_jax.algorithms import dynamic_sampling
 from grpo_jax.config import base_config
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import attention, paged, quant, transformer
+from grpo_jax.models import attention, int8_pages, paged, quant, transformer
 from grpo_jax.validation import groups
 
 ConfigDict = ml_collections.ConfigDict
@@ -34,7 +34,7 @@ _CHOICES = {
     "sampling.weights_dtype": quant.WEIGHTS_DTYPES,  # "": compute_dtype
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
     "sampling.paged_kernel": paged.KERNELS,     # the paged decode attention
-    "sampling.kv_dtype": paged.KV_DTYPES,       # "": compute_dtype | int8 pages
+    "sampling.kv_dtype": int8_pages.KV_DTYPES,       # "": compute_dtype | int8 pages
     "rl.old_logp": ("sampler", "recompute"),    # where π_old comes from
     "rl.on_cap": dynamic_sampling.ON_CAP,
     "rl.packing": ("auto", "on", "off"),
