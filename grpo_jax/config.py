@@ -125,6 +125,18 @@ def _lora_defaults() -> ConfigDict:
   ))
 
 
+def _moe_defaults() -> ConfigDict:
+  """config.model.moe: a mixture-of-experts policy's training settings
+  (docs/models.md; no effect on a dense model)."""
+  return ConfigDict(dict(
+      routing_replay="off",            # off | rollout: the trainer uses the
+                                       # experts the sampler chose
+      aux_loss_coef=-1.0,              # the balancing loss's weight in the
+                                       # update; < 0: the checkpoint's
+                                       # router_aux_loss_coef
+  ))
+
+
 def _rollout_defaults() -> ConfigDict:
   """config.rollout: where the sampler runs and how stale its rows may be
   (rl/async_rollouts.py, docs/async.md). The defaults are the synchronous
@@ -216,6 +228,7 @@ def base_config() -> ConfigDict:
                                        # blockwise | auto (blockwise from
                                        # 2048 key columns)
       lora=_lora_defaults(),
+      moe=_moe_defaults(),
   ))
 
   c.data = ConfigDict(dict(

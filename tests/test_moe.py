@@ -250,3 +250,35 @@ def test_replayed_routes_reproduce_and_keep_the_router_learning():
   grad = jax.grad(lambda p: routing.forward_routed(
       config, p, tokens, routes)[0].sum())(moved)
   assert float(jnp.abs(grad["layers"]["router"]).sum()) > 0
+
+
+def test_the_update_adds_the_balancing_loss_of_transformers(qwen3_moe):
+  """The update's loss carries the MoE balancing loss over the batch's
+  tokens and sparse layers, equal to transformers' `aux_loss` on the same
+  rows, weighted by the checkpoint's router_aux_loss_coef by default or by
+  model.moe.aux_loss_coef; logged unweighted as moe/aux_loss."""
+  from grpo_jax.rl import update
+  model, directory = qwen3_moe
+  config, params = load_pretrained(directory)
+  with torch.no_grad():
+    want = float(model(torch.tensor(TOKENS), output_router_logits=True)
+                 .aux_loss)
+  N, T = len(TOKENS), 5
+  batch = update.UpdateBatch(
+      jnp.asarray(TOKENS), mask_nt=jnp.ones((N, T)),
+      old_logp_nt=jnp.full((N, T), -3.0), ref_logp_nt=jnp.zeros((N, T)),
+      adv_n=jnp.array([1.0, -1.0]))
+  norm = update.global_normalisers(batch.mask_nt, update.LossSettings())
+
+  def loss(coef):
+    program = update.UpdateProgram(config, update.LossSettings(
+        moe_aux_coef=coef))
+    return update.loss_fn(update.Policy(params), batch, norm, 0.0, program)
+
+  plain, metrics = loss(0.0)
+  np.testing.assert_allclose(metrics["moe/aux_loss"], want, rtol=1e-5)
+  assert float(metrics["moe/routes_differ"]) == 0.0      # nothing replayed
+  assert config.moe.aux_loss_coef == model.config.router_aux_loss_coef > 0
+  for coef, weight in ((-1.0, config.moe.aux_loss_coef), (0.5, 0.5)):
+    np.testing.assert_allclose(loss(coef)[0] - plain, weight * want,
+                               rtol=1e-4)

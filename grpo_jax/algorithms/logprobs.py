@@ -33,7 +33,7 @@ from grpo_jax.models.transformer import (
   Params,
   Rows,
   default_positions_and_valid,
-  hidden_states,
+  hidden_states_routed,
   hidden_states_shared_prompt,
 )
 
@@ -165,32 +165,52 @@ def sequence_logprobs(model_config: ModelConfig, params: Params,
   included) are identical: each group's prompt then runs through the
   decoder once (`hidden_states_shared_prompt`), with the same result.
   """
+  return sequence_logprobs_routed(
+      model_config, params, tokens_ns, positions_ns, valid_ns,
+      completion_len=completion_len, forward=forward)[:2]
+
+
+def sequence_logprobs_routed(model_config: ModelConfig, params: Params,
+                             tokens_ns: jax.Array,
+                             positions_ns: Optional[jax.Array] = None,
+                             valid_ns: Optional[jax.Array] = None, *,
+                             completion_len: Optional[int] = None,
+                             forward: Forward = Forward(),
+                             routes_nslc: Optional[jax.Array] = None):
+  """`sequence_logprobs` and the MoE `transformer.Routed` of the pass
+  (None for a dense model); routes_nslc (N, S, L_sparse, C): the experts
+  to replay at every column (routing replay), or None."""
   S = tokens_ns.shape[1]
   T = S - 1 if completion_len is None else completion_len
   if not 0 < T < S:
     raise ValueError(f"completion_len={completion_len}; need 0 < T < S={S}")
 
   group_size, constrain = forward.group_size, forward.constrain
+  settings = ForwardSettings(forward.remat, forward.attention, constrain)
+  routes_lnsc = (None if routes_nslc is None
+                 else jnp.moveaxis(routes_nslc, 2, 0))
   if group_size > 1:
     positions_ns, valid_ns = default_positions_and_valid(
         tokens_ns, positions_ns, valid_ns)
     P, first = S - T, slice(None, None, group_size)   # one row per group
-    h_last_bd, h_ntd = hidden_states_shared_prompt(
+    h_last_bd, h_ntd, routed = hidden_states_shared_prompt(
         model_config, params,
         Rows(tokens_ns[first, :P], positions_ns[first, :P],
              valid_ns[first, :P]),
         Rows(tokens_ns[:, P:], positions_ns[:, P:], valid_ns[:, P:]),
-        ForwardSettings(forward.remat, forward.attention, constrain))
+        settings, None if routes_lnsc is None else (
+            routes_lnsc[:, first, :P], routes_lnsc[:, :, P:]))
     h_last_nd = jnp.repeat(h_last_bd, group_size, axis=0)
     # Column j predicts completion token j: the prompt's last, then T - 1.
     h_ntd = jnp.concatenate([h_last_nd[:, None], h_ntd[:, :T - 1]], axis=1)
   else:
-    h_ntd = hidden_states(model_config, params, tokens_ns, positions_ns,
-                          valid_ns, settings=ForwardSettings(
-                              forward.remat, forward.attention,
-                              constrain))[:, S - 1 - T:S - 1]
+    h_nsd, routed = hidden_states_routed(
+        model_config, params, tokens_ns, positions_ns, valid_ns,
+        settings=settings, routes_lnsc=routes_lnsc)
+    h_ntd = h_nsd[:, S - 1 - T:S - 1]
   if constrain is not None:     # the head reads whole rows' columns
     h_ntd = constrain(h_ntd, ("batch", None, None))
-  return token_logprobs(model_config, params, h_ntd, tokens_ns[:, S - T:],
-                        chunk_size=forward.chunk_size,
-                        temperature=forward.temperature)
+  logp_nt, entropy_nt = token_logprobs(
+      model_config, params, h_ntd, tokens_ns[:, S - T:],
+      chunk_size=forward.chunk_size, temperature=forward.temperature)
+  return logp_nt, entropy_nt, routed

@@ -74,6 +74,8 @@ class SamplingConfig:
   stop_check_every: int = 1      # decode steps per check of "any row live"
   paged_kernel: str = "auto"     # paged decode attention: models.paged.KERNELS
   kv_dtype: str = ""             # paged pools: models.int8_pages.KV_DTYPES
+  record_routes: bool = False    # MoE routing replay: Samples.routes_nslc
+                                 # (the lockstep sampler only)
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -110,6 +112,9 @@ class SamplingConfig:
     if self.stop_check_every < 1:
       raise ValueError(f"stop_check_every must be >= 1, got "
                        f"{self.stop_check_every}")
+    if self.record_routes and self.continuous_batching:
+      raise ValueError("record_routes: the lockstep sampler records routes; "
+                       "set continuous_batching=False")
 
   @property
   def is_greedy(self) -> bool:
@@ -146,6 +151,27 @@ class Samples(NamedTuple):
   length_n: jax.Array       # int32, number of generated tokens
   truncated_n: jax.Array    # bool, no stop id within max_new_tokens
   steps: jax.Array          # int32 scalar: decode iterations run (early exit)
+  # record_routes: every column's experts per sparse layer, (n, P + T,
+  # L_sparse, C) in `moe.routes_dtype` (P: the call's prompt bucket, left
+  # padded; 0 on padding); None otherwise
+  routes_nslc: Optional[jax.Array] = None
+
+
+def map_rows(f, out: Samples) -> Samples:
+  """`out` with f applied to each per-row field that is not None (all but
+  `steps`)."""
+  return out._replace(**{k: f(v) for k, v in out._asdict().items()
+                         if k != "steps" and v is not None})
+
+
+def concat_rows(outs: Sequence[Samples]) -> Samples:
+  """Samples of consecutive calls as one: their rows concatenated, the most
+  decode steps any took."""
+  return map_rows(lambda _: None, outs[0])._replace(
+      **{k: jnp.concatenate([getattr(o, k) for o in outs])
+         for k, v in outs[0]._asdict().items()
+         if k != "steps" and v is not None},
+      steps=jnp.max(jnp.stack([o.steps for o in outs])))
 
 
 # ----------------------------------------------------------------------------
@@ -159,21 +185,26 @@ class PromptPass(NamedTuple):
   v: jax.Array              # (L, B, K, P, E)
   valid_bp: jax.Array       # bool: real (non-padding) prompt columns
   pos_bp: jax.Array         # int32 rotary positions
+  routes_lbpc: Optional[jax.Array] = None   # record_routes: sparse layers'
 
 
 def prompt_pass(model_config: ModelConfig, params: transformer.Params,
-                prompt_bp: jax.Array, prompt_len_b: jax.Array) -> PromptPass:
+                prompt_bp: jax.Array, prompt_len_b: jax.Array,
+                record_routes: bool = False) -> PromptPass:
   """prompt_bp: int32 (B, P) left-padded; prompt_len_b: int32 (B,) lengths.
-  Left padding puts every prompt's last token in column P - 1."""
+  Left padding puts every prompt's last token in column P - 1.
+  record_routes: also each sparse layer's experts (L_sparse, B, P, C)."""
   P = prompt_bp.shape[1]
   pad_b = P - prompt_len_b
   col_p = jnp.arange(P, dtype=jnp.int32)
   valid_bp = col_p[None, :] >= pad_b[:, None]
   pos_bp = jnp.maximum(col_p[None, :] - pad_b[:, None], 0)
-  h, (k, v) = transformer.hidden_states_and_kv(model_config, params,
-                                               prompt_bp, pos_bp, valid_bp)
+  h, (k, v), *routes = transformer.hidden_states_and_kv(
+      model_config, params, prompt_bp, pos_bp, valid_bp,
+      return_routes=record_routes)
   logits_bv = transformer.unembed(model_config, params, h[:, -1:])[:, 0]
-  return PromptPass(logits_bv, k, v, valid_bp, pos_bp)
+  return PromptPass(logits_bv, k, v, valid_bp, pos_bp,
+                    routes[0] if routes else None)
 
 
 # ----------------------------------------------------------------------------
@@ -267,8 +298,9 @@ def is_stop(tokens_n: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
 
 
 def finish(tokens_nt: jax.Array, logp_nt: jax.Array, steps: jax.Array,
-           sampling: SamplingConfig) -> Samples:
-  """Mask, length and truncation from the raw token matrix."""
+           sampling: SamplingConfig, routes_nslc=None) -> Samples:
+  """Mask, length and truncation from the raw token matrix (recorded routes
+  passed through)."""
   T = tokens_nt.shape[1]
   stop_nt = is_stop(tokens_nt, sampling.stop_ids)
   has_stop = jnp.any(stop_nt, axis=1)
@@ -277,4 +309,4 @@ def finish(tokens_nt: jax.Array, logp_nt: jax.Array, steps: jax.Array,
   mask_nt = jnp.arange(T)[None, :] < length_n[:, None]
   tokens_nt = jnp.where(mask_nt, tokens_nt, sampling.pad_id)
   return Samples(tokens_nt, jnp.where(mask_nt, logp_nt, 0.0), mask_nt,
-                 length_n, ~has_stop, steps)
+                 length_n, ~has_stop, steps, routes_nslc)

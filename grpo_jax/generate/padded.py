@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from grpo_jax import sharding
 from grpo_jax.generate import decoding
-from grpo_jax.models import decode, transformer
+from grpo_jax.models import decode, moe, transformer
 
 Layout = Optional[sharding.Layout]    # None: one device, or XLA's choice
 CACHE_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")  # (N, K, S, E)
@@ -50,6 +50,9 @@ class _Carry(NamedTuple):
   logp_nt: jax.Array
   done_n: jax.Array
   cache: decode.KVCache
+  # record_routes: each column's experts per sparse layer (L_sparse, N,
+  # P + T, C), the cache's columns; None otherwise
+  routes_lnsc: Optional[jax.Array] = None
 
 
 def _pin_rows(layout: Layout, x: jax.Array) -> jax.Array:
@@ -67,8 +70,11 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   cache = decode.KVCache(
       tuple(map(kv, c.cache.k)), tuple(map(kv, c.cache.v)),
       rows(c.cache.valid_ns), rows(c.cache.pos_ns))
+  routes = c.routes_lnsc
+  if routes is not None:
+    routes = layout.constrain(routes, (None, sharding.BATCH))
   return c._replace(tokens_nt=rows(c.tokens_nt), logp_nt=rows(c.logp_nt),
-                    done_n=rows(c.done_n), cache=cache)
+                    done_n=rows(c.done_n), cache=cache, routes_lnsc=routes)
 
 
 def prefill(call: decoding.CallSpec, params: transformer.Params,
@@ -83,7 +89,8 @@ def prefill(call: decoding.CallSpec, params: transformer.Params,
   model_config, sampling = call.model_config, call.sampling
   B = prompt_bp.shape[0]
   G, T = call.num_generations, sampling.max_new_tokens
-  pp = decoding.prompt_pass(model_config, params, prompt_bp, prompt_len_b)
+  pp = decoding.prompt_pass(model_config, params, prompt_bp, prompt_len_b,
+                            sampling.record_routes)
   rep = lambda x: jnp.repeat(x, G, axis=0)   # prompt b -> rows b*G..
   grow = lambda x: jnp.pad(rep(x), [(0, 0)] * 2 + [(0, T), (0, 0)])
   cache = decode.KVCache(
@@ -97,8 +104,13 @@ def prefill(call: decoding.CallSpec, params: transformer.Params,
   tokens_nt = jnp.full((B * G, T), sampling.pad_id,
                        jnp.int32).at[:, 0].set(first)
   logp_nt = jnp.zeros((B * G, T), jnp.float32).at[:, 0].set(logp)
+  routes = None
+  if sampling.record_routes:        # the prompt's, then T columns to fill
+    dtype = moe.routes_dtype(model_config.moe.num_experts)
+    routes = jnp.pad(jnp.repeat(pp.routes_lbpc.astype(dtype), G, axis=1),
+                     [(0, 0), (0, 0), (0, T), (0, 0)])
   return _Carry(jnp.int32(1), tokens_nt, logp_nt,
-                decoding.is_stop(first, sampling.stop_ids), cache)
+                decoding.is_stop(first, sampling.stop_ids), cache, routes)
 
 
 def generate(call: decoding.CallSpec, params: transformer.Params,
@@ -116,23 +128,38 @@ def generate(call: decoding.CallSpec, params: transformer.Params,
   def cond(c: _Carry):
     return (c.t < T) & ~jnp.all(c.done_n)
 
-  def body(c: _Carry):
+  def feed(c: _Carry):
+    """The last token through the model: logits, cache and (recording) the
+    routes with its experts written at its column."""
     prev = jax.lax.dynamic_slice_in_dim(c.tokens_nt, c.t - 1, 1, axis=1)[:, 0]
-    logits, cache = decode.decode_step(
+    logits, cache, *taken = decode.decode_step(
         model_config, params, c.cache, prev, len_rows + c.t - 1, P + c.t - 1,
-        layers)
+        layers, sampling.record_routes)
+    routes = c.routes_lnsc
+    if taken:
+      routes = jax.lax.dynamic_update_slice(
+          routes, taken[0][:, :, None].astype(routes.dtype),
+          (0, 0, P + c.t - 1, 0))
+    return logits, cache, routes
+
+  def body(c: _Carry):
+    logits, cache, routes = feed(c)
     tok, logp = decoding.choose_tokens(logits, key, sampling, row_n, c.t)
     tok = jnp.where(c.done_n, sampling.pad_id, tok)
     logp = jnp.where(c.done_n, 0.0, logp)
     tokens_nt = jax.lax.dynamic_update_slice(c.tokens_nt, tok[:, None], (0, c.t))
     logp_nt = jax.lax.dynamic_update_slice(c.logp_nt, logp[:, None], (0, c.t))
     done = c.done_n | decoding.is_stop(tok, sampling.stop_ids)
-    return _pin_carry(layout, _Carry(c.t + 1, tokens_nt, logp_nt, done, cache))
+    return _pin_carry(layout, _Carry(c.t + 1, tokens_nt, logp_nt, done, cache,
+                                      routes))
 
   with jax.named_scope(decoding.DECODE_SCOPE):
     final = jax.lax.while_loop(cond, body, carry)
+  routes_nslc = None
+  if sampling.record_routes:    # the last sampled tokens' experts: one more
+    routes_nslc = jnp.moveaxis(feed(final)[2], 0, 2)   # step, routes only
   return decoding.finish(final.tokens_nt, final.logp_nt, final.t - carry.t,
-                         sampling)
+                         sampling, routes_nslc)
 
 
 @functools.partial(jax.jit, static_argnames="call")
@@ -154,5 +181,4 @@ def sample_padded(call: decoding.CallSpec, params: transformer.Params,
   carry = _pin_carry(
       layout, prefill(call, params, prompt_bp, prompt_len_b, key, row_offset))
   out = generate(call, params, carry, prompt_len_b, key, row_offset)
-  return decoding.Samples(*(_pin_rows(layout, x) for x in out[:-1]),
-                          steps=out.steps)
+  return decoding.map_rows(lambda x: _pin_rows(layout, x), out)

@@ -41,6 +41,11 @@ class Groups(NamedTuple):
   # bool: env observation tokens (attended to, never trained; mask_bgt is
   # False there); None: no env, every generated token is the model's
   observation_bgt: np.ndarray | None = None
+  # routing replay (model.moe.routing_replay = rollout): the experts the
+  # sampler chose per sparse layer, each prompt's tokens' (object [b], each
+  # [p, l, c]) and the completions' [b, g, t, l, c]; None: not recorded
+  prompt_routes_b: np.ndarray | None = None
+  routes_bgtlc: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +198,25 @@ def score_samples(spec: RewardSpec, texts: Sequence[str],
                   out.logp_nt.reshape(B, G, T), out.mask_nt.reshape(B, G, T),
                   out.length_n.reshape(B, G), out.truncated_n.reshape(B, G),
                   reward_n.reshape(B, G), correct_n.reshape(B, G))
+  if out.routes_nslc is not None:
+    groups = groups._replace(**split_routes(out.routes_nslc, prompt_ids, G,
+                                            T))
   return groups, metrics
+
+
+def split_routes(routes_nslc: np.ndarray, prompt_ids, num_generations: int,
+                 completion_len: int) -> dict:
+  """The sampler's recorded routes [n, p + t, l, c] (prompts left-padded to
+  the call's p) as Groups fields: each prompt's own tokens' routes (from
+  its first row) and the completions' t columns."""
+  G, T = num_generations, completion_len
+  P = routes_nslc.shape[1] - T
+  prompts_b = np.empty((len(prompt_ids),), object)
+  for b, p in enumerate(prompt_ids):     # one by one: arrays, not a block
+    prompts_b[b] = routes_nslc[b * G, P - len(p):P]
+  tail = routes_nslc[:, P:]
+  return {"prompt_routes_b": prompts_b,
+          "routes_bgtlc": tail.reshape(-1, G, *tail.shape[1:])}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,9 +321,7 @@ class Sampler:
                                  self._put(len_b[s:s + per_call]), key,
                                  jnp.int32(s * G))
             for s in range(0, rows, per_call)]
-    out = outs[0] if len(outs) == 1 else Samples(
-        *(jnp.concatenate(xs) for xs in zip(*(o[:-1] for o in outs))),
-        steps=jnp.max(jnp.stack([o.steps for o in outs])))
+    out = outs[0] if len(outs) == 1 else decoding.concat_rows(outs)
     return _first_rows(out, B * G)
 
   def _continuous(self, params, prompts, key, G: int, batch_multiple: int
@@ -373,7 +371,7 @@ def _first_rows(out: Samples, n: int) -> Samples:
   """The first n rows of `out` (the rest pad the call)."""
   if out.tokens_nt.shape[0] == n:
     return out
-  return Samples(*(x[:n] for x in out[:-1]), steps=out.steps)
+  return decoding.map_rows(lambda x: x[:n], out)
 
 
 def sample(model_config: ModelConfig, params: Params,

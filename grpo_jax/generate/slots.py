@@ -157,5 +157,4 @@ def finish(call: decoding.CallSpec, tokens_nt: jax.Array, logp_nt: jax.Array,
            steps: jax.Array) -> decoding.Samples:
   """`decoding.finish`, the per-row outputs split along rows."""
   out = decoding.finish(tokens_nt, logp_nt, steps, call.sampling)
-  return decoding.Samples(*(pin(call.layout, x) for x in out[:-1]),
-                          steps=out.steps)
+  return decoding.map_rows(lambda x: pin(call.layout, x), out)

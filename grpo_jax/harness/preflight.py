@@ -47,6 +47,11 @@ def check_model(config, model_config, tokenizer,
         "(--config.model.tokenizer= empty, or the config the model was trained "
         "with).")
   check_model_sizes(config, model_config, where)
+  if config.model.moe.routing_replay != "off" and model_config.moe is None:
+    raise ConfigError(
+        f"config field 'model.moe.routing_replay' = "
+        f"{config.model.moe.routing_replay!r}: the model of {where} has no "
+        "experts (a dense model routes nothing); set it to 'off'")
   check_backend(config)
   check_env(config, tokenizer)
   _check_context(config, model_config.max_seq_len, tokenizer, prompts or {},

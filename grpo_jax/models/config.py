@@ -150,6 +150,12 @@ class ModelConfig:
         return period
     return len(kinds)
 
+  def sparse_layers(self) -> tuple[int, ...]:
+    """The layers with experts, in order (their leaves' axis 0)."""
+    if self.moe is None:
+      return ()
+    return tuple(i for i in range(self.num_layers) if not self.moe.is_dense(i))
+
   def mlp_segments(self) -> list[tuple[int, int]]:
     """[start, stop) runs of layers with the same MLP kind (dense or
     sparse): their weights stack separately (`layer_scan`)."""

@@ -87,11 +87,12 @@ def logits(model_config: ModelConfig, params: Params, x: jax.Array
 
 def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
                 tokens_n: jax.Array, positions_n: jax.Array,
-                index: jax.Array, layers: Optional[list[Params]] = None
-                ) -> tuple[jax.Array, KVCache]:
+                index: jax.Array, layers: Optional[list[Params]] = None,
+                record_routes: bool = False) -> tuple:
   """One token per row: writes its k, v at cache slot `index` (the same slot
   for every row, so the write is one in-place dynamic_update_slice) and
-  returns float32 logits (N, V) and the updated cache.
+  returns float32 logits (N, V) and the updated cache; record_routes: and
+  the experts each sparse layer chose for the token (L_sparse, N, C).
 
   The layers are unrolled rather than scanned. Inside the sampler's while
   loop, a scan slices each layer's weights and cache out of the stacked
@@ -112,7 +113,7 @@ def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
   masks = {c: attention.attention_mask(c, pos_nq, kpos, valid)
            for c in set(configs)}                  # one per layer kind
   x = transformer.embed(params, tokens_n[:, None], model_config)
-  ks, vs = list(cache.k), list(cache.v)
+  ks, vs, routes = list(cache.k), list(cache.v), []
   for i, lp in enumerate(layers):
     c = configs[i]
     q, k, v = transformer.qkv(c, lp, x, pos_nq)
@@ -120,8 +121,11 @@ def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
                                          (0, 0, index, 0))
     vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
                                          (0, 0, index, 0))
-    x = transformer.attn_out_and_mlp(
+    x, routing = transformer.attn_out_and_routed_mlp(
         c, lp, x, attention.attention(q, ks[i], vs[i], masks[c],
                                       c.attn_softcap))
-  return logits(model_config, params, x), KVCache(tuple(ks), tuple(vs), valid,
-                                                  kpos)
+    if routing is not None:
+      routes.append(routing.experts_nc)
+  out = logits(model_config, params, x), KVCache(tuple(ks), tuple(vs), valid,
+                                                 kpos)
+  return (*out, jnp.stack(routes)) if record_routes else out

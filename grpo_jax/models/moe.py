@@ -57,11 +57,25 @@ AXES = {
 
 
 class Routing(NamedTuple):
-  """Each token's chosen experts and gates, and what the balancing loss
-  and the replay metrics read."""
+  """Each token's experts and gates, and what the balancing loss and the
+  replay metrics read: `experts_nc` are the ones used (replayed when
+  given), `chosen_nc` the router's own choice."""
   experts_nc: jax.Array     # int32
   gates_nc: jax.Array       # float32
   probs_nx: jax.Array       # float32: softmax probs / normalised scores
+  chosen_nc: Optional[jax.Array] = None   # int32: this router's top C
+
+
+def routes_dtype(num_experts: int):
+  """The smallest integer type holding an expert index: what recorded
+  routes are stored in (uint8 up to 256 experts)."""
+  return jnp.uint8 if num_experts <= 256 else jnp.int16
+
+
+def differ_n(routes_nc: jax.Array, other_nc: jax.Array) -> jax.Array:
+  """Per token: whether two choices are different expert sets (the order
+  within a token ignored)."""
+  return jnp.any(jnp.sort(routes_nc, -1) != jnp.sort(other_nc, -1), -1)
 
 
 def _choose_grouped(moe: MoeConfig, choice_nx: jax.Array) -> jax.Array:
@@ -95,14 +109,15 @@ def route(moe: MoeConfig, lp: Params, h_nd: jax.Array,
     if moe.correction_bias:
       choice_nx = score_nx + lp["router_bias"].astype(jnp.float32)
     probs_nx = score_nx / score_nx.sum(-1, keepdims=True)
-  if experts_nc is None:
-    experts_nc = _choose_grouped(moe, choice_nx)
+  chosen_nc = _choose_grouped(moe, choice_nx).astype(jnp.int32)
+  experts_nc = chosen_nc if experts_nc is None else experts_nc.astype(
+      jnp.int32)
   gates_nc = jnp.take_along_axis(score_nx, experts_nc, axis=-1)
   if moe.norm_topk_prob:
     eps = 1e-20 if moe.router == "sigmoid" else 0.0
     gates_nc = gates_nc / (gates_nc.sum(-1, keepdims=True) + eps)
   gates_nc = gates_nc * moe.routed_scaling
-  return Routing(experts_nc.astype(jnp.int32), gates_nc, probs_nx)
+  return Routing(experts_nc, gates_nc, probs_nx, chosen_nc)
 
 
 def experts(lp: Params, h_nd: jax.Array, routing: Routing) -> jax.Array:
@@ -158,6 +173,33 @@ def balance_terms(moe: MoeConfig, routing: Routing,
   return counts_x, (routing.probs_nx * w_n[:, None]).sum(0), w_n.sum()
 
 
+class Stats(NamedTuple):
+  """What a pass over the sparse layers sums for the balancing loss and the
+  replay metric (over valid tokens, every sparse layer): `balance_terms`'
+  three sums and `differ`, the (token, layer) pairs whose router would
+  have chosen other experts than the ones used (0 without replay)."""
+  counts_x: jax.Array
+  probs_x: jax.Array
+  tokens: jax.Array
+  differ: jax.Array
+
+  @classmethod
+  def zeros(cls, moe: MoeConfig) -> "Stats":
+    zero_x = jnp.zeros(moe.num_experts, jnp.float32)
+    return cls(zero_x, zero_x, jnp.float32(0), jnp.float32(0))
+
+  def __add__(self, other: "Stats") -> "Stats":
+    return Stats(*(a + b for a, b in zip(self, other)))
+
+
+def layer_stats(moe: MoeConfig, routing: Routing, valid_n: jax.Array
+                ) -> Stats:
+  """One sparse layer's `Stats` over its valid tokens."""
+  differ = differ_n(routing.experts_nc, routing.chosen_nc)
+  return Stats(*balance_terms(moe, routing, valid_n),
+               (differ & valid_n).sum().astype(jnp.float32))
+
+
 def balance_loss(moe: MoeConfig, counts_x: jax.Array, probs_x: jax.Array,
                  tokens: jax.Array) -> jax.Array:
   """Switch Transformer eq. 4-6 as transformers' `load_balancing_loss_func`
@@ -166,3 +208,18 @@ def balance_loss(moe: MoeConfig, counts_x: jax.Array, probs_x: jax.Array,
   divided once). Uniform routing gives C."""
   tokens = jnp.maximum(tokens, 1.0)
   return moe.num_experts * jnp.sum((counts_x / tokens) * (probs_x / tokens))
+
+
+def loss_terms(moe: MoeConfig, stats: Stats, coef: float, num_micro: int
+               ) -> tuple:
+  """The update's MoE terms for one of `num_micro` micro-batches: coef
+  times its balancing loss (over its tokens and sparse layers) / num_micro,
+  so the batch's is the micro-batches' mean; and metrics summed the same
+  way: moe/aux_loss (unweighted) and moe/routes_differ, the fraction of
+  (token, sparse layer) pairs whose router would choose other experts than
+  the replayed ones (0 without replay)."""
+  balance = balance_loss(moe, stats.counts_x, stats.probs_x,
+                         stats.tokens) / num_micro
+  differ = stats.differ / jnp.maximum(stats.tokens, 1.0) / num_micro
+  return coef * balance, {"moe/aux_loss": balance,
+                          "moe/routes_differ": differ}

@@ -5,18 +5,17 @@ each sparse layer's chosen experts, or replays given ones.
 took, (L_sparse, N, S, C) int32 (L_sparse: the layers with experts). Given
 `routes`, every sparse layer uses those experts and recomputes their gates
 from the current router (`moe.route(..., experts_nc=)`), so the router
-still gets gradients. This is what the trainer's scoring and update passes
-run when `model.moe.routing_replay = "rollout"` is wired (open: the
-sampler's recording and the rollout plumbing; docs/models.md).
+still gets gradients. The trainer's passes replay through the same
+`lp["routes"]` leaf (`transformer.hidden_states_routed`; the loop's
+`model.moe.routing_replay = "rollout"`, docs/models.md).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
-from grpo_jax.models import layer_scan, transformer
+from grpo_jax.models import layer_scan, moe, transformer
 from grpo_jax.models.config import ModelConfig
 
 
@@ -50,4 +49,4 @@ def forward_routed(model_config: ModelConfig, params: transformer.Params,
 def routes_differ(routes_a: jax.Array, routes_b: jax.Array) -> jax.Array:
   """Per token and sparse layer (L_sparse, N, S): whether two routings
   chose different expert sets (order within a token ignored)."""
-  return jnp.any(jnp.sort(routes_a, -1) != jnp.sort(routes_b, -1), -1)
+  return moe.differ_n(routes_a, routes_b)

@@ -229,27 +229,58 @@ class Rows(NamedTuple):
   valid_ns: jax.Array       # bool
 
 
+class Routed(NamedTuple):
+  """What a full-sequence pass of an MoE model gives besides its states:
+  `moe.Stats` summed over its sparse layers and valid tokens, and (when
+  asked) the experts each sparse layer used, (L_sparse, N, S, C) int32."""
+  stats: moe.Stats
+  routes_lnsc: Optional[jax.Array] = None
+
+
 def _decoder(model_config: ModelConfig, params: Params, rows: Rows,
              segment_ns: Optional[jax.Array], settings: ForwardSettings,
-             return_kv: bool):
-  """The layers' scan over `rows`: final-normed hidden states (N, S, D) and
-  (return_kv) every layer's k, v, each (L, N, K, S, E)."""
+             return_kv: bool, routes_lnsc: Optional[jax.Array] = None,
+             return_routes: bool = False):
+  """The layers' scan over `rows`: final-normed hidden states (N, S, D),
+  (return_kv) every layer's k, v, each (L, N, K, S, E), and for an MoE
+  model its `Routed` (None otherwise). routes_lnsc: replay these experts
+  (routing replay); return_routes: record the experts used."""
   constrain = settings.constrain or no_constraint
   attend = layer_scan.attends_per_layer(model_config, settings.attention,
                              rows.positions_ns, rows.positions_ns,
                              rows.valid_ns, segment_ns, segment_ns)
+  sparse = model_config.moe
+  N, S = rows.tokens_ns.shape
+  valid_n = rows.valid_ns.reshape(-1)
 
-  def layer(layer_config, x, lp):
+  def layer(layer_config, carry, lp):
+    x, stats = carry if sparse else (carry, None)
     q, k, v = qkv(layer_config, lp, x, rows.positions_ns, constrain)
-    x = attn_out_and_mlp(layer_config, lp, x, attend[layer_config](q, k, v),
-                         constrain)
-    return x, ((k, v) if return_kv else None)
+    x, routing = attn_out_and_routed_mlp(
+        layer_config, lp, x, attend[layer_config](q, k, v), constrain)
+    ys = ((k, v) if return_kv else None, None)
+    if routing is not None:
+      stats = stats + moe.layer_stats(sparse, routing, valid_n)
+    if return_routes:      # (N, S, C); zeros in a dense layer, dropped below
+      ys = (ys[0], jnp.zeros((N, S, sparse.experts_per_token), jnp.int32)
+            if routing is None else routing.experts_nc.reshape(N, S, -1))
+    return (x, stats) if sparse else x, ys
 
+  xs = params["layers"]
+  if routes_lnsc is not None:
+    xs = dict(xs, routes=routes_lnsc)
   x = constrain(embed(params, rows.tokens_ns, model_config), RESIDUAL_AXES)
-  x, kv = layer_scan.scan_layers(
-      model_config, layer, x, params["layers"],
+  carry = (x, moe.Stats.zeros(sparse)) if sparse else x
+  carry, (kv, taken) = layer_scan.scan_layers(
+      model_config, layer, carry, xs,
       layer_scan.remat(REMAT_POLICIES[settings.remat]))
-  return rms_norm(x, params["final_norm"], model_config.norm_eps), kv
+  x, stats = carry if sparse else (carry, None)
+  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
+  if not sparse:
+    return h, kv, None
+  if taken is not None:
+    taken = taken[np.asarray(model_config.sparse_layers())]
+  return h, kv, Routed(stats, taken)
 
 
 def hidden_states(
@@ -267,26 +298,47 @@ def hidden_states(
   restart per example). settings: remat, attention and sharding
   constraints (`ForwardSettings`).
   """
+  return hidden_states_routed(model_config, params, tokens_ns, positions_ns,
+                              valid_ns, segment_ns, settings)[0]
+
+
+def hidden_states_routed(
+    model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
+    positions_ns: Optional[jax.Array] = None,
+    valid_ns: Optional[jax.Array] = None,
+    segment_ns: Optional[jax.Array] = None,
+    settings: ForwardSettings = ForwardSettings(),
+    routes_lnsc: Optional[jax.Array] = None) -> tuple:
+  """`hidden_states` and the MoE `Routed` (None for a dense model), the
+  sparse layers replaying `routes_lnsc` (L_sparse, N, S, C) when given."""
   rows = Rows(tokens_ns, *default_positions_and_valid(tokens_ns, positions_ns,
                                                       valid_ns))
-  return _decoder(model_config, params, rows, segment_ns, settings, False)[0]
+  h, _, routed = _decoder(model_config, params, rows, segment_ns, settings,
+                          False, routes_lnsc)
+  return h, routed
 
 
 def hidden_states_and_kv(
     model_config: ModelConfig, params: Params, tokens_ns: jax.Array,
     positions_ns: Optional[jax.Array] = None,
     valid_ns: Optional[jax.Array] = None,
-    settings: ForwardSettings = ForwardSettings()) -> tuple:
+    settings: ForwardSettings = ForwardSettings(),
+    return_routes: bool = False) -> tuple:
   """`hidden_states` and every layer's k and v stacked over layers, each
-  (L, N, K, S, E), for filling a KV cache (or a shared prompt's keys)."""
+  (L, N, K, S, E), for filling a KV cache (or a shared prompt's keys);
+  return_routes: also the experts of every sparse layer (L_sparse, N, S,
+  C), the sampler's recorded routes (routing replay)."""
   rows = Rows(tokens_ns, *default_positions_and_valid(tokens_ns, positions_ns,
                                                       valid_ns))
-  return _decoder(model_config, params, rows, None, settings, True)
+  h, kv, routed = _decoder(model_config, params, rows, None, settings, True,
+                           return_routes=return_routes)
+  return (h, kv, routed.routes_lnsc) if return_routes else (h, kv)
 
 
 def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
                                 prompt: Rows, continuation: Rows,
-                                settings: ForwardSettings = ForwardSettings()):
+                                settings: ForwardSettings = ForwardSettings(),
+                                routes: Optional[tuple] = None):
   """`hidden_states` of N = B*G rows [prompt b | continuation n], with each
   of the B prompts (B, P) run through the decoder ONCE instead of G times.
 
@@ -296,15 +348,19 @@ def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
   (B*P + N*T tokens instead of N*(P+T)).
 
   Returns the last prompt column's hidden state per prompt (B, D), which
-  predicts the first continuation token, and the continuation's (N, T, D).
+  predicts the first continuation token, the continuation's (N, T, D), and
+  for an MoE model the `Routed` of both passes (each prompt token counted
+  once; None for a dense model). routes: (prompt's (L_sparse, B, P, C),
+  continuation's (L_sparse, N, T, C)) to replay, or None.
   """
   B, N = prompt.tokens_ns.shape[0], continuation.tokens_ns.shape[0]
   if N % B:
     raise ValueError(f"{N} rows do not split into groups of {B} prompts")
   rep = lambda x: jnp.repeat(x, N // B, axis=0)
   constrain = settings.constrain or no_constraint
-  h_bpd, (k_lbkpe, v_lbkpe) = _decoder(model_config, params, prompt, None,
-                                       settings, True)
+  prompt_routes, routes_lntc = (None, None) if routes is None else routes
+  h_bpd, (k_lbkpe, v_lbkpe), prompt_routed = _decoder(
+      model_config, params, prompt, None, settings, True, prompt_routes)
   positions_nt = continuation.positions_ns
   key_pos_ns = jnp.concatenate([rep(prompt.positions_ns), positions_nt],
                                axis=1)
@@ -312,21 +368,33 @@ def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
                                   continuation.valid_ns], axis=1)
   attend = layer_scan.attends_per_layer(model_config, settings.attention,
                              positions_nt, key_pos_ns, key_valid_ns)
+  sparse = model_config.moe
+  valid_n = continuation.valid_ns.reshape(-1)
 
-  def layer(layer_config, x, xs):
+  def layer(layer_config, carry, xs):
+    x, stats = carry if sparse else (carry, None)
     lp, k_prompt, v_prompt = xs
     q, k, v = qkv(layer_config, lp, x, positions_nt, constrain)
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
-    return attn_out_and_mlp(layer_config, lp, x,
-                            attend[layer_config](q, k, v), constrain), None
+    x, routing = attn_out_and_routed_mlp(
+        layer_config, lp, x, attend[layer_config](q, k, v), constrain)
+    if routing is not None:
+      stats = stats + moe.layer_stats(sparse, routing, valid_n)
+    return ((x, stats) if sparse else x), None
 
+  layers = params["layers"]
+  if routes_lntc is not None:
+    layers = dict(layers, routes=routes_lntc)
   x = constrain(embed(params, continuation.tokens_ns, model_config),
                 RESIDUAL_AXES)
-  x, _ = layer_scan.scan_layers(
-      model_config, layer, x, (params["layers"], k_lbkpe, v_lbkpe),
+  carry = (x, prompt_routed.stats) if sparse else x
+  carry, _ = layer_scan.scan_layers(
+      model_config, layer, carry, (layers, k_lbkpe, v_lbkpe),
       layer_scan.remat(REMAT_POLICIES[settings.remat]))
-  return h_bpd[:, -1], rms_norm(x, params["final_norm"], model_config.norm_eps)
+  x, stats = carry if sparse else (carry, None)
+  h = rms_norm(x, params["final_norm"], model_config.norm_eps)
+  return h_bpd[:, -1], h, None if stats is None else Routed(stats)
 
 
 def forward(model_config: ModelConfig, params: Params, tokens_ns: jax.Array,

@@ -144,17 +144,25 @@ def encode(batch: Batch) -> dict:
   """A Batch as JSON data (the host state), bit-exact arrays."""
   g = batch.groups._asdict()
   prompts = [list(map(int, p)) for p in g.pop("prompt_ids_b")]
+  prompt_routes = g.pop("prompt_routes_b")   # routing replay: [p, l, c] each
   return {"step": batch.step, "version": batch.version,
           "metrics": batch.metrics, "data_after": batch.data_after,
           "key_data": _array_text(batch.key_data), "prompt_ids": prompts,
           "arrays": {k: _array_text(v) for k, v in g.items()
-                     if v is not None}}
+                     if v is not None},
+          **({} if prompt_routes is None else {"prompt_routes": [
+              _array_text(r) for r in prompt_routes]})}
 
 
 def decode(d: dict) -> Batch:
   prompts_b = np.empty((len(d["prompt_ids"]),), object)
   prompts_b[:] = [tuple(p) for p in d["prompt_ids"]]
   arrays = {k: _text_array(v) for k, v in d["arrays"].items()}
+  if "prompt_routes" in d:
+    routes_b = arrays["prompt_routes_b"] = np.empty((len(prompts_b),),
+                                                   object)
+    for b, text in enumerate(d["prompt_routes"]):
+      routes_b[b] = _text_array(text)
   return Batch(int(d["step"]), int(d["version"]),
                rollout.Groups(prompt_ids_b=prompts_b, **arrays),
                dict(d["metrics"]), dict(d["data_after"]),

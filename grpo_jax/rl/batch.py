@@ -25,6 +25,9 @@ class RolloutBatch(NamedTuple):
   mask_nt: np.ndarray         # float32 loss mask over the completion
   old_logp_nt: np.ndarray     # float32 log-probs from the sampler
   reward_bg: np.ndarray       # float32 [b, g]
+  # routing replay: the sampler's experts of every column, per sparse
+  # layer (uint8/int16, 0 on padding); None: not replayed
+  routes_nslc: np.ndarray | None = None
 
 
 def to_rows(groups: Groups, pad_id: int, overlong_filter: bool
@@ -50,4 +53,20 @@ def to_rows(groups: Groups, pad_id: int, overlong_filter: bool
         loss_mask, groups.truncated_bg.reshape(-1)), np.float32)
   return RolloutBatch(tokens.astype(np.int32), positions, valid, loss_mask,
                       groups.logp_bgt.reshape(B * G, T).astype(np.float32),
-                      groups.reward_bg.astype(np.float32))
+                      groups.reward_bg.astype(np.float32),
+                      replay_routes(groups, P))
+
+
+def replay_routes(groups: Groups, prompt_len: int) -> np.ndarray | None:
+  """The recorded routes (routing replay) in the rows' columns [n, p + t,
+  l, c]: each prompt's right-aligned to `prompt_len` as its tokens are,
+  then the completion's; 0 on padding. None when none were recorded."""
+  if groups.routes_bgtlc is None:
+    return None
+  B, G, T = groups.tokens_bgt.shape
+  tail = groups.routes_bgtlc.reshape(B * G, T, *groups.routes_bgtlc.shape[3:])
+  out = np.zeros((B * G, prompt_len + T) + tail.shape[2:], tail.dtype)
+  for b, routes in enumerate(groups.prompt_routes_b):
+    out[b * G:(b + 1) * G, prompt_len - len(routes):prompt_len] = routes
+  out[:, prompt_len:] = tail
+  return out

@@ -118,6 +118,9 @@ class PackedRows(NamedTuple):
   pred_rs: np.ndarray        # int32: the column (same row) predicting it
   src_nt: np.ndarray         # int32: slot's completion token t (0: none)
   row_n: np.ndarray          # int32: the padded row slot holds (n: empty)
+  # the recorded experts of every token (routing replay), moved as the
+  # tokens are; None: not replayed
+  routes_rslc: np.ndarray | None = None
 
 
 def _bucket(n: int) -> int:
@@ -166,7 +169,8 @@ def sequence_lengths(valid_ns: np.ndarray, need_nt: np.ndarray
 
 def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
               need_nt: np.ndarray, group_size: int, rows_per_micro: int,
-              row_multiple: int = 1) -> tuple[PackedRows, int]:
+              row_multiple: int = 1, routes_nslc: np.ndarray | None = None
+              ) -> tuple[PackedRows, int]:
   """Packs padded rows [left-padded prompt (P) | completion (T)] into rows
   of S = P + T tokens, R = `rows_per_micro` (at most) per micro-batch.
 
@@ -174,7 +178,8 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   loss mask); each row is packed through its last one, rows without any are
   left out. group_size G > 1: rows come in groups of G sharing a prompt,
   which a packed row then holds once (module docstring). row_multiple: R and
-  N are multiples of it (the devices the rows are split over).
+  N are multiples of it (the devices the rows are split over). routes_nslc:
+  the rows' recorded experts (routing replay), packed with their tokens.
   Returns the rows and M, the number of micro-batches.
   """
   tokens_ns, valid_ns = np.asarray(tokens_ns), np.asarray(valid_ns, bool)
@@ -191,6 +196,10 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
   N = slot_count(max([sum(map(len, rs)) for rs in per_micro] + [1]),
                  row_multiple)
   out = _empty(M, R, S, N, T, n)
+  if routes_nslc is not None:
+    routes_nslc = np.asarray(routes_nslc)
+    out = out._replace(routes_rslc=np.zeros(
+        (R * M, S) + routes_nslc.shape[2:], routes_nslc.dtype))
   for m, micro_rows in enumerate(per_micro):
     slot = 0
     for r, row in enumerate(micro_rows):
@@ -201,11 +210,13 @@ def pack_rows(tokens_ns: np.ndarray, valid_ns: np.ndarray,
           last_group, member = group_n[i], 0
           gid += 1
           _put(out, r * M + m, col, tokens_ns[i, P - p:P], np.arange(p),
-               gid * SEGMENT_MEMBERS)
+               gid * SEGMENT_MEMBERS,
+               None if routes_nslc is None else routes_nslc[i, P - p:P])
           prompt_last, col = col + p - 1, col + p
         member += 1
         _put(out, r * M + m, col, tokens_ns[i, P:P + c], p + np.arange(c),
-             gid * SEGMENT_MEMBERS + member)
+             gid * SEGMENT_MEMBERS + member,
+             None if routes_nslc is None else routes_nslc[i, P:P + c])
         cols = col + np.arange(c)
         out.pred_rs[r * M + m, col:col + c] = np.concatenate(
             [[prompt_last], cols[:-1]])
@@ -224,9 +235,12 @@ def _empty(M, R, S, N, T, n) -> PackedRows:
                                                             np.int32))
 
 
-def _put(out: PackedRows, row, col, tokens, positions, segment):
-  """One sequence's tokens written into packed row `row` from column `col`."""
+def _put(out: PackedRows, row, col, tokens, positions, segment, routes=None):
+  """One sequence's tokens (and their routes) written into packed row
+  `row` from column `col`."""
   end = col + len(tokens)
+  if routes is not None:
+    out.routes_rslc[row, col:end] = routes
   out.tokens_rs[row, col:end] = tokens
   out.positions_rs[row, col:end] = positions
   out.valid_rs[row, col:end] = True
@@ -272,13 +286,17 @@ def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows,
   rows over the batch axes, and so the predicting states (same row) and the
   slots' log-probs. Only the [R, S] scalar log-probs cross chips (a slot's
   row may live on another), never hidden states. forward.group_size is
-  not read: the rows say who shares a prompt (segment ids)."""
+  not read: the rows say who shares a prompt (segment ids). Returns the
+  log-probs, the entropies and the MoE `transformer.Routed` (None for a
+  dense model), replaying `rows.routes_rslc` where given."""
   constrain = forward.constrain
-  h_rsd = transformer.hidden_states(
+  routes = rows.routes_rslc
+  h_rsd, routed = transformer.hidden_states_routed(
       model_config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
       rows.segments_rs, transformer.ForwardSettings(forward.remat,
                                                     forward.attention,
-                                                    constrain))
+                                                    constrain),
+      None if routes is None else jnp.moveaxis(routes, 2, 0))
   if constrain is not None:     # the gather and the head read whole rows
     h_rsd = constrain(h_rsd, ("batch", None, None))
   h_pred = jnp.take_along_axis(h_rsd, rows.pred_rs[..., None], axis=1)
@@ -292,7 +310,7 @@ def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows,
   if constrain is not None:
     logp_nt = constrain(logp_nt, ("batch", None))
     entropy_nt = constrain(entropy_nt, ("batch", None))
-  return logp_nt, entropy_nt
+  return logp_nt, entropy_nt, routed
 
 
 def gather_slots(x_n: jax.Array, row_n: jax.Array) -> jax.Array:

@@ -135,7 +135,9 @@ class RunSpec:
         batch=batch, update=UpdateSpec.from_config(config),
         optimizer=OptimizerSpec.from_config(config.optim,
                                             batch.total_updates),
-        sampling=sampler,
+        sampling=dataclasses.replace(   # routing replay: the trainer's only
+            sampler, record_routes=config.model.moe.routing_replay
+            == "rollout"),
         sampler_dtype=(config.sampling.compute_dtype
                        or config.model.compute_dtype),
         sampler_weights=config.sampling.weights_dtype,

@@ -149,14 +149,16 @@ class UpdatePlan:
 
 
 def choose_packing(plan: UpdatePlan, tokens_ns, valid_ns, mask_nt,
-                   group_size: int):
+                   routes_nslc, group_size: int):
   """(packed rows, micro-batches) for these rows, or None where rl.packing
   says to stay padded (off; auto: where packing does not save tokens).
-  Packed rows keep the padded path's micro-batch token budget."""
+  Packed rows keep the padded path's micro-batch token budget; recorded
+  routes (routing replay; None: none) are packed with their tokens."""
   if plan.spec.packing == "off":
     return None
   rows, num_micro = packing.pack_rows(tokens_ns, valid_ns, mask_nt,
-                                      group_size, plan.micro, plan.shards)
+                                      group_size, plan.micro, plan.shards,
+                                      routes_nslc)
   if plan.spec.packing == "auto" and not packing.wins(
       rows, len(mask_nt), plan.seq_len - plan.T, plan.T, group_size):
     return None
@@ -166,8 +168,8 @@ def choose_packing(plan: UpdatePlan, tokens_ns, valid_ns, mask_nt,
 def for_program(plan: UpdatePlan, batch: UpdateBatch, host: tuple,
                 group_size: int, put):
   """A batch of padded rows as its program runs it: packed where
-  `choose_packing` says for its host (tokens, valid, loss mask), else as
-  it is; (batch, micro-batches, packing metrics)."""
+  `choose_packing` says for its host (tokens, valid, loss mask, routes or
+  None), else as it is; (batch, micro-batches, packing metrics)."""
   n = len(host[0])
   chosen = choose_packing(plan, *host, group_size)
   if chosen is None:
@@ -186,14 +188,16 @@ def score_step(plan: UpdatePlan, program: UpdateProgram, state,
   the policy is the base with the adapters state.params, the reference the
   base itself."""
   spec, put = plan.spec, _put(program)
+  routes = rollout.routes_nslc
   cols = UpdateBatch(put(rollout.tokens_ns), put(rollout.positions_ns),
-                     put(rollout.valid_ns))
+                     put(rollout.valid_ns),
+                     routes_nslc=None if routes is None else put(routes))
   metrics, t0 = {}, time.perf_counter()
   old = put(rollout.old_logp_nt)
   if spec.scores:
     scored, num_micro, _ = for_program(
         plan, cols, (rollout.tokens_ns, rollout.valid_ns,
-                           rollout.mask_nt), plan.whole, put)
+                     rollout.mask_nt, routes), plan.whole, put)
     score = dataclasses.replace(program, num_micro=num_micro,
                                 group_size=plan.whole,
                                 logp_shape=(plan.n, plan.T))
@@ -227,6 +231,8 @@ def update_passes(plan: UpdatePlan, program: UpdateProgram, state,
   spec, put = plan.spec, _put(program)
   mask_host = (np.asarray(sharding_lib.to_host(full.mask_nt))
                if spec.packing != "off" else None)
+  routes = rollout.routes_nslc
+  take = lambda x, idx: None if x is None else x[idx]
   step_metrics, pack_metrics = [], []
   for _ in range(spec.num_updates):
     for idx in _minibatches(plan.n, plan.mini, rng, plan.group):
@@ -234,8 +240,8 @@ def update_passes(plan: UpdatePlan, program: UpdateProgram, state,
       num_micro, packed = plan.mini // plan.micro, {"pack/used": 0.0}
       if mask_host is not None:
         batch, num_micro, packed = for_program(
-            plan, batch, (rollout.tokens_ns[idx],
-                                rollout.valid_ns[idx], mask_host[idx]),
+            plan, batch, (rollout.tokens_ns[idx], rollout.valid_ns[idx],
+                          mask_host[idx], take(routes, idx)),
             plan.group, put)
       pack_metrics.append(packed)
       state, m = update_step(
@@ -258,8 +264,10 @@ def mean_update_metrics(step_metrics: list[dict], pack_metrics: list[dict]
     metrics[k] = float(np.mean([m[k] for m in pack_metrics if k in m]))
   metrics.update(nonfinite.summarise(step_metrics))   # skips: a count
   metrics["ratio/first_update_mean"] = float(step_metrics[0]["ratio/mean"])
+  # The sampler/trainer mismatch is the first update's (θ = θ_old): the
+  # log-probs' (rollout_*) and, routing replay on, the routes'.
   metrics.update({k: float(v) for k, v in step_metrics[0].items()
-                  if k.startswith("rollout_")})
+                  if k.startswith("rollout_") or k == "moe/routes_differ"})
   return metrics
 
 

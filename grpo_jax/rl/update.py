@@ -36,7 +36,7 @@ import optax
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
 from grpo_jax.algorithms import losses
-from grpo_jax.models import lora
+from grpo_jax.models import lora, moe
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.transformer import cast
 from grpo_jax.rl import nonfinite, packing
@@ -73,6 +73,7 @@ class LossSettings:
   compute_dtype: str = "float32"
   attention: str = "auto"
   lora_scale: float = 0.0    # α/r of the adapters (model.lora; 0: off)
+  moe_aux_coef: float = -1.0  # balancing loss weight (< 0: the checkpoint's)
 
   @property
   def use_kl(self) -> bool:
@@ -99,7 +100,17 @@ class LossSettings:
                chunk=config.model.logprob_chunk, remat=config.model.remat,
                compute_dtype=config.model.compute_dtype,
                attention=config.model.attention,
-               lora_scale=lora.LoraSpec.from_config(config).scale)
+               lora_scale=lora.LoraSpec.from_config(config).scale,
+               moe_aux_coef=config.model.moe.aux_loss_coef)
+
+  def aux_coef(self, model_config: ModelConfig) -> float:
+    """The MoE balancing loss's weight: model.moe.aux_loss_coef, or (< 0)
+    the checkpoint's `router_aux_loss_coef` (0 for a dense model)."""
+    if model_config.moe is None:
+      return 0.0
+    if self.moe_aux_coef >= 0:
+      return self.moe_aux_coef
+    return model_config.moe.aux_loss_coef
 
 
 class Policy(NamedTuple):
@@ -135,6 +146,7 @@ class UpdateBatch(NamedTuple):
   adv_n: jax.Array | None = None    # [N] outcome or [N, T] process advantages
   is_weight_nt: Optional[jax.Array] = None   # rollout-correction weights
   rows: Optional[packing.PackedRows] = None   # packed: the decoder's rows
+  routes_nslc: Optional[jax.Array] = None   # replay: the sampler's experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,26 +192,37 @@ def batch_logprobs(params: Params, batch: UpdateBatch, num_completion: int,
   temperature-scaled exactly as the sampler's log-probs: over the last
   `num_completion` columns of padded rows (program.group_size > 1: each
   group's prompt run once), or gathered from packed rows into their
-  sequence slots. With a layout each chip computes only its rows."""
+  sequence slots. With a layout each chip computes only its rows. Third:
+  the MoE `transformer.Routed` (None for a dense model), the recorded
+  experts replayed where the batch has them."""
   loss = program.loss
   params = cast(params, loss.compute_dtype)
   forward = loss.forward(program.layout, program.group_size)
   if batch.rows is not None:
     return packing.packed_logprobs(program.model_config, params, batch.rows,
                                    forward)
-  return logprobs_lib.sequence_logprobs(
+  return logprobs_lib.sequence_logprobs_routed(
       program.model_config, params, batch.tokens_ns, batch.positions_ns,
-      batch.valid_ns, completion_len=num_completion, forward=forward)
+      batch.valid_ns, completion_len=num_completion, forward=forward,
+      routes_nslc=batch.routes_nslc)
 
 
 def loss_fn(policy: Policy, batch: UpdateBatch, norm: losses.Normalisers,
             kl_beta, program: UpdateProgram):
   """The configured loss of one (micro-)batch under `policy` and its
-  metrics (program.group_size: the rows per prompt of this batch)."""
+  metrics (program.group_size: the rows per prompt of this batch), plus
+  an MoE model's weighted balancing loss (`moe.loss_terms`)."""
   params = policy.tree(program.loss.lora_scale)
-  logp, entropy = batch_logprobs(params, batch, batch.mask_nt.shape[1],
-                                 program)
-  return policy_loss(logp, entropy, batch, norm, kl_beta, program.loss)
+  logp, entropy, routed = batch_logprobs(params, batch,
+                                         batch.mask_nt.shape[1], program)
+  loss, metrics = policy_loss(logp, entropy, batch, norm, kl_beta,
+                              program.loss)
+  if routed is None:
+    return loss, metrics
+  aux, moe_metrics = moe.loss_terms(
+      program.model_config.moe, routed.stats,
+      program.loss.aux_coef(program.model_config), program.num_micro)
+  return loss + aux, {**metrics, **moe_metrics}
 
 
 def policy_loss(logp_nt, entropy_nt, batch: UpdateBatch,

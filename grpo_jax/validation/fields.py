@@ -30,6 +30,7 @@ _CHOICES = {
     "model.param_dtype": DTYPES,
     "model.compute_dtype": DTYPES,
     "model.remat": tuple(transformer.REMAT_POLICIES),
+    "model.moe.routing_replay": ("off", "rollout"),
     "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
     "sampling.weights_dtype": quant.WEIGHTS_DTYPES,  # "": compute_dtype
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
@@ -178,6 +179,7 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
   if config.method == "star":
     groups.check_star(config.star)
   groups.check_lora(config.model.lora)
+  groups.check_routing_replay(config)
   groups.check_rollout(config)
   groups.check_env(config)
   groups.check_sizes(config)

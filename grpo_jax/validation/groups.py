@@ -108,6 +108,23 @@ def check_env(config: ConfigDict) -> None:
                         f"on this host: {err}") from err
 
 
+def check_routing_replay(config: ConfigDict) -> None:
+  """model.moe.routing_replay = rollout: the lockstep sampler records the
+  routes (docs/models.md); the continuous-batching samplers (dense slots,
+  paged) and multi-turn episodes do not yet."""
+  if config.model.moe.routing_replay == "off":
+    return
+  field = "config field 'model.moe.routing_replay' = 'rollout'"
+  if config.sampling.continuous_batching:
+    raise ConfigError(f"{field}: only the lockstep sampler records routes; "
+                      "set sampling.continuous_batching=False (the dense-slot "
+                      "and paged samplers do not record them yet)")
+  if config.env.name:
+    raise ConfigError(f"{field}: episodes with an env (env.name = "
+                      f"{config.env.name!r}) do not record routes yet; set "
+                      "env.name='' or model.moe.routing_replay='off'")
+
+
 def check_lora(c: ConfigDict) -> None:
   """model.lora: rank >= 0 (0: off), alpha > 0, targets that name
   projections, dropout 0, a known sampler."""

@@ -1,0 +1,152 @@
+"""MoE routing replay through the loop (docs/models.md): the lockstep
+sampler records every token's experts per sparse layer; they travel with
+the rollout (Groups, rows, packed rows, the async host state) and the
+trainer's passes replay them (gates recomputed from its router)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.generate import rollout, sampling
+from grpo_jax.models import cast, get_preset, init_params, transformer
+from grpo_jax.rl import async_rollouts, batch, step, update
+
+CONFIG = get_preset("tiny-moe")
+PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 1]]
+G, T = 2, 6
+
+
+def _sample(params, record=True):
+  settings = sampling.SamplingConfig(max_new_tokens=T, stop_ids=(3,),
+                                     record_routes=record)
+  return jax.device_get(sampling.sample(CONFIG, params, PROMPTS,
+                                        jax.random.key(0), settings, G))
+
+
+def _groups(out) -> rollout.Groups:
+  B = len(PROMPTS)
+  prompts_b = np.empty((B,), object)
+  prompts_b[:] = [tuple(p) for p in PROMPTS]
+  shape = lambda x: np.asarray(x).reshape(B, G, *np.shape(x)[1:])
+  groups = rollout.Groups(
+      prompts_b, shape(out.tokens_nt), shape(out.logp_nt),
+      shape(out.mask_nt), shape(out.length_n), shape(out.truncated_n),
+      np.arange(B * G, dtype=np.float32).reshape(B, G) % 2,
+      np.zeros((B, G), bool))
+  return groups._replace(**rollout.split_routes(
+      np.asarray(out.routes_nslc), PROMPTS, G, T))
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CONFIG, jax.random.key(1))
+
+
+def _scored(params, rows, group_size=1, dtype="float32", routes=True):
+  """The trainer's log-probs and metrics on the rows (one micro-batch)."""
+  program = update.UpdateProgram(
+      CONFIG, update.LossSettings(chunk=8, compute_dtype=dtype),
+      group_size=group_size)
+  b = update.UpdateBatch(
+      jnp.asarray(rows.tokens_ns), jnp.asarray(rows.positions_ns),
+      jnp.asarray(rows.valid_ns), jnp.asarray(rows.mask_nt),
+      jnp.asarray(rows.old_logp_nt), jnp.zeros_like(rows.old_logp_nt),
+      jnp.ones(len(rows.mask_nt)),
+      routes_nslc=jnp.asarray(rows.routes_nslc) if routes else None)
+  norm = update.global_normalisers(b.mask_nt, program.loss)
+  logp, _, _ = update.batch_logprobs(
+      update.cast(params, dtype), b, T, program)
+  _, metrics = update.loss_fn(update.Policy(params), b, norm, 0.0, program)
+  return np.asarray(logp), metrics
+
+
+def test_recorded_routes_are_the_full_forwards(params):
+  """Every column's recorded experts (prompt and completion, the last
+  sampled token included) are the ones a full-sequence pass chooses."""
+  rows = batch.to_rows(_groups(_sample(params)), 0, False)
+  assert rows.routes_nslc.dtype == np.uint8
+  assert rows.routes_nslc.shape == rows.tokens_ns.shape + (2, 2)
+  *_, taken_lnsc = transformer.hidden_states_and_kv(
+      CONFIG, params, jnp.asarray(rows.tokens_ns),
+      jnp.asarray(rows.positions_ns), jnp.asarray(rows.valid_ns),
+      return_routes=True)
+  taken_nslc = np.moveaxis(np.asarray(taken_lnsc), 0, 2)
+  valid = rows.valid_ns
+  np.testing.assert_array_equal(np.sort(rows.routes_nslc[valid], -1),
+                                np.sort(taken_nslc[valid], -1))
+
+
+@pytest.mark.parametrize("group_size", [1, G])
+def test_replay_gives_the_samplers_logprobs_in_float32(params, group_size):
+  """At the sampler's parameters, the trainer's log-probs with replay are
+  the sampler's (float32) and no route differs."""
+  out = _sample(params)
+  rows = batch.to_rows(_groups(out), 0, False)
+  logp, metrics = _scored(params, rows, group_size)
+  mask = rows.mask_nt > 0
+  np.testing.assert_allclose(logp[mask], rows.old_logp_nt[mask], atol=2e-6)
+  assert float(metrics["moe/routes_differ"]) == 0.0
+  assert float(metrics["moe/aux_loss"]) > 0
+
+
+@pytest.mark.slow
+def test_replay_in_bfloat16_within_its_rounding(params):
+  """bf16 sampler and trainer, replayed: the log-probs agree within bf16's
+  rounding of the logits (measured: docs/models.md)."""
+  half = cast(params, "bfloat16")
+  out = _sample(half)
+  rows = batch.to_rows(_groups(out), 0, False)
+  logp, _ = _scored(half, rows, dtype="bfloat16")
+  mask = rows.mask_nt > 0
+  np.testing.assert_allclose(logp[mask], rows.old_logp_nt[mask], atol=0.05)
+
+
+def test_routes_differ_when_the_samplers_router_did(params):
+  """A sampler whose router moved routes some tokens elsewhere: the metric
+  counts them (> 0); the trainer still replays the sampler's experts."""
+  moved = dict(params, layers=dict(params["layers"]))
+  router = params["layers"]["router"]
+  moved["layers"]["router"] = router + 0.2 * jnp.std(router) * \
+      jax.random.normal(jax.random.key(3), router.shape)
+  rows = batch.to_rows(_groups(_sample(moved)), 0, False)
+  _, metrics = _scored(params, rows)
+  assert 0 < float(metrics["moe/routes_differ"]) < 0.5
+
+
+def test_packed_rows_carry_the_routes(params):
+  """Packed rows (a group's prompt once) replay the same experts: their
+  log-probs are the padded rows'."""
+  rows = batch.to_rows(_groups(_sample(params)), 0, False)
+  plan = step.UpdatePlan.of(step.UpdateSpec(packing="on", num_generations=G),
+                            rows)
+  cols = update.UpdateBatch(jnp.asarray(rows.tokens_ns),
+                            jnp.asarray(rows.positions_ns),
+                            jnp.asarray(rows.valid_ns),
+                            routes_nslc=jnp.asarray(rows.routes_nslc))
+  packed, num_micro, used = step.for_program(
+      plan, cols, (rows.tokens_ns, rows.valid_ns, rows.mask_nt,
+                   rows.routes_nslc), G, jnp.asarray)
+  assert used["pack/used"] == 1.0 and packed.rows.routes_rslc is not None
+  program = update.UpdateProgram(CONFIG, update.LossSettings(chunk=8),
+                                 num_micro=num_micro,
+                                 logp_shape=rows.mask_nt.shape)
+  logp = update.score_logprobs(update.Policy(params), packed, program)
+  mask = rows.mask_nt > 0
+  np.testing.assert_allclose(np.asarray(logp)[mask], rows.old_logp_nt[mask],
+                             atol=2e-6)
+
+
+def test_routes_survive_dynamic_sampling_and_the_host_state(params):
+  """Groups' routes are selected and concatenated with their groups, and an
+  async batch's host state (JSON) gives them back bit for bit."""
+  groups = _groups(_sample(params))
+  from grpo_jax.algorithms import dynamic_sampling
+  picked = dynamic_sampling.select_groups(groups, np.array([2, 0]))
+  assert picked.prompt_routes_b[0].shape == (len(PROMPTS[2]), 2, 2)
+  np.testing.assert_array_equal(picked.routes_bgtlc[1], groups.routes_bgtlc[0])
+  b = async_rollouts.Batch(1, 0, groups, {}, {}, np.zeros(2, np.uint32))
+  back = async_rollouts.decode(async_rollouts.encode(b)).groups
+  for p, q in zip(back.prompt_routes_b, groups.prompt_routes_b):
+    np.testing.assert_array_equal(p, q)
+  np.testing.assert_array_equal(back.routes_bgtlc, groups.routes_bgtlc)
+  assert back.routes_bgtlc.dtype == np.uint8
