@@ -299,9 +299,12 @@ class Engine:
             if h is not None and not self._slots.live_m[m]]
 
   def _prefill_pending(self) -> None:
+    """PREFILL: the pending rows' new tokens, A rows (a power of 4, at most
+    the slots) of L columns (`sampling.bucket`): few distinct shapes, since
+    how many rows come back between calls depends on the tools' timing."""
     spec, cfg = self.spec, self.spec.sampling
     rows = self._pending
-    A = sampling.bucket(len(rows), 1)
+    A = min(4 ** -(-(len(rows) - 1).bit_length() // 2), spec.slots)
     L = sampling.bucket(max(len(r.tokens) - r.cached for _, r, _, _ in rows))
     tokens_al = np.full((A, L), cfg.pad_id, np.int32)
     start_a, count_a, noise_a = (np.zeros(A, np.int32) for _ in range(3))
