@@ -2,15 +2,25 @@
 sampler records every token's experts per sparse layer; they travel with
 the rollout (Groups, rows, packed rows, the async host state) and the
 trainer's passes replay them (gates recomputed from its router)."""
+import json
+import os
+import subprocess
+import sys
+
+import async_checks
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_jax import validation
+from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout, sampling
+from grpo_jax.harness import experiment, preflight
 from grpo_jax.models import cast, get_preset, init_params, transformer
 from grpo_jax.rl import async_rollouts, batch, step, update
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = get_preset("tiny-moe")
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 1]]
 G, T = 2, 6
@@ -150,3 +160,63 @@ def test_routes_survive_dynamic_sampling_and_the_host_state(params):
     np.testing.assert_array_equal(p, q)
   np.testing.assert_array_equal(back.routes_bgtlc, groups.routes_bgtlc)
   assert back.routes_bgtlc.dtype == np.uint8
+
+
+def test_replay_is_refused_where_routes_are_not_recorded():
+  """The continuous-batching samplers and env episodes do not record
+  routes: refused at validation, naming the field."""
+  config = async_checks.config(**{"model.source": "tiny-moe",
+                                  "model.moe.routing_replay": "rollout"})
+  validation.validate(config)
+  config.sampling.continuous_batching = True
+  with pytest.raises(ConfigError, match="'model.moe.routing_replay' = "
+                     "'rollout': only the lockstep sampler"):
+    validation.validate(config)
+  config.sampling.continuous_batching = False
+  config.env.name = "calculator"
+  with pytest.raises(ConfigError, match="env.name = 'calculator'"):
+    validation.validate(config)
+  config.model.moe.routing_replay = "always"
+  with pytest.raises(ConfigError, match="allowed: \\('off', 'rollout'\\)"):
+    validation.validate(config)
+  dense = async_checks.config(**{"model.moe.routing_replay": "rollout"})
+  with pytest.raises(ConfigError, match="has no experts"):
+    preflight.check_model(dense, get_preset("tiny"),
+                          experiment.load_tokenizer(dense))
+
+
+def _train_rows(tmp_path, name, *fields):
+  """The training rows (metrics.jsonl, timings dropped) of a tiny-moe run
+  with replay on 8 fake devices (tests/async_checks.py)."""
+  out = tmp_path / f"{name}.npz"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tests", "async_checks.py"), "8",
+       str(tmp_path / name), str(out), "model.source=tiny-moe",
+       "model.moe.routing_replay=rollout", "rl.packing=on", *fields],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  saved = np.load(out)
+  assert int(saved["devices"]) == 8
+  return [r for r in json.loads(str(saved["metrics"])) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_tiny_moe_trains_with_replay_on_8_devices_with_an_expert_axis(
+    tmp_path):
+  """tiny-moe, experts split 4 ways over `tensor` (mesh (2, 1, 4)), packed
+  rows, replay: in float32 the trainer routes as the sampler did and
+  scores its log-probs (the first update's mismatch at rounding). Then
+  the asynchronous split (4 + 4 devices, rows one version stale): the
+  routes travel through the sampler thread; a stale router differs."""
+  rows = _train_rows(tmp_path, "mesh", "mesh.shape=[2,1,4]")
+  assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+  assert all(r["moe/routes_differ"] == 0 for r in rows)
+  assert all(r["rollout_logp_diff/max"] < 1e-5 for r in rows)
+  assert rows[0]["moe/aux_loss"] > 0 and rows[0]["pack/used"] == 1
+  stale = _train_rows(tmp_path, "split", "mesh.shape=[1,1,4]",
+                      "rollout.sampler_devices=4", "stale=1")
+  assert [r["staleness/max"] for r in stale] == [0, 1, 1]
+  assert all(np.isfinite(r["loss"]) for r in stale)
+  assert stale[0]["moe/routes_differ"] == 0 < stale[1]["moe/routes_differ"]
