@@ -10,7 +10,7 @@ import test_agents as ta  # the tiny model, the scripted env, the reference
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
-from grpo_jax.generate import agent, agent_parked, parked
+from grpo_jax.generate import agent, agent_parked, parked, rollout
 from grpo_jax.models import init_params
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
 
@@ -76,6 +76,46 @@ def test_greedy_episodes_equal_the_per_turn_path_and_an_uncached_reference(
   assert stats["free_pages"] == stats["pages"], "every page back at the end"
   if pages:
     assert stats["released"] > 0, "the test must cover releasing for room"
+
+
+def test_the_rollout_runs_the_engine_the_env_config_names(params):
+  """generate_groups with env.engine 'parked': the per-turn path's groups
+  (greedy), and the engine's metrics."""
+  tok, rewards = byte_tokenizer(), rollout.RewardSpec(
+      (("last_number", 1.0, {}),), "last_number")
+  groups = {}
+  for engine, sampler in (("turns", ta._sampler()),
+                          ("parked", _paged(slots=2))):
+    settings = rollout.GroupSettings(
+        2, rewards, "last_number",
+        env=dataclasses.replace(ta._spec(), engine=engine))
+    groups[engine], metrics = rollout.generate_groups(
+        sampler, params, tok, ta.EXAMPLES, jax.random.key(3), settings)
+  for name in ("tokens_bgt", "mask_bgt", "observation_bgt", "length_bg",
+               "reward_bg"):
+    np.testing.assert_array_equal(getattr(groups["parked"], name),
+                                  getattr(groups["turns"], name), name)
+  assert metrics["env/engine_free_pages"] == metrics["env/engine_pages"]
+  assert metrics["env/engine_prefilled"] > 0
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ((("delay_s", 3.0), ("observations", ("late",))), "timed out after 0.1 s"),
+    ((("observations", ("raise",)),), "RuntimeError")])
+def test_slow_and_failing_tools_are_error_observations_on_the_engine(
+    params, kwargs, error):
+  tok = byte_tokenizer()
+  spec = dataclasses.replace(ta._spec(), engine="parked", max_turns=2,
+                             max_observation_tokens=48, tool_timeout_s=0.1,
+                             kwargs=kwargs)
+  ep = agent_parked.run_episodes(_paged(), params, tok, ta.EXAMPLES[:1],
+                                 jax.random.key(3), 2, spec)
+  called = ep.tool_calls_n > 0
+  assert called.any(), "the test must cover a tool call"
+  np.testing.assert_array_equal(ep.tool_errors_n, called)
+  i = int(np.argmax(called))
+  text = tok.decode(ep.tokens_nt[i][ep.observation_nt[i]].tolist())
+  assert f"error: {error}" in text
 
 
 def test_a_parked_row_keeps_its_pages_and_only_new_tokens_are_prefilled(

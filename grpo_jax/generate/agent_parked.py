@@ -65,23 +65,38 @@ class _Tools:
 
   def submit(self, env: base.Env, text: str, ids: list, row: parked.Parked):
     deadline = time.monotonic() + self.timeout_s + agent.GRACE_S
-    self.calls[self.pool.submit(env.step, text, ids)] = (row, deadline)
+    self.calls[self.pool.submit(_step, env, text, ids)] = (row, deadline)
 
   def answered(self, block: bool) -> list:
-    """(row, result) of the calls done or past their deadline; block: wait
-    for the first of them."""
+    """(row, result) of the calls done or past their deadline (a result
+    that came back after it, while the host was busy, is a time-out too);
+    block: wait for the first of them."""
     if block and self.calls:
       first = min(d for _, d in self.calls.values())
       concurrent.futures.wait(
           self.calls, timeout=max(0.0, first - time.monotonic()),
           return_when=concurrent.futures.FIRST_COMPLETED)
-    now = time.monotonic()
-    out = []
+    now, out = time.monotonic(), []
+    late = base.tool_error(f"timed out after {self.timeout_s:g} s")
     for future, (row, deadline) in list(self.calls.items()):
-      if future.done() or now >= deadline:
-        del self.calls[future]
-        out.append((row, agent.tool_result(future, deadline, self.timeout_s)))
+      if future.done():
+        result, at = future.result()
+        out.append((row, result if at <= deadline else late))
+      elif now >= deadline:
+        out.append((row, late))
+      else:
+        continue
+      del self.calls[future]
     return out
+
+
+def _step(env: base.Env, text: str, ids: list) -> tuple:
+  """env.step (an exception: a tool error) and when it returned."""
+  try:
+    result = env.step(text, ids)
+  except Exception as e:  # pylint: disable=broad-except
+    result = base.tool_error(type(e).__name__)
+  return result, time.monotonic()
 
 
 def _make_room(engine: parked.Engine, ready: collections.deque,
