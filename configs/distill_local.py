@@ -7,7 +7,8 @@ and makes 4 optimizer updates (the quickstart's 4 steps of 64 rows, or 4 SFT ste
   :on_policy   the student samples, the teacher grades each token (rl.distill)
   :off_policy  the teacher samples 256 problems, verified answers kept, the student fine-tuned
   :r1          the R1 recipe as one pipeline: cold start on 16 worked examples, the quickstart's
-               RL, rejection-sampling SFT (docs/recipes.md)
+               RL plus the <think> format and language rewards (0.1 each), rejection-sampling
+               SFT (docs/recipes.md)
 """
 import os
 
@@ -54,7 +55,9 @@ def r1(c):
       {"kind": "sft", "name": "cold_start", "overrides": {
           "data.source": "jsonl", "data.kwargs": {"path": COLD_START, "layout": "math"},
           "data.eval_source": "arithmetic", "star.sft_steps": 4}},
-      {"kind": "rl", "name": "reasoning_rl", "overrides": {}},
+      {"kind": "rl", "name": "reasoning_rl", "overrides": {
+          "rewards": {**c.rewards, "format_think": 0.1, "language_consistency": 0.1},
+          "reward_kwargs": {**c.reward_kwargs, "format_think": {"answer": "boxed"}}}},
       {"kind": "rejection_sft", "name": "rejection_sft", "overrides": {
           "star.problems_per_iteration": 256, "star.sample_batch": 64,
           "star.sft_steps": 4}},
