@@ -42,8 +42,8 @@ def _greedy(params, seq, n):
   return seq[-n:]
 
 
-def _run(engine, row, max_new=6):
-  assert engine.admit(row, noise=0, max_new=max_new)
+def _run(engine, row, max_new=6, first_t=0):
+  assert engine.admit(row, noise=0, max_new=max_new, first_t=first_t)
   turns = []
   while not turns:
     turns = engine.step()
@@ -178,6 +178,9 @@ def test_a_bad_admission_is_refused(params):
     engine.admit(parked.Parked(0, (1, 2, 3), cached=3), 0, 6)
   with pytest.raises(ValueError, match="context"):
     engine.admit(parked.Parked(0, tuple(range(70))), 0, 6)
+  assert engine.admit(parked.Parked(0, (1, 2, 3)), 0, 6)
+  with pytest.raises(ValueError, match="already holds a slot"):
+    engine.admit(parked.Parked(0, (1, 2, 3)), 0, 6)
 
 
 def test_the_engine_is_chosen_and_checked_in_the_config():
@@ -191,3 +194,28 @@ def test_the_engine_is_chosen_and_checked_in_the_config():
   c.sampling.continuous_batching, c.sampling.kv_cache = True, "paged"
   validation.validate(c)
   assert ta.base.EnvSpec.from_config(c).engine == "parked"
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_turn_cut_at_a_step_boundary_continues_as_if_uncut(params,
+                                                             recompute):
+  """Partial rollouts' use: a live row leaves mid-turn (`park_all`) and is
+  admitted again (with its pages, or released and recomputed); sampled at
+  temperature 1, the continued turn is the uncut one."""
+  cfg = _paged(max_new_tokens=12, greedy=False, temperature=1.0,
+               stop_ids=()).sampling
+  spec = parked.EngineSpec(ta.CONFIG, cfg, 2, 32, 64, steps_per_call=4)
+  prompt = parked.Parked(0, tuple(range(40, 51)))
+  whole = parked.Engine(spec, params, jax.random.key(7))
+  want = _run(whole, prompt, max_new=12)
+  engine = parked.Engine(spec, params, jax.random.key(7))
+  assert engine.admit(prompt, 0, 12)
+  assert engine.step() == []
+  cut = engine.park_all()[0]
+  assert cut.cut and 0 < len(cut.ids) < 12 and not engine.busy
+  row = engine.release(cut.parked) if recompute else cut.parked
+  rest = _run(engine, row, 12 - len(cut.ids), first_t=len(cut.ids))
+  assert cut.ids + rest.ids == want.ids
+  np.testing.assert_allclose(cut.logp + rest.logp, want.logp, atol=1e-5)
+  engine.release(rest.parked)
+  assert engine.free_pages == 32

@@ -95,20 +95,23 @@ class Parked(NamedTuple):
 
 
 class Turn(NamedTuple):
-  """A turn that ended: its ids and log-probs as sampled, whether it ended
-  in a stop id, and the row parked after it (tokens + ids, cached all but
-  the last id, whose keys the next admission writes)."""
+  """A turn that ended (or was cut: `Engine.park_all`): its ids and
+  log-probs as sampled, whether it ended in a stop id, and the row parked
+  after it (tokens + ids, cached all but the last id, whose keys the next
+  admission writes)."""
   row: int
   ids: list
   logp: list
   stopped: bool
   parked: Parked
+  cut: bool = False         # left mid-turn: continue it (admit's first_t)
 
 
 class _Slots(NamedTuple):
   """The slots as the decode loop carries them (host numpy between calls)."""
   noise_m: np.ndarray       # int32: the noise number of the slot's turn
-  t_m: np.ndarray           # int32: tokens chosen this turn
+  t0_m: np.ndarray          # int32: the turn's tokens before this admission
+  t_m: np.ndarray           # int32: tokens chosen since this admission
   column_m: np.ndarray      # int32: the column of the last chosen token
   limit_m: np.ndarray       # int32: this turn's token budget
   live_m: np.ndarray        # bool: decoding
@@ -126,7 +129,7 @@ class Stats(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
 def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
-             start_a, count_a, table_aj, noise_a, key) -> tuple:
+             start_a, count_a, table_aj, noise_a, t0_a, key) -> tuple:
   """Row a's count_a[a] new tokens at columns start_a[a]... written onto its
   pages, each attending over its columns up to itself; the turn's first
   token chosen from the last one's logits. Returns (pool, first_a, logp_a)."""
@@ -159,7 +162,7 @@ def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
     x = transformer.attn_out_and_mlp(c, lp, x, attn)
   last = jnp.take_along_axis(x, jnp.maximum(count_a - 1, 0)[:, None, None], 1)
   first_a, logp_a = decoding.choose_tokens(
-      decode.logits(mc, params, last), key, spec.sampling, noise_a, 0)
+      decode.logits(mc, params, last), key, spec.sampling, noise_a, t0_a)
   return paged.PagePool(tuple(ks), tuple(vs)), first_a, logp_a
 
 
@@ -185,7 +188,7 @@ def _decode(spec: EngineSpec, params, pool: paged.PagePool, s: _Slots, key
         mc, weights, pool, s.tokens_mt[m, s.t_m - 1],
         paged.RowPages(s.column_m, page_m, s.table_mj), settings)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, s.noise_m,
-                                           s.t_m)
+                                           s.t0_m + s.t_m)
     at_m = jnp.where(s.live_m, s.t_m, s.tokens_mt.shape[1])    # dead: drop
     end_m = s.live_m & (decoding.is_stop(tok_m, cfg.stop_ids)
                         | (s.t_m + 1 >= s.limit_m))
@@ -225,12 +228,13 @@ class Engine:
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
     self._used_w = np.zeros(spec.pages, bool)
     self._slots = _Slots(
-        np.zeros(M, np.int32), np.ones(M, np.int32), np.zeros(M, np.int32),
+        np.zeros(M, np.int32), np.zeros(M, np.int32), np.ones(M, np.int32),
+        np.zeros(M, np.int32),
         np.ones(M, np.int32), np.zeros(M, bool),
         np.full((M, J), spec.pages, np.int32),
         np.full((M, T), cfg.pad_id, np.int32), np.zeros((M, T), np.float32))
     self._held: list = [None] * M      # slot -> Parked with the turn's pages
-    self._pending: list = []           # (slot, Parked, noise): to prefill
+    self._pending: list = []           # (slot, Parked, noise, limit, t0)
     self.stats = Stats()
 
   @property
@@ -242,15 +246,20 @@ class Engine:
     """A row holds a slot (decoding, or admitted and not yet prefilled)."""
     return any(h is not None for h in self._held)
 
-  def admit(self, row: Parked, noise: int, max_new: int) -> bool:
+  def admit(self, row: Parked, noise: int, max_new: int, first_t: int = 0
+            ) -> bool:
     """Takes `row` for a turn of at most max_new tokens (within the
     context) if a slot and its pages are free; False (nothing taken) if
-    not. Its tokens past row.cached are prefilled at the next `step`."""
+    not. Its tokens past row.cached are prefilled at the next `step`.
+    first_t: the turn's tokens already sampled (a cut turn continued), so
+    its tokens draw the noise of (noise, first_t + i) as uncut."""
     spec, Z = self.spec, self.spec.sampling.page_size
     n = len(row.tokens)
     if not 0 <= row.cached < n or len(row.pages) != _pages_for(row.cached, Z):
       raise ValueError(f"row {row.row}: {n} tokens, {row.cached} cached on "
                        f"{len(row.pages)} pages")
+    if any(h is not None and h.row == row.row for h in self._held):
+      raise ValueError(f"row {row.row} already holds a slot")
     limit = min(max_new, spec.sampling.max_new_tokens, spec.context + 1 - n)
     if limit < 1:
       raise ValueError(f"row {row.row}: {n} tokens leave no room in a "
@@ -261,7 +270,7 @@ class Engine:
       return False
     row = row._replace(pages=row.pages + self._take(extra))
     self._held[slot] = row
-    self._pending.append((slot, row, noise, limit))
+    self._pending.append((slot, row, noise, limit, first_t))
     self.stats = self.stats._replace(peak_pages=max(
         self.stats.peak_pages, spec.pages - len(self._free)))
     return True
@@ -305,24 +314,25 @@ class Engine:
     spec, cfg = self.spec, self.spec.sampling
     rows = self._pending
     A = min(4 ** -(-(len(rows) - 1).bit_length() // 2), spec.slots)
-    L = sampling.bucket(max(len(r.tokens) - r.cached for _, r, _, _ in rows))
+    L = sampling.bucket(max(len(r.tokens) - r.cached for _, r, *_ in rows))
     tokens_al = np.full((A, L), cfg.pad_id, np.int32)
-    start_a, count_a, noise_a = (np.zeros(A, np.int32) for _ in range(3))
+    start_a, count_a, noise_a, t0_a = (np.zeros(A, np.int32) for _ in range(4))
     table_aj = np.full((A, spec.table_width), spec.pages, np.int32)
-    for a, (_, row, noise, _) in enumerate(rows):
+    for a, (_, row, noise, _, t0) in enumerate(rows):
       new = row.tokens[row.cached:]
       tokens_al[a, :len(new)] = new
-      start_a[a], count_a[a], noise_a[a] = row.cached, len(new), noise
+      start_a[a], count_a[a], noise_a[a], t0_a[a] = (row.cached, len(new),
+                                                     noise, t0)
       table_aj[a, :len(row.pages)] = row.pages
     self.pool, first_a, logp_a = _prefill(
         spec, self.params, self.pool, tokens_al, start_a, count_a, table_aj,
-        noise_a, self.key)
+        noise_a, t0_a, self.key)
     first_a, logp_a = jax.device_get((first_a, logp_a))
     s = self._slots
-    for a, (m, row, noise, limit) in enumerate(rows):
+    for a, (m, row, noise, limit, t0) in enumerate(rows):
       s.tokens_mt[m] = cfg.pad_id
       s.tokens_mt[m, 0], s.logp_mt[m, 0] = first_a[a], logp_a[a]
-      s.noise_m[m], s.t_m[m], s.limit_m[m] = noise, 1, limit
+      s.noise_m[m], s.t0_m[m], s.t_m[m], s.limit_m[m] = noise, t0, 1, limit
       s.column_m[m] = len(row.tokens)
       s.live_m[m] = limit > 1 and int(first_a[a]) not in cfg.stop_ids
       s.table_mj[m] = spec.pages
@@ -331,9 +341,17 @@ class Engine:
         prefilled=self.stats.prefilled + int(count_a.sum()))
     self._pending = []
 
+  def park_all(self) -> list:
+    """Every row holding a slot leaves it now (a step boundary of partial
+    rollouts): the turns that ended, and the live ones cut (`Turn.cut`),
+    each row parked with its pages."""
+    if self._pending:
+      self._prefill_pending()
+    return [self._park(m) for m, h in enumerate(self._held) if h is not None]
+
   def _park(self, m: int) -> Turn:
-    """Slot m's ended turn; the row leaves the slot with the pages of its
-    cached columns, the rest back to the pool."""
+    """Slot m's turn; the row leaves the slot with the pages of its cached
+    columns, the rest back to the pool."""
     s, row, Z = self._slots, self._held[m], self.spec.sampling.page_size
     t = int(s.t_m[m])
     ids = [int(x) for x in s.tokens_mt[m, :t]]
@@ -342,7 +360,8 @@ class Engine:
     keep = _pages_for(cached, Z)
     self._give(row.pages[keep:])
     self._held[m] = None
-    s.table_mj[m] = self.spec.pages
+    cut = bool(s.live_m[m])
+    s.live_m[m], s.table_mj[m] = False, self.spec.pages
     return Turn(row.row, ids, [float(x) for x in s.logp_mt[m, :t]],
                 ids[-1] in self.spec.sampling.stop_ids,
-                Parked(row.row, tokens, cached, row.pages[:keep]))
+                Parked(row.row, tokens, cached, row.pages[:keep]), cut)
