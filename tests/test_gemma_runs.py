@@ -18,9 +18,7 @@ from grpo_jax.models import forward, get_preset, init_params
 from grpo_jax.rl import train
 
 GEMMA3 = get_preset("tiny-gemma")       # window 4; sliding, full, sliding
-GEMMA2 = GEMMA3.replace(architecture="gemma2", qk_norm=False,
-                        rope_local_theta=None, attn_softcap=2.0,
-                        final_softcap=3.0, rope_theta=10_000.0)
+GEMMA2 = get_preset("tiny-gemma2")      # the same layers, soft-caps
 
 
 def _prompts(vocab, lengths=(5, 11, 8), seed=0):
@@ -64,12 +62,13 @@ def test_samplers_agree_with_the_uncached_forward(model_config):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-gemma", "tiny-gemma2"])
 def test_sharded_tiny_gemma_equals_one_device(run_sharding_checks,
-                                             monkeypatch):
-  """tests/sharding_checks.py on tiny-gemma, 8 fake devices as
-  (data, fsdp, tensor) = (2, 2, 2): greedy samples, loss and gradient, an
-  update step and LoRA match one device."""
-  monkeypatch.setenv("SHARDING_CHECKS_MODEL", "tiny-gemma")
+                                             monkeypatch, preset):
+  """tests/sharding_checks.py on tiny-gemma (Gemma 3) and tiny-gemma2, 8
+  fake devices as (data, fsdp, tensor) = (2, 2, 2): greedy samples, loss
+  and gradient, an update step and LoRA match one device."""
+  monkeypatch.setenv("SHARDING_CHECKS_MODEL", preset)
   run_sharding_checks("sharding_checks.py", ["2,2,2"])
 
 

@@ -183,7 +183,7 @@ def preset_names() -> list[str]:
 
 # Presets without weights: experiments initialise them at random (config.seed)
 # and read them with the byte tokenizer.
-RANDOM_PRESETS = ("tiny", "tiny-gemma", "tiny-moe")
+RANDOM_PRESETS = ("tiny", "tiny-gemma", "tiny-gemma2", "tiny-moe")
 
 # A random model for tests: small enough to compile and run in seconds.
 _preset("tiny", architecture="llama", vocab_size=256, dim=64, num_layers=2,
@@ -282,6 +282,15 @@ _preset("tiny-gemma", architecture="gemma3", vocab_size=256, dim=64,
                      "sliding_attention"),
         rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_scale=8.0,
         max_seq_len=512)
+# Its Gemma 2 twin: soft-caps (attention and final) that bind on random
+# weights, no q/k-norm, one RoPE base.
+_preset("tiny-gemma2", architecture="gemma2", vocab_size=256, dim=64,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+        norm_eps=1e-6, tie_embeddings=True, sliding_window=4,
+        layer_types=("sliding_attention", "full_attention",
+                     "sliding_attention"),
+        rope_theta=10_000.0, attn_softcap=2.0, final_softcap=3.0,
+        query_scale=8.0, max_seq_len=512)
 
 # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B: Qwen3 attention, every layer a
 # mixture of 128 experts, 8 chosen (softmax, renormalised).
