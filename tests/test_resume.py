@@ -30,6 +30,13 @@ ASYNC = ("--config.rollout.max_staleness=1", "--config.rl.old_logp=recompute",
 ENV = ("--config.env.name=scripted", "--config.env.max_turns=2",
        "--config.env.max_observation_tokens=32",
        "--config.sampling.max_new_tokens=24")
+# The same on the parked engine (generate/parked.py): rows that wait.
+ENV_PARKED = ENV + ("--config.env.engine=parked",
+                    "--config.sampling.continuous_batching=True",
+                    "--config.sampling.kv_cache=paged")
+# Counters of how the engine's calls fell (tools' timing), not results.
+_ENGINE_TIMING = ("env/engine_decode_calls", "env/engine_decode_steps",
+                  "env/engine_peak_pages")
 
 
 def _steps(extra) -> int:
@@ -66,7 +73,8 @@ def _metrics(workdir):
 
 @pytest.mark.parametrize("extra", [
     (), pytest.param(ASYNC, marks=pytest.mark.slow, id="async_k1"),
-    pytest.param(ENV, marks=pytest.mark.slow, id="env")])
+    pytest.param(ENV, marks=pytest.mark.slow, id="env"),
+    pytest.param(ENV_PARKED, marks=pytest.mark.slow, id="env_parked")])
 def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   _run(straight, extra)
@@ -105,14 +113,16 @@ def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):
   b = checkpoint.load_params(killed)
   for x, y in zip(_leaves(a), _leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)   # bitwise on CPU
-  if extra == ENV:   # later turns' prompt shapes: a fresh process compiles
-    # those it has not seen, so its count differs (a counter, not a result)
+  if extra in (ENV, ENV_PARKED):   # later turns' prompt shapes: a fresh
+    # process compiles those it has not seen, so its count differs (a
+    # counter, not a result)
     drop = lambda rows: [{k: v for k, v in r.items()
-                          if k != "sampler/compilations"} for r in rows]
+                          if k not in ("sampler/compilations", *_ENGINE_TIMING)}
+                         for r in rows]
     assert drop(_metrics(straight)) == drop(_metrics(killed))
   else:
     assert _metrics(straight) == _metrics(killed)
-  if extra == ENV:   # episodes with observations were trained on
+  if extra in (ENV, ENV_PARKED):   # episodes with observations were trained on
     assert sum(r.get("env/tool_calls_mean", 0) for r in _metrics(straight)) > 0
   if extra == ASYNC:   # the rows in flight were in the checkpoint it resumed from
     assert checkpoint.load_host_state(killed, resumed_from)["rollouts"]
