@@ -282,3 +282,36 @@ def test_the_update_adds_the_balancing_loss_of_transformers(qwen3_moe):
   for coef, weight in ((-1.0, config.moe.aux_loss_coef), (0.5, 0.5)):
     np.testing.assert_allclose(loss(coef)[0] - plain, weight * want,
                                rtol=1e-4)
+
+
+def test_the_lockstep_sampler_caches_the_latent_once():
+  """MLA in the lockstep sampler: the cache holds the latent and rope key
+  once (no value array; values are the keys), half the bytes of the k + v
+  arrays; the sampler's log-probs are the trainer's (float32)."""
+  from grpo_jax.generate import rollout, sampling
+  from grpo_jax.models.moe_config import MlaConfig
+  from grpo_jax.rl import batch, update
+  config = get_preset("tiny-moe").replace(
+      mla=MlaConfig(kv_lora_rank=16, nope_dim=8, rope_dim=8, v_head_dim=8),
+      num_kv_heads=1, head_dim=24)
+  params = init_params(config, jax.random.key(5))
+  assert decode.cache_arrays(config) == 1
+  assert sampling.kv_cache_bytes(config, 4, 32, 2, arrays=1) * 2 == \
+      sampling.kv_cache_bytes(config, 4, 32, 2)
+  prompts, G, T = [[5, 9, 13, 2], [7, 1]], 2, 5
+  out = jax.device_get(sampling.sample(
+      config, params, prompts, jax.random.key(0),
+      sampling.SamplingConfig(max_new_tokens=T), G))
+  prompts_b = np.empty((2,), object)
+  prompts_b[:] = [tuple(p) for p in prompts]
+  shape = lambda x: np.asarray(x).reshape(2, G, *np.shape(x)[1:])
+  rows = batch.to_rows(rollout.Groups(
+      prompts_b, shape(out.tokens_nt), shape(out.logp_nt), shape(out.mask_nt),
+      shape(out.length_n), shape(out.truncated_n), np.zeros((2, G)),
+      np.zeros((2, G), bool)), 0, False)
+  program = update.UpdateProgram(config, update.LossSettings(chunk=8))
+  logp, _, _ = update.batch_logprobs(params, update.UpdateBatch(
+      *(jnp.asarray(x) for x in rows[:3])), T, program)
+  mask = rows.mask_nt > 0
+  np.testing.assert_allclose(np.asarray(logp)[mask], rows.old_logp_nt[mask],
+                             atol=2e-6)

@@ -56,7 +56,7 @@ from grpo_jax.aot.programs import (
   topology_devices,
 )
 from grpo_jax.generate import continuous, sampling
-from grpo_jax.models import transformer
+from grpo_jax.models import decode, transformer
 
 
 def halvings(n: int, floor: int = 1) -> list[int]:
@@ -105,15 +105,18 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
-      _cache_size(config, plan), rl.prompts_per_step, rl.num_generations,
+      _cache_size(config, plan, decode.cache_arrays(plan.model_config)),
+      rl.prompts_per_step, rl.num_generations,
       plan.prompt_len + config.sampling.max_new_tokens,
       config.sampling.chunk_rows, budget, multiple)
 
 
-def _cache_size(config, plan: Plan) -> sampling.CacheSize:
+def _cache_size(config, plan: Plan, arrays: int = 2) -> sampling.CacheSize:
+  """The cache a sampler holds: `arrays` per layer (1: the lockstep
+  sampler's MLA latent, `decode.cache_arrays`)."""
   return sampling.CacheSize(plan.model_config,
                             jnp.dtype(config.model.compute_dtype).itemsize,
-                            plan.layout)
+                            plan.layout, arrays)
 
 
 def continuous_sampler(plan: Plan, slots: int) -> Program:

@@ -93,9 +93,10 @@ def prefill(call: decoding.CallSpec, params: transformer.Params,
                             sampling.record_routes)
   rep = lambda x: jnp.repeat(x, G, axis=0)   # prompt b -> rows b*G..
   grow = lambda x: jnp.pad(rep(x), [(0, 0)] * 2 + [(0, T), (0, 0)])
-  cache = decode.KVCache(
+  L = 0 if decode.latent_only(model_config) else model_config.num_layers
+  cache = decode.KVCache(        # MLA: the latent once, as k (no v)
       k=tuple(grow(pp.k[i]) for i in range(model_config.num_layers)),
-      v=tuple(grow(pp.v[i]) for i in range(model_config.num_layers)),
+      v=tuple(grow(pp.v[i]) for i in range(L)),
       valid_ns=jnp.pad(rep(pp.valid_bp), [(0, 0), (0, T)]),
       pos_ns=jnp.pad(rep(pp.pos_bp), [(0, 0), (0, T)]))
   row_n = row_offset + jnp.arange(B * G, dtype=jnp.int32)

@@ -36,7 +36,7 @@ import numpy as np
 from grpo_jax import sharding
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import continuous, decoding, padded, page_pool, paged_slots
-from grpo_jax.models import int8_pages, paged, transformer
+from grpo_jax.models import decode, int8_pages, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Params = transformer.Params
@@ -114,13 +114,16 @@ KV_FRACTION = 0.5
 
 
 def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int,
-                   itemsize: int, layout: Layout = None) -> float:
+                   itemsize: int, layout: Layout = None, arrays: int = 2
+                   ) -> float:
   """Per-device bytes of the KV cache of `rows` rows of `length` positions,
-  rows split over the batch shards and KV heads as the layout says."""
+  rows split over the batch shards and KV heads as the layout says;
+  `arrays` per layer (keys and values; 1: MLA's latent in the lockstep
+  sampler, `decode.cache_arrays`)."""
   row_shards = 1 if layout is None else layout.batch_shards
   head_shards = 1 if layout is None else layout.splits(
       "kv_heads", model_config.num_kv_heads)
-  per_row = (2 * model_config.num_layers * model_config.num_kv_heads //
+  per_row = (arrays * model_config.num_layers * model_config.num_kv_heads //
              head_shards * model_config.head_dim * length * itemsize)
   return per_row * rows / row_shards
 
@@ -141,11 +144,12 @@ class CacheSize:
   model_config: ModelConfig
   itemsize: int
   layout: Layout = None
+  arrays: int = 2            # per layer: keys and values (1: MLA latent)
 
   def bytes(self, rows: int, length: int) -> float:
     """Per-device bytes of `rows` rows of `length` positions."""
     return kv_cache_bytes(self.model_config, rows, length, self.itemsize,
-                          self.layout)
+                          self.layout, self.arrays)
 
   @property
   def shards(self) -> int:
@@ -302,7 +306,8 @@ class Sampler:
     sampling, shards, B = self.sampling, self.shards, len(prompts)
     P = bucket(max(len(p) for p in prompts))
     size = CacheSize(self.model_config,
-                     jax.tree.leaves(params)[0].dtype.itemsize, self.layout)
+                     jax.tree.leaves(params)[0].dtype.itemsize, self.layout,
+                     decode.cache_arrays(self.model_config))
     per_call = prompts_per_call(
         size, padded_prompts(B, batch_multiple, shards, G), G,
         P + sampling.max_new_tokens, sampling.chunk_rows,

@@ -25,7 +25,9 @@ class KVCache(NamedTuple):
   """Keys and values, one (N, K, S, E) array per layer in a tuple of L;
   `valid_ns` marks written, non-padding slots and `pos_ns` their rotary
   positions. Separate per-layer buffers let the decode loop update each in
-  place without slicing a stacked (L, ...) array."""
+  place without slicing a stacked (L, ...) array. An empty `v` (MLA, the
+  lockstep sampler): the values are the keys, the latent stored once
+  (`latent_only`)."""
   k: tuple
   v: tuple
   valid_ns: jax.Array
@@ -40,6 +42,18 @@ def init_cache(model_config: ModelConfig, batch: int, length: int,
   return KVCache(zeros(), zeros(),
                  jnp.zeros((batch, length), bool),
                  jnp.zeros((batch, length), jnp.int32))
+
+
+def latent_only(model_config: ModelConfig) -> bool:
+  """Whether a cache may hold the keys only: MLA's keys and values are one
+  array (the latent and the rope key, models/mla.py)."""
+  return model_config.mla is not None
+
+
+def cache_arrays(model_config: ModelConfig) -> int:
+  """Arrays per layer of the lockstep sampler's cache: 1 (MLA's latent) or
+  2 (keys and values)."""
+  return 1 if latent_only(model_config) else 2
 
 
 def unstack_layers(model_config: ModelConfig, params: Params) -> list[Params]:
@@ -114,16 +128,17 @@ def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
            for c in set(configs)}                  # one per layer kind
   x = transformer.embed(params, tokens_n[:, None], model_config)
   ks, vs, routes = list(cache.k), list(cache.v), []
+  write = lambda buf, new: jax.lax.dynamic_update_slice(
+      buf, new.astype(buf.dtype), (0, 0, index, 0))
   for i, lp in enumerate(layers):
     c = configs[i]
     q, k, v = transformer.qkv(c, lp, x, pos_nq)
-    ks[i] = jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype),
-                                         (0, 0, index, 0))
-    vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype),
-                                         (0, 0, index, 0))
+    ks[i] = write(ks[i], k)
+    if vs:                       # else the values are the keys (latent_only)
+      vs[i] = write(vs[i], v)
     x, routing = transformer.attn_out_and_routed_mlp(
-        c, lp, x, attention.attention(q, ks[i], vs[i], masks[c],
-                                      c.attn_softcap))
+        c, lp, x, attention.attention(q, ks[i], vs[i] if vs else ks[i],
+                                      masks[c], c.attn_softcap))
     if routing is not None:
       routes.append(routing.experts_nc)
   out = logits(model_config, params, x), KVCache(tuple(ks), tuple(vs), valid,
