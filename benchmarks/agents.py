@@ -94,6 +94,18 @@ def _run(engine: str, sampler, params, examples, args, stats=None):
   return ep, time.perf_counter() - t0
 
 
+def turns_prefilled(ep) -> int:
+  """Tokens the per-turn path prefills: each prompt once (its G rows share
+  it), then at each later turn every live row's whole history."""
+  total = sum(len(p) for p in ep.prompt_ids)
+  G = len(ep.length_n) // len(ep.prompt_ids)
+  for i in range(len(ep.length_n)):
+    act, obs = ep.action_nt[i], ep.observation_nt[i]
+    starts = np.nonzero(act[1:] & obs[:-1])[0] + 1     # turns k >= 1
+    total += int(np.sum(len(ep.prompt_ids[i // G]) + starts))
+  return total
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--prompts", type=int, default=8)
@@ -132,7 +144,7 @@ def main():
       rows.append([seed, engine, tokens, seconds - compile_s,
                    tokens / (seconds - compile_s), float(ep.turns_n.mean()),
                    compiles, stats.get("decode_steps"),
-                   stats.get("prefilled")])
+                   stats.get("prefilled", turns_prefilled(ep))])
   _common.print_table(
       ["seed", "engine", "useful tokens", "seconds", "tokens/s",
        "turns/episode", "compiles (s excluded)", "decode steps", "prefilled"],

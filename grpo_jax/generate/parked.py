@@ -227,9 +227,9 @@ class Engine:
     M, J, T = spec.slots, spec.table_width, cfg.max_new_tokens
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
     self._used_w = np.zeros(spec.pages, bool)
+    zeros_m = lambda: np.zeros(M, np.int32)
     self._slots = _Slots(
-        np.zeros(M, np.int32), np.zeros(M, np.int32), np.ones(M, np.int32),
-        np.zeros(M, np.int32),
+        zeros_m(), zeros_m(), np.ones(M, np.int32), zeros_m(),
         np.ones(M, np.int32), np.zeros(M, bool),
         np.full((M, J), spec.pages, np.int32),
         np.full((M, T), cfg.pad_id, np.int32), np.zeros((M, T), np.float32))
