@@ -11,6 +11,7 @@ import test_agents as ta  # the tiny model, the scripted env, the reference
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
 from grpo_jax.generate import agent, agent_parked, parked, rollout
+from grpo_jax.harness import preflight
 from grpo_jax.models import init_params
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
 
@@ -194,6 +195,10 @@ def test_the_engine_is_chosen_and_checked_in_the_config():
   c.sampling.continuous_batching, c.sampling.kv_cache = True, "paged"
   validation.validate(c)
   assert ta.base.EnvSpec.from_config(c).engine == "parked"
+  preflight.check_engine(c, row_shards=1)
+  with pytest.raises(errors.ConfigError, match="one row shard; this run's "
+                     "sampler mesh has 8"):
+    preflight.check_engine(c, row_shards=8)
 
 
 @pytest.mark.parametrize("recompute", [False, True])

@@ -103,6 +103,18 @@ def check_env(config, tokenizer) -> None:
                                              env.max_observation_tokens)
 
 
+def check_engine(config, row_shards: int) -> None:
+  """env.engine = 'parked' keeps one page pool on one row shard
+  (generate/parked.py): on a mesh of more row shards the first rollout
+  would stop the run; this stops it before the weights load."""
+  env = envs.EnvSpec.from_config(config)
+  if env is not None and env.engine == "parked" and row_shards > 1:
+    raise ConfigError(
+        "config field 'env.engine' = 'parked' runs on one row shard; this "
+        f"run's sampler mesh has {row_shards}: use env.engine='turns' (any "
+        "mesh), or sample on one row shard")
+
+
 def _check_context(config, context: int, tokenizer,
                    prompts: Mapping[str, Iterable[str]], where: str) -> None:
   """Prompt + completion positions within the model's context: the longest
