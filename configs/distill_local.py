@@ -9,6 +9,7 @@ and makes 4 optimizer updates (the quickstart's 4 steps of 64 rows, or 4 SFT ste
   :r1          the R1 recipe as one pipeline: cold start on 16 worked examples, the quickstart's
                RL plus the <think> format and language rewards (0.1 each), rejection-sampling
                SFT (docs/recipes.md)
+  :r1_cold_start  its cold start alone at 16 steps (do the <think> tags take?)
 """
 import os
 
@@ -65,7 +66,18 @@ def r1(c):
   return c
 
 
-VARIANTS = {"rl": rl, "on_policy": on_policy, "off_policy": off_policy, "r1": r1}
+def r1_cold_start(c):
+  """The R1 recipe's cold start alone, 16 steps instead of 4."""
+  c = r1(c)
+  c.name = "r1_local_cold_start"
+  cold = dict(c.stages[0])
+  cold["overrides"] = {**cold["overrides"], "star.sft_steps": 16}
+  c.stages = (cold,)
+  return c
+
+
+VARIANTS = {"rl": rl, "on_policy": on_policy, "off_policy": off_policy, "r1": r1,
+            "r1_cold_start": r1_cold_start}
 
 
 def get_config(arg=None):
