@@ -40,15 +40,8 @@ def sampled_rows(params, prompts) -> batch.RolloutBatch:
       CONFIG, params, prompts, jax.random.key(0),
       sampling.SamplingConfig(max_new_tokens=T, record_routes=True), G))
   B = len(prompts)
-  prompts_b = np.empty((B,), object)
-  prompts_b[:] = [tuple(p) for p in prompts]
-  shape = lambda x: np.asarray(x).reshape(B, G, *np.shape(x)[1:])
-  groups = rollout.Groups(
-      prompts_b, shape(out.tokens_nt), shape(out.logp_nt),
-      shape(out.mask_nt), shape(out.length_n), shape(out.truncated_n),
-      np.zeros((B, G), np.float32), np.zeros((B, G), bool))
-  groups = groups._replace(**rollout.split_routes(
-      np.asarray(out.routes_nslc), prompts, G, T))
+  groups = rollout.shape_groups(out, prompts, np.zeros(B * G, np.float32),
+                                np.zeros(B * G, bool), G)
   return batch.to_rows(groups, 0, False)
 
 

@@ -35,16 +35,9 @@ def _sample(params, record=True):
 
 def _groups(out) -> rollout.Groups:
   B = len(PROMPTS)
-  prompts_b = np.empty((B,), object)
-  prompts_b[:] = [tuple(p) for p in PROMPTS]
-  shape = lambda x: np.asarray(x).reshape(B, G, *np.shape(x)[1:])
-  groups = rollout.Groups(
-      prompts_b, shape(out.tokens_nt), shape(out.logp_nt),
-      shape(out.mask_nt), shape(out.length_n), shape(out.truncated_n),
-      np.arange(B * G, dtype=np.float32).reshape(B, G) % 2,
-      np.zeros((B, G), bool))
-  return groups._replace(**rollout.split_routes(
-      np.asarray(out.routes_nslc), PROMPTS, G, T))
+  return rollout.shape_groups(
+      out, PROMPTS, np.arange(B * G, dtype=np.float32) % 2,
+      np.zeros(B * G, bool), G)
 
 
 @pytest.fixture(scope="module")

@@ -186,11 +186,20 @@ def score_samples(spec: RewardSpec, texts: Sequence[str],
                   ) -> tuple[Groups, dict[str, float]]:
   """The host-side Samples of B prompts' G rows (prompt-major), scored and
   shaped into Groups; the reward metrics."""
-  B, G = len(prompt_ids), num_generations
+  G = num_generations
   reward_n, correct_n, metrics = score(
       spec, np.repeat(texts, G).tolist(), completion_texts(
           tokenizer, out.tokens_nt, out.length_n, out.truncated_n),
       [a for a in answers for _ in range(G)], out.length_n)
+  return shape_groups(out, prompt_ids, reward_n, correct_n, G), metrics
+
+
+def shape_groups(out: sampling.Samples, prompt_ids: Sequence[Sequence[int]],
+                 reward_n: np.ndarray, correct_n: np.ndarray,
+                 num_generations: int) -> Groups:
+  """The host-side Samples of B prompts' G rows (prompt-major) and their
+  scores as Groups, recorded routes split per prompt (`split_routes`)."""
+  B, G = len(prompt_ids), num_generations
   T = out.tokens_nt.shape[1]
   prompts_b = np.empty((B,), object)
   prompts_b[:] = [tuple(p) for p in prompt_ids]
@@ -201,7 +210,7 @@ def score_samples(spec: RewardSpec, texts: Sequence[str],
   if out.routes_nslc is not None:
     groups = groups._replace(**split_routes(out.routes_nslc, prompt_ids, G,
                                             T))
-  return groups, metrics
+  return groups
 
 
 def split_routes(routes_nslc: np.ndarray, prompt_ids, num_generations: int,
