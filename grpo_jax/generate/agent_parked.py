@@ -37,16 +37,22 @@ from grpo_jax.errors import ConfigError
 from grpo_jax.generate import agent, parked, sampling
 
 
+def check_row_shards(row_shards: int) -> None:
+  """The engine keeps one page pool on one row shard."""
+  if row_shards > 1:
+    raise ConfigError(
+        "config field 'env.engine' = 'parked' runs on one row shard; this "
+        f"run's sampler mesh has {row_shards}: use env.engine='turns' (any "
+        "mesh), or sample on one row shard")
+
+
 def engine_spec(sampler: sampling.Sampler, rows: int, prompt_len: int,
                 spec: base.EnvSpec) -> parked.EngineSpec:
   """The engine of a batch: sampling.slots slots (0: one per row), a row's
   context its prompt plus its trajectory budget, sampling.pages pages (0: a
   whole context per row, parked rows included, so no row waits for
   pages)."""
-  if sampler.shards > 1:
-    raise ConfigError("config field 'env.engine' = 'parked' runs on one row "
-                      f"shard; this mesh has {sampler.shards}: use "
-                      "env.engine='turns'")
+  check_row_shards(sampler.shards)
   cfg = sampler.sampling
   slots = min(cfg.slots or rows, rows)
   context = prompt_len + spec.trajectory_tokens(cfg.max_new_tokens)

@@ -23,7 +23,7 @@ from grpo_jax import validation
 from grpo_jax.data import templates
 from grpo_jax.envs import base as envs
 from grpo_jax.errors import ConfigError
-from grpo_jax.generate import agent
+from grpo_jax.generate import agent, agent_parked
 
 
 def tokenizer_source(config) -> str:
@@ -108,11 +108,8 @@ def check_engine(config, row_shards: int) -> None:
   (generate/parked.py): on a mesh of more row shards the first rollout
   would stop the run; this stops it before the weights load."""
   env = envs.EnvSpec.from_config(config)
-  if env is not None and env.engine == "parked" and row_shards > 1:
-    raise ConfigError(
-        "config field 'env.engine' = 'parked' runs on one row shard; this "
-        f"run's sampler mesh has {row_shards}: use env.engine='turns' (any "
-        "mesh), or sample on one row shard")
+  if env is not None and env.engine == "parked":
+    agent_parked.check_row_shards(row_shards)
 
 
 def _check_context(config, context: int, tokenizer,
