@@ -426,6 +426,31 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_restart_resumes(tmp_path, mon
       (0, "eval"), (1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "eval")]
 
 
+def test_a_start_up_signal_inside_a_gc_callback_is_quiet_and_stops_at_start_up_end(capfd):
+  # The signal handler raises `Preempted`; inside a garbage-collector callback
+  # (JAX registers one) Python cannot propagate it and prints "Exception
+  # ignored" with a traceback. The stop is still recorded: quiet, and the run
+  # stops where start-up ends.
+  import gc
+  with pytest.raises(interrupts.Preempted) as stopped:
+    with interrupts.handle_signals() as stop:
+      def in_gc(phase, info):
+        del info
+        if phase == "start" and stop.reason is None:
+          stop._on_signal(signal.SIGTERM, None)
+      gc.callbacks.append(in_gc)
+      try:
+        gc.collect()
+      finally:
+        gc.callbacks.remove(in_gc)
+      assert interrupts.stop_requested()
+      interrupts.defer_to_step_boundary()
+      raise AssertionError("start-up went on past a recorded SIGTERM")
+  assert "during start-up" in str(stopped.value) and stopped.value.exit_code == 143
+  err = capfd.readouterr().err
+  assert "Exception ignored" not in err and "Traceback" not in err, err
+
+
 def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
   _signal_at_step(monkeypatch, 2, signals=2)

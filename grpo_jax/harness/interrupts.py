@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from typing import Any, Iterator, Optional
 
@@ -80,15 +81,30 @@ class _Stop:
     self.checkpoint: Optional[str] = None
     self.deferring = False
     self._previous: dict[int, Any] = {}
+    self._previous_hook: Optional[Any] = None
 
   def install(self):
     for signum in _HANDLED:
       self._previous[signum] = signal.signal(signum, self._on_signal)
+    self._previous_hook = sys.unraisablehook
+    sys.unraisablehook = self._on_unraisable
 
   def uninstall(self):
     for signum, handler in self._previous.items():
       signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     self._previous.clear()
+    if self._previous_hook is not None:
+      sys.unraisablehook, self._previous_hook = self._previous_hook, None
+
+  def _on_unraisable(self, unraisable):
+    """A signal that lands inside a garbage-collector callback or a `__del__`
+    raises where Python cannot propagate: it prints "Exception ignored" with a
+    traceback and goes on. The stop is recorded all the same (`signum`,
+    `reason`), and the run stops at the end of start-up or at its step
+    boundary, so that print is noise: keep it quiet."""
+    if isinstance(unraisable.exc_value, (Preempted, Aborted)):
+      return
+    self._previous_hook(unraisable)
 
   def _on_signal(self, signum, frame):
     del frame
@@ -136,9 +152,14 @@ def _raise_if_stopped(stop: _Stop) -> None:
 
 
 def defer_to_step_boundary() -> None:
-  """Start-up is over: from now on a first signal waits for the step's end."""
-  if _ACTIVE is not None:
-    _ACTIVE.deferring = True
+  """Start-up is over: from now on a first signal waits for the step's end.
+  A start-up signal whose `Preempted` could not propagate (it landed in a
+  garbage-collector callback) stops the run here."""
+  if _ACTIVE is None:
+    return
+  if _ACTIVE.reason is not None and not _ACTIVE.deferring:
+    raise Preempted(_ACTIVE.reason, signum=_ACTIVE.signum)
+  _ACTIVE.deferring = True
 
 
 def stop_requested() -> bool:
