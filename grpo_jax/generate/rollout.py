@@ -46,6 +46,10 @@ class Groups(NamedTuple):
   # [p, l, c]) and the completions' [b, g, t, l, c]; None: not recorded
   prompt_routes_b: np.ndarray | None = None
   routes_bgtlc: np.ndarray | None = None
+  # partial rollouts (rollout.partial): int32, the policy version that
+  # sampled each token (algorithms/staleness.py); None: every token the
+  # batch's version
+  version_bgt: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from grpo_jax.algorithms import staleness
 from grpo_jax.errors import UserError
 from grpo_jax.generate import rollout
 from grpo_jax.rl.weight_sync import WeightStore, WeightSync
@@ -170,13 +171,21 @@ def decode(d: dict) -> Batch:
 
 
 def staleness_metrics(batch: Batch, max_staleness: int) -> dict[str, float]:
-  """The staleness of the step's rows (all of one batch share its version):
-  mean, max, and a histogram of row counts at 0..k versions behind."""
-  age = batch.step - batch.version
-  rows = int(batch.groups.tokens_bgt.shape[0] * batch.groups.tokens_bgt.shape[1])
-  out = {"staleness/mean": float(age), "staleness/max": float(age),
+  """The staleness of the step's rows: mean, max, and a histogram of row
+  counts at 0..k versions behind. A row's version is the batch's, or with
+  partial rollouts its first token's (algorithms/staleness.py)."""
+  g = batch.groups
+  B, G, T = g.tokens_bgt.shape
+  if g.version_bgt is None:
+    age_n = np.full(B * G, batch.step - batch.version)
+  else:
+    first_n, _ = staleness.row_versions(g.version_bgt.reshape(B * G, T),
+                                        g.mask_bgt.reshape(B * G, T))
+    age_n = batch.step - first_n
+  out = {"staleness/mean": float(age_n.mean()),
+         "staleness/max": float(age_n.max()),
          "rollout/version": float(batch.version)}
-  out.update({f"staleness/rows_{j}": float(rows if j == age else 0)
+  out.update({f"staleness/rows_{j}": float((age_n == j).sum())
               for j in range(max_staleness + 1)})
   return out
 

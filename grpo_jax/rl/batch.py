@@ -28,6 +28,9 @@ class RolloutBatch(NamedTuple):
   # routing replay: the sampler's experts of every column, per sparse
   # layer (uint8/int16, 0 on padding); None: not replayed
   routes_nslc: np.ndarray | None = None
+  # partial rollouts: int32 [n, t], the policy version that sampled each
+  # completion token; None: every token the batch's version
+  version_nt: np.ndarray | None = None
 
 
 def to_rows(groups: Groups, pad_id: int, overlong_filter: bool
@@ -54,7 +57,9 @@ def to_rows(groups: Groups, pad_id: int, overlong_filter: bool
   return RolloutBatch(tokens.astype(np.int32), positions, valid, loss_mask,
                       groups.logp_bgt.reshape(B * G, T).astype(np.float32),
                       groups.reward_bg.astype(np.float32),
-                      replay_routes(groups, P))
+                      replay_routes(groups, P),
+                      None if groups.version_bgt is None else
+                      groups.version_bgt.reshape(B * G, T).astype(np.int32))
 
 
 def replay_routes(groups: Groups, prompt_len: int) -> np.ndarray | None:

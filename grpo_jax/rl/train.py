@@ -28,6 +28,7 @@ import numpy as np
 from grpo_jax import checkpoint, evaluation, registry
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms import advantages as adv_lib
+from grpo_jax.algorithms import staleness
 from grpo_jax.data.iterator import BatchIterator
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout, sampling
@@ -210,6 +211,12 @@ def learn(r: _Run, state, groups: rollout.Groups, metrics: dict,
   spec = r.spec
   metrics = dict(metrics)
   batch = to_rows(groups, spec.sampling.pad_id, spec.overlong_filter)
+  if batch.version_nt is not None:   # partial rollouts: the per-token bound
+    mask_nt, version_metrics = staleness.bound_rows(
+        batch.version_nt, groups.mask_bgt.reshape(batch.mask_nt.shape),
+        batch.mask_nt, step, spec.rollout.max_staleness)
+    batch = batch._replace(mask_nt=mask_nt)
+    metrics.update(version_metrics)
   # ADVANTAGE
   if spec.update.distill:    # per token [N, T], from the teacher (score_step)
     adv_n = np.zeros(batch.mask_nt.shape, np.float32)

@@ -1,0 +1,90 @@
+"""Partial rollouts: per-token policy versions (algorithms/staleness.py),
+through the batch, packing, the staleness metrics and checkpoints
+(docs/async.md, "Partial rollouts")."""
+import numpy as np
+
+from grpo_jax import checkpoint
+from grpo_jax.algorithms import staleness
+from grpo_jax.generate import rollout
+from grpo_jax.rl import async_rollouts, packing
+from grpo_jax.rl.batch import to_rows
+
+# 2 groups of 2 rows, 4 completion tokens; the update makes version 4 + 1.
+VERSION_NT = np.array([[3, 3, 4, 4],     # cut once: versions 3 then 4
+                       [2, 2, 2, 0],     # first token 2 versions old
+                       [1, 3, 4, 0],     # first token 3 old: past k = 2
+                       [4, 0, 0, 0]], np.int32)
+VALID_NT = np.array([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0],
+                     [1, 0, 0, 0]], bool)
+
+
+def test_rows_past_the_bound_leave_the_loss_and_are_counted():
+  mask = VALID_NT.astype(np.float32)
+  first, last = staleness.row_versions(VERSION_NT, VALID_NT)
+  assert first.tolist() == [3, 2, 1, 4] and last.tolist() == [4, 2, 4, 4]
+  got, m = staleness.bound_rows(VERSION_NT, VALID_NT, mask, 4, 2)
+  assert got.dtype == np.float32
+  assert got.sum(axis=1).tolist() == [4, 3, 0, 1]     # row 2 dropped
+  ages = [1, 1, 0, 0, 2, 2, 2, 3, 1, 0, 0]             # 4 - each version
+  assert m["staleness/token_mean"] == np.mean(ages)
+  assert m["staleness/token_max"] == 3
+  assert m["partial/version_span"] == (1 + 0 + 3 + 0) / 4
+  assert m["partial/version_span_max"] == 3
+  assert m["partial/stale_dropped"] == 1
+  _, m = staleness.bound_rows(VERSION_NT, VALID_NT, mask, 4, 3)
+  assert m["partial/stale_dropped"] == 0
+
+
+def _groups(version_bgt=None) -> rollout.Groups:
+  rng = np.random.default_rng(0)
+  prompts = np.empty((2,), object)
+  prompts[:] = [(5, 6, 7), (8,)]
+  mask = VALID_NT.reshape(2, 2, 4)
+  return rollout.Groups(
+      prompts, rng.integers(1, 256, (2, 2, 4)).astype(np.int32),
+      (rng.standard_normal((2, 2, 4)) * mask).astype(np.float32), mask,
+      mask.sum(axis=2).astype(np.int32), np.zeros((2, 2), bool),
+      np.array([[1, 0], [0, 1]], np.float32), np.array([[1, 0], [0, 1]], bool),
+      version_bgt=version_bgt)
+
+
+def test_versions_follow_their_tokens_through_the_rows_and_packing():
+  batch = to_rows(_groups(VERSION_NT.reshape(2, 2, 4)), 0, False)
+  np.testing.assert_array_equal(batch.version_nt, VERSION_NT)
+  assert to_rows(_groups(), 0, False).version_nt is None
+  mask, _ = staleness.bound_rows(batch.version_nt, VALID_NT, batch.mask_nt,
+                                 4, 2)
+  for group_size, rows_per_micro in ((2, 1), (1, 4)):
+    rows, _ = packing.pack_rows(batch.tokens_ns, batch.valid_ns, mask,
+                                group_size, rows_per_micro)
+    version = np.asarray(packing.gather_slots(batch.version_nt, rows.row_n))
+    logp = np.asarray(packing.gather_slots(batch.old_logp_nt, rows.row_n))
+    slot_mask = np.asarray(packing.gather_slots(mask, rows.row_n))
+    assert sorted(r for r in rows.row_n.tolist() if r < 4) == [0, 1, 3]
+    for i, r in enumerate(rows.row_n.tolist()):
+      if r == 4:       # an empty slot: nothing, and no loss
+        assert not slot_mask[i].any()
+        continue
+      np.testing.assert_array_equal(version[i], VERSION_NT[r])
+      np.testing.assert_array_equal(logp[i], batch.old_logp_nt[r])
+      np.testing.assert_array_equal(slot_mask[i], mask[r])
+
+
+def test_row_ages_come_from_each_rows_first_token():
+  groups = _groups(VERSION_NT.reshape(2, 2, 4))
+  batch = async_rollouts.Batch(4, 3, groups, {}, {}, np.zeros(2, np.uint32))
+  m = async_rollouts.staleness_metrics(batch, 3)
+  assert m["staleness/max"] == 3 and m["staleness/mean"] == (1 + 2 + 3) / 4
+  assert [m[f"staleness/rows_{j}"] for j in range(4)] == [1, 1, 1, 1]
+  same = async_rollouts.staleness_metrics(batch._replace(
+      groups=groups._replace(version_bgt=None)), 3)
+  assert same["staleness/rows_1"] == 4 and same["staleness/mean"] == 1
+
+
+def test_versions_survive_a_checkpoint_bit_for_bit():
+  groups = _groups(VERSION_NT.reshape(2, 2, 4))
+  batch = async_rollouts.Batch(4, 3, groups, {}, {}, np.zeros(2, np.uint32))
+  back = async_rollouts.decode(checkpoint.integrity.to_json(
+      async_rollouts.encode(batch), "host_state"))
+  assert back.groups.version_bgt.dtype == np.int32
+  np.testing.assert_array_equal(back.groups.version_bgt, groups.version_bgt)
