@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -139,13 +139,21 @@ class Forward:
   shardings (`transformer.hidden_states`; `sharding.Layout.constrain`);
   group_size G > 1: rows come in groups of G consecutive rows whose prompt
   columns are identical, each group's prompt then runs once
-  (`sequence_logprobs`)."""
+  (`sequence_logprobs`); dispatch: an MoE layer's token dispatch
+  (`transformer.ForwardSettings`)."""
   chunk_size: int = DEFAULT_CHUNK_SIZE
   temperature: float = 1.0
   remat: str = "none"
   attention: str = "auto"
   constrain: Optional[Constrain] = None
   group_size: int = 1
+  dispatch: Optional[Callable] = None
+
+  @property
+  def settings(self) -> ForwardSettings:
+    """The decoder's part (`transformer.ForwardSettings`)."""
+    return ForwardSettings(self.remat, self.attention, self.constrain,
+                           self.dispatch)
 
 
 def sequence_logprobs(model_config: ModelConfig, params: Params,
@@ -186,7 +194,7 @@ def sequence_logprobs_routed(model_config: ModelConfig, params: Params,
     raise ValueError(f"completion_len={completion_len}; need 0 < T < S={S}")
 
   group_size, constrain = forward.group_size, forward.constrain
-  settings = ForwardSettings(forward.remat, forward.attention, constrain)
+  settings = forward.settings
   routes_lnsc = (None if routes_nslc is None
                  else jnp.moveaxis(routes_nslc, 2, 0))
   if group_size > 1:

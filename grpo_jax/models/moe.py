@@ -13,6 +13,9 @@ dropped (RL must not change the policy's distribution by dropping), so a
 token's output depends on that token alone, never on the batch's others.
 The pairs' outputs are unsorted and summed with their gates; shared
 experts (DeepSeek-V3) are a dense SwiGLU every token passes through.
+That is the default dispatch; `expert_parallel.ExpertParallel` is the
+other (`model.moe.dispatch = "all_to_all"`): tokens sent by all-to-all to
+the chips holding their experts, the same sums.
 
 Routing replay: given `experts_nc` (the sampler's recorded choice), the
 same gates are recomputed from the current router at those experts, so
@@ -20,7 +23,7 @@ the router still learns (`route(..., experts_nc=)`).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -148,14 +151,19 @@ def shared(lp: Params, h_nd: jax.Array) -> jax.Array:
 
 
 def sparse_mlp(moe: MoeConfig, lp: Params, h_nqd: jax.Array,
-               experts_nqc: Optional[jax.Array] = None) -> tuple:
+               experts_nqc: Optional[jax.Array] = None,
+               dispatch: Optional[Callable] = None) -> tuple:
   """The MoE MLP of normed input (N, Q, D): its output (N, Q, D) and the
-  `Routing` of its N*Q tokens (replayed at `experts_nqc` when given)."""
+  `Routing` of its N*Q tokens (replayed at `experts_nqc` when given).
+  dispatch: None, `experts`; else a (lp, h_nd, routing) -> (out_nd,
+  dropped) dispatch (`expert_parallel.ExpertParallel`, no drops at its
+  default capacity)."""
   N, Q, D = h_nqd.shape
   h_nd = h_nqd.reshape(N * Q, D)
   replay = None if experts_nqc is None else experts_nqc.reshape(N * Q, -1)
   routing = route(moe, lp, h_nd, replay)
-  out_nd = experts(lp, h_nd, routing)
+  out_nd = (experts(lp, h_nd, routing) if dispatch is None
+            else dispatch(lp, h_nd, routing)[0])
   if moe.shared_dim:
     out_nd = out_nd + shared(lp, h_nd)
   return out_nd.reshape(N, Q, D), routing

@@ -142,10 +142,12 @@ def attn_out_and_mlp(model_config: ModelConfig, lp: Params, x_nqd: jax.Array,
 
 def attn_out_and_routed_mlp(model_config: ModelConfig, lp: Params,
                             x_nqd: jax.Array, attn_nqhe: jax.Array,
-                            constrain: Constrain = no_constraint) -> tuple:
+                            constrain: Constrain = no_constraint,
+                            dispatch: Optional[Callable] = None) -> tuple:
   """The layer after attention: (x, the sparse MLP's `moe.Routing`, None
   for a dense MLP). A sparse layer replays `lp["routes"]` (N, Q, C) when
-  given (routing replay)."""
+  given (routing replay) and dispatches its tokens with `dispatch`
+  (`moe.sparse_mlp`; None: `moe.experts`)."""
   c = model_config
   post_norm = lambda y, name: (rms_norm(y, lp[name], c.norm_eps) if c.gemma
                                else y)   # Gemma: outputs normed, then added
@@ -155,7 +157,7 @@ def attn_out_and_routed_mlp(model_config: ModelConfig, lp: Params,
                                   "post_attn_norm"), RESIDUAL_AXES)
   h = rms_norm(x, lp["mlp_norm"], c.norm_eps)
   if c.moe is not None:
-    mlp, routing = moe.sparse_mlp(c.moe, lp, h, lp.get("routes"))
+    mlp, routing = moe.sparse_mlp(c.moe, lp, h, lp.get("routes"), dispatch)
     return constrain(x + mlp, RESIDUAL_AXES), routing
   gate = constrain(_project("nqd,df->nqf", h, lp, "w_gate"), MLP_AXES)
   up = constrain(_project("nqd,df->nqf", h, lp, "w_up"), MLP_AXES)
@@ -210,10 +212,12 @@ class ForwardSettings:
   are): remat, one of REMAT_POLICIES; attention, one of ATTENTION
   (`attend_fn`); constrain pins the activations' shardings
   (`RESIDUAL_AXES` ..., `sharding.Layout.constrain`), None leaves them to
-  the compiler."""
+  the compiler; dispatch: an MoE layer's token dispatch (`moe.sparse_mlp`;
+  None: `moe.experts`; `sharding.Layout.expert_dispatch`)."""
   remat: str = "none"
   attention: str = "auto"
   constrain: Optional[Constrain] = None
+  dispatch: Optional[Callable] = None
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
@@ -257,7 +261,8 @@ def _decoder(model_config: ModelConfig, params: Params, rows: Rows,
     x, stats = carry if sparse else (carry, None)
     q, k, v = qkv(layer_config, lp, x, rows.positions_ns, constrain)
     x, routing = attn_out_and_routed_mlp(
-        layer_config, lp, x, attend[layer_config](q, k, v), constrain)
+        layer_config, lp, x, attend[layer_config](q, k, v), constrain,
+        settings.dispatch)
     ys = ((k, v) if return_kv else None, None)
     if routing is not None:
       stats = stats + moe.layer_stats(sparse, routing, valid_n)
@@ -378,7 +383,8 @@ def hidden_states_shared_prompt(model_config: ModelConfig, params: Params,
     k = jnp.concatenate([rep(k_prompt), k], axis=2)
     v = jnp.concatenate([rep(v_prompt), v], axis=2)
     x, routing = attn_out_and_routed_mlp(
-        layer_config, lp, x, attend[layer_config](q, k, v), constrain)
+        layer_config, lp, x, attend[layer_config](q, k, v), constrain,
+        settings.dispatch)
     if routing is not None:
       stats = stats + moe.layer_stats(sparse, routing, valid_n)
     return ((x, stats) if sparse else x), None

@@ -293,9 +293,7 @@ def packed_logprobs(model_config: ModelConfig, params, rows: PackedRows,
   routes = rows.routes_rslc
   h_rsd, routed = transformer.hidden_states_routed(
       model_config, params, rows.tokens_rs, rows.positions_rs, rows.valid_rs,
-      rows.segments_rs, transformer.ForwardSettings(forward.remat,
-                                                    forward.attention,
-                                                    constrain),
+      rows.segments_rs, forward.settings,
       None if routes is None else jnp.moveaxis(routes, 2, 0))
   if constrain is not None:     # the gather and the head read whole rows
     h_rsd = constrain(h_rsd, ("batch", None, None))

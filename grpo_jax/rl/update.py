@@ -74,6 +74,7 @@ class LossSettings:
   attention: str = "auto"
   lora_scale: float = 0.0    # α/r of the adapters (model.lora; 0: off)
   moe_aux_coef: float = -1.0  # balancing loss weight (< 0: the checkpoint's)
+  moe_dispatch: str = "ragged"  # model.moe.dispatch
 
   @property
   def use_kl(self) -> bool:
@@ -88,7 +89,9 @@ class LossSettings:
         chunk_size=self.chunk, temperature=self.temperature, remat=self.remat,
         attention=self.attention,
         constrain=None if layout is None else layout.constrain,
-        group_size=group_size)
+        group_size=group_size,
+        dispatch=None if layout is None else layout.expert_dispatch(
+            self.moe_dispatch))
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
@@ -101,7 +104,8 @@ class LossSettings:
                compute_dtype=config.model.compute_dtype,
                attention=config.model.attention,
                lora_scale=lora.LoraSpec.from_config(config).scale,
-               moe_aux_coef=config.model.moe.aux_loss_coef)
+               moe_aux_coef=config.model.moe.aux_loss_coef,
+               moe_dispatch=config.model.moe.dispatch)
 
   def aux_coef(self, model_config: ModelConfig) -> float:
     """The MoE balancing loss's weight: model.moe.aux_loss_coef, or (< 0)

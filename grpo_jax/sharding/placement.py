@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.expert_parallel import ExpertParallel
 from grpo_jax.sharding.mesh import make_mesh
 from grpo_jax.sharding.rules import (
   BATCH,
@@ -152,6 +153,20 @@ class Layout:
       return 1
     axes = (axes,) if isinstance(axes, str) else axes
     return math.prod(self.mesh.shape[a] for a in axes)
+
+  def expert_dispatch(self, dispatch: str) -> Optional[ExpertParallel]:
+    """model.moe.dispatch's token dispatch: None for "ragged" (the grouped
+    matmul left to the partitioner, `moe.experts`); for "all_to_all" the
+    experts split over the mesh axes of the `experts` rule and the tokens
+    over those and the `batch` rule's (`expert_parallel`), no drops."""
+    if dispatch == "ragged":
+      return None
+    rules = dict(self.rules)
+    split = lambda logical: tuple(a for a in rules.get(logical, ())
+                                  if self.mesh.shape[a] > 1)
+    experts = split("experts")
+    tokens = tuple(dict.fromkeys(split(BATCH) + experts))
+    return ExpertParallel(self.mesh, experts, tokens)
 
   def constrain(self, x: jax.Array, logical_axes: Sequence[Optional[str]]
                 ) -> jax.Array:
