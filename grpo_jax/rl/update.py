@@ -84,14 +84,11 @@ class LossSettings:
               ) -> logprobs_lib.Forward:
     """How the trainer's forward runs: these settings, the activations
     pinned to `layout` (a `sharding.Layout`: each chip computes only its
-    rows), `group_size` rows sharing a prompt."""
-    return logprobs_lib.Forward(
-        chunk_size=self.chunk, temperature=self.temperature, remat=self.remat,
-        attention=self.attention,
-        constrain=None if layout is None else layout.constrain,
-        group_size=group_size,
-        dispatch=None if layout is None else layout.expert_dispatch(
-            self.moe_dispatch))
+    rows; its MoE dispatch), `group_size` rows sharing a prompt."""
+    constrain, dispatch = ((None, None) if layout is None else (
+        layout.constrain, layout.expert_dispatch(self.moe_dispatch)))
+    return logprobs_lib.Forward(self.chunk, self.temperature, self.remat,
+                                self.attention, constrain, group_size, dispatch)
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
