@@ -162,6 +162,10 @@ def _rollout_defaults() -> ConfigDict:
                                        # every n-th update step (n <= k + 1)
       timeout_s=3600.0,                # a sampler with no batch for this
                                        # long is hung: the run stops
+      partial=False,                   # partial rollouts: a step ends once
+                                       # its rows have; rows in flight
+                                       # continue under the next version
+                                       # (rl/partial_rollouts.py)
   ))
 
 

@@ -1,12 +1,18 @@
 """Partial rollouts: per-token policy versions (algorithms/staleness.py),
 through the batch, packing, the staleness metrics and checkpoints
 (docs/async.md, "Partial rollouts")."""
-import numpy as np
+import types
 
-from grpo_jax import checkpoint
+import async_checks
+import numpy as np
+import pytest
+
+from grpo_jax import checkpoint, validation
 from grpo_jax.algorithms import staleness
+from grpo_jax.errors import ConfigError
 from grpo_jax.generate import rollout
-from grpo_jax.rl import async_rollouts, packing
+from grpo_jax.harness import interrupts, preflight
+from grpo_jax.rl import async_rollouts, packing, train
 from grpo_jax.rl.batch import to_rows
 
 # 2 groups of 2 rows, 4 completion tokens; the update makes version 4 + 1.
@@ -88,3 +94,99 @@ def test_versions_survive_a_checkpoint_bit_for_bit():
       async_rollouts.encode(batch), "host_state"))
   assert back.groups.version_bgt.dtype == np.int32
   np.testing.assert_array_equal(back.groups.version_bgt, groups.version_bgt)
+
+
+# ----------------------------------------------------------------------------
+# The loop: rows carried across a weight switch (rl/partial_rollouts.py).
+# ----------------------------------------------------------------------------
+
+def _config(steps: int = 4):
+  """The tiny config at k = 1 on the decoupled objective, the paged
+  continuous sampler with 4 slots for a step's 8 rows of up to 16 tokens,
+  partial rollouts on."""
+  c = async_checks.stale(async_checks.config(steps=steps))
+  c.rl.dynamic_sampling = False
+  c.sampling.update(continuous_batching=True, kv_cache="paged", slots=4,
+                    max_new_tokens=16)
+  c.rollout.partial = True
+  return c
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"rollout.max_staleness": 0}, "max_staleness >= 1"),
+    ({"rollout.max_staleness": 2, "rollout.sync_every": 2}, "sync_every = 1"),
+    ({"sampling.continuous_batching": False, "sampling.kv_cache": "dense"},
+     "not the lockstep sampler"),
+    ({"rl.dynamic_sampling": True}, "refills"),
+    ({"env.name": "scripted"}, "single-turn")])
+def test_partial_rollouts_refuse_what_the_stream_does_not_carry(fields, why):
+  validation.validate(_config())
+  c = _config()
+  for field, value in fields.items():
+    group, name = field.rsplit(".", 1)
+    node = c
+    for part in group.split("."):
+      node = node[part]
+    node[name] = value
+  with pytest.raises(ConfigError, match=rf"'rollout.partial' = True .*{why}"):
+    validation.validate(c)
+
+
+def test_partial_rollouts_run_on_one_row_shard():
+  preflight.check_engine(_config(), row_shards=1)
+  with pytest.raises(ConfigError, match=r"'rollout.partial' = True runs on "
+                     "one row shard; this run's sampler mesh has 2"):
+    preflight.check_engine(_config(), row_shards=2)
+
+
+def _stop_after(monkeypatch, step: int):
+  """A stop request at the end of step `step` (as SIGTERM's), once."""
+  calls = []
+
+  def stop_requested():
+    calls.append(1)
+    return len(calls) == step
+
+  monkeypatch.setattr(train.interrupts, "stop_requested", stop_requested)
+
+
+@pytest.mark.slow
+def test_rows_carried_across_switches_and_resume_with_them_is_exact(
+    tmp_path, monkeypatch):
+  straight = train.run(_config(), str(tmp_path / "straight"))
+  rows = async_checks.run_metrics(tmp_path / "straight")
+  assert [r["rollout/version"] for r in rows] == [0, 0, 1, 2]
+  assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]
+  assert sum(r["partial/rows_carried"] for r in rows) > 0
+  assert max(r["partial/version_span_max"] for r in rows) == 1
+  assert max(r["staleness/token_max"] for r in rows) <= 1
+  assert all(r["partial/stale_dropped"] == 0 for r in rows)
+  # stopped after step 2: checkpoint 2 holds the rows cut at the switch
+  # into version 2, and the same command resumes from it
+  with monkeypatch.context() as m:
+    _stop_after(m, 2)
+    with pytest.raises(interrupts.Preempted):
+      train.run(_config(), str(tmp_path / "stopped"))
+  held = checkpoint.load_host_state(str(tmp_path / "stopped"), 2)["partial"]
+  assert held["version"] == 2 and held["stream"]["queue"]
+  resumed = train.run(_config(), str(tmp_path / "stopped"))
+  assert async_checks.run_metrics(tmp_path / "stopped") == rows
+  want = async_checks.leaves(straight["state"].params)
+  got = async_checks.leaves(resumed["state"].params)
+  for name, x in want.items():
+    np.testing.assert_array_equal(got[name], x, err_msg=name)
+
+
+def test_a_switch_prefills_the_rows_in_flight_at_their_mean_length_so_far():
+  """Rows of lengths 1 and 3: one in flight at a random moment has sampled
+  E[L^2] / 2E[L] = 10 / 8 tokens; 4 such rows of a 6-token prompt on 2
+  chips at 1e12 FLOP/s."""
+  from grpo_jax.aot import flops, split  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import get_preset  # pylint: disable=import-outside-toplevel
+  c = get_preset("tiny")
+  plan = types.SimpleNamespace(model_config=c, prompt_len=6)
+  chips = types.SimpleNamespace(count=2, spec={"flops": 1e12})
+  tokens = 6 + 10 / 8
+  want = flops.forward_flops(c, 4 * tokens, 4, 4 * flops.causal_pairs(
+      tokens, 0)) / 2e12
+  assert split.switch_prefill(plan, chips, 4, np.array([1, 3])) == want

@@ -14,10 +14,13 @@ asynchronous split, from the simulated slot schedule and the rooflines.
               the paged slots that make it least, of those the colocated
               sampler's search tries (`sampler_seconds`).
               step = max(sampler side, trainer side) + weight sync.
-              Also printed, as a what-if: the steady state of partial
-              rollouts (not implemented: slots kept full across steps, new
-              weights taken between decode steps), the simulated time of
-              STEADY_STEPS steps' rows minus one step's, per extra step.
+              Also printed: partial rollouts as rl/partial_rollouts.py
+              runs them (rollout.partial: slots kept full across steps),
+              the steady state (the simulated time of STEADY_STEPS steps'
+              rows minus one step's, per extra step) plus one prefill per
+              weight switch of the rows then in flight (`switch_prefill`;
+              their KV is recomputed under the new weights). The partial
+              drains of docs/async.md rule 2 are not simulated.
   colocated asynchronous (sampler_devices = 0, k >= 1): both sides on
               every chip, one after the other on the device: the
               synchronous loop's device time, with host work under it.
@@ -49,6 +52,7 @@ import numpy as np
 
 from grpo_jax import sharding
 from grpo_jax.aot import check as aot
+from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
@@ -127,7 +131,8 @@ class Sides(NamedTuple):
   trainer: Plan
   sampler_seconds: float      # one step's rows per call (slots drain)
   one_step: schedule.Schedule  # that call's schedule
-  steady_seconds: float       # what-if: partial rollouts, per step
+  steady_seconds: float       # partial rollouts: steady state + switch
+  switch_seconds: float       # of which one prefill per weight switch
   trainer_seconds: float
   sync_bytes: float           # per chip received (sync_cost)
   sync_seconds: float
@@ -135,6 +140,11 @@ class Sides(NamedTuple):
   @property
   def step(self) -> float:
     return max(self.sampler_seconds, self.trainer_seconds) + self.sync_seconds
+
+  @property
+  def partial_step(self) -> float:
+    """The step with partial rollouts (rollout.partial)."""
+    return max(self.steady_seconds, self.trainer_seconds) + self.sync_seconds
 
 
 def sync_cost(sampler: Plan, trainer: Plan, bandwidth: float,
@@ -162,14 +172,30 @@ def sync_cost(sampler: Plan, trainer: Plan, bandwidth: float,
   return max(receive, send), max(receive, send) / bandwidth
 
 
+def switch_prefill(plan: Plan, chips: Chips, rows: float,
+                   lengths_n: np.ndarray) -> float:
+  """Seconds of one weight switch's prefill (compute-bound, at peak) of
+  `rows` rows in flight, each its prompt plus the tokens it has sampled:
+  a row seen at a random moment of its life has sampled E[L^2] / 2E[L] of
+  them (the longer a row, the likelier it is in flight)."""
+  done = float((lengths_n.astype(np.float64) ** 2).sum()
+               / (2 * max(lengths_n.sum(), 1)))
+  tokens = plan.prompt_len + done
+  flops = flops_lib.forward_flops(plan.model_config, rows * tokens, rows,
+                                  rows * flops_lib.causal_pairs(tokens, 0))
+  return flops / (chips.count * chips.spec["flops"])
+
+
 def sampler_seconds(plan: Plan, chips: Chips, lengths_n: np.ndarray,
                     more_n: np.ndarray, log) -> tuple:
-  """(one step's paged Schedule, its seconds, the partial-rollout what-if
-  seconds per step) on `chips`: at each number of paged slots per row
-  shard that the colocated sampler's search tries (`sampler.slot_search`),
-  the paged sampler on one step's rows (the slots with the least time) and
-  on STEADY_STEPS steps' rows (each shard's rows of one step after the
-  other's; the what-if is the least marginal time per extra step)."""
+  """(one step's paged Schedule, its seconds, partial rollouts' seconds
+  per step, of which the switch's prefill) on `chips`: at each number of
+  paged slots per row shard that the colocated sampler's search tries
+  (`sampler.slot_search`), the paged sampler on one step's rows (the slots
+  with the least time) and on STEADY_STEPS steps' rows (each shard's rows
+  of one step after the other's; partial rollouts: the least marginal
+  time per extra step, plus `switch_prefill` of the rows in flight then,
+  all the slots of every row shard)."""
   dense_slots = aot.auto_slots(plan.config, plan, chips.hbm, configured=False)
   cost = pod_sampler.step_cost(plan, chips, plan.run.sampling.kv_dtype)
   R, G = plan.layout.batch_shards, plan.run.batch.generations
@@ -183,14 +209,17 @@ def sampler_seconds(plan: Plan, chips: Chips, lengths_n: np.ndarray,
   for m in pod_sampler.slot_search(dense_slots // R, one_rn.shape[1]):
     one = schedule.paged(one_rn, m, pages, Z, G, cost)
     many = schedule.paged(many_rn, m, pages, Z, G, cost)
-    marginal = (many.seconds - one.seconds) / (STEADY_STEPS - 1)
+    switch = switch_prefill(plan, chips, m * R, lengths_n)
+    partial = (many.seconds - one.seconds) / (STEADY_STEPS - 1) + switch
     log(f"  simulated paged, {m} slots per row shard: one step {one.seconds:.1f}"
         f" s, {STEADY_STEPS} steps {many.seconds:.1f} s ({many.preempted} "
-        "preempted)")
+        f"preempted); partial rollouts {partial:.1f} s per step, of which "
+        f"{switch:.1f} s the switch's prefill")
     if best is None or one.seconds < best.seconds:
       best = one
-    steady = marginal if steady is None else min(steady, marginal)
-  return best, best.seconds, steady
+    if steady is None or partial < steady[0]:
+      steady = (partial, switch)
+  return (best, best.seconds) + steady
 
 
 class Colocated(NamedTuple):
@@ -250,12 +279,12 @@ def sides(colocated: Colocated, sampler_config, partition: Partition,
     return None
   s_plan = SamplerSide(sampler_config, model_config,
                        layout(sampler_config, sampler.devices), prompt_len)
-  one, one_seconds, steady = sampler_seconds(s_plan, sampler, lengths_n,
-                                             more_n, log)
+  one, one_seconds, steady, switch = sampler_seconds(
+      s_plan, sampler, lengths_n, more_n, log)
   receive, seconds = sync_cost(s_plan, t_plan, partition.bandwidth,
                                partition.hosts)
   return Sides(sampler.count, s_plan, t_plan, one_seconds, one, steady,
-               train, receive, seconds)
+               switch, train, receive, seconds)
 
 
 def colocated_step(plan: Plan, chips: Chips, lengths_n) -> Colocated:
@@ -279,14 +308,18 @@ def format_split(split: Sides, colocated: Colocated, sampler_topology: str,
       f"  split {split.sampler_chips} sampling ({sampler_topology}) + "
       f"{split.trainer.layout.mesh.size} training chips ({trainer_topology}):"
       f" sampler {split.sampler_seconds:.1f} s per step (one step's rows per "
-      f"call, tail {one.tail_seconds:.1f} s; partial rollouts, not "
-      f"implemented, would give {split.steady_seconds:.1f} s), trainer "
+      f"call, tail {one.tail_seconds:.1f} s; partial rollouts, "
+      f"rollout.partial: {split.steady_seconds:.1f} s, of which "
+      f"{split.switch_seconds:.1f} s the switch's prefill), trainer "
       f"{split.trainer_seconds:.1f} s, "
       f"sync {split.sync_seconds:.3f} s ({split.sync_bytes / 1e9:.2f} GB per "
       f"chip, {100 * split.sync_seconds / split.step:.2f}% of the step) -> "
       f"step {split.step:.1f} s = {split.step / sync_step:.3f}x the colocated "
       f"{sync_step:.1f} s (sampler {colocated.sampler_seconds:.1f} + update "
       f"{colocated.trainer_seconds:.1f})",
+      f"    with partial rollouts (rollout.partial): step "
+      f"{split.partial_step:.1f} s = {split.partial_step / sync_step:.3f}x "
+      "the colocated (partial drains not simulated)",
       f"    idle: sampler {100 * idle(split.sampler_seconds):.0f}%, trainer "
       f"{100 * idle(split.trainer_seconds):.0f}%; rows in flight per row "
       f"shard {one.in_flight:.1f} (colocated {paged.in_flight:.1f}), pool "

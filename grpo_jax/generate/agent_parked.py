@@ -37,13 +37,16 @@ from grpo_jax.errors import ConfigError
 from grpo_jax.generate import agent, parked, sampling
 
 
-def check_row_shards(row_shards: int) -> None:
-  """The engine keeps one page pool on one row shard."""
+def check_row_shards(row_shards: int,
+                     field: str = "'env.engine' = 'parked'",
+                     fix: str = "use env.engine='turns' (any mesh), or "
+                                "sample on one row shard") -> None:
+  """The engine keeps one page pool on one row shard (the agents' parked
+  rows; partial rollouts name their own field and fix)."""
   if row_shards > 1:
     raise ConfigError(
-        "config field 'env.engine' = 'parked' runs on one row shard; this "
-        f"run's sampler mesh has {row_shards}: use env.engine='turns' (any "
-        "mesh), or sample on one row shard")
+        f"config field {field} runs on one row shard; this run's sampler "
+        f"mesh has {row_shards}: {fix}")
 
 
 def engine_spec(sampler: sampling.Sampler, rows: int, prompt_len: int,

@@ -242,6 +242,10 @@ class Engine:
     return len(self._free)
 
   @property
+  def free_slots(self) -> int:
+    return sum(h is None for h in self._held)
+
+  @property
   def busy(self) -> bool:
     """A row holds a slot (decoding, or admitted and not yet prefilled)."""
     return any(h is not None for h in self._held)

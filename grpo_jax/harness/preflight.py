@@ -104,12 +104,16 @@ def check_env(config, tokenizer) -> None:
 
 
 def check_engine(config, row_shards: int) -> None:
-  """env.engine = 'parked' keeps one page pool on one row shard
-  (generate/parked.py): on a mesh of more row shards the first rollout
-  would stop the run; this stops it before the weights load."""
+  """env.engine = 'parked' and rollout.partial keep one page pool on one
+  row shard (generate/parked.py): on a mesh of more row shards the first
+  rollout would stop the run; this stops it before the weights load."""
   env = envs.EnvSpec.from_config(config)
   if env is not None and env.engine == "parked":
     agent_parked.check_row_shards(row_shards)
+  if config.method == "rl" and config.rollout.partial:
+    agent_parked.check_row_shards(
+        row_shards, "'rollout.partial' = True",
+        "sample on one row shard (rollout.sampler_mesh)")
 
 
 def _check_context(config, context: int, tokenizer,

@@ -83,13 +83,15 @@ class RolloutSettings:
   max_staleness: int = 0
   sync_every: int = 1
   timeout_s: float = 3600.0
+  partial: bool = False
 
   @classmethod
   def from_config(cls, config) -> "RolloutSettings":
     r = config.rollout
     return cls(int(r.sampler_devices),
                tuple(r.sampler_mesh) or tuple(config.mesh.shape),
-               int(r.max_staleness), int(r.sync_every), float(r.timeout_s))
+               int(r.max_staleness), int(r.sync_every), float(r.timeout_s),
+               bool(r.partial))
 
   @property
   def asynchronous(self) -> bool:
@@ -131,13 +133,13 @@ class Batch(NamedTuple):
   key_data: np.ndarray
 
 
-def _array_text(x: np.ndarray) -> str:
+def array_text(x: np.ndarray) -> str:
   buffer = io.BytesIO()
   np.save(buffer, np.asarray(x), allow_pickle=False)
   return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _text_array(text: str) -> np.ndarray:
+def text_array(text: str) -> np.ndarray:
   return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
 
 
@@ -148,26 +150,26 @@ def encode(batch: Batch) -> dict:
   prompt_routes = g.pop("prompt_routes_b")   # routing replay: [p, l, c] each
   return {"step": batch.step, "version": batch.version,
           "metrics": batch.metrics, "data_after": batch.data_after,
-          "key_data": _array_text(batch.key_data), "prompt_ids": prompts,
-          "arrays": {k: _array_text(v) for k, v in g.items()
+          "key_data": array_text(batch.key_data), "prompt_ids": prompts,
+          "arrays": {k: array_text(v) for k, v in g.items()
                      if v is not None},
           **({} if prompt_routes is None else {"prompt_routes": [
-              _array_text(r) for r in prompt_routes]})}
+              array_text(r) for r in prompt_routes]})}
 
 
 def decode(d: dict) -> Batch:
   prompts_b = np.empty((len(d["prompt_ids"]),), object)
   prompts_b[:] = [tuple(p) for p in d["prompt_ids"]]
-  arrays = {k: _text_array(v) for k, v in d["arrays"].items()}
+  arrays = {k: text_array(v) for k, v in d["arrays"].items()}
   if "prompt_routes" in d:
     routes_b = arrays["prompt_routes_b"] = np.empty((len(prompts_b),),
                                                    object)
     for b, text in enumerate(d["prompt_routes"]):
-      routes_b[b] = _text_array(text)
+      routes_b[b] = text_array(text)
   return Batch(int(d["step"]), int(d["version"]),
                rollout.Groups(prompt_ids_b=prompts_b, **arrays),
                dict(d["metrics"]), dict(d["data_after"]),
-               _text_array(d["key_data"]))
+               text_array(d["key_data"]))
 
 
 def staleness_metrics(batch: Batch, max_staleness: int) -> dict[str, float]:

@@ -36,7 +36,13 @@ from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import quant, transformer
 from grpo_jax.rewards import process
-from grpo_jax.rl import async_rollouts, distill, nonfinite, weight_sync
+from grpo_jax.rl import (
+  async_rollouts,
+  distill,
+  nonfinite,
+  partial_rollouts,
+  weight_sync,
+)
 from grpo_jax.rl.batch import to_rows
 from grpo_jax.rl.spec import AdvantageSettings, RunSpec
 from grpo_jax.rl.step import Frozen, train_step
@@ -262,6 +268,13 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
       (spec.sampler_dtype, spec.sampler_weights), r.model_config,
       r.sampler_layout, store, r.frozen.base,
       functools.partial(experiment.policy_params, spec.lora))
+  if spec.rollout.partial:
+    return partial_rollouts.PartialThreaded(
+        source, partial_rollouts.PartialSampling(
+            r.sampler, r.tokenizer, spec.groups, spec.batch.prompts,
+            jax.random.key(spec.seed)),
+        sync, store, start, async_rollouts.key_value(state.key),
+        host.get("partial"))
   return async_rollouts.Threaded(source, sample, sync, store, start,
                                  async_rollouts.key_value(state.key))
 

@@ -63,6 +63,39 @@ def check_rollout(config: ConfigDict) -> None:
         "--config.rl.rollout_correction.is_level=token; or bypass "
         "(--config.rl.old_logp=sampler) with a correction on")
 
+  if r.partial:
+    check_partial(config)
+
+
+def check_partial(config: ConfigDict) -> None:
+  """rollout.partial (rl/partial_rollouts.py): rows carried across a weight
+  switch need stale rows to exist (k >= 1), a version at every step
+  (sync_every 1), the paged continuous sampler on one row shard
+  (generate/parked.py's engine; routing replay, which only the lockstep
+  sampler records, is refused with it), and single-turn rows without
+  refills (what the stream does not carry yet)."""
+  r, field = config.rollout, "config field 'rollout.partial' = True"
+  refusals = (
+      (r.max_staleness < 1, "needs rollout.max_staleness >= 1: at k = 0 "
+       "every row must end before its version is trained, so none is "
+       "carried"),
+      (r.sync_every != 1, "needs rollout.sync_every = 1: a checkpoint's "
+       "carried rows are those at the switch to its version"),
+      (not config.sampling.continuous_batching
+       or config.sampling.kv_cache != "paged",
+       "runs the paged continuous sampler (generate/parked.py): set "
+       "sampling.continuous_batching=True and sampling.kv_cache='paged', not "
+       "the lockstep sampler"),
+      (config.rl.dynamic_sampling, "does not take rl.dynamic_sampling's "
+       "refills yet"),
+      (bool(config.env.name), "is for single-turn rows (env.name = ''); "
+       "an env's rows already wait with env.engine='parked'"),
+      (config.method != "rl", f"is for the RL loop, not method = "
+       f"{config.method!r}"))
+  for refused, why in refusals:
+    if refused:
+      raise ConfigError(f"{field} {why}")
+
 
 def check_env(config: ConfigDict) -> None:
   """config.env (envs/, generate/agent.py): a registered env, its budgets
