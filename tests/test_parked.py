@@ -195,10 +195,7 @@ def test_the_engine_is_chosen_and_checked_in_the_config():
   c.sampling.continuous_batching, c.sampling.kv_cache = True, "paged"
   validation.validate(c)
   assert ta.base.EnvSpec.from_config(c).engine == "parked"
-  preflight.check_engine(c, row_shards=1)
-  with pytest.raises(errors.ConfigError, match="one row shard; this run's "
-                     "sampler mesh has 8"):
-    preflight.check_engine(c, row_shards=8)
+  preflight.check_engine(c, row_shards=8)      # an engine per row shard
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -224,3 +221,11 @@ def test_a_turn_cut_at_a_step_boundary_continues_as_if_uncut(params,
   np.testing.assert_allclose(cut.logp + rest.logp, want.logp, atol=1e-5)
   engine.release(rest.parked)
   assert engine.free_pages == 32
+
+
+@pytest.mark.slow
+def test_rows_over_row_shards_on_eight_fake_devices(run_sharding_checks):
+  """tests/parked_sharding_checks.py in a subprocess: rows over 8 (then 4 x
+  tensor 2, fsdp 2) row shards, an engine per shard on its devices, give
+  one device's greedy episodes token for token, every page back."""
+  run_sharding_checks("parked_sharding_checks.py", ["8,1,1", "2,2,2"])

@@ -32,36 +32,65 @@ import collections
 import concurrent.futures
 import time
 
+import jax
+
 from grpo_jax.envs import base
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import agent, parked, sampling
 
 
-def check_row_shards(row_shards: int,
-                     field: str = "'env.engine' = 'parked'",
-                     fix: str = "use env.engine='turns' (any mesh), or "
-                                "sample on one row shard") -> None:
-  """The engine keeps one page pool on one row shard (the agents' parked
-  rows; partial rollouts name their own field and fix)."""
+def check_row_shards(row_shards: int, field: str, fix: str) -> None:
+  """One engine, one page pool on one row shard: partial rollouts' stream
+  (generate/partial.py) names its field and fix."""
   if row_shards > 1:
     raise ConfigError(
         f"config field {field} runs on one row shard; this run's sampler "
         f"mesh has {row_shards}: {fix}")
 
 
+def check_hosts() -> None:
+  """The episodes' host loops read and write each row shard's slots: every
+  device of the sampler mesh must be this process's (one host)."""
+  if jax.process_count() > 1:
+    raise ConfigError(
+        "config field 'env.engine' = 'parked' runs on one host; this run has "
+        f"{jax.process_count()} processes: use env.engine='turns' (any mesh)")
+
+
+def shard_rows(n: int, shards: int) -> list[range]:
+  """Rows 0..n-1 over the row shards in blocks, as the sampler splits rows
+  (a group's rows together)."""
+  per = -(-n // shards)
+  return [range(r * per, min(n, (r + 1) * per)) for r in range(shards)]
+
+
 def engine_spec(sampler: sampling.Sampler, rows: int, prompt_len: int,
                 spec: base.EnvSpec) -> parked.EngineSpec:
-  """The engine of a batch: sampling.slots slots (0: one per row), a row's
-  context its prompt plus its trajectory budget, sampling.pages pages (0: a
-  whole context per row, parked rows included, so no row waits for
-  pages)."""
-  check_row_shards(sampler.shards)
+  """The engine of one row shard's `rows` rows: sampling.slots slots over
+  the row shards (0: one per row), a row's context its prompt plus its
+  trajectory budget, sampling.pages pages per shard (0: a whole context
+  per row, parked rows included, so no row waits for pages)."""
   cfg = sampler.sampling
-  slots = min(cfg.slots or rows, rows)
+  slots = min(-(-cfg.slots // sampler.shards) or rows, rows)
   context = prompt_len + spec.trajectory_tokens(cfg.max_new_tokens)
   pages = cfg.pages or rows * -(-context // cfg.page_size)
   return parked.EngineSpec(sampler.model_config, cfg, slots, pages, context,
                            spec.engine_steps)
+
+
+def engines(sampler: sampling.Sampler, params, key, espec: parked.EngineSpec
+            ) -> list[parked.Engine]:
+  """An engine per row shard, its pool and a copy of the weights on the
+  shard's devices (`Layout.row_shard`; weights split over the batch axes,
+  fsdp, are gathered whole on each shard)."""
+  if sampler.shards == 1:
+    return [parked.Engine(espec, params, key)]
+  out = []
+  for r in range(sampler.shards):
+    shard = sampler.layout.row_shard(r)
+    out.append(parked.Engine(espec, shard.place_like(params), key,
+                             shard.mesh))
+  return out
 
 
 class _Tools:
@@ -143,23 +172,45 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
                  system_prompt: str = "", batch_multiple: int = 1,
                  stats: dict | None = None) -> agent.Episodes:
   """`agent.run_episodes` on the parked engine (module docstring): the same
-  Episodes. stats (a dict): the engine's `parked.Stats` and the rows
-  released for room, filled in."""
+  Episodes. Rows split over the sampler's row shards (`shard_rows`), each
+  shard's rows on its own engine, the shards' host loops in threads (a
+  device call releases the GIL). stats (a dict): the engines' `parked.Stats`
+  and the rows released for room, summed over the shards, filled in."""
   del batch_multiple      # the engine's shapes do not depend on the batch
   cfg = sampler.sampling
+  check_hosts()
   turns = agent.ToolTurns.of(tokenizer, cfg.stop_ids)
   rows, texts, prompt_ids = agent.start_rows(tokenizer, examples,
                                              num_generations, spec,
                                              system_prompt)
-  n = len(rows)
-  engine = parked.Engine(
-      engine_spec(sampler, n, max(map(len, prompt_ids)), spec), params, key)
-  ready = collections.deque(parked.Parked(i, tuple(r.history))
-                            for i, r in enumerate(rows))
-  tools = _Tools(n, spec.tool_timeout_s)
+  parts = [p for p in shard_rows(len(rows), sampler.shards) if len(p)]
+  espec = engine_spec(sampler, len(parts[0]), max(map(len, prompt_ids)), spec)
+  run = lambda engine, part: _run_shard(engine, rows, part, turns, tokenizer,
+                                        spec)
+  shard_engines = engines(sampler, params, key, espec)[:len(parts)]
+  with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
+    released = sum(pool.map(run, shard_engines, parts))
+  if stats is not None:
+    total = lambda f: sum(f(e) for e in shard_engines)
+    stats.update({k: total(lambda e, k=k: getattr(e.stats, k))
+                  for k in parked.Stats._fields},
+                 released=released, free_pages=total(lambda e: e.free_pages),
+                 pages=total(lambda e: e.spec.pages))
+  T = spec.trajectory_tokens(cfg.max_new_tokens)
+  return agent.collect(rows, prompt_ids, texts, T, cfg.pad_id)
+
+
+def _run_shard(engine: parked.Engine, rows: list, part: range,
+               turns: agent.ToolTurns, tokenizer, spec: base.EnvSpec) -> int:
+  """The host loop of one shard's rows (module docstring); returns how
+  many rows were released for room."""
+  cfg = engine.spec.sampling
+  ready = collections.deque(parked.Parked(i, tuple(rows[i].history))
+                            for i in part)
+  tools = _Tools(len(part), spec.tool_timeout_s)
   finished, released = 0, 0
   try:
-    while finished < n:
+    while finished < len(part):
       while ready and engine.admit(
           ready[0], ready[0].row * spec.max_turns + rows[ready[0].row].turns,
           cfg.max_new_tokens):
@@ -188,11 +239,7 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
           finished += 1
   finally:
     tools.pool.shutdown(wait=False, cancel_futures=True)
-  if stats is not None:
-    stats.update(engine.stats._asdict(), released=released,
-                 free_pages=engine.free_pages, pages=engine.spec.pages)
-  T = spec.trajectory_tokens(cfg.max_new_tokens)
-  return agent.collect(rows, prompt_ids, texts, T, cfg.pad_id)
+  return released
 
 
 def metrics(stats: dict) -> dict[str, float]:

@@ -25,8 +25,9 @@ mechanism partial rollouts reuse (docs/async.md rule 4).
             admits it again with the observation appended (only the turn's
             last token and the observation are prefilled), or releases it.
 
-The pool is one `models.paged` pool on one device (one row shard), its
-pages handed out on the host (`free_pages`): a row holds its own pages
+The pool is one `models.paged` pool on one row shard's devices (a mesh of
+more row shards runs an engine per shard, `agent_parked`), its pages
+handed out on the host (`free_pages`): a row holds its own pages
 only (no prompt pages shared, so nothing is copied on write), reserved at
 admission, so the decode loop never waits for a page and nobody is
 preempted inside it. A caller that finds no room and nothing decoding
@@ -218,12 +219,18 @@ class Engine:
   """The paged engine of rows that wait (module docstring): `admit` rows,
   `step` until turns end, `release` a row's pages when it is done."""
 
-  def __init__(self, spec: EngineSpec, params, key: jax.Array):
+  def __init__(self, spec: EngineSpec, params, key: jax.Array,
+               mesh: jax.sharding.Mesh | None = None):
+    """mesh: the devices the pool is made on (one row shard's, with params
+    on them: `agent_parked`); None: the default device."""
     c, cfg = spec.model_config, spec.sampling
     self.spec, self.params, self.key = spec, params, key
-    self.pool = page_pool.zero_pool(c, spec.pages, cfg.page_size, 1,
-                                    page_pool.pool_dtype(params), None,
-                                    _LAYOUT, cfg.kv_dtype)
+    zeros = functools.partial(
+        page_pool.zero_pool, c, spec.pages, cfg.page_size, 1,
+        page_pool.pool_dtype(params), None, _LAYOUT, cfg.kv_dtype)
+    self.pool = zeros() if mesh is None else jax.jit(
+        zeros, out_shardings=jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))()
     M, J, T = spec.slots, spec.table_width, cfg.max_new_tokens
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
     self._used_w = np.zeros(spec.pages, bool)

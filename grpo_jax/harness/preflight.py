@@ -104,12 +104,14 @@ def check_env(config, tokenizer) -> None:
 
 
 def check_engine(config, row_shards: int) -> None:
-  """env.engine = 'parked' and rollout.partial keep one page pool on one
-  row shard (generate/parked.py): on a mesh of more row shards the first
-  rollout would stop the run; this stops it before the weights load."""
+  """env.engine = 'parked' drives an engine per row shard from this host
+  (generate/agent_parked.py); rollout.partial keeps one page pool on one
+  row shard (generate/partial.py): where the sampler's mesh (its
+  `row_shards`) or the hosts cannot serve them the first rollout would stop
+  the run; this stops it before the weights load."""
   env = envs.EnvSpec.from_config(config)
   if env is not None and env.engine == "parked":
-    agent_parked.check_row_shards(row_shards)
+    agent_parked.check_hosts()
   if config.method == "rl" and config.rollout.partial:
     agent_parked.check_row_shards(
         row_shards, "'rollout.partial' = True",

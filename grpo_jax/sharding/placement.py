@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.expert_parallel import ExpertParallel
@@ -144,6 +144,29 @@ class Layout:
     """How many ways the `batch` rule splits rows (data x fsdp by default)."""
     return math.prod(self.mesh.shape[a]
                      for a in dict(self.rules).get(BATCH, ()))
+
+  def row_shard(self, r: int) -> "Layout":
+    """Row shard r's devices as a mesh of their own, the batch axes of size
+    1 and the others as they are, with the same rules: where one row
+    shard's own work runs (the parked engine, `generate/agent_parked.py`).
+    Shard r is r's place over the batch axes in the rules' order, as rows
+    are split."""
+    batch = dict(self.rules).get(BATCH, ())
+    at = dict(zip(batch, np.unravel_index(
+        r, [self.mesh.shape[a] for a in batch])))
+    index = tuple(slice(at[a], at[a] + 1) if a in at else slice(None)
+                  for a in self.mesh.axis_names)
+    return Layout(Mesh(self.mesh.devices[index], self.mesh.axis_names),
+                  self.rules)
+
+  def place_like(self, tree: Any) -> Any:
+    """Each array of `tree` onto this layout's mesh with its own partition
+    spec (replicated where it has none): e.g. a run's weights onto one row
+    shard's devices (`row_shard`)."""
+    def one(x):
+      spec = getattr(x.sharding, "spec", PartitionSpec())
+      return jax.device_put(x, NamedSharding(self.mesh, spec))
+    return jax.tree.map(one, tree)
 
   def splits(self, logical: str, size: int) -> int:
     """How many ways the rules split a dimension of `size` named `logical`."""
