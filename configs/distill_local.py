@@ -6,10 +6,11 @@ and makes 4 optimizer updates (the quickstart's 4 steps of 64 rows, or 4 SFT ste
   :rl          RL alone (the quickstart itself, another workdir)
   :on_policy   the student samples, the teacher grades each token (rl.distill)
   :off_policy  the teacher samples 256 problems, verified answers kept, the student fine-tuned
-  :r1          the R1 recipe as one pipeline: cold start on 16 worked examples, the quickstart's
-               RL plus the <think> format and language rewards (0.1 each), rejection-sampling
-               SFT (docs/recipes.md)
-  :r1_cold_start  its cold start alone at 16 steps (do the <think> tags take?)
+  :r1          the R1 recipe as one pipeline: cold start on 16 worked examples (16 steps:
+               4 taught the equation but not the <think> tags), the quickstart's RL plus the
+               <think> format and language rewards (0.1 each), rejection-sampling SFT
+               (docs/recipes.md)
+  :r1_cold_start  its cold start alone
 """
 import os
 
@@ -55,7 +56,7 @@ def r1(c):
   c.stages = (
       {"kind": "sft", "name": "cold_start", "overrides": {
           "data.source": "jsonl", "data.kwargs": {"path": COLD_START, "layout": "math"},
-          "data.eval_source": "arithmetic", "star.sft_steps": 4}},
+          "data.eval_source": "arithmetic", "star.sft_steps": 16}},
       {"kind": "rl", "name": "reasoning_rl", "overrides": {
           "rewards": {**c.rewards, "format_think": 0.1, "language_consistency": 0.1},
           "reward_kwargs": {**c.reward_kwargs, "format_think": {"answer": "boxed"}}}},
@@ -67,12 +68,10 @@ def r1(c):
 
 
 def r1_cold_start(c):
-  """The R1 recipe's cold start alone, 16 steps instead of 4."""
+  """The R1 recipe's cold start alone."""
   c = r1(c)
   c.name = "r1_local_cold_start"
-  cold = dict(c.stages[0])
-  cold["overrides"] = {**cold["overrides"], "star.sft_steps": 16}
-  c.stages = (cold,)
+  c.stages = c.stages[:1]
   return c
 
 

@@ -102,7 +102,8 @@ def _star_defaults() -> ConfigDict:
       batch_size=8,                    # rows per fine-tuning step (paper: 8)
       micro_batch_size=0,              # rows per forward/backward (0: all)
       pack=False,                      # several examples per row, isolated
-      row_length=0,                    # tokens per row (0: longest, bucketed)
+      row_length=0,                    # tokens per row (0: the longest,
+                                       # rounded up, sft.row_length)
   ))
 
 

@@ -13,6 +13,7 @@ from configs import r1_tiny, tiny
 from grpo_jax import checkpoint, errors
 from grpo_jax.harness import interrupts, pipeline
 from grpo_jax.rl import train
+from grpo_jax.star import loop as star_loop
 
 
 def _two_stages():
@@ -87,4 +88,42 @@ def test_restart_skips_finished_stages_and_resumes_the_stopped_one(tmp_path, mon
   assert len(calls) == 4   # no cold start again: copied with its results
   got = checkpoint.load_params(os.path.join(rl_dir, "checkpoints", "2"))
   want = checkpoint.load_params(os.path.join(whole, "stage1_rl", "checkpoints", "2"))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_stopped_sft_stage_resumes_at_its_step(tmp_path, monkeypatch):
+  """A SIGTERM in the cold start's second SFT step: the stage saves step 2
+  (the TrainState and the data position) and stops; the restart runs step 3
+  only and ends with the parameters and metrics of a stage that never
+  stopped, bit for bit."""
+  config = r1_tiny.get_config()
+  cold = config.stages[0]
+  config.stages = ({**cold, "overrides": {**cold["overrides"], "star.sft_steps": 3}},)
+  config.train.eval_examples = 0
+  tune_steps, calls = star_loop.tune_steps, []
+
+  def stop_in_second_step(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      os.kill(os.getpid(), signal.SIGTERM)   # handled: save at the step's end
+    return tune_steps(*args, **kwargs)
+
+  monkeypatch.setattr(star_loop, "tune_steps", stop_in_second_step)
+  stopped = str(tmp_path / "stopped")
+  with pytest.raises(interrupts.Preempted):
+    pipeline.run(config, stopped)
+  sft_dir = os.path.join(stopped, "stage0_cold_start")
+  assert checkpoint.latest_step(checkpoint.checkpoint_dir(sft_dir)) == 2
+  assert checkpoint.load_host_state(sft_dir)["sft_batches_drawn"] == 2
+  resumed = pipeline.run(config, stopped)
+  assert len(calls) == 3   # only step 3 ran after the restart
+  whole = pipeline.run(config, str(tmp_path / "whole"))
+  assert len(calls) == 6
+  for key in ("sft/loss_first", "sft/loss_last", "sft/steps", "sft/skipped"):
+    assert resumed[f"stage0_cold_start/{key}"] == whole[f"stage0_cold_start/{key}"], key
+  losses = [checkpoint.load_host_state(d)["sft_metrics"]
+            for d in (sft_dir, tmp_path / "whole" / "stage0_cold_start")]
+  assert losses[0] == losses[1] and len(losses[0]) == 3
+  got = checkpoint.load_params(os.path.join(sft_dir, "checkpoints", "3"))
+  want = checkpoint.load_params(tmp_path / "whole" / "stage0_cold_start" / "checkpoints" / "3")
   jax.tree.map(np.testing.assert_array_equal, got, want)

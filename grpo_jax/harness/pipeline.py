@@ -23,8 +23,8 @@ Stage i runs in `<workdir>/stage_<i>_<name>` and starts from stage i-1's
 last checkpoint (init_from; π_ref is that start, rl.kl_reference =
 "start"); stage 0 from config.init_from or the pretrained model. A stage is
 finished when its checkpoint holds its last step; a restart skips finished
-stages and the next one resumes exactly as its method resumes (rl: at the
-step where it stopped). The summary holds each stage's results as
+stages and the next one resumes exactly as its method resumes (rl, sft: at
+the step where it stopped). The summary holds each stage's results as
 `stage<i>_<name>/<metric>`, so the run store (`experiments/runs.py show`)
 lists them.
 """
@@ -44,7 +44,7 @@ from grpo_jax.harness import experiment, interrupts
 
 # kind -> (method, fixed fields, the field holding its last step)
 KINDS: dict[str, tuple[str, dict[str, Any], str]] = {
-    "sft": ("sft", {}, ""),
+    "sft": ("sft", {}, "star.sft_steps"),
     "rl": ("rl", {"rl.kl_reference": "start"}, "train.steps"),
     "distill": ("rl", {"rl.distill.mode": "on_policy", "rl.dynamic_sampling": False,
                        "rl.kl_reference": "start"}, "train.steps"),
@@ -107,10 +107,7 @@ def stage_configs(config, workdir: str) -> list[ConfigDict]:
 
 def last_step(config, kind: str) -> int:
   """The step of a stage's final checkpoint."""
-  field = KINDS[kind][2]
-  if not field:
-    return 1
-  group, key = field.split(".")
+  group, key = KINDS[kind][2].split(".")
   return int(config[group][key])
 
 

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,6 @@ from grpo_jax import checkpoint, errors, evaluation, registry
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.algorithms.star import finetune_steps, split_shots
 from grpo_jax.data import Example
-from grpo_jax.generate import sampling
 from grpo_jax.harness import experiment, interrupts, preflight
 from grpo_jax.harness import metrics as metrics_lib
 from grpo_jax.models import cast, lora
@@ -60,6 +59,96 @@ def sft_optimizer(optim, steps: int) -> OptimizerSpec:
       optim, steps if optim.schedule == "cosine" else 0)
 
 
+class Tuning(NamedTuple):
+  """A fine-tune's fixed parts: the jitted step's program, the endless
+  batch stream (`sft.sft_batches`, a function of the seed), how a batch is
+  placed, the LoRA base (None: full fine-tuning), the row length and the
+  examples dropped as longer than it."""
+  program: UpdateProgram
+  batches: Iterator[sft.SFTBatch]
+  put: Callable[[Any], Any]
+  base: Optional[Params]
+  row_len: int
+  dropped: int
+
+
+def tuning(config, model_config, original: Params,
+           examples: Sequence[sft.SFTExample], steps: int, pad_id: int,
+           seed: int, layout: Optional[sharding_lib.Layout] = None,
+           drawn: int = 0) -> Tuning:
+  """The fine-tune of `original` on `examples` for `steps` steps, its batch
+  stream past the first `drawn` batches (the data position of a resumed
+  fine-tune: one batch per step)."""
+  st = config.star
+  row_len = st.row_length or sft.row_length(examples)
+  fits = [e for e in examples if sft.example_length(e) <= row_len]
+  if not fits:
+    raise ValueError(f"no kept example fits star.row_length={row_len}")
+  batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
+                            np.random.default_rng(seed))
+  for _ in range(drawn):
+    next(batches)
+  program = UpdateProgram(
+      model_config, sft.SFTSettings.from_config(config),
+      sft_optimizer(config.optim, steps),
+      num_micro=st.batch_size // (st.micro_batch_size or st.batch_size),
+      layout=layout)
+  base = original if lora.LoraSpec.from_config(config).enabled else None
+  return Tuning(program, batches, jnp.asarray if layout is None else layout.rows,
+                base, row_len, len(examples) - len(fits))
+
+
+def fresh_state(config, tune: Tuning, original: Params, seed: int):
+  """Step 0: a copy of `original` (the step donates its state; `original`
+  stays intact) or, with LoRA, fresh adapters (B = 0) on it, and a fresh
+  optimizer state (Algorithm 1, l. 7: M_n = train(M, D_n))."""
+  layout = tune.program.layout
+  trained = (experiment.init_adapters(config, tune.program.model_config, layout)
+             if tune.base is not None else sharding_lib.copy_tree(original))
+  return place(tune, init_state(trained, tune.program.optimizer, seed))
+
+
+def place(tune: Tuning, state):
+  """`state` through the same sharding constraint as sft_step's output: with
+  `layout.place_state` (device_put), or as restored, the second step's input
+  state has another aval type and the step compiles twice."""
+  layout = tune.program.layout
+  if layout is None:
+    return state
+  return jax.jit(functools.partial(
+      layout.constrain_state, tune.program.model_config,
+      tune.program.optimizer.build()))(state)
+
+
+def tune_steps(tune: Tuning, state, steps: int) -> tuple[Any, list[dict]]:
+  """`steps` SFT updates from `state`; their host metrics (loss, the
+  non-finite code) in order."""
+  step_metrics = []
+  for _ in range(steps):
+    batch = jax.tree.map(tune.put, next(tune.batches))
+    state, m = sft.sft_step(state, batch, tune.program, tune.base)
+    step_metrics.append({k: m[k] for k in ("loss", nonfinite.CODE)})
+  return state, [{"loss": float(m["loss"]), nonfinite.CODE: int(m[nonfinite.CODE])}
+                 for m in jax.device_get(step_metrics)]
+
+
+def tuned_params(config, tune: Tuning, state) -> Params:
+  """The fine-tuned model as full weights (LoRA: adapters merged onto a copy
+  of the base)."""
+  if tune.base is None:
+    return state.params
+  return lora.merge(tune.base, state.params, lora.LoraSpec.from_config(config).scale)
+
+
+def tune_summary(tune: Tuning, step_metrics: Sequence[dict]) -> dict:
+  """The fine-tune's metrics from every step's (`tune_steps`)."""
+  steps, losses = len(step_metrics), [m["loss"] for m in step_metrics]
+  return {**nonfinite.summarise(step_metrics, "sft/skipped"),
+          "sft/steps": steps, "sft/loss_first": losses[0],
+          "sft/loss_last": float(np.mean(losses[-max(1, steps // 10):])),
+          "sft/row_length": tune.row_len, "sft/dropped_too_long": tune.dropped}
+
+
 def finetune(config, model_config, original: Params,
              examples: Sequence[sft.SFTExample], steps: int, pad_id: int,
              seed: int, layout: Optional[sharding_lib.Layout] = None
@@ -70,47 +159,13 @@ def finetune(config, model_config, original: Params,
   (placed on `layout`'s mesh when given). With LoRA (model.lora.rank > 0)
   it trains fresh adapters (B = 0) on the frozen original and returns them
   merged into a copy: M_n as full weights, as the loop keeps them."""
-  st = config.star
-  row_len = st.row_length or sampling.bucket(
-      max(map(sft.example_length, examples)))
-  fits = [e for e in examples if sft.example_length(e) <= row_len]
-  if not fits:
-    raise ValueError(f"no kept example fits star.row_length={row_len}")
-  optimizer = sft_optimizer(config.optim, steps)
-  spec = lora.LoraSpec.from_config(config)
-  base = original if spec.enabled else None
-  trained = (experiment.init_adapters(config, model_config, layout)
-             if spec.enabled else sharding_lib.copy_tree(original))
-  state = init_state(trained, optimizer, seed)
-  put = jnp.asarray
-  if layout is not None:
-    # Placed through the same sharding constraint as sft_step's output: with
-    # `layout.place_state` (device_put) the second step's input state has
-    # another aval type and the step compiles twice.
-    state = jax.jit(functools.partial(layout.constrain_state, model_config,
-                                      optimizer.build()))(state)
-    put = layout.rows
-  batches = sft.sft_batches(fits, st.batch_size, row_len, st.pack, pad_id,
-                            np.random.default_rng(seed))
-  program = UpdateProgram(
-      model_config, sft.SFTSettings.from_config(config), optimizer,
-      num_micro=st.batch_size // (st.micro_batch_size or st.batch_size),
-      layout=layout)
-  t0, step_metrics = time.perf_counter(), []
-  for _ in range(steps):
-    batch = jax.tree.map(put, next(batches))
-    state, m = sft.sft_step(state, batch, program, base)
-    step_metrics.append({k: m[k] for k in ("loss", nonfinite.CODE)})
-  step_metrics = jax.device_get(step_metrics)
-  losses = [float(m["loss"]) for m in step_metrics]
-  params = state.params if base is None else lora.merge(
-      base, state.params, spec.scale)
-  return params, {
-      **nonfinite.summarise(step_metrics, "sft/skipped"),
-      "sft/steps": steps, "sft/loss_first": losses[0],
-      "sft/loss_last": float(np.mean(losses[-max(1, steps // 10):])),
-      "sft/row_length": row_len,
-      "sft/dropped_too_long": len(examples) - len(fits),
+  t0 = time.perf_counter()
+  tune = tuning(config, model_config, original, examples, steps, pad_id,
+                seed, layout)
+  state, step_metrics = tune_steps(
+      tune, fresh_state(config, tune, original, seed), steps)
+  return tuned_params(config, tune, state), {
+      **tune_summary(tune, step_metrics),
       "time/finetune": time.perf_counter() - t0}
 
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.algorithms import logprobs as logprobs_lib
+from grpo_jax.generate import sampling
 from grpo_jax.models import cast, lora, transformer
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rl import packing, update
@@ -74,6 +75,17 @@ class SFTSettings:
 
 def example_length(example: SFTExample) -> int:
   return len(example.prompt_ids) + len(example.completion_ids)
+
+
+def row_length(examples: Sequence[SFTExample]) -> int:
+  """Tokens per row for these examples: the longest, rounded up to an eighth
+  of its power-of-two bucket (72 -> 80, 300 -> 320; a multiple of 8, at least 16). Less
+  than 1/8 of a row is padding, where the bucket itself (72 -> 128) padded
+  up to half of it at the same cost per token, and a run still compiles
+  for at most 8 row lengths per power of two."""
+  longest = max(map(example_length, examples))
+  step = max(8, sampling.bucket(longest) // 8)
+  return max(16, -(-longest // step) * step)
 
 
 def group_rows(examples: Sequence[SFTExample], row_len: int,
