@@ -91,12 +91,15 @@ def test_restart_skips_finished_stages_and_resumes_the_stopped_one(tmp_path, mon
   jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-def test_a_stopped_sft_stage_resumes_at_its_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rank", [0, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_stopped_sft_stage_resumes_at_its_step(rank, tmp_path, monkeypatch):
   """A SIGTERM in the cold start's second SFT step: the stage saves step 2
   (the TrainState and the data position) and stops; the restart runs step 3
   only and ends with the parameters and metrics of a stage that never
-  stopped, bit for bit."""
+  stopped, bit for bit. With LoRA (rank 4) the restart trains the saved
+  adapters on the base a fresh start loads."""
   config = r1_tiny.get_config()
+  config.model.lora.rank = rank
   cold = config.stages[0]
   config.stages = ({**cold, "overrides": {**cold["overrides"], "star.sft_steps": 3}},)
   config.train.eval_examples = 0
