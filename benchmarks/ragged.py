@@ -4,6 +4,8 @@
         [--new-tokens 256] [--slots 0] [--micro-batch 16] [--threads N]
         [--skip-trl] [--samplers-only] [--quick] [--paged [--page-size 16]]
         [--seeds 0,1,2] [--dtype float32|bfloat16 (with --samplers-only)]
+    python benchmarks/ragged.py --partial [--steps 4] ...   (partial
+        rollouts against per-step sampling: benchmarks/partial_rollouts.py)
 
 SmolLM2-135M-Instruct in float32, EOS on, temperature 1: completion lengths
 are the model's own on chat-templated arithmetic prompts of mixed
@@ -71,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common
 import grpo_step
 import numpy as np
+import partial_rollouts
 import sampler as sampler_bench
 import torch
 import transformers
@@ -130,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "sizes; the last line is then `ratios: sampler <x>`")
   p.add_argument("--quick", action="store_true",
                  help="smoke check: 2 prompts x 4 generations x 32 tokens")
+  p.add_argument("--partial", action="store_true",
+                 help="partial rollouts against per-step sampling over "
+                      "--steps steps at the first --slots count "
+                      "(benchmarks/partial_rollouts.py) instead")
+  p.add_argument("--steps", type=int, default=4,
+                 help="steps of B*G rows with --partial")
   args = p.parse_args(argv)
   if args.quick:
     args.prompts, args.generations, args.new_tokens = 2, 4, 32
@@ -362,8 +371,12 @@ def main(argv=None) -> int:
                 f"{args.warmup_steps} warm-up step(s) (compiles excluded), "
                 "TRL 1, then 1 each",
   }, threads)
-  examples = _common.arithmetic_examples(B, _common.parse_ints(args.levels),
-                                         args.seed)
+  examples = _common.arithmetic_examples(
+      B * (args.steps if args.partial else 1),
+      _common.parse_ints(args.levels), args.seed)
+  if args.partial:
+    return partial_rollouts.run(
+        args, grpo_step.OursStep(step_config(args), examples), examples)
   messages = [_common.chat_messages(e.question) for e in examples]
   step = grpo_step.OursStep(step_config(args), examples)
   c = step.config

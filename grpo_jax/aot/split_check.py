@@ -25,6 +25,7 @@ from grpo_jax.aot.split import (
   format_split,
   layout,
   placement,
+  sampler_seconds,
   sides,
 )
 from grpo_jax.errors import ConfigError
@@ -90,6 +91,15 @@ def run(config, splits: Splits, prompt_len: int, lengths_flag: str,
       f"{colocated.trainer_seconds:.1f} s = {colocated.step:.1f} s per step, "
       "synchronous or asynchronous (sampler_devices=0: the same device time, "
       "host work under it)")
+  _, _, steady, switch = sampler_seconds(plan, whole, lengths_n, more_n,
+                                         lambda line: None)
+  prompts = colocated.sampler_seconds - colocated.paged.seconds
+  partial = steady + prompts + colocated.trainer_seconds
+  log(f"  colocated with partial rollouts (rollout.partial, k >= 1): sampler "
+      f"{steady + prompts:.1f} s (steady state {steady - switch:.1f} + the "
+      f"switch's prefill {switch:.1f} + the prompts' {prompts:.1f}) + update "
+      f"{colocated.trainer_seconds:.1f} s = {partial:.1f} s per step = "
+      f"{partial / colocated.step:.3f}x (partial drains not simulated)")
   sampler_config = copy.deepcopy(config)
   sampler_config.mesh.shape = (tuple(splits.sampler_mesh)
                                or plan.run.rollout.sampler_mesh)
