@@ -1,5 +1,6 @@
-"""MoE routing replay through the loop (docs/models.md): the lockstep
-sampler records every token's experts per sparse layer; they travel with
+"""MoE routing replay through the loop (docs/models.md): the lockstep and
+dense-slot samplers record every token's experts per sparse layer (the
+slots: 2 slots for 6 rows, so rows end and slots refill); they travel with
 the rollout (Groups, rows, packed rows, the async host state) and the
 trainer's passes replay them (gates recomputed from its router)."""
 import json
@@ -26,9 +27,16 @@ PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 1]]
 G, T = 2, 6
 
 
-def _sample(params, record=True):
-  settings = sampling.SamplingConfig(max_new_tokens=T, stop_ids=(3,),
-                                     record_routes=record)
+# The samplers that record: lockstep, and dense slots (2 for 6 rows; stop
+# ids these rows sample: a row ends at its 3rd token, one at its first).
+SAMPLERS = {"lockstep": dict(stop_ids=(3,)),
+            "slots": dict(continuous_batching=True, slots=2,
+                          stop_ids=(17, 57))}
+
+
+def _sample(params, record=True, sampler="lockstep"):
+  settings = sampling.SamplingConfig(max_new_tokens=T, record_routes=record,
+                                     **SAMPLERS[sampler])
   return jax.device_get(sampling.sample(CONFIG, params, PROMPTS,
                                         jax.random.key(0), settings, G))
 
@@ -63,10 +71,14 @@ def _scored(params, rows, group_size=1, dtype="float32", routes=True):
   return np.asarray(logp), metrics
 
 
-def test_recorded_routes_are_the_full_forwards(params):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_recorded_routes_are_the_full_forwards(params, sampler):
   """Every column's recorded experts (prompt and completion, the last
   sampled token included) are the ones a full-sequence pass chooses."""
-  rows = batch.to_rows(_groups(_sample(params)), 0, False)
+  out = _sample(params, sampler=sampler)
+  if sampler == "slots":    # rows end at other steps, one at its first token
+    assert 1 in out.length_n and 0 < out.truncated_n.sum() < 5
+  rows = batch.to_rows(_groups(out), 0, False)
   assert rows.routes_nslc.dtype == np.uint8
   assert rows.routes_nslc.shape == rows.tokens_ns.shape + (2, 2)
   *_, taken_lnsc = transformer.hidden_states_and_kv(
@@ -81,11 +93,14 @@ def test_recorded_routes_are_the_full_forwards(params):
 
 # Shared prompts by default through packed rows (test_packed_rows_...);
 # the padded shared-prompt pass is slow (CI budget).
-@pytest.mark.parametrize("group_size", [1, pytest.param(G, marks=pytest.mark.slow)])
-def test_replay_gives_the_samplers_logprobs_in_float32(params, group_size):
+@pytest.mark.parametrize("group_size,sampler", [
+    (1, "lockstep"), (1, "slots"),
+    pytest.param(G, "lockstep", marks=pytest.mark.slow)])
+def test_replay_gives_the_samplers_logprobs_in_float32(params, group_size,
+                                                       sampler):
   """At the sampler's parameters, the trainer's log-probs with replay are
   the sampler's (float32) and no route differs."""
-  out = _sample(params)
+  out = _sample(params, sampler=sampler)
   rows = batch.to_rows(_groups(out), 0, False)
   logp, metrics = _scored(params, rows, group_size)
   mask = rows.mask_nt > 0
@@ -158,16 +173,19 @@ def test_routes_survive_dynamic_sampling_and_the_host_state(params):
 
 
 def test_replay_is_refused_where_routes_are_not_recorded():
-  """The continuous-batching samplers and env episodes do not record
-  routes: refused at validation, naming the field."""
+  """The paged sampler and env episodes do not record routes: refused at
+  validation, naming the field; dense slots record them."""
   config = async_checks.config(**{"model.source": "tiny-moe",
                                   "model.moe.routing_replay": "rollout"})
   validation.validate(config)
   config.sampling.continuous_batching = True
+  validation.validate(config)
+  config.sampling.kv_cache = "paged"
   with pytest.raises(ConfigError, match="'model.moe.routing_replay' = "
-                     "'rollout': only the lockstep sampler"):
+                     "'rollout': the paged sampler"):
     validation.validate(config)
   config.sampling.continuous_batching = False
+  config.sampling.kv_cache = "dense"
   config.env.name = "calculator"
   with pytest.raises(ConfigError, match="env.name = 'calculator'"):
     validation.validate(config)

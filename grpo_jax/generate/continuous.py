@@ -62,6 +62,11 @@ class _Carry(NamedTuple):
   cache: decode.KVCache   # (M, K, S, E) per layer; (M, S) masks
   tokens_nt: jax.Array
   logp_nt: jax.Array
+  # record_routes: slots whose row ended and whose last token is fed once
+  # more for its experts only; each completion column's experts (N, T,
+  # L_sparse, C). Else no slot and None.
+  tail_m: jax.Array
+  routes_ntlc: Optional[jax.Array] = None
 
 
 def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
@@ -74,8 +79,10 @@ def _pin_carry(layout: Layout, c: _Carry) -> _Carry:
   cache = decode.KVCache(tuple(map(kv, c.cache.k)),
                               tuple(map(kv, c.cache.v)),
                               pin(c.cache.valid_ns), pin(c.cache.pos_ns))
+  routes = None if c.routes_ntlc is None else pin(c.routes_ntlc)
   return _Carry(c.steps, pin(c.row_m), pin(c.t_m), pin(c.live_m),
-                c.next_row, cache, pin(c.tokens_nt), pin(c.logp_nt))
+                c.next_row, cache, pin(c.tokens_nt), pin(c.logp_nt),
+                pin(c.tail_m), routes)
 
 
 def _copy_prompts(cache: decode.KVCache, pp: decoding.PromptPass,
@@ -117,17 +124,19 @@ def _copy_prompts(cache: decode.KVCache, pp: decoding.PromptPass,
 def _refill(c: _Carry, begun: slots.Start, call: decoding.CallSpec
             ) -> _Carry:
   """Idle slots take the next rows: prompt cache copied, first token in.
-  A row whose first token already stops (or T = 1) leaves its slot idle."""
+  A row whose first token already stops (or T = 1) leaves its slot idle
+  (recording routes: after one step feeding that token, as a tail)."""
   G, T, R = call.num_generations, call.sampling.max_new_tokens, call.shards
-  take_m, new_row_m, next_row = slots.assign(c.live_m, c.next_row,
+  take_m, new_row_m, next_row = slots.assign(c.live_m | c.tail_m, c.next_row,
                                              begun.row_limit)
   row_m = jnp.where(take_m, new_row_m, c.row_m)
   cache = _copy_prompts(c.cache, begun.pp, take_m, row_m // G, R)
   starts = take_m & ~decoding.is_stop(slots.shard_take(begun.first_n, row_m, R),
                                       call.sampling.stop_ids) & (T > 1)
+  tail_m = c.tail_m | (take_m & ~starts & call.sampling.record_routes)
   return c._replace(row_m=row_m, t_m=jnp.where(take_m, 1, c.t_m),
                     live_m=starts | (c.live_m & ~take_m), next_row=next_row,
-                    cache=cache)
+                    cache=cache, tail_m=tail_m)
 
 
 @functools.partial(jax.jit, static_argnames="call")
@@ -145,6 +154,10 @@ def sample_slots(call: decoding.CallSpec, params: transformer.Params,
   G, T = call.num_generations, sampling.max_new_tokens
   M, R = call.slots, call.shards
   S = -(-(P + T) // ragged.BLOCK_S) * ragged.BLOCK_S
+  record = sampling.record_routes
+  if record and T == 1:
+    raise ValueError("record_routes with continuous batching needs "
+                     "max_new_tokens >= 2")
 
   # PREFILL: each prompt once; every row's first token from its logits.
   begun = slots.start(call, params, prompt_bp, prompt_len_b, key,
@@ -155,22 +168,30 @@ def sample_slots(call: decoding.CallSpec, params: transformer.Params,
   cache = decode.init_cache(model_config, M, S, begun.pp.k.dtype)
   refill = functools.partial(_refill, begun=begun, call=call)
   zeros_m = jnp.zeros((M,), jnp.int32)
+  no_m = jnp.zeros((M,), bool)
   carry = _pin_carry(call.layout, refill(_Carry(
-      jnp.int32(0), zeros_m, zeros_m, jnp.zeros((M,), bool), begun.first_row,
-      cache, begun.tokens_nt, begun.logp_nt)))
+      jnp.int32(0), zeros_m, zeros_m, no_m, begun.first_row, cache,
+      begun.tokens_nt, begun.logp_nt, no_m,
+      slots.new_routes(call, B * G))))
   weights = decode.weights(model_config, params)             # sliced once
 
   # DECODE: every slot one token per iteration; ended rows' slots refilled.
   def cond(c: _Carry):
-    return jnp.any(c.live_m) | jnp.any(c.next_row < begun.row_limit)
+    return (jnp.any(c.live_m | c.tail_m)
+            | jnp.any(c.next_row < begun.row_limit))
 
   def body(c: _Carry):
     t_m = jnp.maximum(c.t_m, 1)           # never-used slots: a harmless column
     prev_m = slots.read(c.tokens_nt, c.row_m, t_m - 1, R)
     pos_m = slots.shard_take(begun.prompt_len_b, c.row_m // G, R) + t_m - 1
-    filled = P + jnp.max(jnp.where(c.live_m, t_m, 0))
-    logits_mv, cache = ragged.decode_step(model_config, weights, c.cache,
-                                          prev_m, pos_m, P + t_m - 1, filled)
+    filled = P + jnp.max(jnp.where(c.live_m | c.tail_m, t_m, 0))
+    logits_mv, cache, *taken = ragged.decode_step(
+        model_config, weights, c.cache, prev_m, pos_m, P + t_m - 1, filled,
+        record)
+    routes = c.routes_ntlc
+    if record:     # the fed token's experts, at its column t - 1
+      routes = slots.write(routes, c.row_m, t_m - 1, jnp.moveaxis(
+          taken[0], 0, 1).astype(routes.dtype), c.live_m | c.tail_m, R)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, sampling, c.row_m,
                                            t_m)
     tokens_nt = slots.write(c.tokens_nt, c.row_m, t_m, tok_m, c.live_m, R)
@@ -178,10 +199,12 @@ def sample_slots(call: decoding.CallSpec, params: transformer.Params,
     ended = decoding.is_stop(tok_m, sampling.stop_ids) | (t_m + 1 >= T)
     c = c._replace(steps=c.steps + cond(c).astype(jnp.int32), t_m=t_m + 1,
                    live_m=c.live_m & ~ended,
-                   cache=cache, tokens_nt=tokens_nt, logp_nt=logp_nt)
+                   cache=cache, tokens_nt=tokens_nt, logp_nt=logp_nt,
+                   tail_m=c.live_m & ended & record, routes_ntlc=routes)
     return _pin_carry(call.layout, refill(c))
 
   with jax.named_scope(decoding.DECODE_SCOPE):
     final = jax.lax.while_loop(
         cond, slots.every(body, sampling.stop_check_every), carry)
-  return slots.finish(call, final.tokens_nt, final.logp_nt, final.steps)
+  return slots.finish(call, final.tokens_nt, final.logp_nt, final.steps,
+                      begun.pp, final.routes_ntlc)

@@ -112,9 +112,11 @@ class SamplingConfig:
     if self.stop_check_every < 1:
       raise ValueError(f"stop_check_every must be >= 1, got "
                        f"{self.stop_check_every}")
-    if self.record_routes and self.continuous_batching:
-      raise ValueError("record_routes: the lockstep sampler records routes; "
-                       "set continuous_batching=False")
+    if (self.record_routes and self.continuous_batching
+        and self.kv_cache == "paged"):
+      raise ValueError("record_routes: the lockstep and dense-slot samplers "
+                       "record routes, the paged one does not; set "
+                       "kv_cache='dense'")
 
   @property
   def is_greedy(self) -> bool:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from grpo_jax import sharding
 from grpo_jax.generate import decoding
-from grpo_jax.models import transformer
+from grpo_jax.models import moe, transformer
 
 Layout = Optional[sharding.Layout]
 
@@ -65,7 +65,7 @@ def start(call: decoding.CallSpec, params: transformer.Params,
   prompt_bp, prompt_len_b = (pin(call.layout, x)
                              for x in (prompt_bp, prompt_len_b))
   pp = decoding.prompt_pass(call.model_config, params, prompt_bp,
-                            prompt_len_b)
+                            prompt_len_b, call.sampling.record_routes)
   row_n = jnp.arange(N, dtype=jnp.int32)
   first_n, logp_n = decoding.choose_tokens(
       pin(call.layout, jnp.repeat(pp.logits_bv, G, axis=0)), key,
@@ -153,8 +153,28 @@ def every(step, k: int):
   return lambda c: jax.lax.fori_loop(0, k, lambda _, c: step(c), c)
 
 
+def new_routes(call: decoding.CallSpec, N: int) -> Optional[jax.Array]:
+  """record_routes: the completions' routes to fill, zeros (N, T,
+  L_sparse, C) in `moe.routes_dtype`; else None."""
+  if not call.sampling.record_routes:
+    return None
+  c = call.model_config
+  return jnp.zeros((N, call.sampling.max_new_tokens, len(c.sparse_layers()),
+                    c.moe.experts_per_token),
+                   moe.routes_dtype(c.moe.num_experts))
+
+
 def finish(call: decoding.CallSpec, tokens_nt: jax.Array, logp_nt: jax.Array,
-           steps: jax.Array) -> decoding.Samples:
-  """`decoding.finish`, the per-row outputs split along rows."""
-  out = decoding.finish(tokens_nt, logp_nt, steps, call.sampling)
+           steps: jax.Array, pp: Optional[decoding.PromptPass] = None,
+           routes_ntlc: Optional[jax.Array] = None) -> decoding.Samples:
+  """`decoding.finish`, the per-row outputs split along rows; recorded
+  routes as the lockstep sampler's (N, P + T, L_sparse, C): each row's
+  prompt's (`pp.routes_lbpc`) then its completion's."""
+  routes = None
+  if routes_ntlc is not None:
+    G = tokens_nt.shape[0] // pp.routes_lbpc.shape[1]
+    prompt = jnp.repeat(jnp.moveaxis(pp.routes_lbpc, 0, 2), G, axis=0)
+    routes = jnp.concatenate([prompt.astype(routes_ntlc.dtype), routes_ntlc],
+                             axis=1)
+  out = decoding.finish(tokens_nt, logp_nt, steps, call.sampling, routes)
   return decoding.map_rows(lambda x: pin(call.layout, x), out)

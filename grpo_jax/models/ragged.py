@@ -74,18 +74,19 @@ def filled_attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
 def decode_step(model_config: ModelConfig, weights: decode.Weights,
                 cache: decode.KVCache, tokens_n: jax.Array,
                 positions_n: jax.Array, columns_n: jax.Array,
-                filled: jax.Array) -> tuple:
+                filled: jax.Array, record_routes: bool = False) -> tuple:
   """One token per row: row n's key and value go to cache column
   `columns_n[n]`, then it attends over columns [0, filled) (keys it may not
   see are masked by validity and position). `weights` as `decode.weights`
   gives them (sliced once, outside the loop). Returns float32 logits
-  (N, V) and the updated cache."""
+  (N, V) and the updated cache; record_routes: and the experts each sparse
+  layer chose for the token (L_sparse, N, C)."""
   rows = jnp.arange(tokens_n.shape[0])
   valid = cache.valid_ns.at[rows, columns_n].set(True)
   kpos = cache.pos_ns.at[rows, columns_n].set(positions_n)
   keys = blockwise.MaskInfo(positions_n[:, None], kpos, valid)
   x = transformer.embed(weights.params, tokens_n[:, None], model_config)
-  ks, vs = list(cache.k), list(cache.v)
+  ks, vs, routes = list(cache.k), list(cache.v), []
   write = lambda c, new_nke: decode.set_in_bits(
       c, new_nke, lambda c, new: c.at[rows, :, columns_n].set(new))
   for i, lp in enumerate(weights.layers):
@@ -94,6 +95,9 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
     ks[i], vs[i] = write(ks[i], k[:, :, 0]), write(vs[i], v[:, :, 0])
     attn = filled_attention(q, ks[i], vs[i], keys, filled, c.sliding_window,
                             softcap=c.attn_softcap)
-    x = transformer.attn_out_and_mlp(c, lp, x, attn)
-  return (decode.logits(model_config, weights.params, x),
-          decode.KVCache(tuple(ks), tuple(vs), valid, kpos))
+    x, routing = transformer.attn_out_and_routed_mlp(c, lp, x, attn)
+    if routing is not None:
+      routes.append(routing.experts_nc)
+  out = (decode.logits(model_config, weights.params, x),
+         decode.KVCache(tuple(ks), tuple(vs), valid, kpos))
+  return (*out, jnp.stack(routes)) if record_routes else out

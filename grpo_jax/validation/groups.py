@@ -142,16 +142,17 @@ def check_env(config: ConfigDict) -> None:
 
 
 def check_routing_replay(config: ConfigDict) -> None:
-  """model.moe.routing_replay = rollout: the lockstep sampler records the
-  routes (docs/models.md); the continuous-batching samplers (dense slots,
-  paged) and multi-turn episodes do not yet."""
+  """model.moe.routing_replay = rollout: the lockstep and dense-slot
+  samplers record the routes (docs/models.md); the paged sampler and
+  multi-turn episodes do not yet."""
   if config.model.moe.routing_replay == "off":
     return
   field = "config field 'model.moe.routing_replay' = 'rollout'"
-  if config.sampling.continuous_batching:
-    raise ConfigError(f"{field}: only the lockstep sampler records routes; "
-                      "set sampling.continuous_batching=False (the dense-slot "
-                      "and paged samplers do not record them yet)")
+  if (config.sampling.continuous_batching
+      and config.sampling.kv_cache == "paged"):
+    raise ConfigError(f"{field}: the paged sampler does not record routes "
+                      "yet; set sampling.kv_cache='dense' (dense slots) or "
+                      "sampling.continuous_batching=False (lockstep)")
   if config.env.name:
     raise ConfigError(f"{field}: episodes with an env (env.name = "
                       f"{config.env.name!r}) do not record routes yet; set "
