@@ -5,6 +5,7 @@ counted, the rest as `moe.experts`) and no drop at the default capacity;
 output and gradients as `moe.experts`, one layer and the trainer's
 log-probs, on meshes whose tensor axis splits the experts 4 and 8 ways."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from moe_sharding_checks import MODEL, SPARSE, check_drops
@@ -44,10 +45,19 @@ def test_one_device_capacity_drops_as_counted():
   check_drops(dispatch, lp, h_nd, 0.5)
 
 
-def test_ragged_dispatch_is_none():
+def test_ragged_dispatch_is_none_and_uneven_experts_are_refused():
   layout = sharding.Layout.from_config(config_lib.base_config(),
                                        jax.devices()[:1])
   assert layout.expert_dispatch("ragged") is None
+  mesh = jax.sharding.AbstractMesh((3,), ("tensor",))
+  dispatch = expert_parallel.ExpertParallel(mesh, ("tensor",), ("tensor",))
+  lp = {k: jax.ShapeDtypeStruct((8,) + s, jnp.float32) for k, s in
+        (("expert_gate", (4, 2)), ("expert_up", (4, 2)),
+         ("expert_down", (2, 4)))}
+  routing = moe.Routing(jnp.zeros((6, 2), jnp.int32), jnp.ones((6, 2)),
+                        jnp.ones((6, 8)))
+  with pytest.raises(ValueError, match="8 experts do not split over the 3"):
+    jax.eval_shape(dispatch, lp, jnp.ones((6, 4)), routing)
 
 
 @pytest.mark.slow

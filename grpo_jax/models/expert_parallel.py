@@ -146,6 +146,11 @@ class ExpertParallel:
     """(sum over each token's C experts of gate * SwiGLU_expert(h) (N, D),
     the pairs dropped (int32, 0 at the default capacity))."""
     n, c = routing.experts_nc.shape
+    experts = lp["expert_gate"].shape[0]
+    if experts % self.chips:
+      raise ValueError(f"model.moe.dispatch='all_to_all': {experts} experts "
+                       f"do not split over the {self.chips} chips of mesh "
+                       f"axes {self.expert_axes} (the `experts` rule)")
     shards = math.prod(self.mesh.shape[a] for a in self.token_axes)
     pad = (-n) % shards
     padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))

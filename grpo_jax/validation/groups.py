@@ -143,8 +143,7 @@ def check_env(config: ConfigDict) -> None:
 
 def check_routing_replay(config: ConfigDict) -> None:
   """model.moe.routing_replay = rollout: the lockstep and dense-slot
-  samplers record the routes (docs/models.md); the paged sampler and
-  multi-turn episodes do not yet."""
+  samplers record routes (docs/models.md); paged and env episodes not."""
   if config.model.moe.routing_replay == "off":
     return
   field = "config field 'model.moe.routing_replay' = 'rollout'"
