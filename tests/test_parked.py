@@ -79,6 +79,80 @@ def test_greedy_episodes_equal_the_per_turn_path_and_an_uncached_reference(
     assert stats["released"] > 0, "the test must cover releasing for room"
 
 
+def test_a_groups_rows_share_their_prompts_pages(params):
+  """G = 4 rows a prompt: the first admitted prefills the prompt, the
+  others take its full pages (`Engine.share`) and prefill their tails on
+  their own pages: fewer pages and prefilled tokens, the same episodes."""
+  tok = byte_tokenizer()
+  spec = dataclasses.replace(ta._spec(), engine="parked")
+  runs = {}
+  for share in (True, False):
+    stats = {}
+    ep = agent_parked.run_episodes(_paged(), params, tok, ta.EXAMPLES,
+                                   jax.random.key(3), 4, spec, stats=stats,
+                                   share_prompts=share)
+    assert stats["free_pages"] == stats["pages"], "every page back"
+    runs[share] = ep, stats
+  (shared, s), (own, o) = runs[True], runs[False]
+  for name in ("tokens_nt", "action_nt", "observation_nt", "length_n"):
+    np.testing.assert_array_equal(getattr(shared, name), getattr(own, name))
+  np.testing.assert_allclose(shared.logp_nt, own.logp_nt, atol=1e-5)
+  full = sum((len(p) - 1) // Z for p in shared.prompt_ids)
+  assert full > 0, "the test must cover a prompt of full pages"
+  assert s["peak_pages"] < o["peak_pages"]
+  assert o["prefilled"] - s["prefilled"] == 3 * full * Z   # 3 of 4 rows
+
+
+def test_a_shared_page_returns_when_its_last_holder_gives_it_back(params):
+  engine = _engine(params, pages=32)
+  prompt = tuple(range(40, 51))                       # 2 full pages + 3
+  first = engine.admit(parked.Parked(0, prompt), 0, 6)
+  pages = engine.share(first, 2)
+  second = engine.admit(parked.Parked(1, prompt, 2 * Z, pages), 1, 6)
+  assert second.pages[:2] == first.pages[:2]
+  turns = []
+  while len(turns) < 2:
+    turns += engine.step()
+  a, b = sorted(turns, key=lambda t: t.row)
+  assert a.ids == b.ids == _greedy(params, prompt, len(a.ids))
+  engine.release(a.parked)
+  assert engine.free_pages == 32 - len(b.parked.pages)  # b holds the shared
+  engine.release(b.parked)
+  assert engine.free_pages == 32
+
+
+def test_int8_pages_on_the_engine_score_what_the_uncached_forward_gives(
+    params):
+  """sampling.kv_dtype = int8: the engine's pool is int8 pages and its
+  episodes' log-probs are the float model's full forward over each
+  trajectory within 0.05 nats, and not exactly it (the int8 path ran):
+  test_quant's tolerance, on weights x 3 as there (the module's x 4 sharpens the
+  logits past it: 0.14 at worst there, the float engine's 4e-6)."""
+  params = jax.tree.map(lambda x: 0.75 * x, params)
+  tok = byte_tokenizer()
+  spec = dataclasses.replace(ta._spec(), engine="parked")
+  sampler = _paged(kv_dtype="int8")
+  ep = agent_parked.run_episodes(sampler, params, tok, ta.EXAMPLES,
+                                 jax.random.key(3), 2, spec)
+  assert ep.turns_n.max() >= 3, "the test must cover several turns"
+  engine = parked.Engine(parked.EngineSpec(ta.CONFIG, sampler.sampling, 2, 32,
+                                           64), params, jax.random.key(3))
+  assert engine.pool.k[0].values.dtype == np.int8
+  worst = 0.0
+  for i in range(len(ep.length_n)):
+    prompt = list(ep.prompt_ids[i // 2])
+    n, P = int(ep.length_n[i]), len(prompt)
+    seq = prompt + ep.tokens_nt[i, :n].tolist()
+    padded = np.zeros((1, 256), np.int32)
+    padded[0, :len(seq)] = seq
+    logp = np.asarray(jax.nn.log_softmax(ta._forward(ta.CONFIG, params,
+                                                     padded)[0]))
+    act = np.flatnonzero(ep.action_nt[i, :n])
+    want = logp[P - 1 + act, np.asarray(seq)[P + act]]
+    worst = max(worst, float(np.abs(ep.logp_nt[i, act] - want).max()))
+  assert 0 < worst < 0.05, worst
+
+
 def test_the_rollout_runs_the_engine_the_env_config_names(params):
   """generate_groups with env.engine 'parked': the per-turn path's groups
   (greedy), and the engine's metrics."""

@@ -137,6 +137,22 @@ def _step(env: base.Env, text: str, ids: list) -> tuple:
   return result, time.monotonic()
 
 
+def _share(engine: parked.Engine, held: parked.Parked,
+           ready: collections.deque) -> None:
+  """`held` was just admitted to prefill all its tokens: each waiting row
+  with the same tokens and nothing cached (a fresh row of its group, whose
+  prompt is held's) takes held's full pages before its last token
+  (`Engine.share`) and comes in with them cached: only its tail is
+  prefilled."""
+  count = (len(held.tokens) - 1) // engine.spec.sampling.page_size
+  if not count:
+    return
+  for i, r in enumerate(ready):
+    if not r.cached and not r.pages and r.tokens == held.tokens:
+      ready[i] = r._replace(cached=count * engine.spec.sampling.page_size,
+                            pages=engine.share(held, count))
+
+
 def _make_room(engine: parked.Engine, ready: collections.deque,
                tools: _Tools) -> int:
   """Nothing decodes and the head of `ready` cannot get its pages: release
@@ -170,12 +186,16 @@ def _replace_row(ready, tools, old: parked.Parked, new: parked.Parked):
 def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
                  num_generations: int, spec: base.EnvSpec,
                  system_prompt: str = "", batch_multiple: int = 1,
-                 stats: dict | None = None) -> agent.Episodes:
+                 stats: dict | None = None, share_prompts: bool = True
+                 ) -> agent.Episodes:
   """`agent.run_episodes` on the parked engine (module docstring): the same
   Episodes. Rows split over the sampler's row shards (`shard_rows`), each
   shard's rows on its own engine, the shards' host loops in threads (a
   device call releases the GIL). stats (a dict): the engines' `parked.Stats`
-  and the rows released for room, summed over the shards, filled in."""
+  and the rows released for room, summed over the shards, filled in.
+  share_prompts: a row admitted with its whole history to prefill lends
+  its full pages to the waiting rows of the same tokens (a group's G rows:
+  `_share`); False: each prefills its own (what sharing saves)."""
   del batch_multiple      # the engine's shapes do not depend on the batch
   cfg = sampler.sampling
   check_hosts()
@@ -186,7 +206,7 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
   parts = [p for p in shard_rows(len(rows), sampler.shards) if len(p)]
   espec = engine_spec(sampler, len(parts[0]), max(map(len, prompt_ids)), spec)
   run = lambda engine, part: _run_shard(engine, rows, part, turns, tokenizer,
-                                        spec)
+                                        spec, share_prompts)
   shard_engines = engines(sampler, params, key, espec)[:len(parts)]
   with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
     released = sum(pool.map(run, shard_engines, parts))
@@ -201,7 +221,8 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
 
 
 def _run_shard(engine: parked.Engine, rows: list, part: range,
-               turns: agent.ToolTurns, tokenizer, spec: base.EnvSpec) -> int:
+               turns: agent.ToolTurns, tokenizer, spec: base.EnvSpec,
+               share: bool) -> int:
   """The host loop of one shard's rows (module docstring); returns how
   many rows were released for room."""
   cfg = engine.spec.sampling
@@ -211,10 +232,14 @@ def _run_shard(engine: parked.Engine, rows: list, part: range,
   finished, released = 0, 0
   try:
     while finished < len(part):
-      while ready and engine.admit(
-          ready[0], ready[0].row * spec.max_turns + rows[ready[0].row].turns,
-          cfg.max_new_tokens):
-        ready.popleft()
+      while ready:
+        held = engine.admit(
+            ready[0], ready[0].row * spec.max_turns + rows[ready[0].row].turns,
+            cfg.max_new_tokens)
+        if held is None:
+          break
+        if not ready.popleft().cached and share:
+          _share(engine, held, ready)
       if ready and not engine.busy:
         freed = _make_room(engine, ready, tools)
         if not freed:

@@ -27,10 +27,11 @@ mechanism partial rollouts reuse (docs/async.md rule 4).
 
 The pool is one `models.paged` pool on one row shard's devices (a mesh of
 more row shards runs an engine per shard, `agent_parked`), its pages
-handed out on the host (`free_pages`): a row holds its own pages
-only (no prompt pages shared, so nothing is copied on write), reserved at
-admission, so the decode loop never waits for a page and nobody is
-preempted inside it. A caller that finds no room and nothing decoding
+handed out on the host (`free_pages`): a row holds its own pages,
+reserved at admission, and may share the leading full pages of its tokens
+with rows of the same tokens (`share`: a group's prompt, never written
+again, so nothing is copied on write); the decode loop never waits for a
+page and nobody is preempted inside it. A caller that finds no room and nothing decoding
 releases parked rows' pages (they come back with cached 0).
 
 Noise: a token is drawn with `decoding.token_uniforms(key, noise, t)`,
@@ -233,7 +234,7 @@ class Engine:
             mesh, jax.sharding.PartitionSpec()))()
     M, J, T = spec.slots, spec.table_width, cfg.max_new_tokens
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
-    self._used_w = np.zeros(spec.pages, bool)
+    self._holders_w = np.zeros(spec.pages, np.int32)   # rows holding a page
     zeros_m = lambda: np.zeros(M, np.int32)
     self._slots = _Slots(
         zeros_m(), zeros_m(), np.ones(M, np.int32), zeros_m(),
@@ -258,10 +259,11 @@ class Engine:
     return any(h is not None for h in self._held)
 
   def admit(self, row: Parked, noise: int, max_new: int, first_t: int = 0
-            ) -> bool:
+            ) -> Parked | None:
     """Takes `row` for a turn of at most max_new tokens (within the
-    context) if a slot and its pages are free; False (nothing taken) if
-    not. Its tokens past row.cached are prefilled at the next `step`.
+    context) if a slot and its pages are free: the row with its pages (as
+    `share` reads them); None (nothing taken) if not. Its tokens past
+    row.cached are prefilled at the next `step`.
     first_t: the turn's tokens already sampled (a cut turn continued), so
     its tokens draw the noise of (noise, first_t + i) as uncut."""
     spec, Z = self.spec, self.spec.sampling.page_size
@@ -278,13 +280,26 @@ class Engine:
     extra = _pages_for(n + limit - 1, Z) - len(row.pages)
     slot = next((m for m, h in enumerate(self._held) if h is None), None)
     if slot is None or extra > len(self._free):
-      return False
+      return None
     row = row._replace(pages=row.pages + self._take(extra))
     self._held[slot] = row
     self._pending.append((slot, row, noise, limit, first_t))
     self.stats = self.stats._replace(peak_pages=max(
         self.stats.peak_pages, spec.pages - len(self._free)))
-    return True
+    return row
+
+  def share(self, row: Parked, count: int) -> tuple:
+    """The first `count` pages of an admitted `row`, held by one more row
+    (e.g. a group's other rows: the same prompt): a row whose tokens begin
+    with row's first count * page_size tokens is admitted with these pages
+    and cached = count * page_size, so only its tail is prefilled, onto its
+    own pages. They are written once, by row's prefill (at the same call's
+    prefill, before any row reads them, or earlier), and never again: each
+    row writes only its columns past its `cached`. A page returns to the
+    pool when its last holder gives it back."""
+    pages = row.pages[:count]
+    self._holders_w[list(pages)] += 1
+    return pages
 
   def release(self, row: Parked) -> Parked:
     """A parked row's pages back to the pool: the row, cached 0."""
@@ -292,14 +307,14 @@ class Engine:
     return row._replace(cached=0, pages=())
 
   def _give(self, pages) -> None:
-    if not self._used_w[list(pages)].all():
+    if not (self._holders_w[list(pages)] > 0).all():
       raise ValueError(f"pages {sorted(pages)}: some are already free")
-    self._used_w[list(pages)] = False
-    self._free.extend(pages)
+    self._holders_w[list(pages)] -= 1       # a row's pages are distinct
+    self._free.extend(p for p in pages if not self._holders_w[p])
 
   def _take(self, count: int) -> tuple:
     pages = tuple(self._free.pop() for _ in range(count))
-    self._used_w[list(pages)] = True
+    self._holders_w[list(pages)] = 1
     return pages
 
   def step(self) -> list:
