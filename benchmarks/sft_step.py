@@ -8,10 +8,11 @@ cold start renders them (prompt 50 tokens, completion 20-22), one
 `sft.sft_step` of `star.batch_size` = 16 rows (one micro-batch, remat
 "dots", float32), at each row length: 128 is the power-of-two bucket the
 fine-tune padded to before, the other `sft.row_length` (the longest,
-rounded up to an eighth of its bucket). Per row length: XLA's flop count of
-the compiled step (a property of the program, not of how busy the cores
-are), the compile, and the fastest of --repeats steps, wall and CPU
-seconds; the ratio columns are each row length's over the first's. The
+rounded up to an eighth of its bucket). Per row length: the compile, the
+fastest of --repeats steps (wall and CPU seconds) and, over the first row
+length's, the ratio of the step's wall time and of XLA's flop count of the
+compiled step (a property of the program, not of how busy the cores are;
+only the ratio: XLA counts a scan's body, the layers, once). The
 steps alternate between the row lengths (one train state, updated by
 both), so load from other processes falls on both.
 """
@@ -86,11 +87,10 @@ def main():
   first, table = row_lengths[0], []
   for n in row_lengths:
     best, best_cpu = min(wall[n][1:]), min(cpu[n][1:])
-    table.append([n, f"{flops(compiled[n][0]) / rows / 1e9:.1f}",
-                  f"{compiled[n][1]:.1f}", f"{best:.2f}", f"{best / rows:.3f}",
+    table.append([n, f"{compiled[n][1]:.1f}", f"{best:.2f}", f"{best / rows:.3f}",
                   f"{best_cpu / rows:.3f}", f"{best / min(wall[first][1:]):.2f}",
                   f"{flops(compiled[n][0]) / flops(compiled[first][0]):.2f}"])
-  _common.print_table(["row length", "GFLOP/row", "compile s", "step s", "s/row",
+  _common.print_table(["row length", "compile s", "step s", "s/row",
                        "CPU s/row", "ratio (s)", "ratio (flops)"], table)
 
 
