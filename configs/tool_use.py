@@ -25,9 +25,29 @@ def local(c):
   return c
 
 
+def warm(c):
+  """`:local` after a short SFT warm-up on generated tool-call transcripts
+  (the model never writes a call of its own, docs/agents.md): a pipeline,
+  SFT on two-turn transcripts (data source calculator_calls: a call
+  `<calc>EXPRESSION</calc>`, then the answer after the tool's value), then
+  RL with the calculator."""
+  c = local(c)
+  c.name = "tool_use_warm"
+  c.method = "pipeline"
+  c.train.eval_at_start = False     # each stage evaluates at its end
+  c.star.batch_size = 8
+  c.stages = (
+      {"kind": "sft", "name": "warm_up", "overrides": {
+          "data.source": "calculator_calls", "data.template": "calculator",
+          "star.sft_steps": 8, "optim.learning_rate": 2e-5}},
+      {"kind": "rl", "name": "rl"},
+  )
+  return c
+
+
 # The `:arg` values get_config accepts (no arg: default);
 # tests/test_architecture.py validates each.
-VARIANTS = {"default": default, "local": local}
+VARIANTS = {"default": default, "local": local, "warm": warm}
 
 
 def get_config(arg=None):

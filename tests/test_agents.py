@@ -18,6 +18,7 @@ from grpo_jax.models import forward, get_preset, init_params
 from grpo_jax.models.byte_tokenizer import byte_tokenizer
 from grpo_jax.rl import async_rollouts, update
 from grpo_jax.rl import batch as batch_lib
+from grpo_jax.star import sft_run
 
 CONFIG = get_preset("tiny")
 STOPS = tuple(range(0, 256, 3))      # a random tiny model stops in ~3 tokens
@@ -245,6 +246,36 @@ def test_calculator_evaluates_arithmetic_and_nothing_else():
   assert env.step("so <calc>123*456</calc>", [1]) == base.Observation("56088")
   assert env.step("<calc>1/0</calc>", [1]).error
   assert env.step("the answer is 5", [1]) == base.Done()
+
+
+def test_calculator_calls_are_tool_transcripts_for_an_sft_warm_up():
+  """Data source calculator_calls (configs/tool_use.py :warm): a problem's
+  call turn after the episode's own first prompt, and its answer turn after
+  the call and the tool's value, rendered from the chat in its meta."""
+  call, answer = calculator.calculator_calls(1, levels=5)
+  assert call.rationale == f"<calc>{call.meta['expression']}</calc>"
+  assert answer.rationale == f"The answer is {call.answer}."
+  c, tok = config_lib.base_config(), byte_tokenizer()
+  c.data.template = "calculator"
+  first, second = sft_run.sft_examples(c, tok, [call, answer])
+  _, _, prompt_ids = agent.start_rows(tok, [call], 1, base.EnvSpec(
+      "calculator"), "")
+  assert first.prompt_ids == prompt_ids[0]
+  turn = tok.decode(second.prompt_ids)[len(tok.decode(first.prompt_ids)):]
+  assert turn.startswith(call.rationale) and call.answer in turn
+  assert calculator.Calculator().step(call.rationale, []) == base.Observation(
+      call.answer)                    # the value the env gives that call
+
+
+def test_an_env_run_is_rl_or_an_sft_warm_up():
+  c = config_lib.base_config()
+  c.env.name = "calculator"
+  for method in ("rl", "sft"):
+    c.method = method
+    validation.validate(c)
+  c.method = "star"
+  with pytest.raises(errors.ConfigError, match="not 'star'"):
+    validation.validate(c)
 
 
 def test_python_env_runs_the_block_in_the_sandbox():

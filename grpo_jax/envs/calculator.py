@@ -5,11 +5,14 @@ numbers and + - * / // % ** (bounded): model text is never `eval`-ed.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import operator
 import re
+import types
 from typing import Sequence
 
 from grpo_jax import registry
+from grpo_jax.data import generated
 from grpo_jax.envs import base
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
@@ -78,3 +81,32 @@ class Calculator:
       return base.Observation(format_value(evaluate(calls[-1])))
     except (ValueError, ZeroDivisionError, OverflowError) as e:
       return base.tool_error(str(e) or type(e).__name__)
+
+
+@registry.register("template", "calculator")
+def calculator_prompt(question: str, hint: str | None = None) -> base.Messages:
+  """The calculator env's first message (its instructions, then the
+  question), so a warm-up's SFT prompts are the episodes' first prompts."""
+  if hint is not None:
+    question = f"{question}\n\nHint: {hint}"
+  return base.user_messages(types.SimpleNamespace(question=question),
+                            INSTRUCTIONS)
+
+
+@registry.register("dataset", "calculator_calls")
+def calculator_calls(num_examples: int, levels=1, seed: int = 0) -> list:
+  """Generated tool-call transcripts for an SFT warm-up before RL with the
+  calculator (configs/tool_use.py `:warm`), two turns of each arithmetic
+  problem (data source "arithmetic"'s): the first turn,
+  `<calc>EXPRESSION</calc>` after the env's first message, and the answer
+  turn, "The answer is VALUE." after that call and the tool's VALUE (the
+  chat in meta["messages"], `star.sft_run.sft_examples`)."""
+  out = []
+  for e in generated.arithmetic_dataset(num_examples, levels, seed):
+    call = f"<calc>{e.meta['expression']}</calc>"
+    chat = [*calculator_prompt(e.question), {"role": "assistant", "content": call},
+            {"role": "tool", "content": e.answer}]
+    out += [dataclasses.replace(e, rationale=call),
+            dataclasses.replace(e, rationale=f"The answer is {e.answer}.",
+                                meta={**e.meta, "messages": chat})]
+  return out

@@ -29,6 +29,7 @@ import time
 
 from grpo_jax import checkpoint, errors, evaluation, registry
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.data import templates
 from grpo_jax.harness import experiment, interrupts
 from grpo_jax.models import lora
 from grpo_jax.rl import nonfinite
@@ -40,7 +41,9 @@ from grpo_jax.star.sft import Params, SFTExample
 
 
 def sft_examples(config, tokenizer, problems) -> list[SFTExample]:
-  """(prompt ids, rationale ids + eos) of every problem; one without a
+  """(prompt ids, rationale ids + eos) of every problem, the prompt its
+  question through data.template, or the chat in its meta["messages"]
+  where it has one (a later turn of a tool-call transcript); one without a
   rationale is refused, naming it."""
   d, out = config.data, []
   eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
@@ -49,7 +52,13 @@ def sft_examples(config, tokenizer, problems) -> list[SFTExample]:
       raise errors.DataError(
           f"method 'sft': example {i} of data.source {d.source!r} has no worked "
           f"solution (its layout gives no rationale): {p.question[:60]!r}")
-    prompt = render(tokenizer, d.template, p.question, d.system_prompt)
+    if "messages" in p.meta:      # a chat up to the turn (a tool transcript)
+      system = ([{"role": "system", "content": d.system_prompt}]
+                if d.system_prompt else [])
+      prompt = templates.render_prompt([*system, *p.meta["messages"]],
+                                       tokenizer)
+    else:
+      prompt = render(tokenizer, d.template, p.question, d.system_prompt)
     out.append(SFTExample(tuple(tokenizer.encode(prompt)),
                           tuple(tokenizer.encode(p.rationale)) + tuple(eos)))
   return out
