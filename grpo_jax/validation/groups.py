@@ -124,13 +124,10 @@ def check_env(config: ConfigDict) -> None:
   if not e.tool_timeout_s > 0:
     raise ConfigError(f"config field 'env.tool_timeout_s' = "
                       f"{e.tool_timeout_s} must be > 0 (seconds per tool call)")
-  # sft: a warm-up on the data's worked solutions (tool-call transcripts),
-  # the env evaluating it; pipeline: each stage checked as its method.
-  if config.method not in ("rl", "sft", "pipeline"):
+  if config.method not in ("rl", "sft", "pipeline"):   # sft: a warm-up
     raise ConfigError(f"config field 'env.name' = {e.name!r}: episodes with "
-                      f"tools are trained by method 'rl' (after an 'sft' "
-                      f"warm-up, or as a pipeline's stages), not "
-                      f"{config.method!r}")
+                      f"tools are trained by method 'rl' (or an 'sft' warm-up, "
+                      f"a pipeline of them), not {config.method!r}")
   if config.rl.advantage == "grpo_process" or config.rl.process_reward:
     raise ConfigError("config field 'env.name': process rewards read a "
                       "single completion's steps; set rl.process_reward='' "
