@@ -5,6 +5,8 @@ bias, grouped top-k, scaling) and shared experts against transformers'
 `DeepseekV3MoE`; no token dropped (a token's output does not depend on the
 batch's other tokens); the balancing loss against transformers'; the cached
 decode step against the full forward."""
+import json
+
 import hf_reference
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from grpo_jax.models import (
   decode,
   forward,
   get_preset,
+  hf,
   init_params,
   load_pretrained,
   moe,
@@ -315,3 +318,23 @@ def test_the_lockstep_sampler_caches_the_latent_once():
   mask = rows.mask_nt > 0
   np.testing.assert_allclose(np.asarray(logp)[mask], rows.old_logp_nt[mask],
                              atol=2e-6)
+
+
+# Qwen/Qwen3-30B-A3B's config.json (the fields transformers 4.51 wrote):
+# what experiments/aot.py reads for the pod row (docs/pod.md), no download.
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+    tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
+    sliding_window=None, use_sliding_window=False, torch_dtype="bfloat16")
+
+
+def test_qwen3_30b_a3b_config_json_is_the_preset(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+  assert hf.read_config(tmp_path / "config.json") == get_preset(
+      "qwen3-30b-a3b")
