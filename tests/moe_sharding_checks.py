@@ -15,7 +15,9 @@ For each mesh (data, fsdp, tensor) on the command line, with `tiny-moe`
   - the model: the trainer's log-probs and their gradient through
     `logprobs.Forward(dispatch=...)` on the placed parameters equal one
     device's without it (the grouped matmul), and the program holds an
-    all-to-all where tensor > 1.
+    all-to-all where tensor > 1; so do the log-probs of groups of 2 rows
+    sharing a prompt pass, with the Forward that `update.LossSettings(
+    moe_dispatch="all_to_all")` builds from the layout.
 
 It prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
@@ -38,6 +40,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.algorithms import logprobs
 from grpo_jax.models import expert_parallel, get_preset, init_params, moe
+from grpo_jax.rl import update
 
 MODEL = get_preset("tiny-moe")
 SPARSE = ("router", "expert_gate", "expert_up", "expert_down")
@@ -93,8 +96,9 @@ def layer_loss(dispatch, lp, h_nd):
   return jnp.sum(out_nd * jnp.cos(out_nd)), out_nd
 
 
-def model_logprobs(forward, params, tokens_ns):
+def model_logprobs(forward, params, tokens_ns, completion_len=None):
   logp_nt, _ = logprobs.sequence_logprobs(MODEL, params, tokens_ns,
+                                          completion_len=completion_len,
                                           forward=forward)
   return logp_nt.sum(), logp_nt
 
@@ -132,6 +136,17 @@ def check_mesh(shape) -> None:
   (_, got), got_g = run(forward)(sharded, layout.rows(tokens_ns))
   lowered = run(forward).lower(sharded, layout.rows(tokens_ns)).as_text()
   assert ("all_to_all" in lowered) == (shape[2] > 1)
+
+  grouped_ns = tokens_ns.at[1::2, :4].set(tokens_ns[::2, :4])  # pairs share
+  settings = update.LossSettings(chunk=4, moe_dispatch="all_to_all")
+  forward = settings.forward(layout, group_size=2)
+  assert forward.dispatch == dispatch
+  logp = lambda f, p, t: jax.jit(lambda p, t: model_logprobs(
+      f, p, t, completion_len=6)[1])(p, t)
+  check_close("shared-prompt log-probs",
+              logp(forward, sharded, layout.rows(grouped_ns)),
+              logp(logprobs.Forward(chunk_size=4), params, grouped_ns),
+              rtol=1e-5, atol=2e-6)
   check_close("log-probs", got, want, rtol=1e-5, atol=2e-6)
   check_close("log-prob gradient", got_g, want_g, rtol=1e-4, atol=2e-6)
 

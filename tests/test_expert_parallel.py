@@ -13,6 +13,7 @@ from moe_sharding_checks import MODEL, SPARSE, check_drops
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.models import expert_parallel, init_params, moe
+from grpo_jax.rl import update
 
 
 def test_buffer_rows_bound_and_factor():
@@ -58,6 +59,19 @@ def test_ragged_dispatch_is_none_and_uneven_experts_are_refused():
                         jnp.ones((6, 8)))
   with pytest.raises(ValueError, match="8 experts do not split over the 3"):
     jax.eval_shape(dispatch, lp, jnp.ones((6, 4)), routing)
+
+
+def test_the_trainers_forward_takes_the_configured_dispatch():
+  """model.moe.dispatch reaches the trainer's forward (update and
+  scoring): `ragged` none, `all_to_all` the layout's."""
+  config = config_lib.base_config()
+  layout = sharding.Layout.from_config(config, jax.devices()[:1])
+  settings = update.LossSettings.from_config(config)
+  assert settings.forward(layout).dispatch is None
+  config.model.moe.dispatch = "all_to_all"
+  forward = update.LossSettings.from_config(config).forward(layout)
+  assert forward.dispatch == layout.expert_dispatch("all_to_all")
+  assert update.LossSettings.from_config(config).forward().dispatch is None
 
 
 @pytest.mark.slow
