@@ -25,6 +25,15 @@ ASYNC = ("--config.rollout.max_staleness=1", "--config.rl.old_logp=recompute",
          "--config.rl.rollout_correction.is_level=token")
 
 
+# Partial rollouts (rl/partial_rollouts.py): the checkpoint keeps the stream
+# at the switch into its version, rows in flight included.
+PARTIAL = ASYNC + ("--config.rollout.partial=True",
+                   "--config.sampling.continuous_batching=True",
+                   "--config.sampling.kv_cache=paged",
+                   "--config.sampling.slots=4",
+                   "--config.sampling.max_new_tokens=16")
+
+
 # Multi-turn episodes (generate/agent.py): a random tiny model stops a
 # 24-token turn now and then, and the scripted env answers it once.
 ENV = ("--config.env.name=scripted", "--config.env.max_turns=2",
@@ -44,7 +53,7 @@ def _steps(extra) -> int:
   # late on a loaded machine (the kill must land before the last
   # checkpoint). The asynchronous run's steps overlap sampling with the
   # update, so it gets 10 of them, not 4 (~0.3 s each on a quiet core).
-  return ASYNC_STEPS if extra == ASYNC else STEPS
+  return ASYNC_STEPS if extra in (ASYNC, PARTIAL) else STEPS
 
 
 def _command(workdir, extra=()):
@@ -73,6 +82,7 @@ def _metrics(workdir):
 
 @pytest.mark.parametrize("extra", [
     (), pytest.param(ASYNC, marks=pytest.mark.slow, id="async_k1"),
+    pytest.param(PARTIAL, marks=pytest.mark.slow, id="partial_k1"),
     pytest.param(ENV, marks=pytest.mark.slow, id="env"),
     pytest.param(ENV_PARKED, marks=pytest.mark.slow, id="env_parked")])
 def test_sigkill_and_restart_equals_uninterrupted_run(tmp_path, extra):

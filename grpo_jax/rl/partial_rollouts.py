@@ -54,11 +54,14 @@ class PartialSampling:
 def _step_info(version: int, texts, prompt_ids, answers, key_data,
                data_after, carried: list) -> dict:
   """What scoring a step needs once its rows end (JSON data): the version
-  its rows start with, ...; `carried`: the rows cut at the switch before
-  it, waiting to continue."""
-  return {"version": version, "texts": list(texts), "prompt_ids": [list(p) for p in prompt_ids],
-          "answers": list(answers), "key_data": async_rollouts.array_text(
-              key_data), "data_after": data_after,
+  its rows start with, its prompts, answers and key, the data position
+  after its prompts, and the rows cut at the switch before it (`carried`,
+  waiting to continue) and their tokens."""
+  return {"version": version, "texts": list(texts),
+          "prompt_ids": [list(p) for p in prompt_ids],
+          "answers": list(answers),
+          "key_data": async_rollouts.array_text(key_data),
+          "data_after": data_after,
           "carried": [len(carried),
                       sum(len(r.prompt) + len(r.ids) for r in carried)]}
 
