@@ -1,12 +1,14 @@
 """An agent that uses a tool: SmolLM2-135M-Instruct learns to call a calculator on 3-operand arithmetic.
 
-    python experiments/run.py --config=configs/tool_use.py:local --workdir=workdirs/tool_use
+    python experiments/run.py --config=configs/tool_use.py:warm --workdir=workdirs/tool_use_warm
 
 Three 3-digit operands with + - * (data level 5): a 135M model rarely gets them
 right in its head. The `calculator` env (envs/calculator.py) answers a turn's
 <calc>EXPR</calc> with the value; the episode's reward is the last number of
 its last turn (`last_number`), trained with DAPO's token-mean loss over the
-model's tokens only (docs/agents.md). `:local` is sized for 2 CPU cores.
+model's tokens only (docs/agents.md). `:local` is sized for 2 CPU cores;
+`:warm` is it after an SFT warm-up on tool-call transcripts (the model
+writes no call of its own before).
 """
 from grpo_jax.config import base_config, pick_variant
 
@@ -30,11 +32,13 @@ def warm(c):
   (the model never writes a call of its own, docs/agents.md): a pipeline,
   SFT on two-turn transcripts (data source calculator_calls: a call
   `<calc>EXPRESSION</calc>`, then the answer after the tool's value), then
-  RL with the calculator."""
+  RL with the calculator: about 30 min on 2 busy CPU cores."""
   c = local(c)
   c.name = "tool_use_warm"
   c.method = "pipeline"
   c.train.eval_at_start = False     # each stage evaluates at its end
+  c.train.steps = 5
+  c.train.eval_every, c.train.eval_examples = 5, 16
   c.star.batch_size = 8
   c.stages = (
       {"kind": "sft", "name": "warm_up", "overrides": {
