@@ -53,12 +53,7 @@ def config(steps: int = 3, **fields):
   c.accuracy_reward = "async_first_byte_mod4"
   c.rl.update(dynamic_sampling=True, kl_beta=0.1, mini_batch_size=4)
   c.optim.eps = 1e-3   # Adam's first steps ~ linear in small gradients
-  for path, value in fields.items():
-    group, name = path.rsplit(".", 1)
-    node = c
-    for part in group.split("."):
-      node = node[part]
-    node[name] = value
+  c.update_from_flattened_dict(fields)
   return c
 
 

@@ -122,12 +122,7 @@ def _config(steps: int = 4):
 def test_partial_rollouts_refuse_what_the_stream_does_not_carry(fields, why):
   validation.validate(_config())
   c = _config()
-  for field, value in fields.items():
-    group, name = field.rsplit(".", 1)
-    node = c
-    for part in group.split("."):
-      node = node[part]
-    node[name] = value
+  c.update_from_flattened_dict(fields)
   with pytest.raises(ConfigError, match=rf"'rollout.partial' = True .*{why}"):
     validation.validate(c)
 
