@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 
+import grpo_jax.envs  # noqa: F401  registers the calculator template, as every run does
 from grpo_jax import data, errors
 from grpo_jax.data import arithmetic, commonsense, generated, layouts
 from grpo_jax.registry import lookup, names
@@ -367,9 +368,11 @@ def test_commonsense_tables_are_unambiguous():
 
 
 def test_templates_are_registered_and_ask_for_their_format():
-  assert names("template") == ["as_is", "boxed", "dapo_answer", "last_number", "r1_think"]
+  assert names("template") == ["as_is", "boxed", "calculator", "dapo_answer", "last_number",
+                               "r1_think"]
   wanted = {"r1_think": ["<think>", "</think>", "\\boxed{"], "boxed": ["\\boxed{}"],
-            "dapo_answer": ["Answer: $Answer"], "last_number": ["number"], "as_is": []}
+            "dapo_answer": ["Answer: $Answer"], "last_number": ["number"], "as_is": [],
+            "calculator": ["<calc>expression</calc>"]}
   question = "What is 2 + 3?"
   for name, phrases in wanted.items():
     messages = lookup("template", name)(question)
