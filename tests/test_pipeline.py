@@ -26,6 +26,22 @@ def _two_stages():
   return c
 
 
+def _sigterm_in_call(monkeypatch, owner, name: str, n: int) -> list:
+  """Replaces owner.<name> by a wrapper that counts its calls (the list
+  returned) and sends this process a SIGTERM during the n-th, which the run
+  handles by saving at that step's end."""
+  wrapped, calls = getattr(owner, name), []
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == n:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return wrapped(*args, **kwargs)
+
+  monkeypatch.setattr(owner, name, counted)
+  return calls
+
+
 def test_stage_configs(tmp_path):
   c = r1_tiny.get_config()
   configs = pipeline.stage_configs(c, str(tmp_path))
@@ -56,15 +72,8 @@ def test_restart_skips_finished_stages_and_resumes_the_stopped_one(tmp_path, mon
   """A SIGTERM in the RL stage's first step: the stage saves step 1 and the
   pipeline stops; the restart skips the cold start and runs RL step 2 only,
   ending with the parameters of a run that never stopped."""
-  config, learn, calls = _two_stages(), train.learn, []
-
-  def stop_in_first_step(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 1:
-      os.kill(os.getpid(), signal.SIGTERM)   # handled: save at the step's end
-    return learn(*args, **kwargs)
-
-  monkeypatch.setattr(train, "learn", stop_in_first_step)
+  config = _two_stages()
+  calls = _sigterm_in_call(monkeypatch, train, "learn", 1)
   stopped = str(tmp_path / "stopped")
   with pytest.raises(interrupts.Preempted):
     pipeline.run(config, stopped)
@@ -103,15 +112,7 @@ def test_a_stopped_sft_stage_resumes_at_its_step(rank, tmp_path, monkeypatch):
   cold = config.stages[0]
   config.stages = ({**cold, "overrides": {**cold["overrides"], "star.sft_steps": 3}},)
   config.train.eval_examples = 0
-  tune_steps, calls = star_loop.tune_steps, []
-
-  def stop_in_second_step(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-      os.kill(os.getpid(), signal.SIGTERM)   # handled: save at the step's end
-    return tune_steps(*args, **kwargs)
-
-  monkeypatch.setattr(star_loop, "tune_steps", stop_in_second_step)
+  calls = _sigterm_in_call(monkeypatch, star_loop, "tune_steps", 2)
   stopped = str(tmp_path / "stopped")
   with pytest.raises(interrupts.Preempted):
     pipeline.run(config, stopped)
