@@ -77,19 +77,6 @@ def _send_slots(experts_nc, valid_n, local_experts: int, chips: int,
   return order, slot, dropped
 
 
-def _swiglu_grouped(x_rd, local_e_r, w_gate, w_up, w_down):
-  """The SwiGLU of received rows at their local experts (`local_e_r`, X_loc
-  for an empty row: its output 0), as grouped matmuls."""
-  local = w_gate.shape[0]
-  order = jnp.argsort(local_e_r, stable=True)
-  sizes = jnp.bincount(local_e_r, length=local).astype(jnp.int32)
-  x_sorted = x_rd[order]
-  dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes)
-  act = jax.nn.silu(dot(x_sorted, w_gate)) * dot(x_sorted, w_up)
-  y_sorted = dot(act, w_down)
-  return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
-
-
 def _local_dispatch(h_nd, experts_nc, gates_nc, valid_n, w_gate, w_up,
                     w_down, *, axes, chips: int, capacity_factor: float):
   """One chip's part (module docstring): its tokens' output (N_loc, D) and
@@ -109,8 +96,9 @@ def _local_dispatch(h_nd, experts_nc, gates_nc, valid_n, w_gate, w_up,
                                   split_axis=0, concat_axis=0, tiled=True)
                 if chips > 1 else lambda x: x)
   # EXPERTS
-  y_rd = _swiglu_grouped(to_experts(send_x), to_experts(send_e), w_gate,
-                         w_up, w_down)
+  # the received rows at their local experts (X_loc, an empty row: 0)
+  y_rd = moe.grouped_swiglu(to_experts(send_x), jnp.arange(rows),
+                            to_experts(send_e), w_gate, w_up, w_down)
   # RETURN: the inverse all-to-all is the same exchange
   back_rd = to_experts(y_rd)
   y_sorted = back_rd.at[slot].get(mode="fill", fill_value=0)

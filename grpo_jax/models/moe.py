@@ -123,21 +123,28 @@ def route(moe: MoeConfig, lp: Params, h_nd: jax.Array,
   return Routing(experts_nc, gates_nc, probs_nx, chosen_nc)
 
 
+def grouped_swiglu(x_nd: jax.Array, rows_r: jax.Array, experts_r: jax.Array,
+                   w_gate, w_up, w_down) -> jax.Array:
+  """SwiGLU_e(x_nd[rows_r[r]]) at expert e = experts_r[r], for each r: (R,
+  D), in r's order. The R rows sorted by expert, each expert's rows one
+  group of the grouped matmuls (`jax.lax.ragged_dot`); an expert id past
+  the weights' experts (an all-to-all buffer's empty row) gives 0."""
+  order = jnp.argsort(experts_r, stable=True)
+  sizes = jnp.bincount(experts_r, length=w_gate.shape[0]).astype(jnp.int32)
+  x_sorted = x_nd[rows_r[order]]
+  dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)
+  act_sorted = jax.nn.silu(dot(x_sorted, w_gate)) * dot(x_sorted, w_up)
+  y_sorted = dot(act_sorted, w_down)
+  return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
 def experts(lp: Params, h_nd: jax.Array, routing: Routing) -> jax.Array:
-  """Sum over each token's C experts of gate * SwiGLU_expert(h): (N, D).
-  The N*C pairs sorted by expert, each expert's rows one group of the
-  grouped matmuls (`jax.lax.ragged_dot`)."""
+  """Sum over each token's C experts of gate * SwiGLU_expert(h): (N, D),
+  the N*C (token, expert) pairs through `grouped_swiglu`."""
   N, C = routing.experts_nc.shape
-  X = lp["expert_gate"].shape[0]
-  flat = routing.experts_nc.reshape(-1)                   # N*C pairs
-  order = jnp.argsort(flat, stable=True)
-  sizes_x = jnp.bincount(flat, length=X).astype(jnp.int32)
-  x_sorted = h_nd[order // C]
-  dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes_x)
-  act_sorted = jax.nn.silu(dot(x_sorted, lp["expert_gate"])) * dot(x_sorted,
-                                                          lp["expert_up"])
-  y_sorted = dot(act_sorted, lp["expert_down"])
-  y_ncd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(N, C, -1)
+  y_ncd = grouped_swiglu(
+      h_nd, jnp.arange(N * C) // C, routing.experts_nc.reshape(-1),
+      lp["expert_gate"], lp["expert_up"], lp["expert_down"]).reshape(N, C, -1)
   gates = routing.gates_nc.astype(h_nd.dtype)
   return jnp.einsum("ncd,nc->nd", y_ncd, gates)
 
