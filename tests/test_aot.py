@@ -62,6 +62,21 @@ def test_tiny_fits():
   assert "fits: every program leaves >= 5%" in out
 
 
+def test_programs_flag_compiles_a_subset_and_says_so():
+  """--programs: only the named kinds compile; the table names the others
+  as not compiled and the verdict is about the compiled ones."""
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 "--programs=update")
+  assert rc == 0, out
+  assert _names(out) == ["update"], out
+  for name in ("sampler", "update packed", "eval greedy"):
+    assert _row(out, name).endswith("not compiled (--programs)"), out
+  assert ("fits: every compiled program (not compiled: sampler, update "
+          "packed, eval greedy) leaves >= 5%") in out
+  rc, out = _aot("--config=configs/tiny.py", "--programs=update,decode")
+  assert rc != 0 and "--programs: unknown ['decode']" in out, out
+
+
 def test_lora_state_is_the_adapters_and_the_base_is_the_reference():
   """model.lora: the state is the adapters (+ Adam), the frozen base an
   argument of the update and of the scoring with β > 0 (no reference copy)."""

@@ -29,6 +29,10 @@ step and its evaluation run:
              row), PACKED_SEQUENCES_PER_ROW x R sequence slots
   eval       the evaluation's sampler calls (greedy, and n samples if set)
 
+`only` (experiments/aot.py --programs) compiles a subset of those kinds
+(`PROGRAMS`); the others are named as not compiled, and the verdict then
+covers the compiled ones only (`Report.skipped`).
+
 Per chip it reports argument, output, temporary and peak bytes plus what
 stays resident beside the program (the train state during sampling), and
 whether the total leaves `SPARE` of the chip's memory free. FLOPs are
@@ -81,6 +85,21 @@ def largest_fitting(candidates, build: Callable[[int], Program], hbm: float
 # The whole check.
 # ----------------------------------------------------------------------------
 
+PROGRAMS = ("sampler", "update", "update_packed", "score", "score_packed",
+            "eval")
+
+
+def check_programs(only) -> tuple:
+  """The kinds of `only` (None or empty: all of `PROGRAMS`), validated."""
+  if not only:
+    return PROGRAMS
+  unknown = [k for k in only if k not in PROGRAMS]
+  if unknown:
+    raise ValueError(f"--programs: unknown {unknown}; choose from "
+                     f"{', '.join(PROGRAMS)}")
+  return tuple(only)
+
+
 class Report(NamedTuple):
   topology: str
   chips: int
@@ -91,6 +110,7 @@ class Report(NamedTuple):
   advice: list            # strings: what would fit instead
   step: dict              # name -> flops.Roofline per training step
   comparison: Optional[pod_sampler.Comparison] = None   # continuous batching
+  skipped: tuple = ()     # programs the config runs, not compiled (`only`)
 
   @property
   def fits(self) -> bool:
@@ -168,14 +188,16 @@ def update_paths(mode: str) -> tuple[bool, bool]:
 
 def check(config, topology: str, prompt_len: int,
           log: Callable[[str], None] = print, search: bool = True,
-          lengths: Optional[tuple] = None, compile_programs: bool = True
-          ) -> Report:
+          lengths: Optional[tuple] = None, compile_programs: bool = True,
+          only: Optional[tuple] = None) -> Report:
   """Compiles every program of `config` for `topology`; see module doc.
   search: when a program does not fit, compile smaller sizes to name the
   largest that does (each one more compile). lengths: (completion lengths
   of a step's rows, a description) for the continuous sampler's simulated
   schedule (`schedule.lengths_from_flag`; None: every row at the cap).
-  compile_programs False: the schedule and the roofline only."""
+  compile_programs False: the schedule and the roofline only. only: the
+  kinds of program to compile (`check_programs`), the rest skipped."""
+  kinds = check_programs(only)
   validation.validate(config, data_files=False)
   chips = Chips.of(topology_devices(topology))
   devices, spec, hbm = chips
@@ -196,11 +218,15 @@ def check(config, topology: str, prompt_len: int,
          if plan.base is not None else "")
       + f"; prompts {prompt_len} "
       f"tokens (--prompt_len), completions {T}")
-  programs, advice = [], []
+  programs, advice, skipped = [], [], []
 
   def run(build_one: Callable[[], Program],
-          retry: Callable[[], Optional[Program]], what):
+          retry: Callable[[], Optional[Program]], what, kind: str, name: str):
     if not compile_programs:
+      return
+    if kind not in kinds:
+      skipped.append(name)
+      log(f"{name:14s} not compiled (--programs)")
       return
     program = build_one()
     programs.append(program)
@@ -246,35 +272,40 @@ def check(config, topology: str, prompt_len: int,
     if compile_programs:
       log(HEADER)
     run(lambda: build(slots), lambda: largest_fitting(
-        halvings(slots, plan.layout.batch_shards)[1:], build, hbm), "slots")
+        halvings(slots, plan.layout.batch_shards)[1:], build, hbm), "slots",
+        "sampler", "sampler")
   else:
     if compile_programs:
       log(HEADER)
     build = lambda b: plan.sampler(b, G, sampling_config, "sampler")
     run(lambda: build(b_call), lambda: largest_fitting(
-        halvings(b_call)[1:], build, hbm), "sampler chunk (rows)")
+        halvings(b_call)[1:], build, hbm), "sampler chunk (rows)",
+        "sampler", "sampler")
   micro = plan.micro_rows()
   padded, packed = update_paths(rl.packing)
   if padded:
     run(lambda: plan.update(micro), lambda: largest_fitting(
-        halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)")
+        halvings(micro)[1:], plan.update, hbm), "micro-batch (rows)",
+        "update", "update")
   if packed:
     run(lambda: plan.packed_update(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.packed_update, hbm),
-        "packed micro-batch (rows)")
+        "packed micro-batch (rows)", "update_packed", "update packed")
   if plan.uses_scoring and padded:
     run(lambda: plan.score(micro), lambda: largest_fitting(
-        halvings(micro)[1:], plan.score, hbm), "scoring micro-batch (rows)")
+        halvings(micro)[1:], plan.score, hbm), "scoring micro-batch (rows)",
+        "score", "score")
   if plan.uses_scoring and packed:
     run(lambda: plan.packed_score(micro), lambda: largest_fitting(
         halvings(micro)[1:], plan.packed_score, hbm),
-        "packed scoring micro-batch (rows)")
+        "packed scoring micro-batch (rows)", "score_packed", "score packed")
   for prompts, g, greedy in _eval_calls(config, plan):
     name = "eval greedy" if greedy else f"eval n={g}"
     build_eval = lambda b, g=g, greedy=greedy, name=name: plan.sampler(
         b, g, plan.sampling_config(greedy), name)
     run(lambda: build_eval(prompts), lambda: largest_fitting(
-        halvings(prompts)[1:], build_eval, hbm), "eval batch (prompts x g)")
+        halvings(prompts)[1:], build_eval, hbm), "eval batch (prompts x g)",
+        "eval", name)
   if not config.sampling.continuous_batching:
     for line in window_lines(plan, rows_per_call):
       log(line)
@@ -283,7 +314,8 @@ def check(config, topology: str, prompt_len: int,
       comparison.paged if config.sampling.kv_cache == "paged" else
       comparison.dense), None if lengths is None else lengths[0])
   return Report(topology, len(devices), spec["kind"], hbm,
-                dict(layout.mesh.shape), programs, advice, step, comparison)
+                dict(layout.mesh.shape), programs, advice, step, comparison,
+                tuple(skipped))
 
 
 def static_decode_bytes(plan: Plan, rows_per_call: int,
