@@ -49,9 +49,29 @@ def warm(c):
   return c
 
 
+def pod(c):
+  """The multi-turn fit at pod scale (experiments/aot.py, docs/agents.md):
+  Qwen2.5-7B, 8 turns of at most 1,536 tokens, observations of at most 511
+  (+ the turn's last id: a 512-column prefill), 512-token prompts: a 16,377-
+  column context per row; 64 prompts x G = 8 on the parked engine, bf16
+  pages sized for every row's whole context (sampling.pages 0)."""
+  c.name = "tool_use_pod"
+  c.model.source = "qwen2.5-7b"
+  c.model.update(param_dtype="float32", compute_dtype="bfloat16",
+                 remat="full")
+  c.env.update(max_turns=8, max_observation_tokens=511, engine="parked")
+  c.sampling.update(max_new_tokens=1536, continuous_batching=True,
+                    kv_cache="paged")
+  c.rl.update(prompts_per_step=64, num_generations=8, mini_batch_size=128,
+              micro_batch_size=16, dynamic_sampling=False)
+  c.mesh.shape = (-1, 4, 4)    # 7B: FSDP 4 x tensor 4 per replica
+  c.train.eval_examples = 16
+  return c
+
+
 # The `:arg` values get_config accepts (no arg: default);
 # tests/test_architecture.py validates each.
-VARIANTS = {"default": default, "local": local, "warm": warm}
+VARIANTS = {"default": default, "local": local, "warm": warm, "pod": pod}
 
 
 def get_config(arg=None):

@@ -9,7 +9,9 @@ only config.json. Compiles the training sampler call (continuous batching
 with sampling.continuous_batching), an update mini-batch in its
 micro-batches, reference / old-log-prob scoring when the config uses them
 (padded, packed with rl.packing=on, both with auto), and the evaluation
-sampler for the topology's chips, and
+sampler for the topology's chips (with an env on the parked engine,
+env.engine=parked: the engine's decode call and its prefills instead of the
+training sampler call, grpo_jax/aot/engine.py), and
 prints per-chip memory against the chip's HBM, then the step's analytic
 FLOPs and roofline time (grpo_jax/aot/check.py). Exit status 0 only when every
 program fits with 5% to spare; otherwise it names what does not and the

@@ -147,6 +147,28 @@ def test_continuous_batching_sampler_compiles_and_fits():
   assert "one decode step's collectives per chip, MB: all-" in below, out
 
 
+def test_parked_engine_programs_of_a_multi_turn_config():
+  """env.engine = parked: the engine's programs (its decode call, the
+  prompts' prefill, an observation's prefill onto existing pages) replace
+  the training sampler call, sized per row shard as the run sizes them; the
+  update's rows are the prompt plus the episode's budget, 4 turns of 8
+  tokens and 3 observations of 64 (224 tokens)."""
+  rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
+                 "--config.env.name=scripted", "--config.env.engine=parked",
+                 "--config.sampling.continuous_batching=True",
+                 "--config.sampling.kv_cache=paged", "--config.rl.packing=off")
+  assert rc == 0, out
+  assert _names(out) == ["engine decode", "engine prefill", "engine observe",
+                         "update", "eval greedy"], out
+  assert "completions 224 (an episode's budget, env 'scripted')" in out
+  # 8 rows over 4 row shards: 2 rows, 2 slots, each row's 240 columns on
+  # 15 pages of 16.
+  assert ("parked engine per row shard (4 shards of 1 chips): 2 rows, 2 "
+          "slots, 30 pages of 16 columns") in out, out
+  assert "context 240 = prompt 16 + 4 turns x 8 + 3 observations x 64" in out
+  assert _row(out, "engine observe").split()[2] == "2", out
+
+
 def test_decode_collectives_counts_one_decode_step():
   """Only collectives under the decode loop's body count, each once; an
   async collective counts its last result array."""

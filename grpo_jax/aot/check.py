@@ -18,7 +18,12 @@ step and its evaluation run:
              with `sampling.kv_cache = paged` `paged_slots.sample_pages`
              (the TPU kernel; a pool of the dense slots' bytes, its slots
              from the simulated schedule: `sampler.compare`)
+  engine     with an env on the parked engine (`env.engine = parked`), in
+             the sampler's place: the engine's decode call and prefills per
+             row shard (`engine.py`)
   update     `update.update_step` on one mini-batch split in micro-batches
+             (rows of prompt + max_new_tokens, or with an env the
+             episode's budget: `Plan.completion_tokens`)
   score      `update.score_logprobs` (π_ref, or π_old recomputed) when used
   update packed, score packed
              the same on packed rows (`rl.packing` on, or auto: a run picks
@@ -46,6 +51,7 @@ from typing import Callable, NamedTuple, Optional
 import jax.numpy as jnp
 
 from grpo_jax import sharding, validation
+from grpo_jax.aot import engine as pod_engine
 from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
@@ -205,7 +211,8 @@ def check(config, topology: str, prompt_len: int,
                            sharding.logical_rules(config.mesh))
   model_config = model_config_from_source(config.model.source)
   plan = Plan(config, model_config, layout, prompt_len)
-  rl, T = config.rl, config.sampling.max_new_tokens
+  rl, T = config.rl, plan.completion_tokens
+  env = plan.run.groups.env
   log(f"topology {topology}: {len(devices)} chips ({spec['kind']}), "
       f"{hbm / GiB:.2f} GiB each; mesh {dict(layout.mesh.shape)}")
   log(f"model {config.model.source}: "
@@ -217,7 +224,8 @@ def check(config, topology: str, prompt_len: int,
          f"base {plan.base_bytes / GiB:.2f} GiB per chip)"
          if plan.base is not None else "")
       + f"; prompts {prompt_len} "
-      f"tokens (--prompt_len), completions {T}")
+      f"tokens (--prompt_len), completions {T}"
+      + (f" (an episode's budget, env {env.name!r})" if env else ""))
   programs, advice, skipped = [], [], []
 
   def run(build_one: Callable[[], Program],
@@ -248,7 +256,18 @@ def check(config, topology: str, prompt_len: int,
   G = rl.num_generations
   rows_per_call = b_call * G
   comparison = None
-  if config.sampling.continuous_batching:
+  if env is not None and env.engine == "parked":
+    espec = pod_engine.engine_spec(plan)
+    log(pod_engine.describe(plan, espec))
+    if compile_programs:
+      log(HEADER)
+    for name, build, rows in pod_engine.programs(plan, espec):
+      run(lambda build=build, rows=rows: build(rows),
+          lambda build=build, rows=rows: largest_fitting(
+              halvings(rows)[1:], build, hbm), f"{name} rows", "sampler",
+          name)
+    rows_per_call = espec.slots * plan.layout.batch_shards
+  elif config.sampling.continuous_batching:
     paged = config.sampling.kv_cache == "paged"
     dense_slots = auto_slots(config, plan, hbm, configured=not paged)
     comparison = pod_sampler.compare(
@@ -312,7 +331,7 @@ def check(config, topology: str, prompt_len: int,
   step = step_roofline(plan, spec, len(devices), rows_per_call, (
       None if comparison is None else
       comparison.paged if config.sampling.kv_cache == "paged" else
-      comparison.dense), None if lengths is None else lengths[0])
+      comparison.dense), None if lengths is None or env else lengths[0])
   return Report(topology, len(devices), spec["kind"], hbm,
                 dict(layout.mesh.shape), programs, advice, step, comparison,
                 tuple(skipped))
@@ -328,7 +347,7 @@ def static_decode_bytes(plan: Plan, rows_per_call: int,
   kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads", c.num_kv_heads)
   return -(-rows // rows_per_call) * flops_lib.decode_bytes_per_chip(
       c, rows_per_call / plan.layout.batch_shards, kv_heads,
-      plan.prompt_len, config.sampling.max_new_tokens, plan.weight_bytes(),
+      plan.prompt_len, plan.completion_tokens, plan.weight_bytes(),
       jnp.dtype(config.model.compute_dtype).itemsize, skip_windows)
 
 
@@ -342,7 +361,7 @@ def window_lines(plan: Plan, rows_per_call: int) -> list[str]:
   windows = flops_lib.layer_windows(c)
   if all(w is None for w in windows):
     return []
-  x = plan.prompt_len + plan.config.sampling.max_new_tokens
+  x = plan.seq_len
   at_cap = sum(x if w is None else min(x, w) for w in windows)
   every, skip = (static_decode_bytes(plan, rows_per_call, s) / 1e12
                  for s in (False, True))
@@ -365,7 +384,7 @@ def step_roofline(plan: Plan, spec: dict, chips: int, rows_per_call: int,
   scoring: at the rows' `lengths_n` when they may run packed (rl.packing
   on or auto: packed rows hold only real tokens), else at t."""
   c, config = plan.model_config, plan.config
-  rl, p, t = config.rl, plan.prompt_len, config.sampling.max_new_tokens
+  rl, p, t = config.rl, plan.prompt_len, plan.completion_tokens
   b, g = rl.prompts_per_step, rl.num_generations
   shape = flops_lib.StepShape(b, g, p, t)
   read = static_decode_bytes(plan, rows_per_call)

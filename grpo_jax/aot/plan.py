@@ -61,8 +61,16 @@ class Plan:
     return 0 if self.base is None else per_chip_bytes(self.base)
 
   @property
+  def completion_tokens(self) -> int:
+    """T of a row after its prompt: max_new_tokens, or with an env the
+    trajectory's budget (`EnvSpec.trajectory_tokens`: every turn and
+    observation at its budget), as the rollout shapes the update's rows."""
+    env, T = self.run.groups.env, self.run.sampling.max_new_tokens
+    return T if env is None else env.trajectory_tokens(T)
+
+  @property
   def seq_len(self) -> int:
-    return self.prompt_len + self.run.sampling.max_new_tokens
+    return self.prompt_len + self.completion_tokens
 
   @property
   def state_bytes(self) -> int:
@@ -184,7 +192,7 @@ class Plan:
 
   def update(self, micro_rows: int) -> Program:
     """update_step on one mini-batch in micro-batches of `micro_rows`."""
-    n, T = self.mini, self.run.sampling.max_new_tokens
+    n, T = self.mini, self.completion_tokens
     batch = update.UpdateBatch(
         *self.sequence_columns(n),
         row_sharded(self.layout, (n, T), jnp.bool_),
@@ -204,7 +212,7 @@ class Plan:
     `micro_rows` rows per micro-batch (see `PACKED_SEQUENCES_PER_ROW`),
     with R rows per micro-batch and M micro-batches."""
     R, M, N = packed_shape(rows, micro_rows, self.layout.batch_shards)
-    S, T = self.seq_len, self.run.sampling.max_new_tokens
+    S, T = self.seq_len, self.completion_tokens
     row = lambda dtype: row_sharded(self.layout, (R * M, S), dtype)
     return packing.PackedRows(
         row(jnp.int32), row(jnp.int32), row(jnp.bool_), row(jnp.int32),
@@ -214,7 +222,7 @@ class Plan:
   def packed_update(self, micro_rows: int) -> Program:
     """update_step on one mini-batch packed (`rl.packing`): rows of
     s = prompt + max_new_tokens tokens, `micro_rows` per micro-batch."""
-    n, T = self.mini, self.run.sampling.max_new_tokens
+    n, T = self.mini, self.completion_tokens
     rows, R, num_micro = self.packed_rows(n, micro_rows)
     slots = rows.src_nt.shape[0]
     batch = update.UpdateBatch(
@@ -231,7 +239,7 @@ class Plan:
   def packed_score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows packed (as `packed_update`)."""
     rows, R, num_micro = self.packed_rows(self.rows, micro_rows)
-    T = self.run.sampling.max_new_tokens
+    T = self.completion_tokens
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)
     lower = lambda: update.score_logprobs.lower(
@@ -250,7 +258,7 @@ class Plan:
 
   def score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows in micro-batches of `micro_rows`."""
-    T, rows = self.run.sampling.max_new_tokens, self.rows
+    T, rows = self.completion_tokens, self.rows
     cols = update.UpdateBatch(*self.sequence_columns(rows))
     resident = self.state_bytes + self.reference_bytes() - per_chip_bytes(
         self.state.params)

@@ -66,15 +66,23 @@ def shard_rows(n: int, shards: int) -> list[range]:
 
 def engine_spec(sampler: sampling.Sampler, rows: int, prompt_len: int,
                 spec: base.EnvSpec) -> parked.EngineSpec:
-  """The engine of one row shard's `rows` rows: sampling.slots slots over
-  the row shards (0: one per row), a row's context its prompt plus its
-  trajectory budget, sampling.pages pages per shard (0: a whole context
-  per row, parked rows included, so no row waits for pages)."""
-  cfg = sampler.sampling
-  slots = min(-(-cfg.slots // sampler.shards) or rows, rows)
+  """The engine of one row shard's `rows` rows (`shard_engine_spec`)."""
+  return shard_engine_spec(sampler.model_config, sampler.sampling,
+                           sampler.shards, rows, prompt_len, spec)
+
+
+def shard_engine_spec(model_config, cfg: sampling.SamplingConfig,
+                      shards: int, rows: int, prompt_len: int,
+                      spec: base.EnvSpec) -> parked.EngineSpec:
+  """The engine of one of `shards` row shards holding `rows` rows:
+  sampling.slots slots over the row shards (0: one per row), a row's
+  context its prompt plus its trajectory budget, sampling.pages pages per
+  shard (0: a whole context per row, parked rows included, so no row waits
+  for pages). The run's and aot's (`aot/engine.py`) one sizing."""
+  slots = min(-(-cfg.slots // shards) or rows, rows)
   context = prompt_len + spec.trajectory_tokens(cfg.max_new_tokens)
   pages = cfg.pages or rows * -(-context // cfg.page_size)
-  return parked.EngineSpec(sampler.model_config, cfg, slots, pages, context,
+  return parked.EngineSpec(model_config, cfg, slots, pages, context,
                            spec.engine_steps)
 
 

@@ -1,0 +1,154 @@
+"""The parked engine at pod scale (`env.engine = "parked"`, docs/agents.md):
+its programs compiled for a topology, as a run places them.
+
+A run with an env on the parked engine samples with `parked.Engine`, one per
+row shard (`agent_parked.engines`), never with the training sampler call.
+Each engine lives on its row shard's devices (`Layout.row_shard`): a copy of
+the weights gathered over the batch axes and split over the others as they
+are, its page pool replicated over those devices (`parked.Engine`'s
+`out_shardings`), its slots as host numpy read back once per call. Sized by
+the run's own rule (`agent_parked.shard_engine_spec`), per row shard:
+
+  engine decode     `parked._decode`: a call of at most env.engine_steps
+                    decode steps over the M slots
+  engine prefill    `parked._prefill` of A = M rows (the most one call
+                    admits) of the prompt: every slot admitted at once at a
+                    step's start, each prefilling its whole prompt
+  engine observe    `parked._prefill` of M rows, each the turn's last id and
+                    an observation at its budget (env.max_observation_tokens)
+                    onto the row's own pages: what a re-admitted row prefills
+
+Every chip belongs to one row shard and every shard's programs are the same,
+so shard 0's per-chip bytes are every chip's. Beside them stays what the
+training sampler call would leave (`Plan.sampler_resident`) and, with more
+than one row shard, the full mesh's compute-dtype weights the shards' copies
+were made from.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax.aot.plan import Plan
+from grpo_jax.aot.programs import Program, compile_program, per_chip_bytes
+from grpo_jax.generate import agent_parked, page_pool, parked, sampling
+from grpo_jax.models import int8_pages, paged
+
+
+def _on(mesh, x) -> jax.ShapeDtypeStruct:
+  """x's shape and dtype on `mesh` with x's partition spec (replicated
+  where it has none): `Layout.place_like` on an abstract array."""
+  spec = getattr(getattr(x, "sharding", None), "spec", P())
+  return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                              sharding=NamedSharding(mesh, spec))
+
+
+def engine_spec(plan: Plan) -> parked.EngineSpec:
+  """One row shard's engine, sized as `agent_parked.run_episodes` sizes it
+  for a step's prompts x G rows, prompts of plan.prompt_len tokens."""
+  env, shards = plan.run.groups.env, plan.layout.batch_shards
+  rows = plan.run.batch.prompts * plan.run.batch.generations
+  per_shard = len(agent_parked.shard_rows(rows, shards)[0])
+  cfg = dataclasses.replace(plan.paged_sampling_config(),
+                            pages=plan.config.sampling.pages,
+                            slots=plan.config.sampling.slots)
+  return agent_parked.shard_engine_spec(plan.model_config, cfg, shards,
+                                        per_shard, plan.prompt_len, env)
+
+
+def engine_resident(plan: Plan) -> int:
+  """Per-chip bytes alive beside the engine's programs (module doc)."""
+  copies = (per_chip_bytes(plan.sampler_params())
+            if plan.layout.batch_shards > 1 else 0)
+  return plan.sampler_resident() + copies
+
+
+class _Abstract:
+  """A row shard's engine arguments as abstract arrays on its devices."""
+
+  def __init__(self, plan: Plan, spec: parked.EngineSpec):
+    self.mesh = plan.layout.row_shard(0).mesh
+    self.spec = spec
+    params = plan.sampler_params()
+    self.params = jax.tree.map(lambda x: _on(self.mesh, x), params)
+    c, cfg = spec.model_config, spec.sampling
+    pool = jax.eval_shape(lambda: page_pool.zero_pool(
+        c, spec.pages, cfg.page_size, 1,
+        page_pool.pool_dtype(params), None, paged.REFERENCE_LAYOUT,
+        cfg.kv_dtype))
+    self.pool = jax.tree.map(lambda x: _on(self.mesh, x), pool)
+    self.key = _on(self.mesh, jax.eval_shape(lambda: jax.random.key(0)))
+
+  def array(self, shape, dtype) -> jax.ShapeDtypeStruct:
+    return _on(self.mesh, jax.ShapeDtypeStruct(shape, dtype))
+
+
+def decode_program(plan: Plan, spec: parked.EngineSpec) -> Program:
+  """`parked._decode` over the shard's M slots."""
+  x = _Abstract(plan, spec)
+  M, J, T = spec.slots, spec.table_width, spec.sampling.max_new_tokens
+  i32 = lambda *shape: x.array(shape, jnp.int32)
+  slots = parked._Slots(   # pylint: disable=protected-access
+      i32(M), i32(M), i32(M), i32(M), i32(M), x.array((M,), jnp.bool_),
+      i32(M, J), i32(M, T), x.array((M, T), jnp.float32))
+  lower = lambda: parked._decode.lower(  # pylint: disable=protected-access
+      spec, x.params, x.pool, slots, x.key)
+  return compile_program("engine decode", M, lower, engine_resident(plan))
+
+
+def prefill_program(plan: Plan, spec: parked.EngineSpec, rows: int,
+                    new_tokens: int, name: str) -> Program:
+  """`parked._prefill` of `rows` rows of `new_tokens` new tokens each (the
+  call's L: `sampling.bucket`, as `Engine._prefill_pending` pads it)."""
+  x = _Abstract(plan, spec)
+  A, L = rows, sampling.bucket(new_tokens)
+  i32 = lambda *shape: x.array(shape, jnp.int32)
+  lower = lambda: parked._prefill.lower(  # pylint: disable=protected-access
+      spec, x.params, x.pool, i32(A, L), i32(A), i32(A),
+      i32(A, spec.table_width), i32(A), i32(A), x.key)
+  return compile_program(name, A, lower, engine_resident(plan))
+
+
+def programs(plan: Plan, spec: parked.EngineSpec) -> list:
+  """(name, build(rows) -> Program, rows) of the engine's programs (module
+  doc); build takes the rows (slots, or rows per prefill call) so a search
+  can try fewer."""
+  env = plan.run.groups.env
+  with_slots = lambda m: dataclasses.replace(spec, slots=m)
+  return [
+      ("engine decode", lambda m: decode_program(plan, with_slots(m)),
+       spec.slots),
+      ("engine prefill", lambda a: prefill_program(
+          plan, spec, a, plan.prompt_len, "engine prefill"), spec.slots),
+      ("engine observe", lambda a: prefill_program(
+          plan, spec, a, env.max_observation_tokens + 1, "engine observe"),
+       spec.slots),
+  ]
+
+
+def describe(plan: Plan, spec: parked.EngineSpec) -> str:
+  """The engine's sizing, one line: rows, slots, pages, context, pool."""
+  c, cfg = spec.model_config, spec.sampling
+  env = plan.run.groups.env
+  item = page_pool.pool_dtype(plan.sampler_params()).itemsize
+  per_column = 2 * c.num_layers * c.num_kv_heads * int8_pages.column_bytes(
+      item, cfg.kv_dtype, c.head_dim)
+  pool_gib = spec.pages * cfg.page_size * per_column / 1024 ** 3
+  rows = len(agent_parked.shard_rows(
+      plan.run.batch.prompts * plan.run.batch.generations,
+      plan.layout.batch_shards)[0])
+  return (f"parked engine per row shard ({plan.layout.batch_shards} shards of "
+          f"{np.prod(plan.layout.row_shard(0).mesh.devices.shape)} chips): "
+          f"{rows} rows, {spec.slots} slots, {spec.pages} pages of "
+          f"{cfg.page_size} columns ({cfg.kv_dtype or 'compute-dtype'} "
+          f"pages, {pool_gib:.2f} GiB, replicated on the shard's chips), "
+          f"context {spec.context} = prompt {plan.prompt_len} + "
+          f"{env.max_turns} turns x {cfg.max_new_tokens} + "
+          f"{env.max_turns - 1} observations x {env.max_observation_tokens}; "
+          f"{spec.steps_per_call} decode steps per call")
+
