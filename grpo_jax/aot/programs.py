@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -266,3 +266,44 @@ def compile_program(name: str, rows: int, lower: Callable[[], Any],
                  analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
                  analysis.temp_size_in_bytes, resident,
                  collectives=decode_collectives(compiled.as_text()))
+
+
+def halvings(n: int, floor: int = 1) -> list[int]:
+  """n, n/2, n/4, ... while divisible and >= floor."""
+  out = [n]
+  while out[-1] % 2 == 0 and out[-1] // 2 >= floor:
+    out.append(out[-1] // 2)
+  return out
+
+
+def largest_fitting(candidates, build: Callable[[int], Program], hbm: float
+                    ) -> Optional[Program]:
+  """The first (largest) candidate whose program fits, or None."""
+  for size in candidates:
+    program = build(size)
+    if program.fits(hbm):
+      return program
+  return None
+
+
+def format_program(p: Program, hbm: float) -> str:
+  g = lambda x: f"{x / GiB:8.2f}"
+  if p.refused:
+    return (f"{p.name:14s} {p.rows:7d}  refused by the compiler: needs "
+            f"{p.temp / GiB:.2f} GiB + {p.resident / GiB:.2f} GiB resident "
+            f"> {hbm / GiB:.2f} GiB   NO")
+  verdict = "yes" if p.fits(hbm) else "NO"
+  line = (f"{p.name:14s} {p.rows:7d} {g(p.argument)} {g(p.output)} "
+          f"{g(p.temp)} {g(p.peak)} {g(p.resident)} {g(p.total)} "
+          f"{100 * p.total / hbm:6.1f}%  {verdict}")
+  if p.collectives:
+    each = ", ".join(f"{kind} {b / 1e6:.2f}" for kind, b in p.collectives)
+    line += (f"\n{'':14s} one decode step's collectives per chip, MB: {each}"
+             f" (total {sum(b for _, b in p.collectives) / 1e6:.2f}; not in "
+             "the slot schedule)")
+  return line
+
+
+HEADER = (f"{'program':14s} {'rows':>7s} {'arg GiB':>8s} {'out GiB':>8s} "
+          f"{'temp GiB':>8s} {'peak GiB':>8s} {'resident':>8s} "
+          f"{'total':>8s} {'of HBM':>7s}  fits (<= {100 * (1 - SPARE):.0f}%)")
