@@ -17,9 +17,7 @@ and the all-to-all dispatch's against the ragged one's as a ratio.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,20 +38,9 @@ from grpo_jax.aot import programs
 from grpo_jax.models import get_preset, moe, transformer
 
 SPARSE = ("router", "expert_gate", "expert_up", "expert_down")
-_OP = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|all-reduce|"
-                 r"reduce-scatter|all-to-all|collective-permute)"
-                 r"(?:-start)?\(")
-
-
 def collective_bytes(hlo: str) -> dict:
   """Bytes per collective kind: each op's (last) result array."""
-  total = {}
-  for m in _OP.finditer(hlo):
-    dtype, dims = re.findall(r"([a-z0-9]+)\[([\d,]*)\]", m.group(1))[-1]
-    size = programs._DTYPE_BYTES.get(dtype, 4) * math.prod(  # pylint: disable=protected-access
-        int(d) for d in dims.split(",") if d)
-    total[m.group(2)] = total.get(m.group(2), 0) + size
-  return total
+  return dict(programs.hlo_collectives(hlo))
 
 
 def layer_grad(model_config, dispatch):

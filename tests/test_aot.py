@@ -73,6 +73,11 @@ def test_programs_flag_compiles_a_subset_and_says_so():
     assert _row(out, name).endswith("not compiled (--programs)"), out
   assert ("fits: every compiled program (not compiled: sampler, update "
           "packed, eval greedy) leaves >= 5%") in out
+  lines = out.splitlines()
+  below = lines[lines.index(_row(out, "update")) + 1]
+  found = re.search(r"each op of the program once \(a loop's body once\), "
+                    r"MB: .*all-reduce ([\d.]+)", below)
+  assert found and float(found.group(1)) > 0, below   # the gradients' sum
   rc, out = _aot("--config=configs/tiny.py", "--programs=update,decode")
   assert rc != 0 and "--programs: unknown ['decode']" in out, out
 
@@ -181,6 +186,9 @@ def test_decode_collectives_counts_one_decode_step():
       f"  %e = s32[3] add(%u, %v), metadata={{{scope}}}"])
   assert programs.decode_collectives(hlo) == (("all-gather", 64),
                                               ("all-reduce", 24))
+  # every collective of the program, each op once (the update's count)
+  assert programs.hlo_collectives(hlo) == (("all-gather", 64),
+                                           ("all-reduce", 4024))
 
 
 # Qwen2.5-0.5B's widths (vocab, heads, MLP) with 4 of its 24 layers: the

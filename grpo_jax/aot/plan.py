@@ -204,7 +204,8 @@ class Plan:
         self.state, batch, self.program(num_micro=n // micro_rows,
                                         group_size=self.spec.group_size(n)),
         self.base)
-    return compile_program("update", micro_rows, lower, resident)
+    return compile_program("update", micro_rows, lower, resident,
+                           whole_collectives=True)
 
   def packed_rows(self, rows: int, micro_rows: int
                   ) -> tuple[packing.PackedRows, int, int]:
@@ -234,7 +235,8 @@ class Plan:
         self.state, batch, self.program(num_micro=num_micro,
                                         group_size=self.spec.group_size(n)),
         self.base)
-    return compile_program("update packed", R, lower, self.reference_bytes())
+    return compile_program("update packed", R, lower, self.reference_bytes(),
+                           whole_collectives=True)
 
   def packed_score(self, micro_rows: int) -> Program:
     """score_logprobs on the step's rows packed (as `packed_update`)."""
@@ -247,7 +249,8 @@ class Plan:
         update.UpdateBatch(rows=rows), self.program(
             num_micro=num_micro, group_size=self.spec.group_size(self.rows),
             logp_shape=(self.rows, T)))
-    return compile_program("score packed", R, lower, resident)
+    return compile_program("score packed", R, lower, resident,
+                           whole_collectives=True)
 
   def reference_bytes(self) -> int:
     """The reference model's params, alive all run when β > 0 (LoRA: none,
@@ -266,7 +269,8 @@ class Plan:
         update.Policy(self.state.params, self.base), cols, self.program(
             num_micro=rows // micro_rows,
             group_size=self.spec.group_size(rows), logp_shape=(rows, T)))
-    return compile_program("score", micro_rows, lower, resident)
+    return compile_program("score", micro_rows, lower, resident,
+                           whole_collectives=True)
 
   def micro_rows(self) -> int:
     return update.micro_batch_rows(self.mini, self.seq_len,

@@ -204,6 +204,9 @@ class Program(NamedTuple):
   refused: str = ""       # the compiler's RESOURCE_EXHAUSTED message
   collectives: tuple = ()  # samplers: (kind, per-chip bytes) of one decode
                            # step (`decode_collectives`)
+  program_collectives: tuple = ()  # update / scoring: (kind, per-chip
+                                   # bytes) of the program's text, each op
+                                   # once (`hlo_collectives`)
 
   @property
   def peak(self) -> int:
@@ -220,10 +223,10 @@ class Program(NamedTuple):
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
                 "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
                 "u64": 8}
-_COLLECTIVE = re.compile(
-    r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|all-reduce|reduce-scatter|all-to-all"
-    r"|collective-permute)(?:-start)?\(.*op_name=\"[^\"]*/"
-    + decoding.DECODE_SCOPE + r"/while/body/")
+_OP = (r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|all-reduce|reduce-scatter"
+       r"|all-to-all|collective-permute)(?:-start)?\(")
+_COLLECTIVE = re.compile(_OP + r".*op_name=\"[^\"]*/" + decoding.DECODE_SCOPE
+                         + r"/while/body/")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([\d,]*)\]")
 
 
@@ -233,8 +236,17 @@ def decode_collectives(hlo: str) -> tuple:
   whose op_name is under the decode loop's body (`decoding.DECODE_SCOPE`),
   each op once (an async op's last result array). What crosses ICI each
   decode step, which the slot schedule's roofline leaves out."""
+  return hlo_collectives(hlo, _COLLECTIVE)
+
+
+def hlo_collectives(hlo: str, pattern: re.Pattern = re.compile(_OP)
+                    ) -> tuple:
+  """(kind, bytes) of each collective kind among the ops `pattern` matches
+  (default: every collective of the program), per chip, each op once: a
+  loop's body counts once (an update: one layer's forward and backward of
+  one micro-batch, plus what is outside the loops)."""
   total = {}
-  for m in _COLLECTIVE.finditer(hlo):
+  for m in pattern.finditer(hlo):
     dtype, dims = _ARRAY.findall(m.group(1))[-1]
     size = _DTYPE_BYTES.get(dtype, 4) * math.prod(
         int(d) for d in dims.split(",") if d)
@@ -247,8 +259,11 @@ _REQUIRED = re.compile(r"memory required for HLO temporaries \(([\d.]+)([KMGT])\
 
 
 def compile_program(name: str, rows: int, lower: Callable[[], Any],
-                    resident: int) -> Program:
-  """Compiles `lower()`'s program; a refusal for memory is a result."""
+                    resident: int, whole_collectives: bool = False
+                    ) -> Program:
+  """Compiles `lower()`'s program; a refusal for memory is a result.
+  whole_collectives: also count every collective of its text
+  (`Program.program_collectives`; the update and scoring)."""
   try:
     compiled = lower().compile()
     analysis = compiled.memory_analysis()
@@ -262,10 +277,13 @@ def compile_program(name: str, rows: int, lower: Callable[[], Any],
       value, unit = [g for g in found.groups() if g is not None]
       need = int(float(value) * 1024 ** ("KMGT".index(unit) + 1))
     return Program(name, rows, 0, 0, 0, need, resident, message)
+  hlo = compiled.as_text()
   return Program(name, rows, analysis.argument_size_in_bytes,
                  analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
                  analysis.temp_size_in_bytes, resident,
-                 collectives=decode_collectives(compiled.as_text()))
+                 collectives=decode_collectives(hlo),
+                 program_collectives=(hlo_collectives(hlo)
+                                      if whole_collectives else ()))
 
 
 def halvings(n: int, floor: int = 1) -> list[int]:
@@ -301,6 +319,12 @@ def format_program(p: Program, hbm: float) -> str:
     line += (f"\n{'':14s} one decode step's collectives per chip, MB: {each}"
              f" (total {sum(b for _, b in p.collectives) / 1e6:.2f}; not in "
              "the slot schedule)")
+  if p.program_collectives:
+    each = ", ".join(f"{kind} {b / 1e6:.2f}"
+                     for kind, b in p.program_collectives)
+    line += (f"\n{'':14s} collectives per chip, each op of the program once "
+             f"(a loop's body once), MB: {each} (total "
+             f"{sum(b for _, b in p.program_collectives) / 1e6:.2f})")
   return line
 
 
