@@ -346,3 +346,59 @@ def test_evaluation_with_an_env_reports_tool_use(params):
   assert m["eval/greedy_turns_mean"] >= 1 and "eval/greedy_tool_call_rate" in m
   # the answer read is each episode's last turn, after its last observation
   assert all("tool:" not in t for row in out.greedy.texts for t in row)
+
+
+# A training step of the tiny config on the scripted env (a tool call earns
+# 1, so the groups' rewards differ and the loss is not 0), in a process of
+# its own with `devices` fake CPU devices and mesh `mesh`: its step metrics.
+_ENV_STEP = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + sys.argv[1]
+from configs import tiny
+from grpo_jax.rl import train
+c = tiny.get_config()
+c.train.steps, c.train.eval_at_start, c.train.eval_at_end = 2, False, False
+c.rl.packing = "off"
+c.mesh.shape = tuple(int(x) for x in sys.argv[2].split(","))
+c.env.update(name="scripted", max_turns=2, max_observation_tokens=32,
+             kwargs=dict(turn_reward=1.0), engine=sys.argv[3])
+c.sampling.max_new_tokens = 24
+if sys.argv[3] == "parked":
+  c.sampling.update(continuous_batching=True, kv_cache="paged")
+train.run(c, sys.argv[4])
+"""
+
+
+def _env_step_metrics(tmp_path, devices: int, mesh: str, engine: str):
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = str(tmp_path / f"{engine}_{devices}")
+  subprocess.run([sys.executable, "-c", _ENV_STEP, str(devices), mesh, engine,
+                  workdir], check=True, timeout=900, cwd=root,
+                 env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+                 stdout=subprocess.DEVNULL)
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [r for r in rows if "loss" in r]
+
+
+@pytest.mark.slow   # 4 training runs of 2 steps in subprocesses
+@pytest.mark.parametrize("engine, mesh", [("turns", "2,2,2"),
+                                          ("parked", "4,1,2")])
+def test_env_training_steps_on_eight_fake_devices_equal_one_devices(
+    tmp_path, engine, mesh):
+  """The env path in training on 8 fake devices (rows over the row shards;
+  the parked engine one per shard): the same episodes (turns, tool calls,
+  rewards) and the same loss and gradient norm as on one device."""
+  one = _env_step_metrics(tmp_path, 1, "1,1,1", engine)
+  eight = _env_step_metrics(tmp_path, 8, mesh, engine)
+  assert [r["step"] for r in eight] == [1, 2]
+  assert any(r["advantage/std"] > 0 for r in one)    # something to learn
+  for a, b in zip(one, eight, strict=True):
+    for key in ("env/turns_mean", "env/tool_calls_mean", "reward/mean",
+                "env/observation_tokens_mean", "sample/tokens"):
+      assert a[key] == b[key], (key, a[key], b[key])
+    for key in ("loss", "grad_norm"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6)

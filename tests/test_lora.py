@@ -307,3 +307,45 @@ def test_star_finetune_trains_fresh_adapters_on_the_frozen_original():
   changed = {k for k in params["layers"]
              if not np.array_equal(params["layers"][k], before["layers"][k])}
   assert changed == {"wq", "wv"}
+
+
+@pytest.mark.slow   # 2 training steps: ~35 s of CPU
+def test_adapters_alone_train_on_multi_turn_episodes(tmp_path, monkeypatch):
+  """LoRA with an env (issue 42 item 5): 2 steps of the tiny config on the
+  scripted env's episodes change the adapters and nothing else (the base the
+  run returns is the seed's init, bit for bit), and every update batch holds
+  observation tokens, attended to (valid) and out of the loss."""
+  from grpo_jax.rl import batch as batch_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax.rl import train  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def to_rows(groups, *args):
+    out = batch_lib.to_rows(groups, *args)
+    seen.append((groups.observation_bgt, out))
+    return out
+
+  monkeypatch.setattr(train, "to_rows", to_rows)
+  config = _tiny_lora(2)
+  config.train.checkpoint_every = 0
+  config.rl.kl_beta = 0.0
+  # A tool call earns 1 (the scripted env's per-turn term): the groups'
+  # rewards differ, so the adapters get a gradient.
+  config.env.update(name="scripted", max_turns=2, max_observation_tokens=32,
+                    kwargs=dict(turn_reward=1.0))
+  config.sampling.max_new_tokens = 24
+  summary = train.run(config, str(tmp_path))
+  assert len(seen) == 2
+  for obs_bgt, batch in seen:
+    obs_nt = obs_bgt.reshape(batch.mask_nt.shape)
+    assert obs_nt.any()              # the episodes reached the tool
+    T = obs_nt.shape[1]
+    assert not batch.mask_nt[obs_nt].any()
+    assert batch.valid_ns[:, -T:][obs_nt].all()
+  init = lora.init_adapters(MODEL, SPEC, jax.random.key(0))
+  adapters = summary["state"].params
+  assert jax.tree.structure(adapters) == jax.tree.structure(init)
+  assert any(np.any(np.asarray(b)) for b in jax.tree.leaves(
+      {k: v["b"] for k, v in adapters["layers"]["lora"].items()}))
+  for x, y in zip(jax.tree.leaves(summary["base"]),
+                  jax.tree.leaves(_base()), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
