@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from grpo_jax import checkpoint, validation
-from grpo_jax.algorithms import staleness
+from grpo_jax.algorithms import dynamic_sampling, staleness
 from grpo_jax.errors import ConfigError
-from grpo_jax.generate import rollout
+from grpo_jax.generate import partial, rollout
 from grpo_jax.harness import interrupts, preflight
-from grpo_jax.rl import async_rollouts, packing, train
+from grpo_jax.rl import async_rollouts, packing, partial_rollouts, train
 from grpo_jax.rl.batch import to_rows
 
 # 2 groups of 2 rows, 4 completion tokens; the update makes version 4 + 1.
@@ -117,7 +117,6 @@ def _config(steps: int = 4):
     ({"rollout.max_staleness": 2, "rollout.sync_every": 2}, "sync_every = 1"),
     ({"sampling.continuous_batching": False, "sampling.kv_cache": "dense"},
      "not the lockstep sampler"),
-    ({"rl.dynamic_sampling": True}, "refills"),
     ({"env.name": "scripted"}, "single-turn")])
 def test_partial_rollouts_refuse_what_the_stream_does_not_carry(fields, why):
   validation.validate(_config())
@@ -132,6 +131,123 @@ def test_partial_rollouts_run_on_one_row_shard():
   with pytest.raises(ConfigError, match=r"'rollout.partial' = True runs on "
                      "one row shard; this run's sampler mesh has 2"):
     preflight.check_engine(_config(), row_shards=2)
+
+
+def _record(monkeypatch) -> tuple[list, list]:
+  """The generation batches the stream scores, (step, Groups) in order,
+  and the steps' batches the trainer learns on, (Groups, metrics)."""
+  scored, learned = [], []
+  score, learn = partial_rollouts.PartialThreaded._score, train.learn
+
+  def recorded_score(self, stream, d, u, c):
+    out = score(self, stream, d, u, c)
+    scored.append((u, async_rollouts.decode(out).groups))
+    return out
+
+  def recorded_learn(r, state, groups, metrics, step):
+    learned.append((groups, metrics))
+    return learn(r, state, groups, metrics, step)
+
+  monkeypatch.setattr(partial_rollouts.PartialThreaded, "_score",
+                      recorded_score)
+  monkeypatch.setattr(train, "learn", recorded_learn)
+  return scored, learned
+
+
+def _dynamic_config():
+  """_config with dynamic sampling's refills for 6 steps: at seed 0 steps
+  0, 2 and 4 draw a refill, step 3 hits the cap (2 fillers), and rows are
+  carried into steps 4 and 5."""
+  c = _config(steps=6)
+  c.rl.update(dynamic_sampling=True, max_gen_batches=3, on_cap="fill")
+  return c
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_in_the_stream_and_resume_with_them(
+    tmp_path, monkeypatch):
+  """Each step trains on the first b groups with signal of its generation
+  batches, drawn until b are kept or max_gen_batches are drawn (filler
+  groups, on_cap = fill, masked out), its dynamic/* metrics count them as
+  the non-partial path defines them; stopped after step 4 (checkpoint 4
+  holds carried rows) and resumed, the run equals the uninterrupted one."""
+  with monkeypatch.context() as m:
+    scored, learned = _record(m)
+    straight = train.run(_dynamic_config(), str(tmp_path / "straight"))
+  c = _dynamic_config()
+  b, cap = c.rl.prompts_per_step, c.rl.max_gen_batches
+  assert len(learned) == c.train.steps
+  for u, (groups, metrics) in enumerate(learned):
+    seen = [g for s, g in scored if s == u]
+    signal = [dynamic_sampling.group_has_signal(g.reward_bg) for g in seen]
+    kept = np.cumsum([k.sum() for k in signal])
+    # drawn until b are kept or the cap: none after the one reaching b
+    assert (kept[:-1] < b).all() and (kept[-1] >= b or len(seen) == cap)
+    assert metrics["dynamic/num_gen_batches"] == len(seen)
+    assert metrics["dynamic/kept_fraction"] == kept[-1] / (b * len(seen))
+    real = min(b, int(kept[-1]))
+    assert metrics["dynamic/num_filler"] == b - real
+    assert metrics["dynamic/cap_hit"] == int(kept[-1] < b)
+    # the first `real` groups with signal, whole and in order
+    want = np.concatenate([g.tokens_bgt[k] for g, k in zip(seen, signal)])
+    np.testing.assert_array_equal(groups.tokens_bgt[:real], want[:real])
+    assert dynamic_sampling.group_has_signal(groups.reward_bg[:real]).all()
+    assert not groups.mask_bgt[real:].any()      # fillers: no gradient
+    rewards = np.concatenate([g.reward_bg.ravel() for g in seen])
+    assert metrics["reward/mean"] == pytest.approx(float(rewards.mean()))
+  assert any(m["dynamic/num_gen_batches"] > 1 for _, m in learned)
+  assert any(m["dynamic/cap_hit"] for _, m in learned)
+  rows = async_checks.run_metrics(tmp_path / "straight")
+  assert all(r["partial/stale_dropped"] == 0 for r in rows)
+  assert max(r["staleness/token_max"] for r in rows) <= 1
+  with monkeypatch.context() as m:
+    _stop_after(m, 4)
+    with pytest.raises(interrupts.Preempted):
+      train.run(_dynamic_config(), str(tmp_path / "stopped"))
+  held = checkpoint.load_host_state(str(tmp_path / "stopped"), 4)["partial"]
+  assert held["version"] == 4 and held["stream"]["queue"]
+  resumed = train.run(_dynamic_config(), str(tmp_path / "stopped"))
+  assert async_checks.run_metrics(tmp_path / "stopped") == rows
+  want = async_checks.leaves(straight["state"].params)
+  got = async_checks.leaves(resumed["state"].params)
+  for name, x in want.items():
+    np.testing.assert_array_equal(got[name], x, err_msg=name)
+
+
+def test_a_refill_joins_the_queue_ahead_of_later_steps_rows():
+  """The stream keeps its queue in (batch, index) order: step 0's refill
+  (batch 1 at 3 batches a step) added after step 1's batch 3 goes ahead of
+  it; a batch counts as in flight until its samples are taken."""
+  cfg = types.SimpleNamespace(max_new_tokens=4)
+  stream = partial.Stream(types.SimpleNamespace(sampling=cfg, shards=1), 4,
+                          None)
+  stream.add(0, [(1,), (2,)])
+  stream.add(3, [(3,), (4,)])
+  for _ in range(4):     # batch 0 admitted, as the engine would
+    row = stream.queue.popleft()
+    stream.live[row.batch, row.index] = row
+  stream.add(1, [(5,), (6,)])
+  assert [(r.batch, r.prompt) for r in stream.queue] == (
+      [(1, (5,))] * 2 + [(1, (6,))] * 2 + [(3, (3,))] * 2 + [(3, (4,))] * 2)
+  assert stream.in_flight(1) and not stream.admitted_all(1)
+  assert stream.admitted_all(0) and not stream.in_flight(0)
+
+
+def test_a_step_draws_refills_by_the_rule_of_the_non_partial_path():
+  """wants_more: without dynamic sampling one batch a step; with it,
+  batches until b = 2 groups with signal are kept, at most 3."""
+  mixed = _groups()                                     # 2 groups, both kept
+  flat = mixed._replace(reward_bg=np.ones((2, 2), np.float32))   # none
+  half = mixed._replace(reward_bg=np.array([[1, 1], [0, 1]], np.float32))
+  off = rollout.DynamicSampling()
+  assert off.wants_more([], 2) and not off.wants_more([flat], 2)
+  on = rollout.DynamicSampling(True, 3, "fill")
+  assert on.batches == 3 and off.batches == 1
+  assert on.wants_more([], 2) and on.wants_more([flat], 2)
+  assert on.wants_more([flat, half], 2)
+  assert not on.wants_more([half, half], 2)
+  assert not on.wants_more([mixed], 2)
+  assert not on.wants_more([flat, flat, half], 2)        # the cap
 
 
 def _stop_after(monkeypatch, step: int):

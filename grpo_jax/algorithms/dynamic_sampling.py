@@ -134,9 +134,17 @@ def sample_until_full(generate: Callable[[int], Batch], num_groups: int, *,
   if max_gen_batches < 1:
     raise ValueError(f"max_gen_batches={max_gen_batches}; allowed: >= 1")
   acc = GroupAccumulator()
-  while num_kept(acc) < num_groups and acc.num_gen_batches < max_gen_batches:
+  while wants_more(acc, num_groups, max_gen_batches):
     acc = add_generation_batch(acc, generate(acc.num_gen_batches), reward_key)
   return take_groups(acc, num_groups, on_cap=on_cap)
+
+
+def wants_more(acc: GroupAccumulator, num_groups: int,
+               max_gen_batches: int) -> bool:
+  """Whether one more generation batch is drawn: fewer than `num_groups`
+  groups kept and fewer than `max_gen_batches` drawn (the one rule of
+  `sample_until_full` and of partial rollouts' refills)."""
+  return num_kept(acc) < num_groups and acc.num_gen_batches < max_gen_batches
 
 
 def overlong_filter(mask_nt, truncated_n):

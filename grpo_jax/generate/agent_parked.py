@@ -40,21 +40,24 @@ from grpo_jax.generate import agent, parked, sampling
 
 
 def check_row_shards(row_shards: int, field: str, fix: str) -> None:
-  """One engine, one page pool on one row shard: partial rollouts' stream
-  (generate/partial.py) names its field and fix."""
+  """Partial rollouts' stream (generate/partial.py) on one row shard, until
+  its engines per row shard are checked on several: names its field and
+  fix."""
   if row_shards > 1:
     raise ConfigError(
         f"config field {field} runs on one row shard; this run's sampler "
         f"mesh has {row_shards}: {fix}")
 
 
-def check_hosts() -> None:
-  """The episodes' host loops read and write each row shard's slots: every
-  device of the sampler mesh must be this process's (one host)."""
+def check_hosts(field: str = "'env.engine' = 'parked'",
+                fix: str = "use env.engine='turns' (any mesh)") -> None:
+  """The host loops (episodes', partial rollouts' stream) read and write
+  each row shard's slots: every device of the sampler mesh must be this
+  process's (one host)."""
   if jax.process_count() > 1:
     raise ConfigError(
-        "config field 'env.engine' = 'parked' runs on one host; this run has "
-        f"{jax.process_count()} processes: use env.engine='turns' (any mesh)")
+        f"config field {field} runs on one host; this run has "
+        f"{jax.process_count()} processes: {fix}")
 
 
 def shard_rows(n: int, shards: int) -> list[range]:
@@ -74,16 +77,29 @@ def engine_spec(sampler: sampling.Sampler, rows: int, prompt_len: int,
 def shard_engine_spec(model_config, cfg: sampling.SamplingConfig,
                       shards: int, rows: int, prompt_len: int,
                       spec: base.EnvSpec) -> parked.EngineSpec:
-  """The engine of one of `shards` row shards holding `rows` rows:
-  sampling.slots slots over the row shards (0: one per row), a row's
-  context its prompt plus its trajectory budget, sampling.pages pages per
-  shard (0: a whole context per row, parked rows included, so no row waits
-  for pages). The run's and aot's (`aot/engine.py`) one sizing."""
-  slots = min(-(-cfg.slots // shards) or rows, rows)
+  """The engine of one of `shards` row shards holding `rows` episodes: a
+  row's context its prompt plus its trajectory budget, parked rows keeping
+  their pages (`pool_spec`). The run's and aot's (`aot/engine.py`) one
+  sizing."""
   context = prompt_len + spec.trajectory_tokens(cfg.max_new_tokens)
-  pages = cfg.pages or rows * -(-context // cfg.page_size)
+  return pool_spec(model_config, cfg, shards, rows, context,
+                   spec.engine_steps)
+
+
+def pool_spec(model_config, cfg: sampling.SamplingConfig, shards: int,
+              rows: int, context: int, steps_per_call: int = 16,
+              parked_hold_pages: bool = True) -> parked.EngineSpec:
+  """The engine of one of `shards` row shards holding `rows` rows of at
+  most `context` columns: sampling.slots slots over the row shards (0: one
+  per row), sampling.pages pages per shard (0: a whole context for each
+  row that can hold pages, so no row waits for them: every row where
+  parked rows keep theirs (episodes), each slot where rows give theirs
+  back when they leave one (partial rollouts' stream))."""
+  slots = min(-(-cfg.slots // shards) or rows, rows)
+  holders = rows if parked_hold_pages else slots
+  pages = cfg.pages or holders * -(-context // cfg.page_size)
   return parked.EngineSpec(model_config, cfg, slots, pages, context,
-                           spec.engine_steps)
+                           steps_per_call)
 
 
 def engines(sampler: sampling.Sampler, params, key, espec: parked.EngineSpec

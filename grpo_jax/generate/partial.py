@@ -1,19 +1,22 @@
 """Partial rollouts' stream of rows on the parked engine (docs/async.md,
 "Partial rollouts"; the loop that drives it: rl/partial_rollouts.py).
 
-Rows enter in order (step u's n = b*g rows, then step u + 1's) and take the
-engine's slots as they free, so slots never drain at a step's end. A
-weight `switch` takes every row off the engine (`parked.Engine.park_all`):
-the cut ones go back to the head of the queue with their tokens so far and
-their pages released (rule 4: the state at a boundary is the rows' tokens
-only), to be prefilled again under the new weights; each later token
-records the version that sampled it. A step's rows are ready once its last
-row has ended (`ready`, `samples`).
+Rows come in generation batches of n = b*g rows, numbered by the caller
+(rl/partial_rollouts.py: step u's first batch, then its refills, before
+step u + 1's): the queue is kept in (batch, index) order, so a refill added
+late still goes ahead of later batches' rows, and rows take the engine's
+slots as they free, so slots never drain at a step's end. A weight `switch`
+takes every row off the engine (`parked.Engine.park_all`): the cut ones go
+back into the queue in order with their tokens so far and their pages
+released (rule 4: the state at a boundary is the rows' tokens only), to be
+prefilled again under the new weights; each later token records the
+version that sampled it. A batch's rows are ready once its last row has
+ended (`ready`, `samples`).
 
-Noise: row i of step u draws (key, u * n + i, t) (`decoding.token_uniforms`
+Noise: row i of batch c draws (key, c * n + i, t) (`decoding.token_uniforms`
 through the engine's `noise` number, a cut row continuing at its t), so
 its tokens do not depend on slots, calls, or where it was cut. The engine
-is built afresh at each switch (and when a step's prompts need more
+is built afresh at each switch (and when a batch's prompts need more
 context), sized by the rows it will hold, so its shapes, and hence its
 samples, are a function of the stream's state at the switch: what a
 checkpoint keeps (`state`, `Stream.restore`).
@@ -21,18 +24,19 @@ checkpoint keeps (`state`, `Stream.restore`).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from typing import NamedTuple
 
 import numpy as np
 
-from grpo_jax.generate import decoding, parked, sampling
+from grpo_jax.generate import agent_parked, decoding, parked, sampling
 
 
 class Row(NamedTuple):
-  """A row of the stream (host only): its step, its index i in the step's
-  rows (prompt i // g), its prompt ids and what it has sampled so far, each
-  token's log-prob and policy version."""
-  step: int
+  """A row of the stream (host only): its generation batch, its index i in
+  the batch's rows (prompt i // g), its prompt ids and what it has sampled
+  so far, each token's log-prob and policy version."""
+  batch: int
   index: int
   prompt: tuple
   ids: tuple = ()
@@ -46,15 +50,17 @@ class Stats(NamedTuple):
 
 
 class Stream:
-  """The rows of a run's steps on one parked engine (module docstring)."""
+  """The rows of a run's generation batches on one parked engine (module
+  docstring)."""
 
-  def __init__(self, sampler: sampling.Sampler, rows_per_step: int, key):
+  def __init__(self, sampler: sampling.Sampler, rows_per_batch: int, key):
     self.sampler, self.cfg = sampler, sampler.sampling
-    self.n, self.key = rows_per_step, key
+    self.n, self.key = rows_per_batch, key
     self.queue: collections.deque = collections.deque()   # waiting rows
-    self.live: dict = {}       # (step, index) -> Row as admitted
-    self.ended: dict = {}      # step -> {index: (Row, stopped)}
-    self.engine: parked.Engine | None = None
+    self.live: dict = {}       # (batch, index) -> Row as admitted
+    self.ended: dict = {}      # batch -> {index: (Row, stopped)}
+    self.engines: list | None = None    # parked.Engine per row shard
+    self.per_shard = -(-rows_per_batch // sampler.shards)   # rows i // it
     self.params, self.version = None, None
     self.stats = Stats()
 
@@ -64,7 +70,7 @@ class Stream:
     """The rows at a switch (nothing live): JSON data, exact."""
     if self.live:
       raise ValueError("a stream's state is taken at a switch")
-    row = lambda r: [r.step, r.index, list(r.prompt), list(r.ids),
+    row = lambda r: [r.batch, r.index, list(r.prompt), list(r.ids),
                      list(map(float.hex, r.logp)), list(r.versions)]
     return {"queue": [row(r) for r in self.queue],
             "ended": [[row(r), stopped] for rows in self.ended.values()
@@ -75,81 +81,103 @@ class Stream:
                         tuple(map(float.fromhex, d[4])), tuple(d[5]))
     self.queue = collections.deque(row(d) for d in state["queue"])
     for r in self.queue:
-      self.ended.setdefault(r.step, {})
+      self.ended.setdefault(r.batch, {})
     for d, stopped in state["ended"]:
       r = row(d)
-      self.ended.setdefault(r.step, {})[r.index] = (r, bool(stopped))
+      self.ended.setdefault(r.batch, {})[r.index] = (r, bool(stopped))
 
   # -- rows in, rows out -------------------------------------------------
 
-  def add(self, step: int, prompt_ids) -> None:
-    """Step `step`'s rows, g per prompt, at the end of the queue; a context
-    too small for them rebuilds the engine (a switch to the same version)."""
+  def add(self, batch: int, prompt_ids) -> None:
+    """Generation batch `batch`'s rows, g per prompt, into the queue in
+    order; a context too small for them rebuilds the engine (a switch to the
+    same version)."""
     g = self.n // len(prompt_ids)
-    self.queue.extend(Row(step, i, tuple(prompt_ids[i // g]))
-                      for i in range(self.n))
-    self.ended.setdefault(step, {})
-    if self.engine is not None and self._context() > self.engine.spec.context:
+    self._enqueue([Row(batch, i, tuple(prompt_ids[i // g]))
+                   for i in range(self.n)])
+    self.ended.setdefault(batch, {})
+    if self.engines and self._context() > self.engines[0].spec.context:
       self.switch(self.params, self.version)
 
   def switch(self, params, version: int) -> None:
-    """Every row off the engine: ended turns recorded, cut rows back to the
-    head of the queue in stream order, all pages released; then `params`
-    (policy `version`) sample from here on."""
+    """Every row off the engine: ended turns recorded, cut rows back into
+    the queue in order, all pages released; then `params` (policy
+    `version`) sample from here on."""
     carried = []
-    if self.engine is not None:
-      for turn in self.engine.park_all():
+    for engine in self.engines or ():
+      for turn in engine.park_all():
         row = self._extend(turn)
-        self.engine.release(turn.parked)
+        engine.release(turn.parked)
         if turn.cut:
           carried.append(row)
         else:
           self._end(row, turn.stopped)
-      self._count_engine()
+    self.stats = Stats(*self.counts())
     self.live.clear()
-    carried.sort(key=lambda r: (r.step, r.index))
-    self.queue.extendleft(reversed(carried))
-    self.engine, self.params, self.version = None, params, version
+    self._enqueue(carried)
+    self.engines, self.params, self.version = None, params, version
 
-  def admit(self, through_step: int) -> None:
-    """Queued rows of steps <= through_step into free slots, in order."""
-    while self.queue and self.queue[0].step <= through_step:
-      row = self.queue[0]
-      engine = self._engine()
-      noise = row.step * self.n + row.index
-      if not engine.admit(parked.Parked(noise, row.prompt + row.ids), noise,
-                          self.cfg.max_new_tokens - len(row.ids),
-                          first_t=len(row.ids)):
-        return
-      self.live[row.step, row.index] = self.queue.popleft()
+  def _enqueue(self, rows: list) -> None:
+    """`rows` into the queue, kept in (batch, index) order: without refills
+    the carried rows and a new batch's go to its head and end."""
+    self.queue = collections.deque(sorted(
+        [*self.queue, *rows], key=lambda r: (r.batch, r.index)))
+
+  def admit(self, through: int) -> None:
+    """Queued rows of batches <= through into free slots of their row
+    shard's engine (row i: shard i // per_shard), in order within a shard:
+    a row that finds its shard full holds back that shard's later rows."""
+    full, waiting = set(), []
+    while (self.queue and self.queue[0].batch <= through
+           and len(full) < len(self._engines())):
+      row = self.queue.popleft()
+      shard = row.index // self.per_shard
+      noise = row.batch * self.n + row.index
+      if shard in full or not self.engines[shard].admit(
+          parked.Parked(noise, row.prompt + row.ids), noise,
+          self.cfg.max_new_tokens - len(row.ids), first_t=len(row.ids)):
+        full.add(shard)
+        waiting.append(row)
+      else:
+        self.live[row.batch, row.index] = row
+    self.queue.extendleft(reversed(waiting))
 
   def decode(self) -> None:
-    """One engine call (prefill of the rows admitted since, then at most
-    steps_per_call decode steps, left when a row ends)."""
-    for turn in self._engine().step():
-      row = self._extend(turn)
-      self.engine.release(turn.parked)
-      self._end(row, turn.stopped)
+    """One call of each row shard's engine (prefill of the rows admitted
+    since, then at most steps_per_call decode steps, left when a row ends;
+    the shards' calls in threads: a device call releases the GIL), their
+    ended rows taken in shard order."""
+    engines = self._engines()
+    if len(engines) == 1:
+      turns = [engines[0].step()]
+    else:
+      with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+        turns = list(pool.map(lambda e: e.step(), engines))
+    for engine, ended in zip(engines, turns):
+      for turn in ended:
+        row = self._extend(turn)
+        engine.release(turn.parked)
+        self._end(row, turn.stopped)
 
   @property
   def slot_free(self) -> bool:
-    return self.engine is None or self.engine.free_slots > 0
+    return self.engines is None or any(e.free_slots for e in self.engines)
 
-  def admitted_all(self, step: int) -> bool:
-    return not any(r.step <= step for r in self.queue)
+  def admitted_all(self, batch: int) -> bool:
+    return not any(r.batch <= batch for r in self.queue)
 
   def in_flight(self, below: int) -> bool:
-    """Whether a row of a step < below has not ended."""
-    return any(s < below and len(rows) < self.n
-               for s, rows in self.ended.items())
+    """Whether a batch < below is in the stream (a row not ended, or a
+    ready batch not yet taken by `samples`)."""
+    return any(c < below for c in self.ended)
 
-  def ready(self, step: int) -> bool:
-    return len(self.ended.get(step, ())) == self.n
+  def ready(self, batch: int) -> bool:
+    return len(self.ended.get(batch, ())) == self.n
 
-  def samples(self, step: int) -> tuple[decoding.Samples, np.ndarray]:
-    """A ready step's rows as the sampler returns them, and each token's
-    version [n, t] (0 on padding); the step leaves the stream."""
-    T, rows = self.cfg.max_new_tokens, self.ended.pop(step)
+  def samples(self, batch: int) -> tuple[decoding.Samples, np.ndarray]:
+    """A ready batch's rows as the sampler returns them, and each token's
+    version [n, t] (0 on padding); the batch leaves the stream."""
+    T, rows = self.cfg.max_new_tokens, self.ended.pop(batch)
     tokens = np.full((self.n, T), self.cfg.pad_id, np.int32)
     logp, version = np.zeros((self.n, T), np.float32), np.zeros((self.n, T),
                                                                 np.int32)
@@ -172,34 +200,32 @@ class Stream:
                         versions=row.versions + (self.version,) * len(turn.ids))
 
   def _end(self, row: Row, stopped: bool) -> None:
-    self.ended[row.step][row.index] = (row, stopped)
+    self.ended[row.batch][row.index] = (row, stopped)
 
   def _context(self) -> int:
     rows = list(self.queue) + list(self.live.values())
     return (sampling.bucket(max((len(r.prompt) for r in rows), default=1))
             + self.cfg.max_new_tokens)
 
-  def _engine(self) -> parked.Engine:
-    """The engine, built at the first use after a switch for the rows the
-    stream holds: slots (sampling.slots, 0: a step's rows), a whole
-    context's pages per slot, so no admitted row waits for a page."""
-    if self.engine is None:
-      slots = min(self.cfg.slots or self.n, self.n)
-      context = self._context()
-      pages = slots * -(-context // self.cfg.page_size)
-      self.engine = parked.Engine(parked.EngineSpec(
-          self.sampler.model_config, self.cfg, slots, pages, context),
-          self.params, self.key)
-    return self.engine
+  def _engines(self) -> list:
+    """An engine per row shard (`agent_parked.engines`), built at the first
+    use after a switch for the rows the stream holds, each for per_shard
+    rows: `agent_parked.pool_spec`'s slots and pages (sampling.pages, 0: a
+    whole context per slot, since a row gives its pages back when it leaves
+    its slot, so no admitted row waits for a page)."""
+    if self.engines is None:
+      spec = agent_parked.pool_spec(
+          self.sampler.model_config, self.cfg, self.sampler.shards,
+          self.per_shard, self._context(), parked_hold_pages=False)
+      used = -(-self.n // self.per_shard)     # shards that get rows
+      self.engines = agent_parked.engines(self.sampler, self.params, self.key,
+                                          spec)[:used]
+    return self.engines
 
   def counts(self) -> tuple[int, int]:
-    """(tokens prefilled, decode steps run) since the stream started."""
-    s = self.engine.stats if self.engine is not None else parked.Stats()
-    return (self.stats.prefilled + s.prefilled,
-            self.stats.decode_steps + s.decode_steps)
-
-  def _count_engine(self) -> None:
-    s = self.engine.stats
-    self.stats = self.stats._replace(
-        prefilled=self.stats.prefilled + s.prefilled,
-        decode_steps=self.stats.decode_steps + s.decode_steps)
+    """(tokens prefilled, decode steps run) since the stream started, summed
+    over the row shards."""
+    engines = self.engines or ()
+    return (self.stats.prefilled + sum(e.stats.prefilled for e in engines),
+            self.stats.decode_steps + sum(e.stats.decode_steps
+                                          for e in engines))

@@ -241,6 +241,21 @@ class DynamicSampling:
   max_batches: int = 1
   on_cap: str = "raise"
 
+  def wants_more(self, seen: Sequence[Groups], num_groups: int) -> bool:
+    """Whether a step that has scored the generation batches `seen` draws
+    another (a refill), by `collect`'s rule."""
+    if not self.enabled:
+      return not seen
+    acc = dynamic_sampling.GroupAccumulator()
+    for groups in seen:
+      acc = dynamic_sampling.add_generation_batch(acc, groups)
+    return dynamic_sampling.wants_more(acc, num_groups, self.max_batches)
+
+  @property
+  def batches(self) -> int:
+    """The most generation batches a step draws."""
+    return self.max_batches if self.enabled else 1
+
 
 def collect(generate: Callable[[int], tuple[Groups, dict]],
             num_groups: int, dynamic: DynamicSampling = DynamicSampling()

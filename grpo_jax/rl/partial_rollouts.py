@@ -11,7 +11,19 @@ whose slots never drain at a step's end.
                 released, and they continue under w(u)
       ADMIT + DECODE  step u's rows (after the carried ones) until all are
                 admitted and a slot is free: the next step's rows start
-      a step whose rows have all ended is scored and handed over
+      a generation batch whose rows have all ended is scored; with
+        dynamic sampling a step short of kept groups draws a refill (its
+        rows queued ahead of later steps'), else it is handed over
+
+Generation batch j of step u is the stream's batch u * max_batches + j
+(rl.max_gen_batches with rl.dynamic_sampling, else 1 batch a step): its
+rows' noise numbers never collide, and a refill's rows go ahead of later
+steps' in the queue. A refill's prompts are drawn from the data when the
+batch before it is scored, a point fixed by the stream's own progress, so
+which prompts it reads is a function of the config (not of timing) and a
+checkpoint's data position resumes it exactly; the step's groups and its
+dynamic/* metrics are `rollout.collect`'s over its scored batches, as in
+the non-partial path.
 
 A row's first token comes from w(u) (its step's version) and later tokens
 from newer ones, so its age is within the bound k by construction: a row
@@ -26,6 +38,7 @@ same rows, as the uninterrupted run did.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import Any
@@ -44,26 +57,30 @@ class PartialSampling:
   groups: rollout.GroupSettings
   prompts: int
   key: Any
+  dynamic: rollout.DynamicSampling = rollout.DynamicSampling()
 
   def stream(self) -> partial.Stream:
     """A new stream (on one row shard: preflight.check_engine)."""
     return partial.Stream(self.sampler,
                           self.prompts * self.groups.num_generations, self.key)
 
+  def batch(self, u: int, j: int) -> int:
+    """The stream's number of step u's generation batch j (module
+    docstring)."""
+    return u * self.dynamic.batches + j
 
-def _step_info(version: int, texts, prompt_ids, answers, key_data,
-               data_after, carried: list) -> dict:
-  """What scoring a step needs once its rows end (JSON data): the version
-  its rows start with, its prompts, answers and key, the data position
-  after its prompts, and the rows cut at the switch before it (`carried`,
-  waiting to continue) and their tokens."""
-  return {"version": version, "texts": list(texts),
-          "prompt_ids": [list(p) for p in prompt_ids],
-          "answers": list(answers),
+
+def _step_info(version: int, key_data, carried: list) -> dict:
+  """What handing a step over needs (JSON data): the version its rows
+  start with, its key, the rows cut at the switch before it (`carried`,
+  waiting to continue) and their tokens; `prompts` (texts, ids, answers)
+  of its generation batch in flight and `scored`, those scored so far
+  (`async_rollouts.encode`d)."""
+  return {"version": version,
           "key_data": async_rollouts.array_text(key_data),
-          "data_after": data_after,
           "carried": [len(carried),
-                      sum(len(r.prompt) + len(r.ids) for r in carried)]}
+                      sum(len(r.prompt) + len(r.ids) for r in carried)],
+          "prompts": None, "scored": []}
 
 
 class PartialThreaded(async_rollouts.Threaded):
@@ -99,9 +116,13 @@ class PartialThreaded(async_rollouts.Threaded):
             return
         with self._cond:
           self._data_before[u] = self.data.state_dict()
-        self._add(stream, info, u, step_key)
-        while not (stream.admitted_all(u) and stream.slot_free):
-          stream.admit(u)
+        info[u] = _step_info(stream.version,
+                             async_rollouts.key_value(step_key),
+                             [r for r in stream.queue if r.ids])
+        self._add(stream, info[u], u, 0)
+        last = self._partial.batch(u + 1, 0) - 1
+        while not (stream.admitted_all(last) and stream.slot_free):
+          stream.admit(last)
           stream.decode()
           self._finish(stream, info)
       self._drain(stream, info, self.steps)
@@ -112,9 +133,11 @@ class PartialThreaded(async_rollouts.Threaded):
         self._cond.notify_all()
 
   def _drain(self, stream: partial.Stream, info: dict, below: int) -> None:
-    """DRAIN: decode without admitting until no row of a step < below is
-    in flight."""
-    while stream.in_flight(below) and not self._stop:
+    """DRAIN: decode, admitting only refills of steps < below, until every
+    step < below is handed over."""
+    first = self._partial.batch(below, 0)
+    while stream.in_flight(first) and not self._stop:
+      stream.admit(first - 1)
       stream.decode()
       self._finish(stream, info)
 
@@ -132,45 +155,69 @@ class PartialThreaded(async_rollouts.Threaded):
     stream.switch(self._sync.policy(params), version)
     return True
 
-  def _add(self, stream: partial.Stream, info: dict, u: int, step_key):
+  def _add(self, stream: partial.Stream, d: dict, u: int, j: int) -> None:
+    """Step u's generation batch j: the next prompts from the data, their
+    rows into the stream."""
     s = self._partial
     examples = next(self.data)
     texts = templates.render_prompts(
         s.tokenizer, s.groups.template, [e.question for e in examples],
         s.groups.system_prompt)
     prompt_ids = s.tokenizer.encode_batch(texts)
-    info[u] = _step_info(stream.version, texts, prompt_ids, [e.answer for e in examples],
-                         async_rollouts.key_value(step_key),
-                         self.data.state_dict(),
-                         [r for r in stream.queue if r.ids])
-    stream.add(u, prompt_ids)
+    d["prompts"] = {"texts": list(texts),
+                    "ids": [list(p) for p in prompt_ids],
+                    "answers": [e.answer for e in examples]}
+    d["data_after"] = self.data.state_dict()
+    stream.add(s.batch(u, j), prompt_ids)
 
   def _finish(self, stream: partial.Stream, info: dict) -> None:
-    """Scores each step whose rows have all ended and hands it over."""
-    for u in sorted(s for s in stream.ended if stream.ready(s)):
-      batch = self._score(stream, info.pop(u), u)
+    """Scores each generation batch whose rows have all ended; its step
+    draws a refill (`rollout.DynamicSampling.wants_more`) or is handed
+    over."""
+    s = self._partial
+    for c in sorted(c for c in stream.ended if stream.ready(c)):
+      u, j = divmod(c, s.dynamic.batches)
+      d = info[u]
+      d["scored"].append(self._score(stream, d, u, c))
+      seen = [async_rollouts.decode(x).groups for x in d["scored"]]
+      if s.dynamic.wants_more(seen, s.prompts):
+        self._add(stream, d, u, j + 1)
+        continue
+      batch = self._hand_over(stream, info.pop(u), u)
       with self._cond:
         self._finished[u] = batch
         self._cond.notify_all()
 
-  def _score(self, stream: partial.Stream, d: dict, u: int
-             ) -> async_rollouts.Batch:
-    s, G = self._partial, self._partial.groups.num_generations
-    t0, (prefilled0, steps0) = self._mark
-    out, version_nt = stream.samples(u)
-    t1 = time.perf_counter()
+  def _score(self, stream: partial.Stream, d: dict, u: int, c: int) -> dict:
+    """SCORE generation batch c (of step u) as a Batch (encoded)."""
+    s, p = self._partial, d["prompts"]
+    out, version_nt = stream.samples(c)
+    t0 = time.perf_counter()
     groups, metrics = rollout.score_samples(
-        s.groups.rewards, d["texts"], d["prompt_ids"], d["answers"], out,
-        s.tokenizer, G)
+        s.groups.rewards, p["texts"], p["ids"], p["answers"], out,
+        s.tokenizer, s.groups.num_generations)
     groups = groups._replace(version_bgt=version_nt.reshape(
         groups.tokens_bgt.shape))
-    groups, metrics = rollout.collect(lambda i: (groups, metrics), len(
-        d["prompt_ids"]))
+    metrics.update({"time/score": time.perf_counter() - t0,
+                    "sample/tokens": int(out.length_n.sum())})
+    return async_rollouts.encode(async_rollouts.Batch(
+        u, d["version"], groups, metrics, d["data_after"],
+        async_rollouts.text_array(d["key_data"])))
+
+  def _hand_over(self, stream: partial.Stream, d: dict, u: int
+                 ) -> async_rollouts.Batch:
+    """Step u's batch from its scored generation batches: the kept groups
+    and metrics of `rollout.collect` (dynamic sampling as without partial
+    rollouts), and the stream's counts since the last step handed over."""
+    s = self._partial
+    t0, (prefilled0, steps0) = self._mark
+    seen = [async_rollouts.decode(x) for x in d["scored"]]
+    groups, metrics = rollout.collect(
+        lambda i: (seen[i].groups, seen[i].metrics), s.prompts, s.dynamic)
     prefilled, steps = stream.counts()
     self._mark = (time.perf_counter(), (prefilled, steps))
     metrics.update({
-        "time/sample": t1 - t0, "time/score": self._mark[0] - t1,
-        "sample/tokens": int(out.length_n.sum()),
+        "time/sample": self._mark[0] - t0 - metrics["time/score"],
         "sample/decode_steps": steps - steps0,
         "partial/prefilled": prefilled - prefilled0,
         "partial/rows_carried": d["carried"][0],
@@ -184,9 +231,10 @@ class PartialThreaded(async_rollouts.Threaded):
     """The stream at a switch (or the run's end: version None), with the
     finished batches the trainer has not taken, for checkpoints."""
     stream.switch(stream.params, stream.version)   # every row off the engine
+    self._finish(stream, info)      # a batch its last turns ended
     counts = stream.counts()
     snap = {"step": u, "version": version, "stream": stream.state(),
-            "steps": {str(k): d for k, d in info.items()},
+            "steps": {str(k): copy.deepcopy(d) for k, d in info.items()},
             "data": self.data.state_dict(),
             "since": [counts[0] - self._mark[1][0],
                       counts[1] - self._mark[1][1]]}

@@ -272,7 +272,7 @@ def make_rollouts(config, r: _Run, state, data, start: int, host: dict):
     return partial_rollouts.PartialThreaded(
         source, partial_rollouts.PartialSampling(
             r.sampler, r.tokenizer, spec.groups, spec.batch.prompts,
-            jax.random.key(spec.seed)),
+            jax.random.key(spec.seed), spec.dynamic),
         sync, store, start, async_rollouts.key_value(state.key),
         host.get("partial"))
   return async_rollouts.Threaded(source, sample, sync, store, start,

@@ -72,8 +72,8 @@ def check_partial(config: ConfigDict) -> None:
   switch need stale rows to exist (k >= 1), a version at every step
   (sync_every 1), the paged continuous sampler on one row shard
   (generate/parked.py's engine; routing replay, which only the lockstep
-  sampler records, is refused with it), and single-turn rows without
-  refills (what the stream does not carry yet)."""
+  sampler records, is refused with it), and single-turn rows (an env's
+  rows wait on the parked engine already)."""
   r, field = config.rollout, "config field 'rollout.partial' = True"
   refusals = (
       (r.max_staleness < 1, "needs rollout.max_staleness >= 1: at k = 0 "
@@ -86,8 +86,6 @@ def check_partial(config: ConfigDict) -> None:
        "runs the paged continuous sampler (generate/parked.py): set "
        "sampling.continuous_batching=True and sampling.kv_cache='paged', not "
        "the lockstep sampler"),
-      (config.rl.dynamic_sampling, "does not take rl.dynamic_sampling's "
-       "refills yet"),
       (bool(config.env.name), "is for single-turn rows (env.name = ''); "
        "an env's rows already wait with env.engine='parked'"),
       (config.method != "rl", f"is for the RL loop, not method = "
