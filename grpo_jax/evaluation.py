@@ -212,6 +212,7 @@ class Completions(NamedTuple):
   correct_bg: np.ndarray              # bool [B, G]
   length_bg: np.ndarray               # int32 [B, G], tokens
   tools: dict | None = None           # with an env: its "env/..." means
+  episodes: list | None = None        # with an env: [B][G] (text, calls)
 
 
 
@@ -235,6 +236,9 @@ class PolicyEval:
           row[name] = [{"completion": t, "answer": a, "correct": bool(c)}
                        for t, a, c in zip(done.texts[p], done.answers[p],
                                           done.correct_bg[p])]
+          if done.episodes is not None:
+            for sample, (text, calls) in zip(row[name], done.episodes[p]):
+              sample.update(episode=text, tool_calls=calls)
       problems.append(row)
     return {"metrics": self.metrics, "problems": problems}
 
@@ -298,6 +302,19 @@ def completion_texts(tokenizer, groups: rollout.Groups) -> list[list[str]]:
   return [texts_n[b * G:(b + 1) * G] for b in range(B)]
 
 
+def episode_records(tokenizer, groups: rollout.Groups) -> list[list[tuple]]:
+  """With an env, each episode [b][g]: (its whole trajectory's text, the
+  tool-turn markers and observations included; its tool calls, the
+  observation spans)."""
+  B, G, T = groups.tokens_bgt.shape
+  obs_nt = groups.observation_bgt.reshape(B * G, T)
+  calls_n = (obs_nt[:, 1:] & ~obs_nt[:, :-1]).sum(1) + obs_nt[:, 0]
+  rows = [(tokenizer.decode(t[:n]), int(c)) for t, n, c in zip(
+      groups.tokens_bgt.reshape(B * G, T), groups.length_bg.reshape(-1),
+      calls_n)]
+  return [rows[b * G:(b + 1) * G] for b in range(B)]
+
+
 def sample_completions(settings: EvalSettings, sampler: sampling.Sampler,
                        params, tokenizer, examples, key: jax.Array, n: int
                        ) -> Completions:
@@ -310,7 +327,7 @@ def sample_completions(settings: EvalSettings, sampler: sampling.Sampler,
   groups = rollout.GroupSettings(n, settings.rewards, settings.template,
                                  settings.system_prompt, batch_multiple=size,
                                  env=settings.env)
-  texts, correct, lengths, tools = [], [], [], []
+  texts, correct, lengths, tools, episodes = [], [], [], [], []
   for start in range(0, len(examples), size):
     batch, metrics = rollout.generate_groups(
         sampler, params, tokenizer, examples[start:start + size],
@@ -319,11 +336,13 @@ def sample_completions(settings: EvalSettings, sampler: sampling.Sampler,
     correct.append(batch.correct_bg)
     lengths.append(batch.length_bg)
     tools.append({k: v for k, v in metrics.items() if k.startswith("env/")})
+    if settings.env is not None:
+      episodes += episode_records(tokenizer, batch)
   answers = [[answer(t) for t in row] for row in texts]
   return Completions(texts, answers, np.concatenate(correct),
                      np.concatenate(lengths),
                      {k: float(np.mean([t[k] for t in tools])) for k in tools[0]}
-                     if settings.env is not None else None)
+                     if settings.env is not None else None, episodes or None)
 
 
 def summarise(sampled: Completions | None, greedy: Completions | None,

@@ -254,3 +254,26 @@ def test_cli_evaluates_a_checkpoint_and_writes_json(tmp_path, tiny_policy):
   got = [[s["completion"] for s in p["samples"]] for p in problems]
   assert got == samples(params)
   assert got != samples(init_params)
+
+
+@pytest.mark.slow   # a CLI run: ~20 s of compiles
+def test_cli_evaluates_with_tools_and_records_each_episode(tmp_path):
+  """experiments/evaluate.py with an env (issue 42 item 5): pass@k over
+  episodes, the tool-use metrics, and per sample its whole episode and its
+  tool calls, which the metrics count (the scripted env answers "ok")."""
+  out = run_cli("--config.env.name=scripted", "--config.env.max_turns=2",
+                "--config.sampling.max_new_tokens=24", "--config.eval.n=4",
+                "--config.eval.ks=(1,4)", f"--workdir={tmp_path}")
+  assert "eval/pass@4" in out and "eval/sampled_tool_call_rate" in out
+  record = json.loads((tmp_path / "eval" / "pretrained.json").read_text())
+  samples = [s for p in record["problems"] for s in p["samples"]]
+  assert len(samples) == 8 * 4
+  calls = np.array([s["tool_calls"] for s in samples])
+  m = record["metrics"]
+  assert m["eval/sampled_tool_call_rate"] == pytest.approx(np.mean(calls > 0))
+  assert m["eval/sampled_tool_calls_mean"] == pytest.approx(calls.mean())
+  assert calls.max() == 1                    # one scripted observation
+  for s in samples:
+    assert s["episode"].endswith(s["completion"]) or not s["completion"]
+    assert ("ok" in s["episode"]) >= (s["tool_calls"] > 0)
+  assert all("tool_calls" in p["greedy"][0] for p in record["problems"])
