@@ -10,7 +10,7 @@ import pytest
 from grpo_jax import checkpoint, validation
 from grpo_jax.algorithms import dynamic_sampling, staleness
 from grpo_jax.errors import ConfigError
-from grpo_jax.generate import partial, rollout
+from grpo_jax.generate import agent_parked, partial, rollout
 from grpo_jax.harness import interrupts, preflight
 from grpo_jax.rl import async_rollouts, packing, partial_rollouts, train
 from grpo_jax.rl.batch import to_rows
@@ -126,11 +126,22 @@ def test_partial_rollouts_refuse_what_the_stream_does_not_carry(fields, why):
     validation.validate(c)
 
 
-def test_partial_rollouts_run_on_one_row_shard():
-  preflight.check_engine(_config(), row_shards=1)
+def test_partial_rollouts_run_on_one_host(monkeypatch):
+  preflight.check_engine(_config())       # any row shards: an engine each
+  monkeypatch.setattr(agent_parked.jax, "process_count", lambda: 2)
   with pytest.raises(ConfigError, match=r"'rollout.partial' = True runs on "
-                     "one row shard; this run's sampler mesh has 2"):
-    preflight.check_engine(_config(), row_shards=2)
+                     "one host; this run has 2 processes"):
+    preflight.check_engine(_config())
+
+
+@pytest.mark.slow
+def test_the_stream_over_row_shards_on_eight_fake_devices(
+    run_sharding_checks):
+  """tests/partial_sharding_checks.py in a subprocess: the stream's rows
+  over 8 (then 4 x tensor 2, fsdp 2) row shards, an engine per shard, cut
+  by a switch and continued, give one device's greedy rows token for
+  token, every page back."""
+  run_sharding_checks("partial_sharding_checks.py", ["8,1,1", "2,2,2"])
 
 
 def _record(monkeypatch) -> tuple[list, list]:

@@ -39,16 +39,6 @@ from grpo_jax.errors import ConfigError
 from grpo_jax.generate import agent, parked, sampling
 
 
-def check_row_shards(row_shards: int, field: str, fix: str) -> None:
-  """Partial rollouts' stream (generate/partial.py) on one row shard, until
-  its engines per row shard are checked on several: names its field and
-  fix."""
-  if row_shards > 1:
-    raise ConfigError(
-        f"config field {field} runs on one row shard; this run's sampler "
-        f"mesh has {row_shards}: {fix}")
-
-
 def check_hosts(field: str = "'env.engine' = 'parked'",
                 fix: str = "use env.engine='turns' (any mesh)") -> None:
   """The host loops (episodes', partial rollouts' stream) read and write

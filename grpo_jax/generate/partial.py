@@ -1,5 +1,6 @@
-"""Partial rollouts' stream of rows on the parked engine (docs/async.md,
-"Partial rollouts"; the loop that drives it: rl/partial_rollouts.py).
+"""Partial rollouts' stream of rows on the parked engine, one per row shard
+(docs/async.md, "Partial rollouts"; the loop that drives it:
+rl/partial_rollouts.py).
 
 Rows come in generation batches of n = b*g rows, numbered by the caller
 (rl/partial_rollouts.py: step u's first batch, then its refills, before
@@ -11,7 +12,10 @@ back into the queue in order with their tokens so far and their pages
 released (rule 4: the state at a boundary is the rows' tokens only), to be
 prefilled again under the new weights; each later token records the
 version that sampled it. A batch's rows are ready once its last row has
-ended (`ready`, `samples`).
+ended (`ready`, `samples`). On a sampler mesh of R row shards row i of
+every batch goes to shard i // ceil(n / R) (`agent_parked.shard_rows`'
+blocks: a group's rows together), each shard's engine with its own slots,
+pool and copy of the weights (`agent_parked.engines`, the episodes' own).
 
 Noise: row i of batch c draws (key, c * n + i, t) (`decoding.token_uniforms`
 through the engine's `noise` number, a cut row continuing at its t), so
@@ -50,8 +54,8 @@ class Stats(NamedTuple):
 
 
 class Stream:
-  """The rows of a run's generation batches on one parked engine (module
-  docstring)."""
+  """The rows of a run's generation batches on a parked engine per row
+  shard (module docstring)."""
 
   def __init__(self, sampler: sampling.Sampler, rows_per_batch: int, key):
     self.sampler, self.cfg = sampler, sampler.sampling

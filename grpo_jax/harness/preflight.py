@@ -103,19 +103,17 @@ def check_env(config, tokenizer) -> None:
                                              env.max_observation_tokens)
 
 
-def check_engine(config, row_shards: int) -> None:
-  """env.engine = 'parked' drives an engine per row shard from this host
-  (generate/agent_parked.py); rollout.partial keeps one page pool on one
-  row shard (generate/partial.py): where the sampler's mesh (its
-  `row_shards`) or the hosts cannot serve them the first rollout would stop
-  the run; this stops it before the weights load."""
+def check_engine(config) -> None:
+  """env.engine = 'parked' and rollout.partial drive an engine per row
+  shard from this host (generate/agent_parked.py, generate/partial.py):
+  where the hosts cannot serve them the first rollout would stop the run;
+  this stops it before the weights load."""
   env = envs.EnvSpec.from_config(config)
   if env is not None and env.engine == "parked":
     agent_parked.check_hosts()
   if config.method == "rl" and config.rollout.partial:
-    agent_parked.check_row_shards(
-        row_shards, "'rollout.partial' = True",
-        "sample on one row shard (rollout.sampler_mesh)")
+    agent_parked.check_hosts("'rollout.partial' = True",
+                             "sample on one host (rollout.sampler_devices)")
 
 
 def _check_context(config, context: int, tokenizer,

@@ -60,7 +60,8 @@ class PartialSampling:
   dynamic: rollout.DynamicSampling = rollout.DynamicSampling()
 
   def stream(self) -> partial.Stream:
-    """A new stream (on one row shard: preflight.check_engine)."""
+    """A new stream (an engine per row shard, on one host:
+    preflight.check_engine)."""
     return partial.Stream(self.sampler,
                           self.prompts * self.groups.num_generations, self.key)
 

@@ -133,7 +133,7 @@ def _setup(config, workdir: str):
   sampler_layout = (weight_sync.sampler_layout(config, spec.rollout,
                                                   sample_devices)
                     if sample_devices else layout)
-  preflight.check_engine(config, sampler_layout.batch_shards)
+  preflight.check_engine(config)
   if len(train_examples) < spec.batch.prompts:
     raise ConfigError(
         f"config field 'rl.prompts_per_step' = {config.rl.prompts_per_step}: a step "

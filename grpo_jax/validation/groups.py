@@ -70,7 +70,7 @@ def check_rollout(config: ConfigDict) -> None:
 def check_partial(config: ConfigDict) -> None:
   """rollout.partial (rl/partial_rollouts.py): rows carried across a weight
   switch need stale rows to exist (k >= 1), a version at every step
-  (sync_every 1), the paged continuous sampler on one row shard
+  (sync_every 1), the paged continuous sampler
   (generate/parked.py's engine; routing replay, which only the lockstep
   sampler records, is refused with it), and single-turn rows (an env's
   rows wait on the parked engine already)."""
