@@ -1,7 +1,8 @@
-"""MoE routing replay through the loop (docs/models.md): the lockstep and
-dense-slot samplers record every token's experts per sparse layer (the
-slots: 2 slots for 6 rows, so rows end and slots refill); they travel with
-the rollout (Groups, rows, packed rows, the async host state) and the
+"""MoE routing replay through the loop (docs/models.md): the lockstep,
+dense-slot and paged samplers record every token's experts per sparse
+layer (the slots: 2 slots for 6 rows, so rows end and slots refill; the
+pages: a pool so small that rows wait and one is preempted); they travel
+with the rollout (Groups, rows, packed rows, the async host state) and the
 trainer's passes replay them (gates recomputed from its router)."""
 import json
 import os
@@ -27,18 +28,25 @@ PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [4, 4, 8, 1]]
 G, T = 2, 6
 
 
-# The samplers that record: lockstep, and dense slots (2 for 6 rows; stop
-# ids these rows sample: a row ends at its 3rd token, one at its first).
+# The samplers that record: lockstep, dense slots (2 for 6 rows; stop ids
+# these rows sample: a row ends at its 3rd token, one at its first) and
+# pages (6 slots over the smallest pool the host allows: 5 prompt pages and
+# one row's 11 of 2 columns; rows wait and one is preempted).
 SAMPLERS = {"lockstep": dict(stop_ids=(3,)),
             "slots": dict(continuous_batching=True, slots=2,
-                          stop_ids=(17, 57))}
+                          stop_ids=(17, 57)),
+            "paged": dict(continuous_batching=True, kv_cache="paged",
+                          slots=6, page_size=2, pages=16, stop_ids=(17, 57))}
 
 
-def _sample(params, record=True, sampler="lockstep"):
+def _sample(params, record=True, sampler="lockstep", pools=None):
+  """pools: the paged sampler's (kept: one compiled program for the tests;
+  its `stats` say how the pool went)."""
   settings = sampling.SamplingConfig(max_new_tokens=T, record_routes=record,
                                      **SAMPLERS[sampler])
-  return jax.device_get(sampling.sample(CONFIG, params, PROMPTS,
-                                        jax.random.key(0), settings, G))
+  pools = sampling.PagePools() if pools is None else pools
+  return jax.device_get(sampling.Sampler(CONFIG, settings, pools=pools).sample(
+      params, PROMPTS, jax.random.key(0), G))
 
 
 def _groups(out) -> rollout.Groups:
@@ -75,9 +83,14 @@ def _scored(params, rows, group_size=1, dtype="float32", routes=True):
 def test_recorded_routes_are_the_full_forwards(params, sampler):
   """Every column's recorded experts (prompt and completion, the last
   sampled token included) are the ones a full-sequence pass chooses."""
-  out = _sample(params, sampler=sampler)
-  if sampler == "slots":    # rows end at other steps, one at its first token
+  pools = sampling.PagePools()
+  out = _sample(params, sampler=sampler, pools=pools)
+  if sampler != "lockstep":  # rows end at other steps, one at its 1st token
     assert 1 in out.length_n and 0 < out.truncated_n.sum() < 5
+  if sampler == "paged":
+    stats = jax.device_get(pools.stats)
+    assert stats.preempted >= 1 and stats.waited > 0
+    assert stats.in_use_end == 0
   rows = batch.to_rows(_groups(out), 0, False)
   assert rows.routes_nslc.dtype == np.uint8
   assert rows.routes_nslc.shape == rows.tokens_ns.shape + (2, 2)
@@ -94,7 +107,7 @@ def test_recorded_routes_are_the_full_forwards(params, sampler):
 # Shared prompts by default through packed rows (test_packed_rows_...);
 # the padded shared-prompt pass is slow (CI budget).
 @pytest.mark.parametrize("group_size,sampler", [
-    (1, "lockstep"), (1, "slots"),
+    (1, "lockstep"), (1, "slots"), (1, "paged"),
     pytest.param(G, "lockstep", marks=pytest.mark.slow)])
 def test_replay_gives_the_samplers_logprobs_in_float32(params, group_size,
                                                        sampler):
@@ -173,17 +186,15 @@ def test_routes_survive_dynamic_sampling_and_the_host_state(params):
 
 
 def test_replay_is_refused_where_routes_are_not_recorded():
-  """The paged sampler and env episodes do not record routes: refused at
-  validation, naming the field; dense slots record them."""
+  """Env episodes do not record routes: refused at validation, naming the
+  field; dense slots and pages record them."""
   config = async_checks.config(**{"model.source": "tiny-moe",
                                   "model.moe.routing_replay": "rollout"})
   validation.validate(config)
   config.sampling.continuous_batching = True
   validation.validate(config)
   config.sampling.kv_cache = "paged"
-  with pytest.raises(ConfigError, match="'model.moe.routing_replay' = "
-                     "'rollout': the paged sampler"):
-    validation.validate(config)
+  validation.validate(config)
   config.sampling.continuous_batching = False
   config.sampling.kv_cache = "dense"
   config.env.name = "calculator"
@@ -198,15 +209,15 @@ def test_replay_is_refused_where_routes_are_not_recorded():
                           experiment.load_tokenizer(dense))
 
 
-def _train_rows(tmp_path, name, *fields):
-  """The training rows (metrics.jsonl, timings dropped) of a tiny-moe run
+def _train_rows(tmp_path, name, *fields, model="tiny-moe"):
+  """The training rows (metrics.jsonl, timings dropped) of a `model` run
   with replay on 8 fake devices (tests/async_checks.py)."""
   out = tmp_path / f"{name}.npz"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "tests", "async_checks.py"), "8",
-       str(tmp_path / name), str(out), "model.source=tiny-moe",
+       str(tmp_path / name), str(out), f"model.source={model}",
        "model.moe.routing_replay=rollout", "rl.packing=on", *fields],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -233,3 +244,19 @@ def test_tiny_moe_trains_with_replay_on_8_devices_with_an_expert_axis(
   assert [r["staleness/max"] for r in stale] == [0, 1, 1]
   assert all(np.isfinite(r["loss"]) for r in stale)
   assert stale[0]["moe/routes_differ"] == 0 < stale[1]["moe/routes_differ"]
+
+
+@pytest.mark.slow
+def test_tiny_deepseek_trains_with_replay_on_the_paged_sampler(tmp_path):
+  """DeepSeek-V3's architecture (MLA's latent pages, grouped sigmoid
+  routing with a bias, a shared expert) sampled by the paged sampler,
+  experts split 4 ways over `tensor` (mesh (2, 1, 4), 8 fake devices),
+  packed rows, replay, 2 steps: in float32 the trainer routes as the
+  sampler did and scores its log-probs."""
+  rows = _train_rows(tmp_path, "deepseek", "mesh.shape=[2,1,4]",
+                     "train.steps=2", "sampling.continuous_batching=true",
+                     "sampling.kv_cache=paged", model="tiny-deepseek")
+  assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+  assert all(r["moe/routes_differ"] == 0 for r in rows)
+  assert all(r["rollout_logp_diff/max"] < 1e-5 for r in rows)
+  assert rows[0]["pack/used"] == 1

@@ -115,18 +115,18 @@ def sampler_prompts(config, plan: Plan, hbm: float) -> int:
   multiple = sampling.prompt_multiple(1, plan.layout.batch_shards,
                                       rl.num_generations)
   return sampling.prompts_per_call(
-      _cache_size(config, plan, decode.cache_arrays(plan.model_config)),
+      _cache_size(config, plan),
       rl.prompts_per_step, rl.num_generations,
       plan.prompt_len + config.sampling.max_new_tokens,
       config.sampling.chunk_rows, budget, multiple)
 
 
-def _cache_size(config, plan: Plan, arrays: int = 2) -> sampling.CacheSize:
-  """The cache a sampler holds: `arrays` per layer (1: the lockstep
-  sampler's MLA latent, `decode.cache_arrays`)."""
+def _cache_size(config, plan: Plan) -> sampling.CacheSize:
+  """The cache a sampler holds: one array per layer for MLA's latent, two
+  otherwise (`decode.cache_arrays`, every sampler's)."""
   return sampling.CacheSize(plan.model_config,
                             jnp.dtype(config.model.compute_dtype).itemsize,
-                            plan.layout, arrays)
+                            plan.layout, decode.cache_arrays(plan.model_config))
 
 
 def continuous_sampler(plan: Plan, slots: int) -> Program:

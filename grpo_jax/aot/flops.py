@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from grpo_jax.models import decode
 from grpo_jax.models.config import ModelConfig
 
 
@@ -164,7 +165,9 @@ def decode_bytes_per_chip(c: ModelConfig, rows_per_chip: float,
                           ) -> float:
   """HBM bytes a chip reads over t decode steps: its weight shard every step
   and its rows' KV cache, which grows from p to p + t positions (sliding
-  layers only their windows with `skip_windows`: `kv_columns`)."""
-  kv_per_column = 2 * kv_heads_per_chip * c.head_dim * kv_itemsize
+  layers only their windows with `skip_windows`: `kv_columns`; MLA's
+  latent once, `decode.cache_arrays`)."""
+  kv_per_column = (decode.cache_arrays(c) * kv_heads_per_chip * c.head_dim
+                   * kv_itemsize)
   kv = rows_per_chip * kv_per_column * kv_columns(c, p, t, skip_windows)
   return t * weight_bytes_per_chip + kv

@@ -22,8 +22,7 @@ from grpo_jax.aot import flops as flops_lib
 from grpo_jax.aot import schedule
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Chips, Program, compile_program, replicated, row_sharded
-from grpo_jax.generate import paged_slots, sampling
-from grpo_jax.models import int8_pages
+from grpo_jax.generate import page_pool, paged_slots, sampling
 
 # Paged slots tried per row shard when sampling.slots is 0: these multiples
 # of the dense slots, and every row of the shard (admission by pages alone).
@@ -90,17 +89,16 @@ def pool_pages(plan: Plan, dense_slots: int) -> int:
 def step_cost(plan: Plan, chips: Chips, kv_dtype: str = "") -> schedule.Cost:
   """Per-chip costs of one decode step on `chips`: rows over the batch
   shards, each shard's heads (and weights' output columns) over its chips;
-  the KV columns in the compute dtype or (kv_dtype int8, the paged pool's)
-  int8 with a float32 scale."""
+  the KV columns (MLA: the latent once, `page_pool.token_bytes`) in the
+  compute dtype or (kv_dtype int8, the paged pool's) int8 with a float32
+  scale."""
   c = plan.model_config
-  item = int8_pages.column_bytes(
-      jnp.dtype(plan.config.model.compute_dtype).itemsize, kv_dtype,
-      c.head_dim) / c.head_dim
-  kv_heads = c.num_kv_heads / plan.layout.splits("kv_heads", c.num_kv_heads)
+  token = page_pool.token_bytes(
+      c, jnp.dtype(plan.config.model.compute_dtype).itemsize, kv_dtype)
   per_shard = chips.count / plan.layout.batch_shards
   return schedule.Cost(
       prompt_len=plan.prompt_len,
-      column_bytes=2 * c.num_layers * kv_heads * c.head_dim * item,
+      column_bytes=token / plan.layout.splits("kv_heads", c.num_kv_heads),
       weight_bytes=plan.weight_bytes(),
       slot_flops=2.0 * (flops_lib.body_weights(c) + flops_lib.head_weights(c))
       / per_shard,

@@ -114,7 +114,8 @@ def _copy_prompts(cache: decode.KVCache, pp: decoding.PromptPass,
     one = lambda c, p: jax.vmap(copy_one)(
         slots.per_shard(R, c), slots.per_shard(R, p), slot_by_shard,
         prompt_of_slot, i < taken_by_shard).reshape(c.shape)
-    return tuple(one(c, p) for c, p in zip(kv, tuple(pp.k) + tuple(pp.v)))
+    sources = tuple(pp.k) + (tuple(pp.v) if cache.v else ())  # MLA: no v
+    return tuple(one(c, p) for c, p in zip(kv, sources, strict=True))
 
   L = len(cache.k)
   kv = jax.lax.fori_loop(0, jnp.max(taken_by_shard), body, cache.k + cache.v)

@@ -75,7 +75,6 @@ class SamplingConfig:
   paged_kernel: str = "auto"     # paged decode attention: models.paged.KERNELS
   kv_dtype: str = ""             # paged pools: models.int8_pages.KV_DTYPES
   record_routes: bool = False    # MoE routing replay: Samples.routes_nslc
-                                 # (the lockstep sampler only)
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -112,11 +111,6 @@ class SamplingConfig:
     if self.stop_check_every < 1:
       raise ValueError(f"stop_check_every must be >= 1, got "
                        f"{self.stop_check_every}")
-    if (self.record_routes and self.continuous_batching
-        and self.kv_cache == "paged"):
-      raise ValueError("record_routes: the lockstep and dense-slot samplers "
-                       "record routes, the paged one does not; set "
-                       "kv_cache='dense'")
 
   @property
   def is_greedy(self) -> bool:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from grpo_jax import sharding
 from grpo_jax.generate import decoding, slots
-from grpo_jax.models import paged, transformer
+from grpo_jax.models import decode, int8_pages, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Layout = Optional[sharding.Layout]
@@ -31,6 +31,17 @@ TAIL_AXES = (sharding.BATCH, "kv_heads", None, "head_dim")        # (B,K,Z,E)
 def pages_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
   """Table entries of a row: its columns are at most P + T - 1."""
   return -(-(prompt_len + max_new_tokens) // page_size)
+
+
+def token_bytes(model_config: ModelConfig, itemsize: int, kv_dtype: str = ""
+                ) -> float:
+  """Bytes one token takes in a pool, every layer: MLA's latent once
+  (kv_lora_rank + rope_dim values per layer, `decode.cache_arrays`), else
+  the K heads' keys and values; int8 pages with their scales
+  (`int8_pages.column_bytes`)."""
+  c = model_config
+  return (decode.cache_arrays(c) * c.num_layers * c.num_kv_heads
+          * int8_pages.column_bytes(itemsize, kv_dtype, c.head_dim))
 
 
 def pool_axes(pool_layout: paged.PoolLayout) -> tuple:
@@ -70,7 +81,8 @@ def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
               layout: Layout, pool_layout: paged.PoolLayout,
               kv_dtype: str = "") -> paged.PagePool:
   """A PagePool of zeros (inside jit: pinned to the layout's shards);
-  kv_dtype int8: `paged.Int8Pages` (scales 1)."""
+  kv_dtype int8: `paged.Int8Pages` (scales 1). MLA: the latent's pools
+  only, no value pools (`decode.latent_only`)."""
   c = model_config
   shape = (R,) + pool_layout.shape(c.num_kv_heads, W, Z, c.head_dim)
 
@@ -79,9 +91,11 @@ def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
       return paged.Int8Pages(jnp.zeros(shape, jnp.int8),
                              jnp.ones(shape[:-1], jnp.float32))
     return jnp.zeros(shape, dtype)
-  layers = lambda: tuple(pin_pool(layout, pool_layout, one())
-                         for _ in range(c.num_layers))
-  return paged.PagePool(layers(), layers())
+  layers = lambda n: tuple(pin_pool(layout, pool_layout, one())
+                          for _ in range(n))
+  L = c.num_layers
+  return paged.PagePool(layers(L),
+                        layers(0 if decode.latent_only(c) else L))
 
 
 @functools.partial(jax.jit, static_argnames=("call", "dtype"))
@@ -111,7 +125,8 @@ def prefill(call: decoding.CallSpec, pp: decoding.PromptPass,
             prompt_len_b: jax.Array, full_b: jax.Array, table_bj: jax.Array,
             pool: paged.PagePool) -> tuple:
   """`pool` with every prompt's full pages written at its table's pages,
-  and the tails (B, K, Z, E) per layer: (pool, (k tails, v tails))."""
+  and the tails (B, K, Z, E) per layer: (pool, (k tails, v tails); no v
+  tails without value pools)."""
   Z, R, layout = call.sampling.page_size, call.shards, call.layout
   where = pool_layout(call)
   L = pp.k.shape[0]
@@ -128,7 +143,8 @@ def prefill(call: decoding.CallSpec, pp: decoding.PromptPass,
     return pin_pool(layout, where, pool), pin(tail, TAIL_AXES)
 
   ks, k_tails = zip(*(layer(pp.k[i], pool.k[i]) for i in range(L)))
-  vs, v_tails = zip(*(layer(pp.v[i], pool.v[i]) for i in range(L)))
+  vs, v_tails = tuple(zip(*(layer(pp.v[i], v) for i, v in enumerate(pool.v)
+                            ))) or ((), ())    # MLA: no value pools
   return paged.PagePool(ks, vs), (k_tails, v_tails)
 
 

@@ -29,7 +29,11 @@ the TPU kernel's layout) and each slot has a page table:
             some row always finishes: no deadlock.
   decode    one token for every live row that has its page
             (models/paged.decode_step); a row that ends returns its own
-            pages and its reference to its prompt's pages.
+            pages and its reference to its prompt's pages. Recording
+            routes (MoE replay), each step writes the fed token's experts
+            at its column, and a row whose last token is sampled stays
+            live one more step as a tail that feeds it for its experts
+            only (the dense slots' rule, docs/models.md).
 
 Rows are thus admitted by free pages, not by a P + T reservation per
 slot: with more slots than the pool could hold at full length, more rows
@@ -83,6 +87,12 @@ class _Carry(NamedTuple):
   tokens_nt: jax.Array
   logp_nt: jax.Array
   stats: PageStats
+  # record_routes: slots whose row's last token is sampled and is fed once
+  # more for its experts only (a tail: it decodes, waits and may be
+  # preempted as a live row does); each completion column's experts (N, T,
+  # L_sparse, C). Else no slot and None.
+  tail_m: jax.Array
+  routes_ntlc: Optional[jax.Array] = None
 
 
 def _pin_carry(layout: Layout, pool_layout: paged.PoolLayout, c: _Carry
@@ -96,7 +106,9 @@ def _pin_carry(layout: Layout, pool_layout: paged.PoolLayout, c: _Carry
       wait_m=rows(c.wait_m), table_mj=rows(c.table_mj), ref=rows(c.ref),
       pool=paged.PagePool(tuple(map(pool, c.pool.k)),
                           tuple(map(pool, c.pool.v))),
-      tokens_nt=rows(c.tokens_nt), logp_nt=rows(c.logp_nt))
+      tokens_nt=rows(c.tokens_nt), logp_nt=rows(c.logp_nt),
+      tail_m=rows(c.tail_m),
+      routes_ntlc=None if c.routes_ntlc is None else rows(c.routes_ntlc))
 
 
 def _victims(live_m, waiting_m, row_m):
@@ -113,29 +125,35 @@ def _take_rows(c: _Carry, begun: slots.Start, table_bj: jax.Array,
                call: decoding.CallSpec) -> _Carry:
   """REFILL: idle slots take the next rows of their shard and wait, their
   tables the prompt's shared pages. A row whose first token stops (or
-  T = 1) ends at once: it drops its reference to its prompt's pages."""
+  T = 1) ends at once: it drops its reference to its prompt's pages
+  (recording routes: it waits as a tail, to feed that token once)."""
   G, T, R = call.num_generations, call.sampling.max_new_tokens, call.shards
+  record = call.sampling.record_routes
   take_m, new_row_m, next_row = slots.assign(c.live_m | c.wait_m,
                                              c.next_row, begun.row_limit)
   row_m = jnp.where(take_m, new_row_m, c.row_m)
   table_mj = jnp.where(take_m[:, None],
                        slots.shard_take(table_bj, row_m // G, R), c.table_mj)
   first_m = slots.shard_take(begun.first_n, row_m, R)
-  done_m = take_m & (decoding.is_stop(first_m, call.sampling.stop_ids)
-                     | (T <= 1))
+  stops_m = take_m & (decoding.is_stop(first_m, call.sampling.stop_ids)
+                      | (T <= 1))
+  done_m = stops_m & (not record)
   split = functools.partial(slots.per_shard, R)
   ref = jax.vmap(pages.release)(c.ref, split(table_mj), split(done_m),
                                 split(jnp.zeros_like(row_m)))
   return c._replace(row_m=row_m, t_m=jnp.where(take_m, 1, c.t_m),
                     wait_m=c.wait_m | (take_m & ~done_m), next_row=next_row,
                     table_mj=jnp.where(done_m[:, None], ref.shape[1],
-                                       table_mj), ref=ref)
+                                       table_mj), ref=ref,
+                    tail_m=c.tail_m | (stops_m & record))
 
 
 def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
-                pool_layout: paged.PoolLayout):
-  """PAGES (module docstring): grants, tail copies, preemption. Returns the
-  carry and the slots that decode this step."""
+                pool_layout: paged.PoolLayout, first_tail_m):
+  """PAGES (module docstring): grants, tail copies, preemption (a
+  preempted row restarts at its first token: a route-recording tail again
+  only where that token stops it, first_tail_m). Returns the carry and the
+  slots that decode this step."""
   M, J = c.table_mj.shape
   W = c.ref.shape[1]
   N = c.tokens_nt.shape[0]
@@ -171,7 +189,8 @@ def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
       peak_pages=jnp.maximum(c.stats.peak_pages, jnp.sum(ref > 0)))
   c = c._replace(t_m=jnp.where(victim_m, 1, c.t_m), live_m=live_m,
                  wait_m=(c.wait_m & ~start_m) | victim_m, table_mj=table_mj,
-                 ref=ref, pool=pool, stats=stats)
+                 ref=ref, pool=pool, stats=stats,
+                 tail_m=jnp.where(victim_m, first_tail_m, c.tail_m))
   return c, live_m & ~waiting_m
 
 
@@ -228,6 +247,10 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
   J = page_pool.pages_needed(P, T, Z)
   split = functools.partial(slots.per_shard, R)
   pool_layout = page_pool.pool_layout(call)
+  record = sampling.record_routes
+  if record and T == 1:
+    raise ValueError("record_routes with continuous batching needs "
+                     "max_new_tokens >= 2")
 
   # PREFILL: each prompt once into shared pages; first tokens.
   begun = slots.start(call, params, prompt_bp, prompt_len_b, key,
@@ -259,7 +282,8 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
   carry = pin(take(_Carry(
       zero, zeros_m, zeros_m, no_m, no_m, begun.first_row,
       jnp.full((M, J), W, jnp.int32), ref, pool, begun.tokens_nt,
-      begun.logp_nt, PageStats(zero, zero, zero, zero, zero))))
+      begun.logp_nt, PageStats(zero, zero, zero, zero, zero), no_m,
+      slots.new_routes(call, B * G))))
   weights = decode.weights(model_config, params)
 
   def running(c: _Carry):
@@ -271,24 +295,33 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
     full_m = slots.shard_take(full_b, prompt_m, R)
     column_m = slots.shard_take(prompt_len_b, prompt_m, R) + c.t_m - 1
     steps = c.steps + running(c).astype(jnp.int32)
+    first_tail_m = record & decoding.is_stop(
+        slots.shard_take(begun.first_n, c.row_m, R), sampling.stop_ids)
     # PAGES, then DECODE the slots that have their page.
     c, active_m = _pages_step(c, prompt_m, full_m, column_m, tails, R,
-                              pool_layout)
+                              pool_layout, first_tail_m)
     j_m = column_m // Z
     entry_m = jnp.take_along_axis(c.table_mj, jnp.minimum(j_m, J - 1)[:, None],
                                   1)[:, 0]
     prev_m = slots.read(c.tokens_nt, c.row_m, c.t_m - 1, R)
     filled = jnp.max(jnp.where(active_m, j_m + 1, 0))
-    logits_mv, pool = paged.decode_step(
+    logits_mv, pool, *taken = paged.decode_step(
         model_config, weights, c.pool, prev_m,
         paged.RowPages(column_m, jnp.where(active_m, entry_m, W), c.table_mj),
-        page_pool.decode_settings(call, filled))
+        page_pool.decode_settings(call, filled), record)
+    routes = c.routes_ntlc
+    if record:     # the fed token's experts, at its column t - 1
+      routes = slots.write(routes, c.row_m, c.t_m - 1, jnp.moveaxis(
+          taken[0], 0, 1).astype(routes.dtype), active_m, R)
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, sampling, c.row_m,
                                            c.t_m)
-    tokens_nt = slots.write(c.tokens_nt, c.row_m, c.t_m, tok_m, active_m, R)
-    logp_nt = slots.write(c.logp_nt, c.row_m, c.t_m, logp_m, active_m, R)
-    ended_m = active_m & (decoding.is_stop(tok_m, sampling.stop_ids)
-                          | (c.t_m + 1 >= T))
+    keep_m = active_m & ~c.tail_m        # a tail's step samples nothing
+    tokens_nt = slots.write(c.tokens_nt, c.row_m, c.t_m, tok_m, keep_m, R)
+    logp_nt = slots.write(c.logp_nt, c.row_m, c.t_m, logp_m, keep_m, R)
+    last_m = keep_m & (decoding.is_stop(tok_m, sampling.stop_ids)
+                       | (c.t_m + 1 >= T))
+    # Recording, a row's last token makes it a tail, which ends a step later.
+    ended_m = (active_m & c.tail_m) | (last_m & (not record))
     ref = jax.vmap(pages.release)(c.ref, split(c.table_mj), split(ended_m),
                                   split(jnp.zeros_like(c.row_m)))
     table_mj = jnp.where(ended_m[:, None], W, c.table_mj)
@@ -300,12 +333,14 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
                    live_m=live_m, table_mj=table_mj, ref=ref, pool=pool,
                    tokens_nt=tokens_nt, logp_nt=logp_nt,
                    stats=c.stats._replace(
-                       conflicts=c.stats.conflicts + bad.sum()))
+                       conflicts=c.stats.conflicts + bad.sum()),
+                   tail_m=(c.tail_m & ~ended_m) | (last_m & record),
+                   routes_ntlc=routes)
     return pin(take(c))
 
   with jax.named_scope(decoding.DECODE_SCOPE):
     final = jax.lax.while_loop(
         running, slots.every(step, sampling.stop_check_every), carry)
   stats = final.stats._replace(in_use_end=jnp.sum(final.ref != 0))
-  return (slots.finish(call, final.tokens_nt, final.logp_nt, final.steps),
-          stats, final.pool)
+  return (slots.finish(call, final.tokens_nt, final.logp_nt, final.steps,
+                       begun.pp, final.routes_ntlc), stats, final.pool)

@@ -153,14 +153,17 @@ def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
     c = mc.layer_config(i)
     q, k, v = transformer.qkv(c, lp, x, col_al)       # k, v: (A, K, L, E)
     ks[i] = write(ks[i], jnp.swapaxes(k, 1, 2))
-    vs[i] = write(vs[i], jnp.swapaxes(v, 1, 2))
+    if vs:                             # else the values are the keys (MLA)
+      vs[i] = write(vs[i], jnp.swapaxes(v, 1, 2))
     gather = lambda p: jax.vmap(lambda p, t: _LAYOUT.gather(p, t, q.dtype))(
         p, table_aj[None])[0]                       # (A, K, J*Z, E)
     mask_als = key_s[None, None] <= col_al[:, :, None]
     if c.sliding_window is not None:
       mask_als &= key_s[None, None] > col_al[:, :, None] - c.sliding_window
-    attn = attention.attention(q, gather(ks[i]), gather(vs[i]), mask_als,
-                               c.attn_softcap)
+    k_gathered = gather(ks[i])
+    attn = attention.attention(
+        q, k_gathered, gather(vs[i]) if vs else k_gathered, mask_als,
+        c.attn_softcap)
     x = transformer.attn_out_and_mlp(c, lp, x, attn)
   last = jnp.take_along_axis(x, jnp.maximum(count_a - 1, 0)[:, None, None], 1)
   first_a, logp_a = decoding.choose_tokens(

@@ -118,8 +118,8 @@ def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int,
                    ) -> float:
   """Per-device bytes of the KV cache of `rows` rows of `length` positions,
   rows split over the batch shards and KV heads as the layout says;
-  `arrays` per layer (keys and values; 1: MLA's latent in the lockstep
-  sampler, `decode.cache_arrays`)."""
+  `arrays` per layer (keys and values; 1: MLA's latent,
+  `decode.cache_arrays`)."""
   row_shards = 1 if layout is None else layout.batch_shards
   head_shards = 1 if layout is None else layout.splits(
       "kv_heads", model_config.num_kv_heads)
@@ -340,7 +340,8 @@ class Sampler:
                                                             shards)
     slots = sampling.slots or auto_slots(
         CacheSize(self.model_config,
-                  jax.tree.leaves(params)[0].dtype.itemsize, self.layout),
+                  jax.tree.leaves(params)[0].dtype.itemsize, self.layout,
+                  decode.cache_arrays(self.model_config)),
         b * G, b, P, P + sampling.max_new_tokens, free_device_memory())
     slots = -(-slots // shards) * shards
     prompt_bp, len_b = left_pad(prompts, P, b, sampling.pad_id)

@@ -183,7 +183,8 @@ def preset_names() -> list[str]:
 
 # Presets without weights: experiments initialise them at random (config.seed)
 # and read them with the byte tokenizer.
-RANDOM_PRESETS = ("tiny", "tiny-gemma", "tiny-gemma2", "tiny-moe")
+RANDOM_PRESETS = ("tiny", "tiny-gemma", "tiny-gemma2", "tiny-moe",
+                  "tiny-deepseek")
 
 # A random model for tests: small enough to compile and run in seconds.
 _preset("tiny", architecture="llama", vocab_size=256, dim=64, num_layers=2,
@@ -310,6 +311,20 @@ _preset("tiny-moe", architecture="qwen3_moe", vocab_size=256, dim=64,
         moe=MoeConfig(num_experts=8, experts_per_token=2, expert_dim=32,
                       norm_topk_prob=True, dense_layers=(0,),
                       aux_loss_coef=0.001))
+
+# A random DeepSeek-V3 for tests: latent attention (R 16 + rope 8: one KV
+# head of 24), 8 experts, 2 chosen within 2 of 4 groups (sigmoid + bias),
+# one shared, the first layer dense.
+_preset("tiny-deepseek", architecture="deepseek_v3", vocab_size=256, dim=64,
+        num_layers=3, num_heads=4, num_kv_heads=1, head_dim=24, mlp_dim=128,
+        norm_eps=1e-6, tie_embeddings=True, max_seq_len=512,
+        moe=MoeConfig(num_experts=8, experts_per_token=2, expert_dim=32,
+                      router="sigmoid", norm_topk_prob=True, num_groups=4,
+                      topk_groups=2, routed_scaling=2.5,
+                      correction_bias=True, shared_dim=32,
+                      dense_layers=(0,)),
+        mla=MlaConfig(kv_lora_rank=16, nope_dim=8, rope_dim=8, v_head_dim=8,
+                      q_lora_rank=24))
 
 # deepseek-ai/DeepSeek-V3 (and R1): latent attention, 256 routed experts
 # (8 chosen within 4 of 8 groups, sigmoid + bias) and one shared, the first

@@ -10,7 +10,7 @@ samplers' steps over the same layers (`transformer.qkv`,
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,9 @@ class KVCache(NamedTuple):
   """Keys and values, one (N, K, S, E) array per layer in a tuple of L;
   `valid_ns` marks written, non-padding slots and `pos_ns` their rotary
   positions. Separate per-layer buffers let the decode loop update each in
-  place without slicing a stacked (L, ...) array. An empty `v` (MLA, the
-  lockstep sampler): the values are the keys, the latent stored once
-  (`latent_only`)."""
+  place without slicing a stacked (L, ...) array. An empty `v` (MLA): the
+  values are the keys, the latent stored once (`latent_only`,
+  `layer_values`)."""
   k: tuple
   v: tuple
   valid_ns: jax.Array
@@ -36,10 +36,11 @@ class KVCache(NamedTuple):
 
 def init_cache(model_config: ModelConfig, batch: int, length: int,
                dtype=jnp.float32) -> KVCache:
+  """Zeros; MLA: no value arrays (`latent_only`)."""
   shape = (batch, model_config.num_kv_heads, length, model_config.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, dtype)
-                        for _ in range(model_config.num_layers))
-  return KVCache(zeros(), zeros(),
+  zeros = lambda n: tuple(jnp.zeros(shape, dtype) for _ in range(n))
+  L = model_config.num_layers
+  return KVCache(zeros(L), zeros(0 if latent_only(model_config) else L),
                  jnp.zeros((batch, length), bool),
                  jnp.zeros((batch, length), jnp.int32))
 
@@ -51,9 +52,16 @@ def latent_only(model_config: ModelConfig) -> bool:
 
 
 def cache_arrays(model_config: ModelConfig) -> int:
-  """Arrays per layer of the lockstep sampler's cache: 1 (MLA's latent) or
-  2 (keys and values)."""
+  """Arrays per layer of every sampler's cache (lockstep, dense slots,
+  page pools): 1 (MLA's latent) or 2 (keys and values)."""
   return 1 if latent_only(model_config) else 2
+
+
+def layer_values(ks: Sequence, vs: Sequence, i: int):
+  """Layer i's values in a cache (or page pool) of per-layer key and value
+  arrays: its v array, or its keys where there are no values (MLA's
+  latent is both)."""
+  return vs[i] if vs else ks[i]
 
 
 def unstack_layers(model_config: ModelConfig, params: Params) -> list[Params]:
@@ -137,7 +145,7 @@ def decode_step(model_config: ModelConfig, params: Params, cache: KVCache,
     if vs:                       # else the values are the keys (latent_only)
       vs[i] = write(vs[i], v)
     x, routing = transformer.attn_out_and_routed_mlp(
-        c, lp, x, attention.attention(q, ks[i], vs[i] if vs else ks[i],
+        c, lp, x, attention.attention(q, ks[i], layer_values(ks, vs, i),
                                       masks[c], c.attn_softcap))
     if routing is not None:
       routes.append(routing.experts_nc)

@@ -251,7 +251,8 @@ def _attend_pages(q_mhe, k_pool, v_pool, length_m, table_mj, first_m,
   page first_m[m] (its columns from first_m * Z on), masked to the row's
   columns [0, length_m) and its window."""
   k_mkse = buckets.layout.gather(k_pool, table_mj, q_mhe.dtype)
-  v_mkse = buckets.layout.gather(v_pool, table_mj, q_mhe.dtype)
+  v_mkse = (k_mkse if v_pool is k_pool     # MLA: the latent pages, once
+            else buckets.layout.gather(v_pool, table_mj, q_mhe.dtype))
   Z = page_values(k_pool).shape[2]
   col_ms = first_m[:, None] * Z + jnp.arange(k_mkse.shape[2])
   mask_ms = col_ms < length_m[:, None]
@@ -348,8 +349,10 @@ def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
 
 class PagePool(NamedTuple):
   """The keys' and values' pools of a paged call, one array per layer,
-  (R,) + `pool_layout(impl).shape(K, W, Z, E)` (int8: an `Int8Pages`). It depends on no row and
-  no weight, so a run keeps one across calls (`paged_slots`)."""
+  (R,) + `pool_layout(impl).shape(K, W, Z, E)` (int8: an `Int8Pages`); MLA:
+  no value pools, the latent pages are both (`decode.layer_values`). It
+  depends on no row and no weight, so a run keeps one across calls
+  (`paged_slots`)."""
   k: tuple
   v: tuple
 
@@ -378,7 +381,8 @@ class DecodeSettings:
 
 def decode_step(model_config: ModelConfig, weights: decode.Weights,
                 pool: PagePool, tokens_m: jax.Array, rows: RowPages,
-                settings: DecodeSettings) -> tuple:
+                settings: DecodeSettings, record_routes: bool = False
+                ) -> tuple:
   """One token per row: row m (at position column_m[m]) writes its key and
   value at (page_m[m], column_m[m] % Z) of its shard's pool (no page, W: it
   writes nowhere), then attends over its columns [0, column_m + 1).
@@ -387,7 +391,8 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   `attend` reads it); rows (M) and their tables are split in R contiguous
   parts, shard r's rows reading and writing only pool r. `weights` as
   `decode.weights` gives them. Returns float32 logits (M, V) and the
-  updated pool."""
+  updated pool; record_routes: and the experts each sparse layer chose
+  for the token (L_sparse, M, C)."""
   M, R = tokens_m.shape[0], settings.shards
   Z = page_values(pool.k[0]).shape[3]
   constrain = settings.constrain
@@ -397,17 +402,21 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   write = jax.vmap(settings.pool_layout.write)
   x = constrain(transformer.embed(weights.params, tokens_m[:, None],
                                 model_config), transformer.RESIDUAL_AXES)
-  ks, vs = list(pool.k), list(pool.v)
+  ks, vs, routes = list(pool.k), list(pool.v), []
   for i, lp in enumerate(weights.layers):
     c = model_config.layer_config(i)   # Gemma: this layer's window, RoPE
     per_layer = {} if c is model_config else {"layer": c}
     q, k, v = transformer.qkv(c, lp, x, rows.column_m[:, None], constrain)
     ks[i] = write(ks[i], split(k[:, :, 0]), page, offset)
-    vs[i] = write(vs[i], split(v[:, :, 0]), page, offset)
-    attn = settings.attend(split(q[:, 0]), ks[i], vs[i], length, table,
+    if vs:                             # else the values are the keys (MLA)
+      vs[i] = write(vs[i], split(v[:, :, 0]), page, offset)
+    attn = settings.attend(split(q[:, 0]), ks[i],
+                           decode.layer_values(ks, vs, i), length, table,
                            **per_layer)
-    x = transformer.attn_out_and_mlp(c, lp, x,
-                                     attn.reshape(M, 1, *attn.shape[2:]),
-                                     constrain)
-  return (decode.logits(model_config, weights.params, x),
-          PagePool(tuple(ks), tuple(vs)))
+    x, routing = transformer.attn_out_and_routed_mlp(
+        c, lp, x, attn.reshape(M, 1, *attn.shape[2:]), constrain)
+    if routing is not None:
+      routes.append(routing.experts_nc)
+  out = (decode.logits(model_config, weights.params, x),
+         PagePool(tuple(ks), tuple(vs)))
+  return (*out, jnp.stack(routes)) if record_routes else out

@@ -92,9 +92,11 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   for i, lp in enumerate(weights.layers):
     c = model_config.layer_config(i)     # its window and RoPE base
     q, k, v = transformer.qkv(c, lp, x, positions_n[:, None])
-    ks[i], vs[i] = write(ks[i], k[:, :, 0]), write(vs[i], v[:, :, 0])
-    attn = filled_attention(q, ks[i], vs[i], keys, filled, c.sliding_window,
-                            softcap=c.attn_softcap)
+    ks[i] = write(ks[i], k[:, :, 0])
+    if vs:                       # else the values are the keys (MLA)
+      vs[i] = write(vs[i], v[:, :, 0])
+    attn = filled_attention(q, ks[i], decode.layer_values(ks, vs, i), keys,
+                            filled, c.sliding_window, softcap=c.attn_softcap)
     x, routing = transformer.attn_out_and_routed_mlp(c, lp, x, attn)
     if routing is not None:
       routes.append(routing.experts_nc)

@@ -140,16 +140,11 @@ def check_env(config: ConfigDict) -> None:
 
 
 def check_routing_replay(config: ConfigDict) -> None:
-  """model.moe.routing_replay = rollout: the lockstep and dense-slot
-  samplers record routes (docs/models.md); paged and env episodes not."""
+  """model.moe.routing_replay = rollout: the lockstep, dense-slot and
+  paged samplers record routes (docs/models.md); env episodes not."""
   if config.model.moe.routing_replay == "off":
     return
   field = "config field 'model.moe.routing_replay' = 'rollout'"
-  if (config.sampling.continuous_batching
-      and config.sampling.kv_cache == "paged"):
-    raise ConfigError(f"{field}: the paged sampler does not record routes "
-                      "yet; set sampling.kv_cache='dense' (dense slots) or "
-                      "sampling.continuous_batching=False (lockstep)")
   if config.env.name:
     raise ConfigError(f"{field}: episodes with an env (env.name = "
                       f"{config.env.name!r}) do not record routes yet; set "
