@@ -148,14 +148,14 @@ def _take_rows(c: _Carry, begun: slots.Start, table_bj: jax.Array,
                     tail_m=c.tail_m | (stops_m & record))
 
 
-def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails, R: int,
+def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails,
                 pool_layout: paged.PoolLayout, first_tail_m):
   """PAGES (module docstring): grants, tail copies, preemption (a
   preempted row restarts at its first token: a route-recording tail again
   only where that token stops it, first_tail_m). Returns the carry and the
   slots that decode this step."""
   M, J = c.table_mj.shape
-  W = c.ref.shape[1]
+  R, W = c.ref.shape
   N = c.tokens_nt.shape[0]
   split = functools.partial(slots.per_shard, R)
   j_m = column_m // paged.page_values(c.pool.k[0]).shape[3]
@@ -298,7 +298,7 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
     first_tail_m = record & decoding.is_stop(
         slots.shard_take(begun.first_n, c.row_m, R), sampling.stop_ids)
     # PAGES, then DECODE the slots that have their page.
-    c, active_m = _pages_step(c, prompt_m, full_m, column_m, tails, R,
+    c, active_m = _pages_step(c, prompt_m, full_m, column_m, tails,
                               pool_layout, first_tail_m)
     j_m = column_m // Z
     entry_m = jnp.take_along_axis(c.table_mj, jnp.minimum(j_m, J - 1)[:, None],
