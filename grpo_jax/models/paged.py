@@ -349,10 +349,8 @@ def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
 
 class PagePool(NamedTuple):
   """The keys' and values' pools of a paged call, one array per layer,
-  (R,) + `pool_layout(impl).shape(K, W, Z, E)` (int8: an `Int8Pages`); MLA:
-  no value pools, the latent pages are both (`decode.layer_values`). It
-  depends on no row and no weight, so a run keeps one across calls
-  (`paged_slots`)."""
+  (R,) + `pool_layout(impl).shape(K, W, Z, E)` (int8: an `Int8Pages`; MLA:
+  no v, `decode.layer_values`). A run keeps one across calls."""
   k: tuple
   v: tuple
 
