@@ -16,6 +16,8 @@ ended (`ready`, `samples`). On a sampler mesh of R row shards row i of
 every batch goes to shard i // ceil(n / R) (`agent_parked.shard_rows`'
 blocks: a group's rows together), each shard's engine with its own slots,
 pool and copy of the weights (`agent_parked.engines`, the episodes' own).
+A fresh row shares the full prompt pages of a live fresh row of its prompt
+on its engine (`_admit`), so a group's prompt is prefilled about once.
 
 Noise: row i of batch c draws (key, c * n + i, t) (`decoding.token_uniforms`
 through the engine's `noise` number, a cut row continuing at its t), so
@@ -64,6 +66,7 @@ class Stream:
     self.live: dict = {}       # (batch, index) -> Row as admitted
     self.ended: dict = {}      # batch -> {index: (Row, stopped)}
     self.engines: list | None = None    # parked.Engine per row shard
+    self._lenders: list = []            # per engine: prompt -> live Parked
     self.per_shard = -(-rows_per_batch // sampler.shards)   # rows i // it
     self.params, self.version = None, None
     self.stats = Stats()
@@ -136,15 +139,33 @@ class Stream:
            and len(full) < len(self._engines())):
       row = self.queue.popleft()
       shard = row.index // self.per_shard
-      noise = row.batch * self.n + row.index
-      if shard in full or not self.engines[shard].admit(
-          parked.Parked(noise, row.prompt + row.ids), noise,
-          self.cfg.max_new_tokens - len(row.ids), first_t=len(row.ids)):
+      if shard in full or not self._admit(shard, row):
         full.add(shard)
         waiting.append(row)
       else:
         self.live[row.batch, row.index] = row
     self.queue.extendleft(reversed(waiting))
+
+  def _admit(self, shard: int, row: Row) -> bool:
+    """`row` into a slot of its shard's engine; a fresh row (nothing
+    sampled) whose prompt a live fresh row there holds takes that row's
+    full prompt pages (`Engine.share`: a group's prompt), so only its
+    prompt's tail is prefilled."""
+    engine, noise = self.engines[shard], row.batch * self.n + row.index
+    parked_row = parked.Parked(noise, row.prompt + row.ids)
+    lender = self._lenders[shard].get(row.prompt) if not row.ids else None
+    count = (len(row.prompt) - 1) // self.cfg.page_size
+    if lender is not None and count and engine.free_slots:
+      parked_row = parked_row._replace(cached=count * self.cfg.page_size,
+                                       pages=engine.share(lender, count))
+    held = engine.admit(parked_row, noise,
+                        self.cfg.max_new_tokens - len(row.ids),
+                        first_t=len(row.ids))
+    if held is None:
+      engine.release(parked_row)     # the shared pages given back
+    elif not row.ids and lender is None:
+      self._lenders[shard][row.prompt] = held
+    return held is not None
 
   def decode(self) -> None:
     """One call of each row shard's engine (prefill of the rows admitted
@@ -157,9 +178,11 @@ class Stream:
     else:
       with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
         turns = list(pool.map(lambda e: e.step(), engines))
-    for engine, ended in zip(engines, turns):
+    for engine, lenders, ended in zip(engines, self._lenders, turns):
       for turn in ended:
         row = self._extend(turn)
+        if row.prompt in lenders and lenders[row.prompt].row == turn.row:
+          del lenders[row.prompt]      # its pages go back with it
         engine.release(turn.parked)
         self._end(row, turn.stopped)
 
@@ -224,6 +247,7 @@ class Stream:
       used = -(-self.n // self.per_shard)     # shards that get rows
       self.engines = agent_parked.engines(self.sampler, self.params, self.key,
                                           spec)[:used]
+      self._lenders = [{} for _ in self.engines]  # prompt -> a live Parked
     return self.engines
 
   def counts(self) -> tuple[int, int]:
