@@ -74,7 +74,7 @@ def _scored(params, rows, group_size=1, dtype="float32", routes=True):
       routes_nslc=jnp.asarray(rows.routes_nslc) if routes else None)
   norm = update.global_normalisers(b.mask_nt, program.loss)
   logp, _, _ = update.batch_logprobs(
-      update.cast(params, dtype), b, T, program)
+      update.cast(params, dtype), b, rows.mask_nt.shape[1], program)
   _, metrics = update.loss_fn(update.Policy(params), b, norm, 0.0, program)
   return np.asarray(logp), metrics
 
@@ -91,7 +91,12 @@ def test_recorded_routes_are_the_full_forwards(params, sampler):
     stats = jax.device_get(pools.stats)
     assert stats.preempted >= 1 and stats.waited > 0
     assert stats.in_use_end == 0
-  rows = batch.to_rows(_groups(out), 0, False)
+  _assert_full_forwards_routes(params, batch.to_rows(_groups(out), 0, False))
+
+
+def _assert_full_forwards_routes(params, rows):
+  """The rows' recorded routes are a full-sequence pass's at every valid
+  column."""
   assert rows.routes_nslc.dtype == np.uint8
   assert rows.routes_nslc.shape == rows.tokens_ns.shape + (2, 2)
   *_, taken_lnsc = transformer.hidden_states_and_kv(
@@ -185,9 +190,38 @@ def test_routes_survive_dynamic_sampling_and_the_host_state(params):
   assert back.routes_bgtlc.dtype == np.uint8
 
 
+@pytest.mark.slow      # two sampler compiles (the turns) and a forward
+def test_env_episodes_record_the_routes_the_trainer_replays(params):
+  """Turn by turn (env.engine = 'turns'), a row's last sampler call gives
+  its whole history's experts (observations included): the rows' routes
+  are a full-sequence pass's at every valid column (what the trainer's
+  replay then uses, as the tests above check for the samplers)."""
+  from grpo_jax.data.example import Example
+  from grpo_jax.envs import base
+  from grpo_jax.models.byte_tokenizer import byte_tokenizer
+  spec = base.EnvSpec("scripted", kwargs=(("observations", ("12", "x")),),
+                      max_turns=2, max_observation_tokens=24,
+                      tool_timeout_s=5.0)
+  settings = rollout.GroupSettings(
+      G, rollout.RewardSpec((("last_number", 1.0, {}),), "last_number"),
+      "last_number", env=spec)
+  sampler = sampling.Sampler(CONFIG, sampling.SamplingConfig(
+      max_new_tokens=T, stop_ids=tuple(range(0, 256, 3)), pad_id=1,
+      record_routes=True))
+  groups, metrics = rollout.generate_groups(
+      sampler, params, byte_tokenizer(),
+      [Example("2+3?", "5"), Example("what is 7*8", "56")],
+      jax.random.key(5), settings)
+  assert metrics["env/turns_mean"] > 1 and groups.routes_bgtlc is not None
+  rows = batch.to_rows(groups, 1, False)
+  assert groups.observation_bgt.any()
+  _assert_full_forwards_routes(params, rows)
+
+
 def test_replay_is_refused_where_routes_are_not_recorded():
-  """Env episodes do not record routes: refused at validation, naming the
-  field; dense slots and pages record them."""
+  """Env episodes on the parked engine do not record routes: refused at
+  validation, naming the field; dense slots, pages and turn-by-turn
+  episodes record them."""
   config = async_checks.config(**{"model.source": "tiny-moe",
                                   "model.moe.routing_replay": "rollout"})
   validation.validate(config)
@@ -198,7 +232,12 @@ def test_replay_is_refused_where_routes_are_not_recorded():
   config.sampling.continuous_batching = False
   config.sampling.kv_cache = "dense"
   config.env.name = "calculator"
-  with pytest.raises(ConfigError, match="env.name = 'calculator'"):
+  validation.validate(config)
+  config.sampling.continuous_batching = True
+  config.sampling.kv_cache = "paged"
+  config.env.engine = "parked"
+  with pytest.raises(ConfigError, match="'rollout': env episodes on the "
+                     "parked engine"):
     validation.validate(config)
   config.model.moe.routing_replay = "always"
   with pytest.raises(ConfigError, match="allowed: \\('off', 'rollout'\\)"):

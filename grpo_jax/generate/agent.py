@@ -90,6 +90,10 @@ class Episodes(NamedTuple):
   turns_n: np.ndarray             # int32 model turns
   tool_calls_n: np.ndarray        # int32 observations
   tool_errors_n: np.ndarray       # int32 observations that are errors
+  # record_routes: each row's prompt's experts [n] of [p, l, c] and its
+  # trajectory's [n, t, l, c] (`Row.routes`); else None
+  prompt_routes_n: list | None = None
+  routes_ntlc: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -106,6 +110,10 @@ class Row:
   turns: int = 0
   tool_calls: int = 0
   tool_errors: int = 0
+  # record_routes: the experts of history's every column from the row's
+  # latest sampler call (its prompt's from the prefill, the turn's from
+  # the decode), [len(history), l, c] after its turn
+  routes: np.ndarray | None = None
 
   def add_turn(self, ids, logp, text: str, truncated: bool) -> None:
     self.tokens += ids
@@ -214,6 +222,9 @@ def run_episodes(sampler: sampling.Sampler, params, tokenizer, examples, key,
     calls = []
     for j, i in enumerate(live):
       k = int(out.length_n[j])
+      if out.routes_nslc is not None:   # the history (left-padded), the turn
+        P = out.routes_nslc.shape[1] - out.tokens_nt.shape[1]
+        rows[i].routes = out.routes_nslc[j, P - len(rows[i].history):P + k]
       ids = [int(x) for x in out.tokens_nt[j, :k]]
       text = take_turn(rows[i], tokenizer, ids,
                        [float(x) for x in out.logp_nt[j, :k]],
@@ -243,6 +254,15 @@ def collect(rows: list[Row], prompt_ids, texts, T: int, pad_id: int
     action[i, :k] = row.action
     observation[i, :k] = ~np.asarray(row.action, bool)
   as_int = lambda f: np.asarray([f(r) for r in rows], np.int32)
+  routes = {}
+  if rows and rows[0].routes is not None:     # an episode ends on its turn
+    p_n = [len(r.history) - len(r.tokens) for r in rows]
+    routes_ntlc = np.zeros((n, T) + rows[0].routes.shape[1:],
+                           rows[0].routes.dtype)
+    for i, (row, p) in enumerate(zip(rows, p_n)):
+      routes_ntlc[i, :len(row.tokens)] = row.routes[p:]
+    routes = dict(prompt_routes_n=[r.routes[:p] for r, p in zip(rows, p_n)],
+                  routes_ntlc=routes_ntlc)
   return Episodes(
       prompt_ids, texts, tokens, logp, action, observation,
       as_int(lambda r: len(r.tokens)),
@@ -250,7 +270,7 @@ def collect(rows: list[Row], prompt_ids, texts, T: int, pad_id: int
       [r.final_text for r in rows],
       np.asarray([r.env_reward for r in rows], np.float32),
       as_int(lambda r: r.turns), as_int(lambda r: r.tool_calls),
-      as_int(lambda r: r.tool_errors))
+      as_int(lambda r: r.tool_errors), **routes)
 
 
 def metrics(ep: Episodes) -> dict[str, float]:

@@ -160,6 +160,12 @@ def generate_episodes(sampler: sampling.Sampler, params, tokenizer, examples,
                   shape(ep.truncated_n),
                   shape((reward_n + ep.env_reward_n).astype(np.float32)),
                   shape(correct_n), shape(ep.observation_nt))
+  if ep.routes_ntlc is not None:      # a group's prompt: its first row's
+    prompt_routes_b = np.empty((B,), object)
+    for b in range(B):
+      prompt_routes_b[b] = ep.prompt_routes_n[b * G]
+    groups = groups._replace(prompt_routes_b=prompt_routes_b,
+                             routes_bgtlc=shape(ep.routes_ntlc))
   metrics.update(agent.metrics(ep))
   metrics.update(agent_parked.metrics(engine))
   metrics.update({"time/sample": t1 - t0,

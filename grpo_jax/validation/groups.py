@@ -141,14 +141,15 @@ def check_env(config: ConfigDict) -> None:
 
 def check_routing_replay(config: ConfigDict) -> None:
   """model.moe.routing_replay = rollout: the lockstep, dense-slot and
-  paged samplers record routes (docs/models.md); env episodes not."""
+  paged samplers record routes, and so do env episodes turn by turn
+  (docs/models.md); the parked engine's not."""
   if config.model.moe.routing_replay == "off":
     return
   field = "config field 'model.moe.routing_replay' = 'rollout'"
-  if config.env.name:
-    raise ConfigError(f"{field}: episodes with an env (env.name = "
-                      f"{config.env.name!r}) do not record routes yet; set "
-                      "env.name='' or model.moe.routing_replay='off'")
+  if config.env.name and config.env.engine == "parked":
+    raise ConfigError(f"{field}: env episodes on the parked engine "
+                      "(env.engine = 'parked') do not record routes yet; set "
+                      "env.engine='turns' or model.moe.routing_replay='off'")
 
 
 def check_lora(c: ConfigDict) -> None:
