@@ -79,6 +79,22 @@ def test_greedy_episodes_equal_the_per_turn_path_and_an_uncached_reference(
     assert stats["released"] > 0, "the test must cover releasing for room"
 
 
+def test_coarse_decode_buckets_give_the_uncached_reference(params):
+  """EngineSpec.max_buckets bounds the decode attention's branches a layer
+  (what keeps a 16K context compilable): 1, the whole table in one bucket,
+  and 16 (two buckets of 8 pages here) give the reference's greedy turn."""
+  prompt = tuple(byte_tokenizer().encode("what is 7*8 and then 9-4"))
+  for max_buckets, block in ((1, 16 * Z), (16, 8 * Z)):
+    spec = parked.EngineSpec(ta.CONFIG, _paged(max_new_tokens=30,
+                                               stop_ids=(0,)).sampling,
+                             1, 16, context=64, max_buckets=max_buckets)
+    assert spec.block == block
+    turn = _run(parked.Engine(spec, params, jax.random.key(0)),
+                parked.Parked(0, prompt), max_new=30)
+    assert len(prompt) + len(turn.ids) > 8 * Z, "reads past one bucket"
+    assert turn.ids == _greedy(params, prompt, len(turn.ids))
+
+
 def test_a_groups_rows_share_their_prompts_pages(params):
   """G = 4 rows a prompt: the first admitted prefills the prompt, the
   others take its full pages (`Engine.share`) and prefill their tails on

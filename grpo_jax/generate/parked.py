@@ -71,19 +71,34 @@ class EngineSpec:
   context: int
   steps_per_call: int = 16
   return_after: int = 1
+  max_buckets: int = 16     # decode attention branches a layer, at most
 
   def __post_init__(self):
     J = self.table_width
     if self.pages < J:
       raise ValueError(f"a pool of {self.pages} pages cannot hold one row of "
                        f"{self.context} columns ({J} pages)")
-    if min(self.slots, self.steps_per_call, self.return_after) < 1:
-      raise ValueError("slots, steps_per_call and return_after must be >= 1")
+    if min(self.slots, self.steps_per_call, self.return_after,
+           self.max_buckets) < 1:
+      raise ValueError("slots, steps_per_call, return_after and max_buckets "
+                       "must be >= 1")
 
   @property
   def table_width(self) -> int:
     """J: page-table entries of a row."""
     return -(-self.context // self.sampling.page_size)
+
+  @property
+  def block(self) -> int:
+    """Key columns per bucket of the decode's attention: `paged.BLOCK_S`,
+    or coarser so a layer has at most `max_buckets` `lax.switch` branches
+    (`paged.bucketed_attention`; a step reads up to a bucket past its
+    longest row): at a 16K context, 512 branches of 32 columns a layer made
+    a 7B decode step too big to compile (aot.py)."""
+    Z = self.sampling.page_size
+    pages = max(paged.BLOCK_S // Z, -(-self.table_width // self.max_buckets),
+                1)
+    return pages * Z
 
 
 class Parked(NamedTuple):
@@ -187,8 +202,8 @@ def _decode(spec: EngineSpec, params, pool: paged.PagePool, s: _Slots, key
     j_m = s.column_m // Z
     page_m = jnp.where(s.live_m, s.table_mj[m, jnp.minimum(j_m, J - 1)], W)
     filled = jnp.max(jnp.where(s.live_m, j_m + 1, 0))
-    settings = paged.DecodeSettings(paged.reference_fn(mc, filled), 1,
-                                    _LAYOUT)
+    settings = paged.DecodeSettings(
+        paged.reference_fn(mc, filled, _LAYOUT, spec.block), 1, _LAYOUT)
     logits_mv, pool = paged.decode_step(
         mc, weights, pool, s.tokens_mt[m, s.t_m - 1],
         paged.RowPages(s.column_m, page_m, s.table_mj), settings)

@@ -335,13 +335,13 @@ def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
 
 
 def reference_fn(model_config: ModelConfig, filled_pages: jax.Array,
-                 layout: PoolLayout = REFERENCE_LAYOUT):
+                 layout: PoolLayout = REFERENCE_LAYOUT, block: int = BLOCK_S):
   """The reference over R shards' pools of `layout`: `DecodeSettings`'s
   `attend`; `layer` (a `layer_config`) gives a layer's window and
-  soft-cap where layers differ (Gemma)."""
+  soft-cap where layers differ (Gemma); `block`: `Buckets.block`."""
   def attend(q, k, v, n, t, layer: ModelConfig = model_config):
-    buckets = Buckets(layer.sliding_window, layout=layout,
-                      softcap=layer.attn_softcap)
+    buckets = Buckets(layer.sliding_window, block, layout,
+                      layer.attn_softcap)
     return jax.vmap(lambda q, k, v, n, t: bucketed_attention(
         q, k, v, n, t, filled_pages, buckets))(q, k, v, n, t)
   return attend
