@@ -219,9 +219,9 @@ def test_env_episodes_record_the_routes_the_trainer_replays(params):
 
 
 def test_replay_is_refused_where_routes_are_not_recorded():
-  """Env episodes on the parked engine do not record routes: refused at
-  validation, naming the field; dense slots, pages and turn-by-turn
-  episodes record them."""
+  """The parked engine (env episodes on it, partial rollouts) does not
+  record routes: refused at validation, naming the field; dense slots,
+  pages and turn-by-turn episodes record them."""
   config = async_checks.config(**{"model.source": "tiny-moe",
                                   "model.moe.routing_replay": "rollout"})
   validation.validate(config)
@@ -229,6 +229,10 @@ def test_replay_is_refused_where_routes_are_not_recorded():
   validation.validate(config)
   config.sampling.kv_cache = "paged"
   validation.validate(config)
+  partial = async_checks.stale(config.copy_and_resolve_references())
+  partial.rollout.partial = True
+  with pytest.raises(ConfigError, match="'rollout': partial rollouts"):
+    validation.validate(partial)
   config.sampling.continuous_batching = False
   config.sampling.kv_cache = "dense"
   config.env.name = "calculator"

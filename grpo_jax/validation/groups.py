@@ -71,8 +71,8 @@ def check_partial(config: ConfigDict) -> None:
   """rollout.partial (rl/partial_rollouts.py): rows carried across a weight
   switch need stale rows to exist (k >= 1), a version at every step
   (sync_every 1), the paged continuous sampler
-  (generate/parked.py's engine; routing replay, which only the lockstep
-  sampler records, is refused with it), and single-turn rows (an env's
+  (generate/parked.py's engine, which records no routes:
+  `check_routing_replay`), and single-turn rows (an env's
   rows wait on the parked engine already)."""
   r, field = config.rollout, "config field 'rollout.partial' = True"
   refusals = (
@@ -142,10 +142,16 @@ def check_env(config: ConfigDict) -> None:
 def check_routing_replay(config: ConfigDict) -> None:
   """model.moe.routing_replay = rollout: the lockstep, dense-slot and
   paged samplers record routes, and so do env episodes turn by turn
-  (docs/models.md); the parked engine's not."""
+  (docs/models.md); the parked engine (env episodes on it, partial
+  rollouts) does not."""
   if config.model.moe.routing_replay == "off":
     return
   field = "config field 'model.moe.routing_replay' = 'rollout'"
+  if config.rollout.partial:
+    raise ConfigError(f"{field}: partial rollouts (rollout.partial, rows on "
+                      "the parked engine) do not record routes yet; set "
+                      "rollout.partial=False or model.moe.routing_replay="
+                      "'off'")
   if config.env.name and config.env.engine == "parked":
     raise ConfigError(f"{field}: env episodes on the parked engine "
                       "(env.engine = 'parked') do not record routes yet; set "
