@@ -135,10 +135,13 @@ def _moe_defaults() -> ConfigDict:
       aux_loss_coef=-1.0,              # the balancing loss's weight in the
                                        # update; < 0: the checkpoint's
                                        # router_aux_loss_coef
-      dispatch="ragged",               # the trainer's token dispatch:
+      dispatch="auto",                 # the trainer's token dispatch:
                                        # ragged (grouped matmul, GSPMD) |
                                        # all_to_all (tokens to the chips
-                                       # holding their experts; docs/models.md)
+                                       # holding their experts) | auto:
+                                       # all_to_all on TPU chips splitting
+                                       # the experts, else ragged
+                                       # (docs/models.md)
   ))
 
 

@@ -14,6 +14,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.models import expert_parallel, init_params, moe
 from grpo_jax.rl import update
+from grpo_jax.sharding.placement import resolve_dispatch
 
 
 def test_buffer_rows_bound_and_factor():
@@ -61,10 +62,22 @@ def test_ragged_dispatch_is_none_and_uneven_experts_are_refused():
     jax.eval_shape(dispatch, lp, jnp.ones((6, 4)), routing)
 
 
+def test_auto_dispatch_is_all_to_all_on_tpu_chips_splitting_experts():
+  """model.moe.dispatch = auto (the default): all_to_all only where the
+  chips are TPUs and the mesh splits the experts; ragged on CPU."""
+  assert resolve_dispatch("auto", "tpu", True) == "all_to_all"
+  assert resolve_dispatch("auto", "tpu", False) == "ragged"
+  assert resolve_dispatch("auto", "cpu", True) == "ragged"
+  assert resolve_dispatch("ragged", "tpu", True) == "ragged"
+  assert resolve_dispatch("all_to_all", "cpu", False) == "all_to_all"
+
+
 def test_the_trainers_forward_takes_the_configured_dispatch():
   """model.moe.dispatch reaches the trainer's forward (update and
-  scoring): `ragged` none, `all_to_all` the layout's."""
+  scoring): `ragged` none, `all_to_all` the layout's, `auto` (the
+  default) none on CPU."""
   config = config_lib.base_config()
+  assert config.model.moe.dispatch == "auto"
   layout = sharding.Layout.from_config(config, jax.devices()[:1])
   settings = update.LossSettings.from_config(config)
   assert settings.forward(layout).dispatch is None

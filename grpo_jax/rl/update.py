@@ -74,7 +74,7 @@ class LossSettings:
   attention: str = "auto"
   lora_scale: float = 0.0    # α/r of the adapters (model.lora; 0: off)
   moe_aux_coef: float = -1.0  # balancing loss weight (< 0: the checkpoint's)
-  moe_dispatch: str = "ragged"  # model.moe.dispatch
+  moe_dispatch: str = "auto"  # model.moe.dispatch
 
   @property
   def use_kl(self) -> bool:

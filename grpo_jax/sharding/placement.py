@@ -107,6 +107,17 @@ def put_rows(x, mesh: Mesh, rules: Rules) -> jax.Array:
                      host.shape)
 
 
+def resolve_dispatch(dispatch: str, platform: str, experts_split: bool
+                     ) -> str:
+  """model.moe.dispatch on chips of `platform` whose mesh splits the
+  experts (`experts_split`) or not: "auto" is all_to_all on TPU when they
+  are split (one Qwen3-30B-A3B update: docs/models.md#mixtures-of-experts),
+  else ragged (one chip's experts: nothing to send; CPU: the reference)."""
+  if dispatch != "auto":
+    return dispatch
+  return "all_to_all" if platform == "tpu" and experts_split else "ragged"
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The mesh and the rules of a run, with the placements the trainer needs."""
@@ -181,13 +192,16 @@ class Layout:
     """model.moe.dispatch's token dispatch: None for "ragged" (the grouped
     matmul left to the partitioner, `moe.experts`); for "all_to_all" the
     experts split over the mesh axes of the `experts` rule and the tokens
-    over those and the `batch` rule's (`expert_parallel`), no drops."""
-    if dispatch == "ragged":
-      return None
+    over those and the `batch` rule's (`expert_parallel`), no drops.
+    "auto": all_to_all when the mesh's chips are TPUs and split the
+    experts, else ragged (docs/models.md#mixtures-of-experts)."""
     rules = dict(self.rules)
     split = lambda logical: tuple(a for a in rules.get(logical, ())
                                   if self.mesh.shape[a] > 1)
     experts = split("experts")
+    if resolve_dispatch(dispatch, self.mesh.devices.flat[0].platform,
+                        bool(experts)) == "ragged":
+      return None
     tokens = tuple(dict.fromkeys(split(BATCH) + experts))
     return ExpertParallel(self.mesh, experts, tokens)
 

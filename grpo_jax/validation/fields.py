@@ -31,7 +31,7 @@ _CHOICES = {
     "model.compute_dtype": DTYPES,
     "model.remat": tuple(transformer.REMAT_POLICIES),
     "model.moe.routing_replay": ("off", "rollout"),
-    "model.moe.dispatch": ("ragged", "all_to_all"),
+    "model.moe.dispatch": ("auto", "ragged", "all_to_all"),
     "sampling.compute_dtype": ("",) + DTYPES,   # "": the model's
     "sampling.weights_dtype": quant.WEIGHTS_DTYPES,  # "": compute_dtype
     "sampling.kv_cache": ("dense", "paged"),    # decoding.KV_CACHES
