@@ -8,7 +8,8 @@ right in its head. The `calculator` env (envs/calculator.py) answers a turn's
 its last turn (`last_number`), trained with DAPO's token-mean loss over the
 model's tokens only (docs/agents.md). `:local` is sized for 2 CPU cores;
 `:warm` is it after an SFT warm-up on tool-call transcripts (the model
-writes no call of its own before).
+writes no call of its own before). `:pod` is the multi-turn fit check for
+experiments/aot.py (Qwen2.5-7B, 8 turns, a 16K context).
 """
 from grpo_jax.config import base_config, pick_variant
 
@@ -49,20 +50,6 @@ def warm(c):
   return c
 
 
-def warm_short(c):
-  """`:warm` with a quarter of its warm-up (2 SFT steps: 16 transcripts)
-  and 10 RL steps, greedy evaluations after the warm-up and every 5 RL
-  steps: a start the warm-up alone leaves room above, to show RL's own part
-  (docs/agents.md)."""
-  c = warm(c)
-  c.name = "tool_use_warm_short"
-  c.train.steps, c.train.eval_every = 10, 5
-  c.stages = ({**c.stages[0], "overrides": {**c.stages[0]["overrides"],
-                                            "star.sft_steps": 2}},
-              c.stages[1])
-  return c
-
-
 def pod(c):
   """The multi-turn fit at pod scale (experiments/aot.py, docs/agents.md):
   Qwen2.5-7B, 8 turns of at most 1,536 tokens, observations of at most 511
@@ -85,8 +72,7 @@ def pod(c):
 
 # The `:arg` values get_config accepts (no arg: default);
 # tests/test_architecture.py validates each.
-VARIANTS = {"default": default, "local": local, "warm": warm,
-            "warm_short": warm_short, "pod": pod}
+VARIANTS = {"default": default, "local": local, "warm": warm, "pod": pod}
 
 
 def get_config(arg=None):
