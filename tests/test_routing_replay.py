@@ -17,9 +17,9 @@ import pytest
 
 from grpo_jax import validation
 from grpo_jax.errors import ConfigError
-from grpo_jax.generate import rollout, sampling
+from grpo_jax.generate import parked, rollout, sampling
 from grpo_jax.harness import experiment, preflight
-from grpo_jax.models import cast, get_preset, init_params, transformer
+from grpo_jax.models import cast, get_preset, init_params, routing, transformer
 from grpo_jax.rl import async_rollouts, batch, step, update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,38 +190,98 @@ def test_routes_survive_dynamic_sampling_and_the_host_state(params):
   assert back.routes_bgtlc.dtype == np.uint8
 
 
-@pytest.mark.slow      # two sampler compiles (the turns) and a forward
-def test_env_episodes_record_the_routes_the_trainer_replays(params):
+# Each record_routes episode path; the parked engine's over 2 slots and a
+# pool of one row's context (20 pages of 4 columns): rows wait for slots,
+# parked rows are released for room and recomputed, prompts are shared.
+EPISODES = {
+    "turns": {}, "parked": dict(engine="parked", slots=2, pages=20,
+                                page_size=4)}
+
+
+@pytest.mark.slow      # the sampler's or engine's compiles, a forward, a loss
+@pytest.mark.parametrize("engine", EPISODES)
+def test_env_episodes_record_the_routes_the_trainer_replays(params, engine):
   """Turn by turn (env.engine = 'turns'), a row's last sampler call gives
-  its whole history's experts (observations included): the rows' routes
-  are a full-sequence pass's at every valid column (what the trainer's
-  replay then uses, as the tests above check for the samplers)."""
+  its whole history's experts; on the parked engine each column's are
+  recorded when it is fed (the last token by one more admission). Either
+  way the rows' routes (observations included) are a full-sequence pass's
+  at every valid column, and the trainer's log-probs with replay are the
+  sampler's."""
   from grpo_jax.data.example import Example
   from grpo_jax.envs import base
   from grpo_jax.models.byte_tokenizer import byte_tokenizer
+  kw = dict(EPISODES[engine])
   spec = base.EnvSpec("scripted", kwargs=(("observations", ("12", "x")),),
                       max_turns=2, max_observation_tokens=24,
-                      tool_timeout_s=5.0)
+                      tool_timeout_s=5.0, engine=kw.pop("engine", "turns"))
   settings = rollout.GroupSettings(
       G, rollout.RewardSpec((("last_number", 1.0, {}),), "last_number"),
       "last_number", env=spec)
   sampler = sampling.Sampler(CONFIG, sampling.SamplingConfig(
       max_new_tokens=T, stop_ids=tuple(range(0, 256, 3)), pad_id=1,
-      record_routes=True))
+      record_routes=True, **kw))
   groups, metrics = rollout.generate_groups(
       sampler, params, byte_tokenizer(),
       [Example("2+3?", "5"), Example("what is 7*8", "56")],
       jax.random.key(5), settings)
   assert metrics["env/turns_mean"] > 1 and groups.routes_bgtlc is not None
+  if engine == "parked":
+    assert metrics["env/engine_released"] > 0
+    assert metrics["env/engine_free_pages"] == metrics["env/engine_pages"]
   rows = batch.to_rows(groups, 1, False)
   assert groups.observation_bgt.any()
   _assert_full_forwards_routes(params, rows)
+  logp, metrics = _scored(params, rows)
+  mask = rows.mask_nt > 0
+  np.testing.assert_allclose(logp[mask], rows.old_logp_nt[mask], atol=2e-6)
+  assert float(metrics["moe/routes_differ"]) == 0.0
+
+
+def _run_turns(engine, rows, turns=None) -> dict:
+  """Admit each (row, max_new); step until `turns` (default: one a row)
+  have ended: row -> Turn."""
+  for noise, (row, max_new) in enumerate(rows):
+    assert engine.admit(row, noise, max_new)
+  ended = {}
+  while len(ended) < (turns or len(rows)):
+    ended.update((t.row, t) for t in engine.step())
+  return ended
+
+
+def test_parked_engine_records_each_column_when_fed(params):
+  """The parked engine records every column's experts when it is fed: a
+  shared prompt's (the sharer's pages), prefills after a park (an
+  observation appended) and after a release (recomputed from the first
+  token), decode steps', the last token's by a one-token admission: each
+  row's routes are a full-sequence pass's."""
+  cfg = sampling.SamplingConfig(max_new_tokens=T, stop_ids=(), pad_id=1,
+                                record_routes=True, page_size=2)
+  engine = parked.Engine(parked.EngineSpec(CONFIG, cfg, 2, 32, 24), params,
+                         jax.random.key(0))
+  prompt = (5, 9, 13, 2, 7)
+  first = engine.admit(parked.Parked(0, prompt), 0, T)
+  shared = parked.Parked(1, prompt, 4, engine.share(first, 2))   # 4 columns
+  ended = _run_turns(engine, [(shared, T)], 2)    # and row 0's turn
+  ended = _run_turns(engine, [
+      (engine.release(ended[0].parked), 2),     # row 1 holds the shared
+      (ended[1].parked._replace(tokens=ended[1].parked.tokens + (11, 3)), 3)])
+  ended = _run_turns(engine, [(t.parked, 1) for t in ended.values()])
+  for turn in ended.values():
+    row = turn.parked
+    assert row.cached == len(row.tokens) - 1 and len(turn.ids) == 1
+    _, taken_lnsc = routing.forward_routed(
+        CONFIG, params, jnp.asarray([row.tokens[:-1]]))
+    np.testing.assert_array_equal(
+        np.sort(engine.routes(row), -1),
+        np.sort(np.moveaxis(np.asarray(taken_lnsc)[:, 0], 0, 1), -1))
+    engine.release(row)
+  assert engine.free_pages == 32
 
 
 def test_replay_is_refused_where_routes_are_not_recorded():
-  """The parked engine (env episodes on it, partial rollouts) does not
-  record routes: refused at validation, naming the field; dense slots,
-  pages and turn-by-turn episodes record them."""
+  """Partial rollouts do not carry routes: refused at validation, naming
+  the field; dense slots, pages and env episodes (turn by turn, parked)
+  record them."""
   config = async_checks.config(**{"model.source": "tiny-moe",
                                   "model.moe.routing_replay": "rollout"})
   validation.validate(config)
@@ -240,9 +300,7 @@ def test_replay_is_refused_where_routes_are_not_recorded():
   config.sampling.continuous_batching = True
   config.sampling.kv_cache = "paged"
   config.env.engine = "parked"
-  with pytest.raises(ConfigError, match="'rollout': env episodes on the "
-                     "parked engine"):
-    validation.validate(config)
+  validation.validate(config)
   config.model.moe.routing_replay = "always"
   with pytest.raises(ConfigError, match="allowed: \\('off', 'rollout'\\)"):
     validation.validate(config)

@@ -93,9 +93,11 @@ def decode_program(plan: Plan, spec: parked.EngineSpec) -> Program:
   x = _Abstract(plan, spec)
   M, J, T = spec.slots, spec.table_width, spec.sampling.max_new_tokens
   i32 = lambda *shape: x.array(shape, jnp.int32)
+  routes_tlc, routes_dtype = parked.routes_shape(spec)
   slots = parked._Slots(   # pylint: disable=protected-access
       i32(M), i32(M), i32(M), i32(M), i32(M), x.array((M,), jnp.bool_),
-      i32(M, J), i32(M, T), x.array((M, T), jnp.float32))
+      i32(M, J), i32(M, T), x.array((M, T), jnp.float32),
+      x.array((M, *routes_tlc), routes_dtype))
   lower = lambda: parked._decode.lower(  # pylint: disable=protected-access
       spec, x.params, x.pool, slots, x.key)
   return compile_program("engine decode", M, lower, engine_resident(plan))

@@ -25,6 +25,11 @@ stays within its prompt + `EnvSpec.trajectory_tokens` columns.
 
 Row i's turn k draws its noise as number i * max_turns + k (`parked`): an
 episode depends on the key and the weights, never on the tools' timing.
+
+Recording routes (`sampling.record_routes`, MoE routing replay): a row
+whose episode ended is admitted once more for a turn of one token, which
+feeds its last token (its sample is dropped); its routes, every column's
+(`parked.Engine.routes`), go to `Row.routes`, then its pages are released.
 """
 from __future__ import annotations
 
@@ -245,12 +250,22 @@ def _run_shard(engine: parked.Engine, rows: list, part: range,
                             for i in part)
   tools = _Tools(len(part), spec.tool_timeout_s)
   finished, released = 0, 0
+  feeding = set()            # ended rows admitted to feed their last token
+
+  def end(p: parked.Parked) -> int:
+    if cfg.record_routes and p.row not in feeding:
+      feeding.add(p.row)
+      ready.append(p)
+      return 0
+    engine.release(p)
+    return 1
+
   try:
     while finished < len(part):
       while ready:
         held = engine.admit(
             ready[0], ready[0].row * spec.max_turns + rows[ready[0].row].turns,
-            cfg.max_new_tokens)
+            1 if ready[0].row in feeding else cfg.max_new_tokens)
         if held is None:
           break
         if not ready.popleft().cached and share:
@@ -264,19 +279,21 @@ def _run_shard(engine: parked.Engine, rows: list, part: range,
         continue
       for turn in engine.step():
         row = rows[turn.row]
+        if turn.row in feeding:          # its last token fed: its routes
+          row.routes = engine.routes(turn.parked)
+          finished += end(turn.parked)
+          continue
         text = agent.take_turn(row, tokenizer, turn.ids, turn.logp,
                                not turn.stopped)
         if text is None:
-          engine.release(turn.parked)
-          finished += 1
+          finished += end(turn.parked)
         else:
           tools.submit(row.env, text, turn.ids, turn.parked)
       for p, result in tools.answered(block=not engine.busy and not ready):
         if agent.take_result(rows[p.row], result, turns, tokenizer, spec):
           ready.append(p._replace(tokens=tuple(rows[p.row].history)))
         else:
-          engine.release(p)
-          finished += 1
+          finished += end(p)
   finally:
     tools.pool.shutdown(wait=False, cancel_futures=True)
   return released

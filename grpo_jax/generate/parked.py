@@ -24,6 +24,14 @@ mechanism partial rollouts reuse (docs/async.md rule 4).
             pages reserved past it return. The caller runs its tool, then
             admits it again with the observation appended (only the turn's
             last token and the observation are prefilled), or releases it.
+  routes    `sampling.record_routes` (MoE routing replay): each column's
+            experts per sparse layer, recorded when its token is fed (the
+            prefill's for the new tokens, each decode step's for the token
+            it feeds) and kept on the host beside the column's page
+            (`Engine.routes`): a row sharing a page shares its routes, a
+            released row records them again when it is recomputed. A row's
+            last sampled token is fed by one more admission of at most one
+            token, whose sample is dropped (`agent_parked`).
 
 The pool is one `models.paged` pool on one row shard's devices (a mesh of
 more row shards runs an engine per shard, `agent_parked`), its pages
@@ -51,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.generate import decoding, page_pool, sampling
-from grpo_jax.models import attention, decode, paged, transformer
+from grpo_jax.models import attention, decode, moe, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 _LAYOUT = paged.REFERENCE_LAYOUT
@@ -135,6 +143,8 @@ class _Slots(NamedTuple):
   table_mj: np.ndarray      # int32 page ids (W: none)
   tokens_mt: np.ndarray     # int32 this turn's tokens
   logp_mt: np.ndarray       # float32 their log-probs
+  routes_mtlc: np.ndarray   # record_routes: token t's experts when fed
+                            # (L_sparse, C); else (M, 0, 0, 0)
 
 
 class Stats(NamedTuple):
@@ -149,7 +159,8 @@ def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
              start_a, count_a, table_aj, noise_a, t0_a, key) -> tuple:
   """Row a's count_a[a] new tokens at columns start_a[a]... written onto its
   pages, each attending over its columns up to itself; the turn's first
-  token chosen from the last one's logits. Returns (pool, first_a, logp_a)."""
+  token chosen from the last one's logits. Returns (pool, first_a, logp_a,
+  the new tokens' experts (A, L, L_sparse, C) or None: record_routes)."""
   mc, Z = spec.model_config, spec.sampling.page_size
   A, L = tokens_al.shape
   W, J = spec.pages, table_aj.shape[1]
@@ -163,7 +174,7 @@ def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
   key_s = jnp.arange(J * Z)
   weights = decode.weights(mc, params)
   x = transformer.embed(params, tokens_al, mc)
-  ks, vs = list(pool.k), list(pool.v)
+  ks, vs, routes = list(pool.k), list(pool.v), []
   for i, lp in enumerate(weights.layers):
     c = mc.layer_config(i)
     q, k, v = transformer.qkv(c, lp, x, col_al)       # k, v: (A, K, L, E)
@@ -179,11 +190,15 @@ def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
     attn = attention.attention(
         q, k_gathered, gather(vs[i]) if vs else k_gathered, mask_als,
         c.attn_softcap)
-    x = transformer.attn_out_and_mlp(c, lp, x, attn)
+    x, routing = transformer.attn_out_and_routed_mlp(c, lp, x, attn)
+    if routing is not None:
+      routes.append(routing.experts_nc.reshape(A, L, -1))
   last = jnp.take_along_axis(x, jnp.maximum(count_a - 1, 0)[:, None, None], 1)
   first_a, logp_a = decoding.choose_tokens(
       decode.logits(mc, params, last), key, spec.sampling, noise_a, t0_a)
-  return paged.PagePool(tuple(ks), tuple(vs)), first_a, logp_a
+  routes_allc = (jnp.stack(routes, 2).astype(moe.routes_dtype(
+      mc.moe.num_experts)) if spec.sampling.record_routes else None)
+  return paged.PagePool(tuple(ks), tuple(vs)), first_a, logp_a, routes_allc
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
@@ -204,9 +219,15 @@ def _decode(spec: EngineSpec, params, pool: paged.PagePool, s: _Slots, key
     filled = jnp.max(jnp.where(s.live_m, j_m + 1, 0))
     settings = paged.DecodeSettings(
         paged.reference_fn(mc, filled, _LAYOUT, spec.block), 1, _LAYOUT)
-    logits_mv, pool = paged.decode_step(
+    logits_mv, pool, *taken = paged.decode_step(
         mc, weights, pool, s.tokens_mt[m, s.t_m - 1],
-        paged.RowPages(s.column_m, page_m, s.table_mj), settings)
+        paged.RowPages(s.column_m, page_m, s.table_mj), settings,
+        cfg.record_routes)
+    if taken:                          # the fed token's (t_m - 1) experts
+      s = s._replace(routes_mtlc=s.routes_mtlc.at[
+          m, jnp.where(s.live_m, s.t_m - 1, s.tokens_mt.shape[1])].set(
+              jnp.moveaxis(taken[0], 0, 1).astype(s.routes_mtlc.dtype),
+              mode="drop"))
     tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, s.noise_m,
                                            s.t0_m + s.t_m)
     at_m = jnp.where(s.live_m, s.t_m, s.tokens_mt.shape[1])    # dead: drop
@@ -228,6 +249,16 @@ def _decode(spec: EngineSpec, params, pool: paged.PagePool, s: _Slots, key
     steps, _, pool, s = jax.lax.while_loop(
         going, step, (jnp.int32(0), jnp.int32(0), pool, s))
   return pool, s, steps
+
+
+def routes_shape(spec: EngineSpec) -> tuple:
+  """A slot's `_Slots.routes_mtlc` (T, L_sparse, C) and their dtype
+  (`moe.routes_dtype`); (0, 0, 0) when not recording."""
+  c, cfg = spec.model_config, spec.sampling
+  if not cfg.record_routes:
+    return (0, 0, 0), np.uint8
+  return ((cfg.max_new_tokens, len(c.sparse_layers()),
+           c.moe.experts_per_token), moe.routes_dtype(c.moe.num_experts))
 
 
 def _pages_for(columns: int, Z: int) -> int:
@@ -254,11 +285,16 @@ class Engine:
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
     self._holders_w = np.zeros(spec.pages, np.int32)   # rows holding a page
     zeros_m = lambda: np.zeros(M, np.int32)
+    (T_r, *lc), dtype = routes_shape(spec)
     self._slots = _Slots(
         zeros_m(), zeros_m(), np.ones(M, np.int32), zeros_m(),
         np.ones(M, np.int32), np.zeros(M, bool),
         np.full((M, J), spec.pages, np.int32),
-        np.full((M, T), cfg.pad_id, np.int32), np.zeros((M, T), np.float32))
+        np.full((M, T), cfg.pad_id, np.int32), np.zeros((M, T), np.float32),
+        np.zeros((M, T_r, *lc), dtype))
+    # record_routes: column z of page w's token's experts (`routes`)
+    self._routes_wzlc = (np.zeros((spec.pages, cfg.page_size, *lc), dtype)
+                         if cfg.record_routes else None)
     self._held: list = [None] * M      # slot -> Parked with the turn's pages
     self._pending: list = []           # (slot, Parked, noise, limit, t0)
     self.stats = Stats()
@@ -305,6 +341,23 @@ class Engine:
     self.stats = self.stats._replace(peak_pages=max(
         self.stats.peak_pages, spec.pages - len(self._free)))
     return row
+
+  def routes(self, row: Parked) -> np.ndarray:
+    """record_routes: the experts of row's cached columns, (row.cached,
+    L_sparse, C), as recorded when each was fed (on the pages holding its
+    keys: shared pages' by the row that wrote them)."""
+    Z = self.spec.sampling.page_size
+    col = np.arange(row.cached)
+    return self._routes_wzlc[np.asarray(row.pages, np.int32)[col // Z],
+                             col % Z]
+
+  def _record(self, pages: tuple, start: int, routes_slc: np.ndarray
+              ) -> None:
+    """Columns start... of a row on `pages` were fed with these experts."""
+    Z = self.spec.sampling.page_size
+    col = start + np.arange(len(routes_slc))
+    self._routes_wzlc[np.asarray(pages, np.int32)[col // Z],
+                      col % Z] = routes_slc
 
   def share(self, row: Parked, count: int) -> tuple:
     """The first `count` pages of an admitted `row`, held by one more row
@@ -368,12 +421,15 @@ class Engine:
       start_a[a], count_a[a], noise_a[a], t0_a[a] = (row.cached, len(new),
                                                      noise, t0)
       table_aj[a, :len(row.pages)] = row.pages
-    self.pool, first_a, logp_a = _prefill(
+    self.pool, first_a, logp_a, routes_allc = _prefill(
         spec, self.params, self.pool, tokens_al, start_a, count_a, table_aj,
         noise_a, t0_a, self.key)
-    first_a, logp_a = jax.device_get((first_a, logp_a))
+    first_a, logp_a, routes_allc = jax.device_get(
+        (first_a, logp_a, routes_allc))
     s = self._slots
     for a, (m, row, noise, limit, t0) in enumerate(rows):
+      if routes_allc is not None:
+        self._record(row.pages, row.cached, routes_allc[a, :count_a[a]])
       s.tokens_mt[m] = cfg.pad_id
       s.tokens_mt[m, 0], s.logp_mt[m, 0] = first_a[a], logp_a[a]
       s.noise_m[m], s.t0_m[m], s.t_m[m], s.limit_m[m] = noise, t0, 1, limit
@@ -402,6 +458,8 @@ class Engine:
     tokens = row.tokens + tuple(ids)
     cached = len(tokens) - 1
     keep = _pages_for(cached, Z)
+    if self._routes_wzlc is not None:      # its turn's fed tokens
+      self._record(row.pages, len(row.tokens), s.routes_mtlc[m, :t - 1])
     self._give(row.pages[keep:])
     self._held[m] = None
     cut = bool(s.live_m[m])

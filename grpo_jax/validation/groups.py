@@ -71,7 +71,7 @@ def check_partial(config: ConfigDict) -> None:
   """rollout.partial (rl/partial_rollouts.py): rows carried across a weight
   switch need stale rows to exist (k >= 1), a version at every step
   (sync_every 1), the paged continuous sampler
-  (generate/parked.py's engine, which records no routes:
+  (generate/parked.py's engine; the stream carries no routes:
   `check_routing_replay`), and single-turn rows (an env's
   rows wait on the parked engine already)."""
   r, field = config.rollout, "config field 'rollout.partial' = True"
@@ -141,21 +141,16 @@ def check_env(config: ConfigDict) -> None:
 
 def check_routing_replay(config: ConfigDict) -> None:
   """model.moe.routing_replay = rollout: the lockstep, dense-slot and
-  paged samplers record routes, and so do env episodes turn by turn
-  (docs/models.md); the parked engine (env episodes on it, partial
-  rollouts) does not."""
+  paged samplers record routes, and so do env episodes (turn by turn and
+  on the parked engine; docs/models.md); partial rollouts do not."""
   if config.model.moe.routing_replay == "off":
     return
   field = "config field 'model.moe.routing_replay' = 'rollout'"
   if config.rollout.partial:
     raise ConfigError(f"{field}: partial rollouts (rollout.partial, rows on "
-                      "the parked engine) do not record routes yet; set "
+                      "the parked engine) do not carry routes yet; set "
                       "rollout.partial=False or model.moe.routing_replay="
                       "'off'")
-  if config.env.name and config.env.engine == "parked":
-    raise ConfigError(f"{field}: env episodes on the parked engine "
-                      "(env.engine = 'parked') do not record routes yet; set "
-                      "env.engine='turns' or model.moe.routing_replay='off'")
 
 
 def check_lora(c: ConfigDict) -> None:
