@@ -9,13 +9,13 @@ are, its page pool replicated over those devices (`parked.Engine`'s
 `out_shardings`), its slots as host numpy read back once per call. Sized by
 the run's own rule (`agent_parked.shard_engine_spec`), per row shard:
 
-  engine decode     `parked._decode`: a call of at most env.engine_steps
-                    decode steps over the M slots
-  engine prefill    `parked._prefill` of A = M rows (the most one call
+  engine decode     `parked_programs.decode_steps`: a call of at most
+                    env.engine_steps decode steps over the M slots
+  engine prefill    `parked_programs.prefill` of A = M rows (the most one call
                     admits) of the prompt: every slot admitted at once at a
                     step's start, each prefilling its whole prompt
-  engine observe    `parked._prefill` of M rows, each the turn's last id and
-                    an observation at its budget (env.max_observation_tokens)
+  engine observe    `parked_programs.prefill` of M rows, each the turn's
+                    last id and an observation at its budget (env.max_observation_tokens)
                     onto the row's own pages: what a re-admitted row prefills
 
 Every chip belongs to one row shard and every shard's programs are the same,
@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Program, compile_program, per_chip_bytes
-from grpo_jax.generate import agent_parked, page_pool, parked, sampling
+from grpo_jax.generate import agent_parked, page_pool, parked, parked_programs, parked_routes, sampling
 from grpo_jax.models import int8_pages, paged
 
 
@@ -89,28 +89,30 @@ class _Abstract:
 
 
 def decode_program(plan: Plan, spec: parked.EngineSpec) -> Program:
-  """`parked._decode` over the shard's M slots."""
+  """`parked_programs.decode_steps` over the shard's M slots."""
   x = _Abstract(plan, spec)
   M, J, T = spec.slots, spec.table_width, spec.sampling.max_new_tokens
   i32 = lambda *shape: x.array(shape, jnp.int32)
-  routes_tlc, routes_dtype = parked.routes_shape(spec)
-  slots = parked._Slots(   # pylint: disable=protected-access
+  routes_tlc, routes_dtype = parked_routes.slot_shape(spec.model_config,
+                                                     spec.sampling)
+  slots = parked_programs.Slots(
       i32(M), i32(M), i32(M), i32(M), i32(M), x.array((M,), jnp.bool_),
       i32(M, J), i32(M, T), x.array((M, T), jnp.float32),
       x.array((M, *routes_tlc), routes_dtype))
-  lower = lambda: parked._decode.lower(  # pylint: disable=protected-access
+  lower = lambda: parked_programs.decode_steps.lower(
       spec, x.params, x.pool, slots, x.key)
   return compile_program("engine decode", M, lower, engine_resident(plan))
 
 
 def prefill_program(plan: Plan, spec: parked.EngineSpec, rows: int,
                     new_tokens: int, name: str) -> Program:
-  """`parked._prefill` of `rows` rows of `new_tokens` new tokens each (the
-  call's L: `sampling.bucket`, as `Engine._prefill_pending` pads it)."""
+  """`parked_programs.prefill` of `rows` rows of `new_tokens` new tokens
+  each (the call's L: `sampling.bucket`, as `Engine._prefill_pending` pads
+  it)."""
   x = _Abstract(plan, spec)
   A, L = rows, sampling.bucket(new_tokens)
   i32 = lambda *shape: x.array(shape, jnp.int32)
-  lower = lambda: parked._prefill.lower(  # pylint: disable=protected-access
+  lower = lambda: parked_programs.prefill.lower(
       spec, x.params, x.pool, i32(A, L), i32(A), i32(A),
       i32(A, spec.table_width), i32(A), i32(A), x.key)
   return compile_program(name, A, lower, engine_resident(plan))

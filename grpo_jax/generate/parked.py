@@ -10,7 +10,7 @@ mechanism partial rollouts reuse (docs/async.md rule 4).
             turn's budget. The tokens past `cached` (those whose keys and
             values are not yet on the row's pages) are prefilled onto its
             pages in one call for every row admitted since the last
-            (`_prefill`); the history before `cached` is never prefilled
+            (`parked_programs`); the history before `cached` is never prefilled
             again. cached 0 with no pages is a row recomputed from its
             first token: a row whose pages were released (`release`),
             e.g. after a weight switch (partial rollouts).
@@ -24,14 +24,7 @@ mechanism partial rollouts reuse (docs/async.md rule 4).
             pages reserved past it return. The caller runs its tool, then
             admits it again with the observation appended (only the turn's
             last token and the observation are prefilled), or releases it.
-  routes    `sampling.record_routes` (MoE routing replay): each column's
-            experts per sparse layer, recorded when its token is fed (the
-            prefill's for the new tokens, each decode step's for the token
-            it feeds) and kept on the host beside the column's page
-            (`Engine.routes`): a row sharing a page shares its routes, a
-            released row records them again when it is recomputed. A row's
-            last sampled token is fed by one more admission of at most one
-            token, whose sample is dropped (`agent_parked`).
+  routes    each column's experts when fed (`parked_routes`).
 
 The pool is one `models.paged` pool on one row shard's devices (a mesh of
 more row shards runs an engine per shard, `agent_parked`), its pages
@@ -50,7 +43,6 @@ which slot, call or order served a row. Shape letters as in `grpo_jax` and
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -58,55 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.generate import decoding, page_pool, sampling
-from grpo_jax.models import attention, decode, moe, paged, transformer
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.generate import page_pool, parked_programs, parked_routes, sampling
+from grpo_jax.generate.parked_programs import EngineSpec
 
-_LAYOUT = paged.REFERENCE_LAYOUT
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-  """What the engine's programs are compiled for: the model, the sampler
-  settings (max_new_tokens is a turn's budget), M slots, W pages of
-  sampling.page_size columns, at most `context` columns per row, at most
-  `steps_per_call` decode steps per call, a call left once `return_after`
-  turns have ended."""
-  model_config: ModelConfig
-  sampling: decoding.SamplingConfig
-  slots: int
-  pages: int
-  context: int
-  steps_per_call: int = 16
-  return_after: int = 1
-  max_buckets: int = 16     # decode attention branches a layer, at most
-
-  def __post_init__(self):
-    J = self.table_width
-    if self.pages < J:
-      raise ValueError(f"a pool of {self.pages} pages cannot hold one row of "
-                       f"{self.context} columns ({J} pages)")
-    if min(self.slots, self.steps_per_call, self.return_after,
-           self.max_buckets) < 1:
-      raise ValueError("slots, steps_per_call, return_after and max_buckets "
-                       "must be >= 1")
-
-  @property
-  def table_width(self) -> int:
-    """J: page-table entries of a row."""
-    return -(-self.context // self.sampling.page_size)
-
-  @property
-  def block(self) -> int:
-    """Key columns per bucket of the decode's attention: `paged.BLOCK_S`,
-    or coarser so a layer has at most `max_buckets` `lax.switch` branches
-    (`paged.bucketed_attention`; a step reads up to a bucket past its
-    longest row): at a 16K context, 512 branches of 32 columns a layer made
-    a 7B decode step too big to compile (aot.py)."""
-    Z = self.sampling.page_size
-    pages = max(paged.BLOCK_S // Z, -(-self.table_width // self.max_buckets),
-                1)
-    return pages * Z
+_Slots = parked_programs.Slots
 
 
 class Parked(NamedTuple):
@@ -132,133 +79,11 @@ class Turn(NamedTuple):
   cut: bool = False         # left mid-turn: continue it (admit's first_t)
 
 
-class _Slots(NamedTuple):
-  """The slots as the decode loop carries them (host numpy between calls)."""
-  noise_m: np.ndarray       # int32: the noise number of the slot's turn
-  t0_m: np.ndarray          # int32: the turn's tokens before this admission
-  t_m: np.ndarray           # int32: tokens chosen since this admission
-  column_m: np.ndarray      # int32: the column of the last chosen token
-  limit_m: np.ndarray       # int32: this turn's token budget
-  live_m: np.ndarray        # bool: decoding
-  table_mj: np.ndarray      # int32 page ids (W: none)
-  tokens_mt: np.ndarray     # int32 this turn's tokens
-  logp_mt: np.ndarray       # float32 their log-probs
-  routes_mtlc: np.ndarray   # record_routes: token t's experts when fed
-                            # (L_sparse, C); else (M, 0, 0, 0)
-
-
 class Stats(NamedTuple):
   prefilled: int = 0        # tokens prefilled onto pages
   decode_calls: int = 0     # device calls of the decode loop
   decode_steps: int = 0     # decode steps run
   peak_pages: int = 0       # most pages allocated at once
-
-
-@functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
-def _prefill(spec: EngineSpec, params, pool: paged.PagePool, tokens_al,
-             start_a, count_a, table_aj, noise_a, t0_a, key) -> tuple:
-  """Row a's count_a[a] new tokens at columns start_a[a]... written onto its
-  pages, each attending over its columns up to itself; the turn's first
-  token chosen from the last one's logits. Returns (pool, first_a, logp_a,
-  the new tokens' experts (A, L, L_sparse, C) or None: record_routes)."""
-  mc, Z = spec.model_config, spec.sampling.page_size
-  A, L = tokens_al.shape
-  W, J = spec.pages, table_aj.shape[1]
-  col_al = start_a[:, None] + jnp.arange(L)[None]
-  real_al = jnp.arange(L)[None] < count_a[:, None]
-  page_al = jnp.where(real_al, jnp.take_along_axis(
-      table_aj, jnp.minimum(col_al // Z, J - 1), 1), W)
-  write = lambda pool, new: jax.vmap(_LAYOUT.write)(
-      pool, new.reshape(1, A * L, *new.shape[2:]), page_al.reshape(1, -1),
-      (col_al % Z).reshape(1, -1))
-  key_s = jnp.arange(J * Z)
-  weights = decode.weights(mc, params)
-  x = transformer.embed(params, tokens_al, mc)
-  ks, vs, routes = list(pool.k), list(pool.v), []
-  for i, lp in enumerate(weights.layers):
-    c = mc.layer_config(i)
-    q, k, v = transformer.qkv(c, lp, x, col_al)       # k, v: (A, K, L, E)
-    ks[i] = write(ks[i], jnp.swapaxes(k, 1, 2))
-    if vs:                             # else the values are the keys (MLA)
-      vs[i] = write(vs[i], jnp.swapaxes(v, 1, 2))
-    gather = lambda p: jax.vmap(lambda p, t: _LAYOUT.gather(p, t, q.dtype))(
-        p, table_aj[None])[0]                       # (A, K, J*Z, E)
-    mask_als = key_s[None, None] <= col_al[:, :, None]
-    if c.sliding_window is not None:
-      mask_als &= key_s[None, None] > col_al[:, :, None] - c.sliding_window
-    k_gathered = gather(ks[i])
-    attn = attention.attention(
-        q, k_gathered, gather(vs[i]) if vs else k_gathered, mask_als,
-        c.attn_softcap)
-    x, routing = transformer.attn_out_and_routed_mlp(c, lp, x, attn)
-    if routing is not None:
-      routes.append(routing.experts_nc.reshape(A, L, -1))
-  last = jnp.take_along_axis(x, jnp.maximum(count_a - 1, 0)[:, None, None], 1)
-  first_a, logp_a = decoding.choose_tokens(
-      decode.logits(mc, params, last), key, spec.sampling, noise_a, t0_a)
-  routes_allc = (jnp.stack(routes, 2).astype(moe.routes_dtype(
-      mc.moe.num_experts)) if spec.sampling.record_routes else None)
-  return paged.PagePool(tuple(ks), tuple(vs)), first_a, logp_a, routes_allc
-
-
-@functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
-def _decode(spec: EngineSpec, params, pool: paged.PagePool, s: _Slots, key
-            ) -> tuple:
-  """DECODE: at most spec.steps_per_call steps, left once return_after
-  turns have ended or nothing is live. Returns (pool, slots, steps)."""
-  mc, cfg = spec.model_config, spec.sampling
-  Z, W = cfg.page_size, spec.pages
-  M, J = s.table_mj.shape
-  m = jnp.arange(M)
-  weights = decode.weights(mc, params)
-
-  def step(carry):
-    i, ended, pool, s = carry
-    j_m = s.column_m // Z
-    page_m = jnp.where(s.live_m, s.table_mj[m, jnp.minimum(j_m, J - 1)], W)
-    filled = jnp.max(jnp.where(s.live_m, j_m + 1, 0))
-    settings = paged.DecodeSettings(
-        paged.reference_fn(mc, filled, _LAYOUT, spec.block), 1, _LAYOUT)
-    logits_mv, pool, *taken = paged.decode_step(
-        mc, weights, pool, s.tokens_mt[m, s.t_m - 1],
-        paged.RowPages(s.column_m, page_m, s.table_mj), settings,
-        cfg.record_routes)
-    if taken:                          # the fed token's (t_m - 1) experts
-      s = s._replace(routes_mtlc=s.routes_mtlc.at[
-          m, jnp.where(s.live_m, s.t_m - 1, s.tokens_mt.shape[1])].set(
-              jnp.moveaxis(taken[0], 0, 1).astype(s.routes_mtlc.dtype),
-              mode="drop"))
-    tok_m, logp_m = decoding.choose_tokens(logits_mv, key, cfg, s.noise_m,
-                                           s.t0_m + s.t_m)
-    at_m = jnp.where(s.live_m, s.t_m, s.tokens_mt.shape[1])    # dead: drop
-    end_m = s.live_m & (decoding.is_stop(tok_m, cfg.stop_ids)
-                        | (s.t_m + 1 >= s.limit_m))
-    s = s._replace(
-        t_m=s.t_m + s.live_m, column_m=s.column_m + s.live_m,
-        live_m=s.live_m & ~end_m,
-        tokens_mt=s.tokens_mt.at[m, at_m].set(tok_m, mode="drop"),
-        logp_mt=s.logp_mt.at[m, at_m].set(logp_m, mode="drop"))
-    return i + 1, ended + end_m.sum(), pool, s
-
-  def going(carry):
-    i, ended, _, s = carry
-    return ((i < spec.steps_per_call) & (ended < spec.return_after)
-            & jnp.any(s.live_m))
-
-  with jax.named_scope(decoding.DECODE_SCOPE):
-    steps, _, pool, s = jax.lax.while_loop(
-        going, step, (jnp.int32(0), jnp.int32(0), pool, s))
-  return pool, s, steps
-
-
-def routes_shape(spec: EngineSpec) -> tuple:
-  """A slot's `_Slots.routes_mtlc` (T, L_sparse, C) and their dtype
-  (`moe.routes_dtype`); (0, 0, 0) when not recording."""
-  c, cfg = spec.model_config, spec.sampling
-  if not cfg.record_routes:
-    return (0, 0, 0), np.uint8
-  return ((cfg.max_new_tokens, len(c.sparse_layers()),
-           c.moe.experts_per_token), moe.routes_dtype(c.moe.num_experts))
 
 
 def _pages_for(columns: int, Z: int) -> int:
@@ -277,7 +102,7 @@ class Engine:
     self.spec, self.params, self.key = spec, params, key
     zeros = functools.partial(
         page_pool.zero_pool, c, spec.pages, cfg.page_size, 1,
-        page_pool.pool_dtype(params), None, _LAYOUT, cfg.kv_dtype)
+        page_pool.pool_dtype(params), None, parked_programs.LAYOUT, cfg.kv_dtype)
     self.pool = zeros() if mesh is None else jax.jit(
         zeros, out_shardings=jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec()))()
@@ -285,16 +110,15 @@ class Engine:
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
     self._holders_w = np.zeros(spec.pages, np.int32)   # rows holding a page
     zeros_m = lambda: np.zeros(M, np.int32)
-    (T_r, *lc), dtype = routes_shape(spec)
+    shape_tlc, dtype = parked_routes.slot_shape(c, cfg)
     self._slots = _Slots(
         zeros_m(), zeros_m(), np.ones(M, np.int32), zeros_m(),
         np.ones(M, np.int32), np.zeros(M, bool),
         np.full((M, J), spec.pages, np.int32),
         np.full((M, T), cfg.pad_id, np.int32), np.zeros((M, T), np.float32),
-        np.zeros((M, T_r, *lc), dtype))
-    # record_routes: column z of page w's token's experts (`routes`)
-    self._routes_wzlc = (np.zeros((spec.pages, cfg.page_size, *lc), dtype)
-                         if cfg.record_routes else None)
+        np.zeros((M, *shape_tlc), dtype))
+    self._routes = (parked_routes.PageRoutes(c, cfg, spec.pages)
+                    if cfg.record_routes else None)
     self._held: list = [None] * M      # slot -> Parked with the turn's pages
     self._pending: list = []           # (slot, Parked, noise, limit, t0)
     self.stats = Stats()
@@ -343,21 +167,8 @@ class Engine:
     return row
 
   def routes(self, row: Parked) -> np.ndarray:
-    """record_routes: the experts of row's cached columns, (row.cached,
-    L_sparse, C), as recorded when each was fed (on the pages holding its
-    keys: shared pages' by the row that wrote them)."""
-    Z = self.spec.sampling.page_size
-    col = np.arange(row.cached)
-    return self._routes_wzlc[np.asarray(row.pages, np.int32)[col // Z],
-                             col % Z]
-
-  def _record(self, pages: tuple, start: int, routes_slc: np.ndarray
-              ) -> None:
-    """Columns start... of a row on `pages` were fed with these experts."""
-    Z = self.spec.sampling.page_size
-    col = start + np.arange(len(routes_slc))
-    self._routes_wzlc[np.asarray(pages, np.int32)[col // Z],
-                      col % Z] = routes_slc
+    """record_routes: row's cached columns' experts (`parked_routes`)."""
+    return self._routes.of(row.pages, row.cached)
 
   def share(self, row: Parked, count: int) -> tuple:
     """The first `count` pages of an admitted `row`, held by one more row
@@ -395,7 +206,7 @@ class Engine:
       self._prefill_pending()
     s = self._slots
     if s.live_m.any():
-      self.pool, s, steps = _decode(self.spec, self.params, self.pool,
+      self.pool, s, steps = parked_programs.decode_steps(self.spec, self.params, self.pool,
                                     jax.tree.map(jnp.asarray, s), self.key)
       self._slots = _Slots(*map(np.array, jax.device_get(tuple(s))))
       self.stats = self.stats._replace(
@@ -421,7 +232,7 @@ class Engine:
       start_a[a], count_a[a], noise_a[a], t0_a[a] = (row.cached, len(new),
                                                      noise, t0)
       table_aj[a, :len(row.pages)] = row.pages
-    self.pool, first_a, logp_a, routes_allc = _prefill(
+    self.pool, first_a, logp_a, routes_allc = parked_programs.prefill(
         spec, self.params, self.pool, tokens_al, start_a, count_a, table_aj,
         noise_a, t0_a, self.key)
     first_a, logp_a, routes_allc = jax.device_get(
@@ -429,7 +240,7 @@ class Engine:
     s = self._slots
     for a, (m, row, noise, limit, t0) in enumerate(rows):
       if routes_allc is not None:
-        self._record(row.pages, row.cached, routes_allc[a, :count_a[a]])
+        self._routes.record(row.pages, row.cached, routes_allc[a, :count_a[a]])
       s.tokens_mt[m] = cfg.pad_id
       s.tokens_mt[m, 0], s.logp_mt[m, 0] = first_a[a], logp_a[a]
       s.noise_m[m], s.t0_m[m], s.t_m[m], s.limit_m[m] = noise, t0, 1, limit
@@ -458,8 +269,8 @@ class Engine:
     tokens = row.tokens + tuple(ids)
     cached = len(tokens) - 1
     keep = _pages_for(cached, Z)
-    if self._routes_wzlc is not None:      # its turn's fed tokens
-      self._record(row.pages, len(row.tokens), s.routes_mtlc[m, :t - 1])
+    if self._routes is not None:      # its turn's fed tokens
+      self._routes.record(row.pages, len(row.tokens), s.routes_mtlc[m, :t - 1])
     self._give(row.pages[keep:])
     self._held[m] = None
     cut = bool(s.live_m[m])
