@@ -20,11 +20,14 @@ three ways, each once to compile and then timed:
 
 All at the given slots, a trainer that publishes the same weights as each
 new version at once (no update: the sampler's side alone). Useful tokens:
-through each row's stop token. The last line is `ratios: partial_vs_
-continuous <x>, partial_vs_drained <y>` (useful tokens/s).
+through each row's stop token. The stream's seconds are split into the
+parked engine's prefill and decode calls (each ends in a device_get, so
+timing them adds no wait) and the rest (host). The last line is `ratios:
+partial_vs_continuous <x>, partial_vs_drained <y>` (useful tokens/s).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import time
@@ -33,9 +36,24 @@ import _common
 import jax
 
 from grpo_jax.data.iterator import BatchIterator
-from grpo_jax.generate import rollout, sampling
+from grpo_jax.generate import parked, rollout, sampling
 from grpo_jax.rl import async_rollouts, partial_rollouts
 from grpo_jax.rl.weight_sync import WeightStore
+
+SECONDS = collections.Counter()    # the engine's calls, by program
+
+
+def _timed(name: str, program):
+  def call(*args, **kwargs):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(program(*args, **kwargs))
+    SECONDS[name] += time.perf_counter() - t0
+    return out
+  return call
+
+
+parked._prefill = _timed("prefill", parked._prefill)
+parked._decode = _timed("decode", parked._decode)
 
 
 class _SameWeights:
@@ -128,7 +146,9 @@ def run(args, step, examples) -> int:
   rows = {}
   for name, way in ways.items():
     mark = step.clock.mark()
+    SECONDS.clear()
     r = way()
+    r.update(SECONDS)
     r["compiles"] = step.clock.since(mark)[0]
     r["tps"] = r["tokens"] / r["seconds"]
     rows[name] = r
@@ -137,9 +157,10 @@ def run(args, step, examples) -> int:
           f"rows carried {r['carried']:.0f}, {r['compiles']} compile(s)")
     sys.stdout.flush()
   _common.print_table(
-      ("way", "s", "useful tokens", "decode steps", "tokens/step",
-       "useful tok/s", "rows carried"),
-      [(n, f"{r['seconds']:.1f}", f"{r['tokens']:.0f}",
+      ("way", "s", "prefill s", "decode s", "useful tokens", "decode steps",
+       "tokens/step", "useful tok/s", "rows carried"),
+      [(n, f"{r['seconds']:.1f}", f"{r.get('prefill', 0):.1f}",
+        f"{r.get('decode', 0):.1f}", f"{r['tokens']:.0f}",
         f"{r['decode_steps']:.0f}",
         f"{r['tokens'] / max(r['decode_steps'], 1):.2f}", f"{r['tps']:.1f}",
         f"{r['carried']:.0f}") for n, r in rows.items()])

@@ -9,11 +9,12 @@ mechanism partial rollouts reuse (docs/async.md rule 4).
             slot, and pages for the row's columns up to the end of this
             turn's budget. The tokens past `cached` (those whose keys and
             values are not yet on the row's pages) are prefilled onto its
-            pages in one call for every row admitted since the last
-            (`parked_programs`); the history before `cached` is never prefilled
-            again. cached 0 with no pages is a row recomputed from its
-            first token: a row whose pages were released (`release`),
-            e.g. after a weight switch (partial rollouts).
+            pages for the rows admitted since the last call, a call per
+            length bucket (`parked_programs`); the history before
+            `cached` is never prefilled again. cached 0 with no pages is a
+            row recomputed from its first token: a row whose pages were
+            released (`release`), e.g. after a weight switch (partial
+            rollouts).
   decode    `Engine.step`: one jitted loop of at most `steps_per_call`
             decode steps over the slots, left as soon as `return_after`
             rows have ended their turn (a stop id, or the turn's budget).
@@ -216,13 +217,25 @@ class Engine:
             if h is not None and not self._slots.live_m[m]]
 
   def _prefill_pending(self) -> None:
-    """PREFILL: the pending rows' new tokens, A rows (a power of 4, at most
-    the slots) of L columns (`sampling.bucket`): few distinct shapes, since
-    how many rows come back between calls depends on the tools' timing."""
+    """PREFILL: the pending rows' new tokens, a call per length bucket
+    (`sampling.bucket`), longest first: rows that share a prompt's pages
+    prefill their tails at their own length, not at the prompt's, and
+    after the row that writes those pages (its new tokens are more)."""
+    by_length: dict = {}
+    for pending in self._pending:
+      row = pending[1]
+      by_length.setdefault(sampling.bucket(len(row.tokens) - row.cached),
+                           []).append(pending)
+    for L in sorted(by_length, reverse=True):
+      self._prefill_rows(by_length[L], L)
+    self._pending = []
+
+  def _prefill_rows(self, rows: list, L: int) -> None:
+    """A prefill call of pending `rows`: A rows (a power of 4, at most the
+    slots) of L columns: few distinct shapes, since how many rows come back
+    between calls depends on the tools' timing."""
     spec, cfg = self.spec, self.spec.sampling
-    rows = self._pending
     A = min(4 ** -(-(len(rows) - 1).bit_length() // 2), spec.slots)
-    L = sampling.bucket(max(len(r.tokens) - r.cached for _, r, *_ in rows))
     tokens_al = np.full((A, L), cfg.pad_id, np.int32)
     start_a, count_a, noise_a, t0_a = (np.zeros(A, np.int32) for _ in range(4))
     table_aj = np.full((A, spec.table_width), spec.pages, np.int32)
@@ -250,7 +263,6 @@ class Engine:
       s.table_mj[m, :len(row.pages)] = row.pages
     self.stats = self.stats._replace(
         prefilled=self.stats.prefilled + int(count_a.sum()))
-    self._pending = []
 
   def park_all(self) -> list:
     """Every row holding a slot leaves it now (a step boundary of partial
