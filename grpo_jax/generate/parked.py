@@ -218,22 +218,19 @@ class Engine:
 
   def _prefill_pending(self) -> None:
     """PREFILL: the pending rows' new tokens, a call per length bucket
-    (`sampling.bucket`), longest first: rows that share a prompt's pages
-    prefill their tails at their own length, not at the prompt's, and
-    after the row that writes those pages (its new tokens are more)."""
+    (`sampling.bucket`), longest first: a row sharing a prompt's pages
+    prefills its tail at its own length, after the row writing them."""
     by_length: dict = {}
-    for pending in self._pending:
-      row = pending[1]
-      by_length.setdefault(sampling.bucket(len(row.tokens) - row.cached),
-                           []).append(pending)
+    for p in self._pending:     # (slot, row, ...)
+      by_length.setdefault(sampling.bucket(len(p[1].tokens) - p[1].cached),
+                           []).append(p)
     for L in sorted(by_length, reverse=True):
       self._prefill_rows(by_length[L], L)
     self._pending = []
 
   def _prefill_rows(self, rows: list, L: int) -> None:
-    """A prefill call of pending `rows`: A rows (a power of 4, at most the
-    slots) of L columns: few distinct shapes, since how many rows come back
-    between calls depends on the tools' timing."""
+    """A prefill call of A pending `rows` (a power of 4, at most the slots)
+    of L columns: few shapes, though how many come back varies."""
     spec, cfg = self.spec, self.spec.sampling
     A = min(4 ** -(-(len(rows) - 1).bit_length() // 2), spec.slots)
     tokens_al = np.full((A, L), cfg.pad_id, np.int32)
