@@ -36,7 +36,7 @@ import _common
 import jax
 
 from grpo_jax.data.iterator import BatchIterator
-from grpo_jax.generate import parked, rollout, sampling
+from grpo_jax.generate import parked_programs, rollout, sampling
 from grpo_jax.rl import async_rollouts, partial_rollouts
 from grpo_jax.rl.weight_sync import WeightStore
 
@@ -52,8 +52,9 @@ def _timed(name: str, program):
   return call
 
 
-parked._prefill = _timed("prefill", parked._prefill)
-parked._decode = _timed("decode", parked._decode)
+parked_programs.prefill = _timed("prefill", parked_programs.prefill)
+parked_programs.decode_steps = _timed("decode",
+                                      parked_programs.decode_steps)
 
 
 class _SameWeights:
