@@ -237,6 +237,21 @@ def test_env_episodes_record_the_routes_the_trainer_replays(params, engine):
   assert float(metrics["moe/routes_differ"]) == 0.0
 
 
+def _recording_engine(params) -> parked.Engine:
+  """2 slots, 32 pages of 2 columns, a 24-column context."""
+  cfg = sampling.SamplingConfig(max_new_tokens=T, stop_ids=(), pad_id=1,
+                                record_routes=True, page_size=2)
+  return parked.Engine(parked.EngineSpec(CONFIG, cfg, 2, 32, 24), params,
+                       jax.random.key(0))
+
+
+def _full_routes(params, tokens) -> np.ndarray:
+  """A full-sequence pass's experts (S, L_sparse, C), sorted per token."""
+  _, taken_lnsc = routing.forward_routed(CONFIG, params,
+                                         jnp.asarray([tokens]))
+  return np.sort(np.moveaxis(np.asarray(taken_lnsc)[:, 0], 0, 1), -1)
+
+
 def _run_turns(engine, rows, turns=None) -> dict:
   """Admit each (row, max_new); step until `turns` (default: one a row)
   have ended: row -> Turn."""
@@ -254,10 +269,7 @@ def test_parked_engine_records_each_column_when_fed(params):
   observation appended) and after a release (recomputed from the first
   token), decode steps', the last token's by a one-token admission: each
   row's routes are a full-sequence pass's."""
-  cfg = sampling.SamplingConfig(max_new_tokens=T, stop_ids=(), pad_id=1,
-                                record_routes=True, page_size=2)
-  engine = parked.Engine(parked.EngineSpec(CONFIG, cfg, 2, 32, 24), params,
-                         jax.random.key(0))
+  engine = _recording_engine(params)
   prompt = (5, 9, 13, 2, 7)
   first = engine.admit(parked.Parked(0, prompt), 0, T)
   shared = parked.Parked(1, prompt, 4, engine.share(first, 2))   # 4 columns
@@ -269,13 +281,28 @@ def test_parked_engine_records_each_column_when_fed(params):
   for turn in ended.values():
     row = turn.parked
     assert row.cached == len(row.tokens) - 1 and len(turn.ids) == 1
-    _, taken_lnsc = routing.forward_routed(
-        CONFIG, params, jnp.asarray([row.tokens[:-1]]))
-    np.testing.assert_array_equal(
-        np.sort(engine.routes(row), -1),
-        np.sort(np.moveaxis(np.asarray(taken_lnsc)[:, 0], 0, 1), -1))
+    np.testing.assert_array_equal(np.sort(engine.routes(row), -1),
+                                  _full_routes(params, row.tokens[:-1]))
     engine.release(row)
   assert engine.free_pages == 32
+
+
+def test_a_recomputed_row_keeps_its_routes_as_first_fed(params):
+  """A row released (a weight switch) and recomputed under other weights
+  keeps its columns' routes as first fed (the old weights' full pass), the
+  columns fed after as the new weights' full pass gives them."""
+  engine = _recording_engine(params)
+  before = _run_turns(engine, [(parked.Parked(0, (5, 9, 13, 2, 7)), T)])[0]
+  k = before.parked.cached
+  released = engine.release(before.parked)
+  engine.params = moved = jax.tree.map(lambda x: 3.0 * x, params)
+  after = _run_turns(engine, [(released, 3)])[0]
+  row = _run_turns(engine, [(after.parked, 1)])[0].parked
+  routes = np.sort(engine.routes(row), -1)
+  old, new = (_full_routes(p, row.tokens[:-1]) for p in (params, moved))
+  assert (old[:k] != new[:k]).any(), "the new weights route otherwise"
+  np.testing.assert_array_equal(routes[:k], old[:k])
+  np.testing.assert_array_equal(routes[k:], new[k:])
 
 
 def test_replay_is_refused_where_routes_are_not_recorded():

@@ -186,9 +186,8 @@ def _make_room(engine: parked.Engine, ready: collections.deque,
   for r in holders:
     if engine.free_pages >= engine.spec.table_width - len(head.pages):
       break
-    engine.release(r)
     released += 1
-    _replace_row(ready, tools, r, r._replace(cached=0, pages=()))
+    _replace_row(ready, tools, r, engine.release(r))
   return released
 
 

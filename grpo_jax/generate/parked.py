@@ -60,11 +60,13 @@ _Slots = parked_programs.Slots
 class Parked(NamedTuple):
   """A row off the device: every token so far (the columns it attends
   over once admitted), how many leading ones have their keys and values on
-  `pages` (its pages in table order), and the caller's id."""
+  `pages` (its pages in table order), and the caller's id; record_routes:
+  a released row's leading columns' experts as first fed (`release`)."""
   row: int
   tokens: tuple
   cached: int = 0
   pages: tuple = ()
+  routes: object = None     # np.ndarray (columns, L_sparse, C) or None
 
 
 class Turn(NamedTuple):
@@ -185,7 +187,10 @@ class Engine:
     return pages
 
   def release(self, row: Parked) -> Parked:
-    """A parked row's pages back to the pool: the row, cached 0."""
+    """A parked row's pages back to the pool: the row, cached 0, with its
+    cached columns' routes (record_routes): a recompute keeps them."""
+    if self._routes is not None and row.cached:
+      row = row._replace(routes=self.routes(row))
     self._give(row.pages)
     return row._replace(cached=0, pages=())
 
@@ -251,6 +256,8 @@ class Engine:
     for a, (m, row, noise, limit, t0) in enumerate(rows):
       if routes_allc is not None:
         self._routes.record(row.pages, row.cached, routes_allc[a, :count_a[a]])
+        if row.routes is not None:     # recomputed: as first fed
+          self._routes.record(row.pages, 0, row.routes)
       s.tokens_mt[m] = cfg.pad_id
       s.tokens_mt[m, 0], s.logp_mt[m, 0] = first_a[a], logp_a[a]
       s.noise_m[m], s.t0_m[m], s.t_m[m], s.limit_m[m] = noise, t0, 1, limit

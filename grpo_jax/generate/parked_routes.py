@@ -3,7 +3,8 @@ routing replay; docs/models.md): each column's experts per sparse layer,
 recorded when its token is fed (the prefill's for the new tokens, each
 decode step's for the token it feeds), kept on the host beside the
 column's page: a row sharing a page shares its routes, a released row
-records them again when it is recomputed. A row's last sampled token is
+takes its columns' with it (`Parked.routes`) and keeps them, as first
+fed, when its keys are recomputed. A row's last sampled token is
 fed by one more admission of a one-token turn, its sample dropped
 (`agent_parked`). W pages of Z columns, L_sparse sparse layers, C experts
 per token.
