@@ -169,7 +169,8 @@ def test_parked_engine_programs_of_a_multi_turn_config():
   # 8 rows over 4 row shards: 2 rows, 2 slots, each row's 240 columns on
   # 15 pages of 16.
   assert ("parked engine per row shard (4 shards of 1 chips): 2 rows, 2 "
-          "slots, 30 pages of 16 columns") in out, out
+          "slots, 30 pages of 16 columns (compute-dtype pages, 0.00 GiB, "
+          "its KV heads split 1 ways)") in out, out
   assert "context 240 = prompt 16 + 4 turns x 8 + 3 observations x 64" in out
   assert _row(out, "engine observe").split()[2] == "2", out
 

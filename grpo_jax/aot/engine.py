@@ -5,8 +5,8 @@ A run with an env on the parked engine samples with `parked.Engine`, one per
 row shard (`agent_parked.engines`), never with the training sampler call.
 Each engine lives on its row shard's devices (`Layout.row_shard`): a copy of
 the weights gathered over the batch axes and split over the others as they
-are, its page pool replicated over those devices (`parked.Engine`'s
-`out_shardings`), its slots as host numpy read back once per call. Sized by
+are, its page pool's KV heads split as the weights' heads
+(`parked_programs.pool_maker`), its slots as host numpy read back once per call. Sized by
 the run's own rule (`agent_parked.shard_engine_spec`), per row shard:
 
   engine decode     `parked_programs.decode_steps`: a call of at most
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from grpo_jax.aot.plan import Plan
 from grpo_jax.aot.programs import Program, compile_program, per_chip_bytes
 from grpo_jax.generate import agent_parked, page_pool, parked, parked_programs, parked_routes, sampling
-from grpo_jax.models import int8_pages, paged
+from grpo_jax.models import int8_pages
 
 
 def _on(mesh, x) -> jax.ShapeDtypeStruct:
@@ -76,12 +76,12 @@ class _Abstract:
     self.spec = spec
     params = plan.sampler_params()
     self.params = jax.tree.map(lambda x: _on(self.mesh, x), params)
-    c, cfg = spec.model_config, spec.sampling
-    pool = jax.eval_shape(lambda: page_pool.zero_pool(
-        c, spec.pages, cfg.page_size, 1,
-        page_pool.pool_dtype(params), None, paged.REFERENCE_LAYOUT,
-        cfg.kv_dtype))
-    self.pool = jax.tree.map(lambda x: _on(self.mesh, x), pool)
+    # The run's pool maker, compiled for its output shardings (a broadcast).
+    make = parked_programs.pool_maker(spec, page_pool.pool_dtype(params),
+                                      plan.layout.row_shard(0))
+    self.pool = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(make), make.lower().compile().output_shardings)
     self.key = _on(self.mesh, jax.eval_shape(lambda: jax.random.key(0)))
 
   def array(self, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -143,6 +143,7 @@ def describe(plan: Plan, spec: parked.EngineSpec) -> str:
   per_column = 2 * c.num_layers * c.num_kv_heads * int8_pages.column_bytes(
       item, cfg.kv_dtype, c.head_dim)
   pool_gib = spec.pages * cfg.page_size * per_column / 1024 ** 3
+  heads = plan.layout.row_shard(0).splits("kv_heads", c.num_kv_heads)
   rows = len(agent_parked.shard_rows(
       plan.run.batch.prompts * plan.run.batch.generations,
       plan.layout.batch_shards)[0])
@@ -150,7 +151,7 @@ def describe(plan: Plan, spec: parked.EngineSpec) -> str:
           f"{np.prod(plan.layout.row_shard(0).mesh.devices.shape)} chips): "
           f"{rows} rows, {spec.slots} slots, {spec.pages} pages of "
           f"{cfg.page_size} columns ({cfg.kv_dtype or 'compute-dtype'} "
-          f"pages, {pool_gib:.2f} GiB, replicated on the shard's chips), "
+          f"pages, {pool_gib:.2f} GiB, its KV heads split {heads} ways), "
           f"context {spec.context} = prompt {plan.prompt_len} + "
           f"{env.max_turns} turns x {cfg.max_new_tokens} + "
           f"{env.max_turns - 1} observations x {env.max_observation_tokens}; "

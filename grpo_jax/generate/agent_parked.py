@@ -101,15 +101,16 @@ def engines(sampler: sampling.Sampler, params, key, espec: parked.EngineSpec
             ) -> list[parked.Engine]:
   """An engine per row shard, its pool and a copy of the weights on the
   shard's devices (`Layout.row_shard`; weights split over the batch axes,
-  fsdp, are gathered whole on each shard), and the key too (a run's step
-  key lives on the whole mesh)."""
+  fsdp, are gathered whole on each shard; the pool's KV heads split as the
+  weights' heads are), and the key too (a run's step key lives on the
+  whole mesh)."""
   if sampler.shards == 1:
-    return [parked.Engine(espec, params, key)]
+    return [parked.Engine(espec, params, key, sampler.layout)]
   out = []
   for r in range(sampler.shards):
     shard = sampler.layout.row_shard(r)
     out.append(parked.Engine(espec, shard.place_like(params),
-                             shard.place_like(key), shard.mesh))
+                             shard.place_like(key), shard))
   return out
 
 

@@ -44,13 +44,13 @@ which slot, call or order served a row. Shape letters as in `grpo_jax` and
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import sharding
 from grpo_jax.generate import page_pool, parked_programs, parked_routes, sampling
 from grpo_jax.generate.parked_programs import EngineSpec
 
@@ -98,17 +98,13 @@ class Engine:
   `step` until turns end, `release` a row's pages when it is done."""
 
   def __init__(self, spec: EngineSpec, params, key: jax.Array,
-               mesh: jax.sharding.Mesh | None = None):
-    """mesh: the devices the pool is made on (one row shard's, with params
-    on them: `agent_parked`); None: the default device."""
+               layout: sharding.Layout | None = None):
+    """layout: the devices and rules the pool is made with (one row shard's,
+    with params on its devices: `agent_parked`); None: the default device."""
     c, cfg = spec.model_config, spec.sampling
     self.spec, self.params, self.key = spec, params, key
-    zeros = functools.partial(
-        page_pool.zero_pool, c, spec.pages, cfg.page_size, 1,
-        page_pool.pool_dtype(params), None, parked_programs.LAYOUT, cfg.kv_dtype)
-    self.pool = zeros() if mesh is None else jax.jit(
-        zeros, out_shardings=jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec()))()
+    self.pool = parked_programs.pool_maker(
+        spec, page_pool.pool_dtype(params), layout)()
     M, J, T = spec.slots, spec.table_width, cfg.max_new_tokens
     self._free = list(range(spec.pages - 1, -1, -1))   # free page ids
     self._holders_w = np.zeros(spec.pages, np.int32)   # rows holding a page

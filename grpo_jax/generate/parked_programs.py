@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.generate import decoding
+from grpo_jax import sharding
+from grpo_jax.generate import decoding, page_pool
 from grpo_jax.models import attention, decode, moe, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
@@ -78,6 +79,17 @@ class Slots(NamedTuple):
   tokens_mt: np.ndarray     # int32 this turn's tokens
   logp_mt: np.ndarray       # float32 their log-probs
   routes_mtlc: np.ndarray   # token t's experts when fed (parked_routes)
+
+
+def pool_maker(spec: EngineSpec, dtype, layout: sharding.Layout | None):
+  """The jitted maker of an engine's pool of zeros: on the default device,
+  or on `layout`'s devices with its KV heads split as the layout's rules
+  split them (tensor, as the weights' heads: each chip holds its heads'
+  keys and values only), the rest replicated."""
+  c, cfg = spec.model_config, spec.sampling
+  return jax.jit(functools.partial(
+      page_pool.zero_pool, c, spec.pages, cfg.page_size, 1, dtype, layout,
+      LAYOUT, cfg.kv_dtype))
 
 
 @functools.partial(jax.jit, static_argnames="spec", donate_argnames="pool")
