@@ -272,10 +272,24 @@ def _stop_after(monkeypatch, step: int):
   monkeypatch.setattr(train.interrupts, "stop_requested", stop_requested)
 
 
+# tiny, and tiny-moe with routing replay (the rows' routes through the
+# stream, its checkpoint and the trainer's replay; its rows run to 16
+# tokens at once, so at 32 some are in flight at a switch)
+REPLAY = {"tiny": {}, "replay": {"model.source": "tiny-moe",
+                                 "model.moe.routing_replay": "rollout",
+                                 "sampling.max_new_tokens": 32}}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("model", REPLAY)
 def test_rows_carried_across_switches_and_resume_with_them_is_exact(
-    tmp_path, monkeypatch):
-  straight = train.run(_config(), str(tmp_path / "straight"))
+    tmp_path, monkeypatch, model):
+  def config():
+    c = _config()
+    c.update_from_flattened_dict(REPLAY[model])
+    return c
+
+  straight = train.run(config(), str(tmp_path / "straight"))
   rows = async_checks.run_metrics(tmp_path / "straight")
   assert [r["rollout/version"] for r in rows] == [0, 0, 1, 2]
   assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]
@@ -283,15 +297,20 @@ def test_rows_carried_across_switches_and_resume_with_them_is_exact(
   assert max(r["partial/version_span_max"] for r in rows) == 1
   assert max(r["staleness/token_max"] for r in rows) <= 1
   assert all(r["partial/stale_dropped"] == 0 for r in rows)
+  if model == "replay":     # step 0: version 0's rows scored by version 0
+    assert rows[0]["moe/routes_differ"] == 0
+    assert rows[0]["rollout_logp_diff/max"] < 1e-5
   # stopped after step 2: checkpoint 2 holds the rows cut at the switch
   # into version 2, and the same command resumes from it
   with monkeypatch.context() as m:
     _stop_after(m, 2)
     with pytest.raises(interrupts.Preempted):
-      train.run(_config(), str(tmp_path / "stopped"))
+      train.run(config(), str(tmp_path / "stopped"))
   held = checkpoint.load_host_state(str(tmp_path / "stopped"), 2)["partial"]
   assert held["version"] == 2 and held["stream"]["queue"]
-  resumed = train.run(_config(), str(tmp_path / "stopped"))
+  if model == "replay":     # the cut rows' fed columns' routes
+    assert all(len(d) == 7 for d in held["stream"]["queue"] if d[3])
+  resumed = train.run(config(), str(tmp_path / "stopped"))
   assert async_checks.run_metrics(tmp_path / "stopped") == rows
   want = async_checks.leaves(straight["state"].params)
   got = async_checks.leaves(resumed["state"].params)

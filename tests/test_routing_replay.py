@@ -305,10 +305,68 @@ def test_a_recomputed_row_keeps_its_routes_as_first_fed(params):
   np.testing.assert_array_equal(routes[k:], new[k:])
 
 
+def test_partial_rollouts_stream_records_each_column_as_first_fed(params):
+  """Partial rollouts' stream over 2 slots, a weight switch while rows are
+  in flight: a row that ended before it fed its last token under the old
+  weights, a cut row keeps its fed columns' routes (the old weights' full
+  pass) and those fed after are the new weights', rows admitted after it
+  are the new weights' throughout; the routes travel into Groups, and the
+  stream's state at the switch (a checkpoint of rows in flight) keeps them
+  bit for bit."""
+  from grpo_jax.generate import partial
+  cfg = sampling.SamplingConfig(
+      max_new_tokens=T, stop_ids=(17,), pad_id=1, record_routes=True,
+      continuous_batching=True, kv_cache="paged", slots=2, page_size=2)
+  stream = partial.Stream(sampling.Sampler(CONFIG, cfg), len(PROMPTS) * G,
+                          jax.random.key(0))
+  stream.switch(params, 0)
+  stream.add(0, PROMPTS)
+  stream.admit(0)
+  stream.decode()      # row 0 ends at its 3rd token, row 1 is in flight
+  moved = jax.tree.map(lambda x: 3.0 * x, params)
+  stream.switch(moved, 1)
+  held = json.loads(json.dumps(stream.state()))
+  copy = partial.Stream(stream.sampler, stream.n, stream.key)
+  copy.restore(held)
+  for r, c in zip([*stream.queue, stream.ended[0][0][0]],
+                  [*copy.queue, copy.ended[0][0][0]]):
+    assert (r.routes is None) == (c.routes is None)
+    if r.routes is not None:
+      np.testing.assert_array_equal(c.routes, r.routes)
+      assert c.routes.dtype == r.routes.dtype
+  while not stream.ready(0):
+    stream.admit(0)
+    stream.decode()
+  out, version_nt = stream.samples(0)
+  P = max(map(len, PROMPTS))
+  spans = []
+  for i in range(len(PROMPTS) * G):
+    prompt, n = PROMPTS[i // G], int(out.length_n[i])
+    tokens = tuple(prompt) + tuple(out.tokens_nt[i, :n])
+    old = int((version_nt[i, :n] == 0).sum())
+    # columns fed under the old weights: all (ended before the switch),
+    # the prompt and all but the last old token (cut), none (admitted after)
+    k = len(tokens) if old == n else old and len(prompt) + old - 1
+    spans.append((old, n - old))
+    routes = np.sort(out.routes_nslc[i, P - len(prompt):P + n], -1)
+    padded = tokens + (1,) * (P + T - len(tokens))    # one shape: causal
+    want = [_full_routes(p, padded)[:len(tokens)] for p in (params, moved)]
+    np.testing.assert_array_equal(routes[:k], want[0][:k])
+    np.testing.assert_array_equal(routes[k:], want[1][k:])
+  assert spans[0] == (3, 0) and spans[1][0] == 3 and spans[1][1] > 0
+  assert all(old == 0 for old, _ in spans[2:])
+  groups = _groups(out)
+  np.testing.assert_array_equal(groups.routes_bgtlc.reshape(
+      out.routes_nslc[:, P:].shape), out.routes_nslc[:, P:])
+  for b, p in enumerate(PROMPTS):
+    np.testing.assert_array_equal(groups.prompt_routes_b[b],
+                                  out.routes_nslc[b * G, P - len(p):P])
+
+
 def test_replay_is_refused_where_routes_are_not_recorded():
-  """Partial rollouts do not carry routes: refused at validation, naming
-  the field; dense slots, pages and env episodes (turn by turn, parked)
-  record them."""
+  """Every sampler records routes: dense slots, pages, partial rollouts,
+  env episodes (turn by turn, parked) validate; an unknown mode and a
+  dense model are refused, naming the field."""
   config = async_checks.config(**{"model.source": "tiny-moe",
                                   "model.moe.routing_replay": "rollout"})
   validation.validate(config)
@@ -318,8 +376,7 @@ def test_replay_is_refused_where_routes_are_not_recorded():
   validation.validate(config)
   partial = async_checks.stale(config.copy_and_resolve_references())
   partial.rollout.partial = True
-  with pytest.raises(ConfigError, match="'rollout': partial rollouts"):
-    validation.validate(partial)
+  validation.validate(partial)
   config.sampling.continuous_batching = False
   config.sampling.kv_cache = "dense"
   config.env.name = "calculator"

@@ -26,28 +26,40 @@ is built afresh at each switch (and when a batch's prompts need more
 context), sized by the rows it will hold, so its shapes, and hence its
 samples, are a function of the stream's state at the switch: what a
 checkpoint keeps (`state`, `Stream.restore`).
+
+Recording routes (`sampling.record_routes`, MoE routing replay;
+`parked_routes`): each column's experts as first fed. A cut row takes its
+fed columns' with it (`Row.routes`) and keeps them when it is prefilled
+again under the new weights; a row that ended is admitted once more for a
+one-token turn that feeds its last token under the weights that sampled it
+(its sample dropped, before any switch), then ends with every column's
+(`samples`: `Samples.routes_nslc`).
 """
 from __future__ import annotations
 
+import base64
 import collections
 import concurrent.futures
+import io
 from typing import NamedTuple
 
 import numpy as np
 
-from grpo_jax.generate import agent_parked, decoding, parked, sampling
+from grpo_jax.generate import agent_parked, decoding, parked, parked_routes, sampling
 
 
 class Row(NamedTuple):
   """A row of the stream (host only): its generation batch, its index i in
   the batch's rows (prompt i // g), its prompt ids and what it has sampled
-  so far, each token's log-prob and policy version."""
+  so far, each token's log-prob and policy version; record_routes: its fed
+  columns' experts (columns, L_sparse, C), every column's once it ended."""
   batch: int
   index: int
   prompt: tuple
   ids: tuple = ()
   logp: tuple = ()
   versions: tuple = ()
+  routes: object = None     # np.ndarray or None
 
 
 class Stats(NamedTuple):
@@ -64,6 +76,8 @@ class Stream:
     self.n, self.key = rows_per_batch, key
     self.queue: collections.deque = collections.deque()   # waiting rows
     self.live: dict = {}       # (batch, index) -> Row as admitted
+    self.feeding: dict = {}    # (batch, index) -> (Row, stopped) ended
+    self._unfed: list = []     # (shard, Parked) ended, last token unfed
     self.ended: dict = {}      # batch -> {index: (Row, stopped)}
     self.engines: list | None = None    # parked.Engine per row shard
     self._lenders: list = []            # per engine: prompt -> live Parked
@@ -75,17 +89,19 @@ class Stream:
 
   def state(self) -> dict:
     """The rows at a switch (nothing live): JSON data, exact."""
-    if self.live:
+    if self.live or self.feeding:
       raise ValueError("a stream's state is taken at a switch")
     row = lambda r: [r.batch, r.index, list(r.prompt), list(r.ids),
-                     list(map(float.hex, r.logp)), list(r.versions)]
+                     list(map(float.hex, r.logp)), list(r.versions),
+                     *([] if r.routes is None else [_array_text(r.routes)])]
     return {"queue": [row(r) for r in self.queue],
             "ended": [[row(r), stopped] for rows in self.ended.values()
                       for r, stopped in rows.values()]}
 
   def restore(self, state: dict) -> None:
     row = lambda d: Row(int(d[0]), int(d[1]), tuple(d[2]), tuple(d[3]),
-                        tuple(map(float.fromhex, d[4])), tuple(d[5]))
+                        tuple(map(float.fromhex, d[4])), tuple(d[5]),
+                        _text_array(d[6]) if len(d) > 6 else None)
     self.queue = collections.deque(row(d) for d in state["queue"])
     for r in self.queue:
       self.ended.setdefault(r.batch, {})
@@ -107,18 +123,26 @@ class Stream:
       self.switch(self.params, self.version)
 
   def switch(self, params, version: int) -> None:
-    """Every row off the engine: ended turns recorded, cut rows back into
-    the queue in order, all pages released; then `params` (policy
-    `version`) sample from here on."""
+    """Every row off the engine: ended turns recorded (record_routes:
+    their last tokens fed first, under the weights that sampled them), cut
+    rows back into the queue in order with their fed columns' routes, all
+    pages released; then `params` (policy `version`) sample from here on."""
     carried = []
-    for engine in self.engines or ():
-      for turn in engine.park_all():
-        row = self._extend(turn)
-        engine.release(turn.parked)
-        if turn.cut:
-          carried.append(row)
-        else:
-          self._end(row, turn.stopped)
+    while self.engines and (self.feeding or self._unfed
+                            or any(e.busy for e in self.engines)):
+      for shard, engine in enumerate(self.engines):
+        for turn in engine.park_all():
+          if self._fed(engine, turn):
+            continue
+          row = self._extend(turn)
+          if turn.cut:
+            routes = engine.release(turn.parked).routes
+            carried.append(row._replace(routes=routes))
+          else:
+            self._ended(shard, engine, row, turn)
+      if self._feed() and not any(e.busy for e in self.engines):
+        raise RuntimeError("an ended row cannot get its pages to feed its "
+                           "last token in an idle engine")
     self.stats = Stats(*self.counts())
     self.live.clear()
     self._enqueue(carried)
@@ -133,7 +157,9 @@ class Stream:
   def admit(self, through: int) -> None:
     """Queued rows of batches <= through into free slots of their row
     shard's engine (row i: shard i // per_shard), in order within a shard:
-    a row that finds its shard full holds back that shard's later rows."""
+    a row that finds its shard full holds back that shard's later rows;
+    ended rows waiting to feed their last token go first."""
+    self._feed()
     full, waiting = set(), []
     while (self.queue and self.queue[0].batch <= through
            and len(full) < len(self._engines())):
@@ -152,7 +178,8 @@ class Stream:
     full prompt pages (`Engine.share`: a group's prompt), so only its
     prompt's tail is prefilled."""
     engine, noise = self.engines[shard], row.batch * self.n + row.index
-    parked_row = parked.Parked(noise, row.prompt + row.ids)
+    parked_row = parked.Parked(noise, row.prompt + row.ids,
+                               routes=row.routes)
     lender = self._lenders[shard].get(row.prompt) if not row.ids else None
     count = (len(row.prompt) - 1) // self.cfg.page_size
     if lender is not None and count and engine.free_slots:
@@ -178,13 +205,16 @@ class Stream:
     else:
       with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
         turns = list(pool.map(lambda e: e.step(), engines))
-    for engine, lenders, ended in zip(engines, self._lenders, turns):
+    for shard, (engine, lenders, ended) in enumerate(
+        zip(engines, self._lenders, turns)):
       for turn in ended:
+        if self._fed(engine, turn):
+          continue
         row = self._extend(turn)
         if row.prompt in lenders and lenders[row.prompt].row == turn.row:
           del lenders[row.prompt]      # its pages go back with it
-        engine.release(turn.parked)
-        self._end(row, turn.stopped)
+        self._ended(shard, engine, row, turn)
+    self._feed()
 
   @property
   def slot_free(self) -> bool:
@@ -203,7 +233,9 @@ class Stream:
 
   def samples(self, batch: int) -> tuple[decoding.Samples, np.ndarray]:
     """A ready batch's rows as the sampler returns them, and each token's
-    version [n, t] (0 on padding); the batch leaves the stream."""
+    version [n, t] (0 on padding); the batch leaves the stream.
+    record_routes: each row's columns' experts in `Samples.routes_nslc`
+    (n, P + T, L_sparse, C), prompts left-padded to the batch's longest."""
     T, rows = self.cfg.max_new_tokens, self.ended.pop(batch)
     tokens = np.full((self.n, T), self.cfg.pad_id, np.int32)
     logp, version = np.zeros((self.n, T), np.float32), np.zeros((self.n, T),
@@ -216,7 +248,22 @@ class Stream:
       version[i, :length[i]] = r.versions
     mask = np.arange(T)[None] < length[:, None]
     return decoding.Samples(tokens, logp, mask, length, ~stopped,
-                            np.int32(0)), version
+                            np.int32(0), self._routes(rows)), version
+
+  def _routes(self, rows: dict) -> np.ndarray | None:
+    """The ended rows' routes (n, P + T, L_sparse, C), each prompt's
+    right-aligned to P, the longest; 0 on padding. None when not
+    recorded."""
+    if not self.cfg.record_routes:
+      return None
+    (T, *lc), dtype = parked_routes.slot_shape(self.sampler.model_config,
+                                               self.cfg)
+    P = max(len(r.prompt) for r, _ in rows.values())
+    out = np.zeros((self.n, P + T, *lc), dtype)
+    for i in range(self.n):
+      r = rows[i][0]
+      out[i, P - len(r.prompt):P + len(r.ids)] = r.routes
+    return out
 
   # -- the engine --------------------------------------------------------
 
@@ -228,6 +275,38 @@ class Stream:
 
   def _end(self, row: Row, stopped: bool) -> None:
     self.ended[row.batch][row.index] = (row, stopped)
+
+  def _ended(self, shard: int, engine: parked.Engine, row: Row,
+             turn: parked.Turn) -> None:
+    """`row`'s last turn ended: it ends (its pages released), or with
+    record_routes waits to feed its last token (`_feed`)."""
+    if not self.cfg.record_routes:
+      engine.release(turn.parked)
+      self._end(row, turn.stopped)
+      return
+    self.feeding[row.batch, row.index] = (row, turn.stopped)
+    self._unfed.append((shard, turn.parked))
+
+  def _feed(self) -> bool:
+    """The ended rows waiting to feed their last token admitted for a
+    one-token turn where their engine has room; whether some still wait."""
+    waiting = []
+    for shard, row in self._unfed:
+      if self.engines[shard].admit(row, row.row, 1) is None:
+        waiting.append((shard, row))
+    self._unfed = waiting
+    return bool(waiting)
+
+  def _fed(self, engine: parked.Engine, turn: parked.Turn) -> bool:
+    """Whether `turn` fed an ended row's last token: then the row ends with
+    every column's routes (its sample dropped), its pages released."""
+    key = divmod(turn.row, self.n)
+    if key not in self.feeding:
+      return False
+    row, stopped = self.feeding.pop(key)
+    self._end(row._replace(routes=engine.routes(turn.parked)), stopped)
+    engine.release(turn.parked)
+    return True
 
   def _context(self) -> int:
     rows = list(self.queue) + list(self.live.values())
@@ -257,3 +336,14 @@ class Stream:
     return (self.stats.prefilled + sum(e.stats.prefilled for e in engines),
             self.stats.decode_steps + sum(e.stats.decode_steps
                                           for e in engines))
+
+
+def _array_text(x: np.ndarray) -> str:
+  """An array as text, bit-exact (a checkpoint's JSON data)."""
+  buffer = io.BytesIO()
+  np.save(buffer, np.asarray(x), allow_pickle=False)
+  return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _text_array(text: str) -> np.ndarray:
+  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)

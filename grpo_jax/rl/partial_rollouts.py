@@ -31,8 +31,9 @@ is never dropped or restarted for staleness, it finishes (the DRAIN), since
 dropping the rows that run longest would bias each batch toward short
 answers. Everything is a function of the config and the stream's state at
 a switch, never of timing, so checkpoints are exact: checkpoint s holds the
-stream at the switch into version s (carried rows' tokens, log-probs and
-versions; the rows of unfinished steps that ended) and the batches finished
+stream at the switch into version s (carried rows' tokens, log-probs,
+versions and, with routing replay, fed columns' routes; the rows of
+unfinished steps that ended) and the batches finished
 before it that the trainer has not taken; resume switches into s with the
 same rows, as the uninterrupted run did.
 """

@@ -180,7 +180,6 @@ def validate(config: ConfigDict, data_files: bool = True) -> ConfigDict:
   if config.method == "star":
     groups.check_star(config.star)
   groups.check_lora(config.model.lora)
-  groups.check_routing_replay(config)
   groups.check_rollout(config)
   groups.check_env(config)
   groups.check_sizes(config)

@@ -71,9 +71,8 @@ def check_partial(config: ConfigDict) -> None:
   """rollout.partial (rl/partial_rollouts.py): rows carried across a weight
   switch need stale rows to exist (k >= 1), a version at every step
   (sync_every 1), the paged continuous sampler
-  (generate/parked.py's engine; the stream carries no routes:
-  `check_routing_replay`), and single-turn rows (an env's
-  rows wait on the parked engine already)."""
+  (generate/parked.py's engine), and single-turn rows (an env's rows wait
+  on the parked engine already)."""
   r, field = config.rollout, "config field 'rollout.partial' = True"
   refusals = (
       (r.max_staleness < 1, "needs rollout.max_staleness >= 1: at k = 0 "
@@ -137,20 +136,6 @@ def check_env(config: ConfigDict) -> None:
     except Exception as err:  # pylint: disable=broad-except
       raise ConfigError(f"config field 'env.name' = {e.name!r} cannot run "
                         f"on this host: {err}") from err
-
-
-def check_routing_replay(config: ConfigDict) -> None:
-  """model.moe.routing_replay = rollout: the lockstep, dense-slot and
-  paged samplers record routes, and so do env episodes (turn by turn and
-  on the parked engine; docs/models.md); partial rollouts do not."""
-  if config.model.moe.routing_replay == "off":
-    return
-  field = "config field 'model.moe.routing_replay' = 'rollout'"
-  if config.rollout.partial:
-    raise ConfigError(f"{field}: partial rollouts (rollout.partial, rows on "
-                      "the parked engine) do not carry routes yet; set "
-                      "rollout.partial=False or model.moe.routing_replay="
-                      "'off'")
 
 
 def check_lora(c: ConfigDict) -> None:
