@@ -35,9 +35,11 @@ Modules: `paths` (where, which step is the latest, the resume order),
 from grpo_jax.checkpoint.checkpointer import Checkpointer
 from grpo_jax.checkpoint.integrity import (
                                            UNSAFE_FIELDS,
+                                           array_text,
                                            check_shapes,
                                            config_to_json,
                                            model_config_from_json,
+                                           text_array,
                                            tree_checksums,
                                            unsafe_changes,
 )

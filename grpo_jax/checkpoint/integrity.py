@@ -9,6 +9,8 @@ gives the same number on any mesh.
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 from typing import Any, Iterable, Mapping, Optional
 
@@ -168,6 +170,18 @@ def to_json(value: Any, what: str) -> Any:
     raise TypeError(f"{what} holds a {type(x).__name__} ({x!r:.60}), which is "
                     "not JSON-able")
   return json.loads(json.dumps(value, default=default))
+
+
+def array_text(x: np.ndarray) -> str:
+  """An array as text for the JSON host state, bit-exact (dtype and shape
+  kept): `text_array` gives it back."""
+  buffer = io.BytesIO()
+  np.save(buffer, np.asarray(x), allow_pickle=False)
+  return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def text_array(text: str) -> np.ndarray:
+  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
 
 
 def config_to_json(config: Any) -> Optional[dict]:

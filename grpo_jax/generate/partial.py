@@ -37,14 +37,13 @@ one-token turn that feeds its last token under the weights that sampled it
 """
 from __future__ import annotations
 
-import base64
 import collections
 import concurrent.futures
-import io
 from typing import NamedTuple
 
 import numpy as np
 
+from grpo_jax import checkpoint
 from grpo_jax.generate import agent_parked, decoding, parked, parked_routes, sampling
 
 
@@ -93,7 +92,7 @@ class Stream:
       raise ValueError("a stream's state is taken at a switch")
     row = lambda r: [r.batch, r.index, list(r.prompt), list(r.ids),
                      list(map(float.hex, r.logp)), list(r.versions),
-                     *([] if r.routes is None else [_array_text(r.routes)])]
+                     *([] if r.routes is None else [checkpoint.array_text(r.routes)])]
     return {"queue": [row(r) for r in self.queue],
             "ended": [[row(r), stopped] for rows in self.ended.values()
                       for r, stopped in rows.values()]}
@@ -101,7 +100,7 @@ class Stream:
   def restore(self, state: dict) -> None:
     row = lambda d: Row(int(d[0]), int(d[1]), tuple(d[2]), tuple(d[3]),
                         tuple(map(float.fromhex, d[4])), tuple(d[5]),
-                        _text_array(d[6]) if len(d) > 6 else None)
+                        checkpoint.text_array(d[6]) if len(d) > 6 else None)
     self.queue = collections.deque(row(d) for d in state["queue"])
     for r in self.queue:
       self.ended.setdefault(r.batch, {})
@@ -336,14 +335,3 @@ class Stream:
     return (self.stats.prefilled + sum(e.stats.prefilled for e in engines),
             self.stats.decode_steps + sum(e.stats.decode_steps
                                           for e in engines))
-
-
-def _array_text(x: np.ndarray) -> str:
-  """An array as text, bit-exact (a checkpoint's JSON data)."""
-  buffer = io.BytesIO()
-  np.save(buffer, np.asarray(x), allow_pickle=False)
-  return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _text_array(text: str) -> np.ndarray:
-  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)

@@ -46,9 +46,7 @@ thread, no copy) behind the same three calls.
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 import logging
 import threading
 import time
@@ -58,6 +56,7 @@ import jax
 import numpy as np
 
 from grpo_jax.algorithms import staleness
+from grpo_jax.checkpoint import array_text, text_array
 from grpo_jax.errors import UserError
 from grpo_jax.generate import rollout
 from grpo_jax.rl.weight_sync import WeightStore, WeightSync
@@ -131,16 +130,6 @@ class Batch(NamedTuple):
   metrics: dict
   data_after: dict
   key_data: np.ndarray
-
-
-def array_text(x: np.ndarray) -> str:
-  buffer = io.BytesIO()
-  np.save(buffer, np.asarray(x), allow_pickle=False)
-  return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def text_array(text: str) -> np.ndarray:
-  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
 
 
 def encode(batch: Batch) -> dict:

@@ -44,6 +44,7 @@ import dataclasses
 import time
 from typing import Any
 
+from grpo_jax import checkpoint
 from grpo_jax.data import templates
 from grpo_jax.generate import partial, rollout, sampling
 from grpo_jax.rl import async_rollouts
@@ -79,7 +80,7 @@ def _step_info(version: int, key_data, carried: list) -> dict:
   of its generation batch in flight and `scored`, those scored so far
   (`async_rollouts.encode`d)."""
   return {"version": version,
-          "key_data": async_rollouts.array_text(key_data),
+          "key_data": checkpoint.array_text(key_data),
           "carried": [len(carried),
                       sum(len(r.prompt) + len(r.ids) for r in carried)],
           "prompts": None, "scored": []}
@@ -204,7 +205,7 @@ class PartialThreaded(async_rollouts.Threaded):
                     "sample/tokens": int(out.length_n.sum())})
     return async_rollouts.encode(async_rollouts.Batch(
         u, d["version"], groups, metrics, d["data_after"],
-        async_rollouts.text_array(d["key_data"])))
+        checkpoint.text_array(d["key_data"])))
 
   def _hand_over(self, stream: partial.Stream, d: dict, u: int
                  ) -> async_rollouts.Batch:
@@ -226,7 +227,7 @@ class PartialThreaded(async_rollouts.Threaded):
         "partial/carried_tokens": d["carried"][1]})
     return async_rollouts.Batch(
         u, d["version"], groups, metrics, d["data_after"],
-        async_rollouts.text_array(d["key_data"]))
+        checkpoint.text_array(d["key_data"]))
 
   def _snapshot(self, stream: partial.Stream, info: dict, u: int,
                 version: int | None) -> None:
