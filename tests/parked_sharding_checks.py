@@ -20,10 +20,8 @@ import sys
 
 import jax
 import numpy as np
-from sharding_checks import parse_meshes, run_meshes
+from sharding_checks import parse_meshes, row_shard_layout, run_meshes
 
-from grpo_jax import config as config_lib
-from grpo_jax import sharding
 from grpo_jax.data.example import Example
 from grpo_jax.envs import base
 from grpo_jax.generate import agent_parked, sampling
@@ -53,13 +51,8 @@ def episodes(params, layout):
 
 
 def check_mesh(shape, params, ref) -> None:
-  config = config_lib.base_config()
-  config.mesh.shape = shape
-  layout = sharding.Layout.from_config(config)
+  layout, devices = row_shard_layout(shape)
   shards = layout.batch_shards
-  devices = [set(layout.row_shard(r).mesh.devices.flat)
-             for r in range(shards)]
-  assert len(set.union(*devices)) == 8 and sum(map(len, devices)) == 8
   sharded = layout.shard_params(MODEL, params)
   ep, stats = episodes(sharded, layout)
   for name in FIELDS:

@@ -21,10 +21,8 @@ import sys
 
 import jax
 import numpy as np
-from sharding_checks import parse_meshes, run_meshes
+from sharding_checks import parse_meshes, row_shard_layout, run_meshes
 
-from grpo_jax import config as config_lib
-from grpo_jax import sharding
 from grpo_jax.generate import partial, sampling
 from grpo_jax.models import get_preset, init_params
 
@@ -63,13 +61,7 @@ def rows(params, layout):
 
 
 def check_mesh(shape, params, ref) -> None:
-  config = config_lib.base_config()
-  config.mesh.shape = shape
-  layout = sharding.Layout.from_config(config)
-  shards = layout.batch_shards
-  devices = [set(layout.row_shard(r).mesh.devices.flat)
-             for r in range(shards)]
-  assert len(set.union(*devices)) == 8 and sum(map(len, devices)) == 8
+  layout, _ = row_shard_layout(shape)
   got, cut, pages_back = rows(layout.shard_params(MODEL, params), layout)
   assert cut > 0, "the switch must cut rows in flight"
   assert pages_back, "every page back at the end"

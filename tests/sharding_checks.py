@@ -320,6 +320,18 @@ def run_meshes(shapes, check) -> int:
   return int(failed)
 
 
+def row_shard_layout(shape) -> tuple[sharding.Layout, list[set]]:
+  """The sampler's layout on mesh `shape` (data, fsdp, tensor) and each row
+  shard's devices, checked to hold the 8 devices once between them."""
+  config = config_lib.base_config()
+  config.mesh.shape = shape
+  layout = sharding.Layout.from_config(config)
+  devices = [set(layout.row_shard(r).mesh.devices.flat)
+             for r in range(layout.batch_shards)]
+  assert len(set.union(*devices)) == 8 and sum(map(len, devices)) == 8
+  return layout, devices
+
+
 def parse_meshes(argv) -> list[tuple[int, ...]]:
   """The command line's "data,fsdp,tensor" mesh shapes."""
   return [tuple(int(v) for v in a.split(",")) for a in argv[1:]]
