@@ -211,18 +211,7 @@ def test_dynamic_sampling_refills_in_the_stream_and_resume_with_them(
   rows = async_checks.run_metrics(tmp_path / "straight")
   assert all(r["partial/stale_dropped"] == 0 for r in rows)
   assert max(r["staleness/token_max"] for r in rows) <= 1
-  with monkeypatch.context() as m:
-    _stop_after(m, 4)
-    with pytest.raises(interrupts.Preempted):
-      train.run(_dynamic_config(), str(tmp_path / "stopped"))
-  held = checkpoint.load_host_state(str(tmp_path / "stopped"), 4)["partial"]
-  assert held["version"] == 4 and held["stream"]["queue"]
-  resumed = train.run(_dynamic_config(), str(tmp_path / "stopped"))
-  assert async_checks.run_metrics(tmp_path / "stopped") == rows
-  want = async_checks.leaves(straight["state"].params)
-  got = async_checks.leaves(resumed["state"].params)
-  for name, x in want.items():
-    np.testing.assert_array_equal(got[name], x, err_msg=name)
+  _stopped_and_resumed(monkeypatch, _dynamic_config, tmp_path, 4, straight)
 
 
 def test_a_refill_joins_the_queue_ahead_of_later_steps_rows():
@@ -272,6 +261,28 @@ def _stop_after(monkeypatch, step: int):
   monkeypatch.setattr(train.interrupts, "stop_requested", stop_requested)
 
 
+def _stopped_and_resumed(monkeypatch, config, tmp_path, step: int,
+                         straight: dict) -> dict:
+  """config() stopped after `step` in tmp_path/stopped (its checkpoint holds
+  the stream with rows queued), then the same command again: metrics and
+  parameters equal the uninterrupted run `straight` (in tmp_path/straight).
+  Returns the stopped checkpoint's partial-rollouts host state."""
+  with monkeypatch.context() as m:
+    _stop_after(m, step)
+    with pytest.raises(interrupts.Preempted):
+      train.run(config(), str(tmp_path / "stopped"))
+  held = checkpoint.load_host_state(str(tmp_path / "stopped"), step)["partial"]
+  assert held["version"] == step and held["stream"]["queue"]
+  resumed = train.run(config(), str(tmp_path / "stopped"))
+  assert (async_checks.run_metrics(tmp_path / "stopped") ==
+          async_checks.run_metrics(tmp_path / "straight"))
+  want = async_checks.leaves(straight["state"].params)
+  got = async_checks.leaves(resumed["state"].params)
+  for name, x in want.items():
+    np.testing.assert_array_equal(got[name], x, err_msg=name)
+  return held
+
+
 # tiny, and tiny-moe with routing replay (the rows' routes through the
 # stream, its checkpoint and the trainer's replay; its rows run to 16
 # tokens at once, so at 32 some are in flight at a switch)
@@ -302,20 +313,9 @@ def test_rows_carried_across_switches_and_resume_with_them_is_exact(
     assert rows[0]["rollout_logp_diff/max"] < 1e-5
   # stopped after step 2: checkpoint 2 holds the rows cut at the switch
   # into version 2, and the same command resumes from it
-  with monkeypatch.context() as m:
-    _stop_after(m, 2)
-    with pytest.raises(interrupts.Preempted):
-      train.run(config(), str(tmp_path / "stopped"))
-  held = checkpoint.load_host_state(str(tmp_path / "stopped"), 2)["partial"]
-  assert held["version"] == 2 and held["stream"]["queue"]
+  held = _stopped_and_resumed(monkeypatch, config, tmp_path, 2, straight)
   if model == "replay":     # the cut rows' fed columns' routes
     assert all(len(d) == 7 for d in held["stream"]["queue"] if d[3])
-  resumed = train.run(config(), str(tmp_path / "stopped"))
-  assert async_checks.run_metrics(tmp_path / "stopped") == rows
-  want = async_checks.leaves(straight["state"].params)
-  got = async_checks.leaves(resumed["state"].params)
-  for name, x in want.items():
-    np.testing.assert_array_equal(got[name], x, err_msg=name)
 
 
 def test_a_switch_prefills_the_rows_in_flight_at_their_mean_length_so_far():
