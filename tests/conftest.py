@@ -24,6 +24,35 @@ LONGEST_FILES = (
     "test_sampling.py", "test_paged.py", "test_aot.py")
 
 
+def pytest_xdist_make_scheduler(config, log):
+  """xdist's file scheduler, mended so that a crashed worker cannot stall the
+  run (pytest-xdist 3.8.0).
+
+  xdist keeps every file it ever gave a worker in `assigned_work`, finished
+  ones included, and when the worker dies it puts all of them back in the
+  queue. A finished file handed out again sends the next worker no tests;
+  nothing then completes to ask for more work, the workers wait for a
+  shutdown that never comes, and the run hangs until CI's time limit (a
+  worker that aborted inside XLA at 78% of one CI run left it stalled at 99%
+  for over an hour). Here only files with tests left go back: the crashed
+  test is reported failed and run again, the rest of its file and the files
+  queued for that worker run on the replacement, and the run ends
+  (tests/test_xdist_crash.py)."""
+  if config.getoption("dist", None) != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
+
+  class _LoadFileScheduling(LoadFileScheduling):
+
+    def remove_node(self, node):
+      work = self.assigned_work.get(node, {})
+      for scope in [s for s, unit in work.items() if all(unit.values())]:
+        del work[scope]
+      return super().remove_node(node)
+
+  return _LoadFileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items):
   """Files in LONGEST_FILES order first, the rest as collected (a stable
   sort: the tests inside a file keep their order)."""
