@@ -471,3 +471,44 @@ def test_collectives_not_overlapped_add_to_each_sampler():
   assert "+1.0 s (1000 steps), split sampler +1.0 s (2000 steps)" in line
   assert "step 95.5 s = 0.946x the colocated 101.0 s" in line
   assert "(all overlapped: 0.955x)" in line
+
+
+MOE_DISPATCH = """
+import json
+from grpo_jax import sharding
+from grpo_jax.aot import programs
+from grpo_jax.aot.plan import Plan
+from grpo_jax.harness import cli
+from grpo_jax.models import get_preset
+chips = programs.topology_devices("v5e:2x2")
+out = {}
+for dispatch in ("auto", "ragged"):
+  config = cli.load_config("configs/tiny.py")
+  config.model.source = "tiny-moe"
+  config.mesh.shape = (1, 1, 4)            # 8 experts, 2 per chip
+  config.model.moe.dispatch = dispatch
+  layout = sharding.Layout(sharding.make_mesh(config.mesh, chips),
+                           sharding.logical_rules(config.mesh))
+  plan = Plan(config, get_preset("tiny-moe"), layout, 16)
+  out[dispatch] = [plan.layout.mesh.devices.flat[0].platform,
+                   dict(plan.score(plan.micro_rows()).program_collectives)]
+print(json.dumps(out))
+"""
+
+
+def test_auto_dispatch_compiles_all_to_all_for_a_tpu_topology():
+  """model.moe.dispatch = auto on TPU chips whose mesh splits the experts
+  (tiny-moe's 8 over tensor 4 of v5e:2x2): the trainer's compiled forward
+  (the scoring program: the update's forward, a fraction of its compile) moves
+  tokens by all-to-all; `ragged` leaves the grouped matmul to the
+  partitioner, which compiles none."""
+  proc = subprocess.run([sys.executable, "-c", MOE_DISPATCH],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu",
+                             "PYTHONPATH": ROOT})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  (platform, auto), (_, ragged) = out["auto"], out["ragged"]
+  assert platform == "tpu", out
+  assert auto.get("all-to-all", 0) > 0, out
+  assert "all-to-all" not in ragged, out
