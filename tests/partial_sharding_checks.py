@@ -8,6 +8,10 @@ layout (rows over data x fsdp row shards, an engine per shard: its own pool
 and slots on the shard's devices), two generation batches whose rows are
 cut by a weight switch part-way and continued, gives one device's rows
 token for token, and every page back at the end.
+With env PARTIAL_CHECKS_ROUTES=1: `tiny-moe` (experts split over tensor by the
+default rules) with `sampling.record_routes` (routing replay): the rows'
+recorded experts per column (`Samples.routes_nslc`, cut rows' carried
+columns and those fed after the switch) equal one device's too.
 Prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
 import os
@@ -17,6 +21,7 @@ if __name__ == "__main__":  # before JAX starts a backend
                              " --xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
 import sys
 
 import jax
@@ -26,7 +31,7 @@ from sharding_checks import parse_meshes, row_shard_layout, run_meshes
 from grpo_jax.generate import partial, sampling
 from grpo_jax.models import get_preset, init_params
 
-MODEL = get_preset("tiny")
+DENSE = get_preset("tiny")
 STOPS = tuple(range(0, 256, 23))     # rows of a few to 24 tokens
 PAGED = sampling.SamplingConfig(max_new_tokens=24, greedy=True,
                                 stop_ids=STOPS, pad_id=1,
@@ -38,11 +43,20 @@ PROMPTS = [[tuple(range(40 + b, 45 + b + 2 * i)) for i in range(4)]
 SWITCH_AFTER = 1                     # decode calls before the switch
 
 
-def rows(params, layout):
+def variant() -> tuple:
+  """The model and sampling config: PARTIAL_CHECKS_ROUTES=1, tiny-moe
+  recording routes; else the dense tiny model."""
+  if os.environ.get("PARTIAL_CHECKS_ROUTES") == "1":
+    return get_preset("tiny-moe"), dataclasses.replace(PAGED,
+                                                      record_routes=True)
+  return DENSE, PAGED
+
+
+def rows(model, cfg, params, layout):
   """Batches 0 and 1 through the stream, every row off the engines after
   SWITCH_AFTER calls (the same weights as version 1); their samples, the
   rows the switch cut, and whether every page came back."""
-  stream = partial.Stream(sampling.Sampler(MODEL, PAGED, layout), N,
+  stream = partial.Stream(sampling.Sampler(model, cfg, layout), N,
                           jax.random.key(3))
   stream.switch(params, 0)
   for b, prompts in enumerate(PROMPTS):
@@ -60,9 +74,10 @@ def rows(params, layout):
   return [stream.samples(b) for b in (0, 1)], cut, pages_back
 
 
-def check_mesh(shape, params, ref) -> None:
+def check_mesh(shape, model, cfg, params, ref) -> None:
   layout, _ = row_shard_layout(shape)
-  got, cut, pages_back = rows(layout.shard_params(MODEL, params), layout)
+  got, cut, pages_back = rows(model, cfg, layout.shard_params(model, params),
+                              layout)
   assert cut > 0, "the switch must cut rows in flight"
   assert pages_back, "every page back at the end"
   for (out, version_nt), (want, want_version) in zip(got, ref):
@@ -70,19 +85,26 @@ def check_mesh(shape, params, ref) -> None:
       np.testing.assert_array_equal(getattr(out, name), getattr(want, name),
                                     name)
     np.testing.assert_allclose(out.logp_nt, want.logp_nt, atol=1e-4)
+    assert (out.routes_nslc is None) == (not cfg.record_routes)
+    if cfg.record_routes:   # the experts as chosen: their order kept
+      np.testing.assert_array_equal(out.routes_nslc, want.routes_nslc,
+                                    "routes_nslc")
     assert ((version_nt == 0) | (version_nt == 1)).all()
     del want_version       # cut elsewhere: the shards' slots differ
 
 
 def main(argv) -> int:
   assert jax.device_count() == 8, jax.devices()
-  params = jax.tree.map(lambda x: 4.0 * x, init_params(MODEL, jax.random.key(0)))
-  ref, cut, _ = rows(params, None)
+  model, cfg = variant()
+  params = jax.tree.map(lambda x: 4.0 * x, init_params(model, jax.random.key(0)))
+  ref, cut, _ = rows(model, cfg, params, None)
   assert cut > 0, "the check must cut rows on one device too"
   lengths = np.concatenate([out.length_n for out, _ in ref])
   assert lengths.min() < lengths.max(), "rows of several lengths"
+  if cfg.record_routes:   # a zero means a column never recorded too
+    assert all(out.routes_nslc.any() for out, _ in ref), "routes recorded"
   return run_meshes(parse_meshes(argv),
-                    lambda shape: check_mesh(shape, params, ref))
+                    lambda shape: check_mesh(shape, model, cfg, params, ref))
 
 
 if __name__ == "__main__":

@@ -144,6 +144,16 @@ def test_the_stream_over_row_shards_on_eight_fake_devices(
   run_sharding_checks("partial_sharding_checks.py", ["8,1,1", "2,2,2"])
 
 
+@pytest.mark.slow
+def test_the_streams_routes_over_row_shards_on_eight_fake_devices(
+    run_sharding_checks, monkeypatch):
+  """The same on tiny-moe with `sampling.record_routes` (experts split over
+  tensor on 2,2,2): every column's recorded experts, cut rows' carried
+  ones included, are one device's too."""
+  monkeypatch.setenv("PARTIAL_CHECKS_ROUTES", "1")
+  run_sharding_checks("partial_sharding_checks.py", ["8,1,1", "2,2,2"])
+
+
 def _record(monkeypatch) -> tuple[list, list]:
   """The generation batches the stream scores, (step, Groups) in order,
   and the steps' batches the trainer learns on, (Groups, metrics)."""
