@@ -50,6 +50,12 @@ def _names(out: str) -> list:
   return [line[:14].strip() for line in rows]
 
 
+def _assert_not_compiled(out: str, *names) -> None:
+  """The config runs these programs; --programs left them out."""
+  for name in names:
+    assert _row(out, name).endswith("not compiled (--programs)"), out
+
+
 def test_tiny_fits():
   """rl.packing = auto (the default): a run may take either path per
   mini-batch, so both updates are compiled."""
@@ -69,8 +75,7 @@ def test_programs_flag_compiles_a_subset_and_says_so():
                  "--programs=update")
   assert rc == 0, out
   assert _names(out) == ["update"], out
-  for name in ("sampler", "update packed", "eval greedy"):
-    assert _row(out, name).endswith("not compiled (--programs)"), out
+  _assert_not_compiled(out, "sampler", "update packed", "eval greedy")
   assert ("fits: every compiled program (not compiled: sampler, update "
           "packed, eval greedy) leaves >= 5%") in out
   lines = out.splitlines()
@@ -95,12 +100,14 @@ def test_lora_state_is_the_adapters_and_the_base_is_the_reference():
 
 def test_packed_update_and_scoring_compile_and_fit():
   """rl.packing = on: only the packed update and packed scoring (π_old
-  recomputed), 4 rows of 16 + 8 tokens per micro-batch on 4 row shards."""
+  recomputed), 4 rows of 16 + 8 tokens per micro-batch on 4 row shards.
+  The sampler and eval are test_tiny_fits' programs: named, not compiled."""
   rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
-                 "--config.rl.packing=on", "--config.rl.old_logp=recompute")
+                 "--config.rl.packing=on", "--config.rl.old_logp=recompute",
+                 "--programs=update_packed,score_packed")
   assert rc == 0, out
-  assert _names(out) == ["sampler", "update packed", "score packed",
-                         "eval greedy"], out
+  assert _names(out) == ["update packed", "score packed"], out
+  _assert_not_compiled(out, "sampler", "eval greedy")
   for name in ("update packed", "score packed"):
     row = _row(out, name)
     assert row.split()[2] == "4" and row.endswith("yes"), row
@@ -141,11 +148,14 @@ def test_sampler_roofline_counts_waves_of_rows_per_call():
 
 def test_continuous_batching_sampler_compiles_and_fits():
   """sampling.continuous_batching: the tool compiles continuous.sample_slots
-  on the step's rows; its rows column is the slots (sampling.slots)."""
+  on the step's rows; its rows column is the slots (sampling.slots). The
+  updates and eval are test_tiny_fits' programs: named, not compiled."""
   rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
                  "--config.sampling.continuous_batching=True",
-                 "--config.sampling.slots=8")
+                 "--config.sampling.slots=8", "--programs=sampler")
   assert rc == 0, out
+  assert _names(out) == ["sampler slots"], out
+  _assert_not_compiled(out, "update", "update packed", "eval greedy")
   row = _row(out, "sampler slots")
   assert row.split()[2] == "8" and row.endswith("yes"), row
   below = out.splitlines()[out.splitlines().index(row) + 1]
@@ -157,14 +167,17 @@ def test_parked_engine_programs_of_a_multi_turn_config():
   prompts' prefill, an observation's prefill onto existing pages) replace
   the training sampler call, sized per row shard as the run sizes them; the
   update's rows are the prompt plus the episode's budget, 4 turns of 8
-  tokens and 3 observations of 64 (224 tokens)."""
+  tokens and 3 observations of 64 (224 tokens). The update and eval
+  (test_tiny_fits' programs at other lengths) are named, not compiled."""
   rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
                  "--config.env.name=scripted", "--config.env.engine=parked",
                  "--config.sampling.continuous_batching=True",
-                 "--config.sampling.kv_cache=paged", "--config.rl.packing=off")
+                 "--config.sampling.kv_cache=paged", "--config.rl.packing=off",
+                 "--programs=sampler")
   assert rc == 0, out
-  assert _names(out) == ["engine decode", "engine prefill", "engine observe",
-                         "update", "eval greedy"], out
+  assert _names(out) == ["engine decode", "engine prefill", "engine observe"
+                         ], out
+  _assert_not_compiled(out, "update", "eval greedy")
   assert "completions 224 (an episode's budget, env 'scripted')" in out
   # 8 rows over 4 row shards: 2 rows, 2 slots, each row's 240 columns on
   # 15 pages of 16.
