@@ -11,7 +11,8 @@ micro-batches, reference / old-log-prob scoring when the config uses them
 (padded, packed with rl.packing=on, both with auto), and the evaluation
 sampler for the topology's chips (with an env on the parked engine,
 env.engine=parked: the engine's decode call and its prefills instead of the
-training sampler call, grpo_jax/aot/engine.py), and
+training sampler call and of the evaluation sampler, grpo_jax/aot/engine.py),
+and
 prints per-chip memory against the chip's HBM, then the step's analytic
 FLOPs and roofline time (grpo_jax/aot/check.py). Exit status 0 only when every
 program fits with 5% to spare; otherwise it names what does not and the

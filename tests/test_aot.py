@@ -167,17 +167,18 @@ def test_parked_engine_programs_of_a_multi_turn_config():
   prompts' prefill, an observation's prefill onto existing pages) replace
   the training sampler call, sized per row shard as the run sizes them; the
   update's rows are the prompt plus the episode's budget, 4 turns of 8
-  tokens and 3 observations of 64 (224 tokens). The update and eval
-  (test_tiny_fits' programs at other lengths) are named, not compiled."""
+  tokens and 3 observations of 64 (224 tokens). The evaluation runs its
+  episodes on the engine too: its programs at the evaluation's rows. The
+  update (test_tiny_fits' at another length) is named, not compiled."""
   rc, out = _aot("--config=configs/tiny.py", "--prompt_len=16",
                  "--config.env.name=scripted", "--config.env.engine=parked",
                  "--config.sampling.continuous_batching=True",
                  "--config.sampling.kv_cache=paged", "--config.rl.packing=off",
-                 "--programs=sampler")
+                 "--config.train.eval_examples=4", "--programs=sampler,eval")
   assert rc == 0, out
-  assert _names(out) == ["engine decode", "engine prefill", "engine observe"
-                         ], out
-  _assert_not_compiled(out, "update", "eval greedy")
+  assert _names(out) == ["engine decode", "engine prefill", "engine observe",
+                         "eval decode", "eval prefill", "eval observe"], out
+  _assert_not_compiled(out, "update")
   assert "completions 224 (an episode's budget, env 'scripted')" in out
   # 8 rows over 4 row shards: 2 rows, 2 slots, each row's 240 columns on
   # 15 pages of 16.
@@ -186,6 +187,11 @@ def test_parked_engine_programs_of_a_multi_turn_config():
           "its KV heads split 1 ways)") in out, out
   assert "context 240 = prompt 16 + 4 turns x 8 + 3 observations x 64" in out
   assert _row(out, "engine observe").split()[2] == "2", out
+  # 4 greedy evaluation episodes (train.eval_examples) over 4 row shards:
+  # 1 row, 1 slot, 15 pages
+  assert ("eval: parked engine per row shard (4 shards of 1 chips): 1 rows, "
+          "1 slots, 15 pages") in out, out
+  assert _row(out, "eval decode").split()[2] == "1", out
 
 
 def test_decode_collectives_counts_one_decode_step():

@@ -32,7 +32,11 @@ step and its evaluation run:
              s = prompt + max_new_tokens tokens (the most a packed row
              holds; the decoder's worst case, one completion at the cap per
              row), PACKED_SEQUENCES_PER_ROW x R sequence slots
-  eval       the evaluation's sampler calls (greedy, and n samples if set)
+  eval       the evaluation's sampler calls (greedy, and n samples if set);
+             with an env on the parked engine, the engine's programs sized
+             for each call's episodes, as `evaluation.sample_completions`
+             runs them (`eval decode`, `eval prefill`, `eval observe`; with
+             eval.n also `eval n=G ...`)
 
 `only` (experiments/aot.py --programs) compiles a subset of those kinds
 (`PROGRAMS`); the others are named as not compiled, and the verdict then
@@ -240,7 +244,8 @@ def check(config, topology: str, prompt_len: int,
   G = rl.num_generations
   rows_per_call = b_call * G
   comparison = None
-  if env is not None and env.engine == "parked":
+  parked_env = env is not None and env.engine == "parked"
+  if parked_env:
     espec = pod_engine.engine_spec(plan)
     log(pod_engine.describe(plan, espec))
     if compile_programs:
@@ -303,6 +308,16 @@ def check(config, topology: str, prompt_len: int,
         halvings(micro)[1:], plan.packed_score, hbm),
         "packed scoring micro-batch (rows)", "score_packed", "score packed")
   for prompts, g, greedy in _eval_calls(config, plan):
+    if parked_env:
+      prefix = "eval" if greedy else f"eval n={g}"
+      espec = pod_engine.engine_spec(plan, prompts * g, greedy)
+      log(f"{prefix}: " + pod_engine.describe(plan, espec, prompts * g))
+      for name, build, rows in pod_engine.programs(plan, espec, prefix):
+        run(lambda build=build, rows=rows: build(rows),
+            lambda build=build, rows=rows: largest_fitting(
+                halvings(rows)[1:], build, hbm), f"{name} rows", "eval",
+            name)
+      continue
     name = "eval greedy" if greedy else f"eval n={g}"
     build_eval = lambda b, g=g, greedy=greedy, name=name: plan.sampler(
         b, g, plan.sampling_config(greedy), name)

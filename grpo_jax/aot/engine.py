@@ -48,15 +48,22 @@ def _on(mesh, x) -> jax.ShapeDtypeStruct:
                               sharding=NamedSharding(mesh, spec))
 
 
-def engine_spec(plan: Plan) -> parked.EngineSpec:
+def step_rows(plan: Plan) -> int:
+  """A training step's episodes: prompts x G."""
+  return plan.run.batch.prompts * plan.run.batch.generations
+
+
+def engine_spec(plan: Plan, rows: int = 0, greedy: bool = False
+                ) -> parked.EngineSpec:
   """One row shard's engine, sized as `agent_parked.run_episodes` sizes it
-  for a step's prompts x G rows, prompts of plan.prompt_len tokens."""
+  for `rows` episodes (0: a step's, `step_rows`), prompts of
+  plan.prompt_len tokens; greedy: an evaluation's greedy call."""
   env, shards = plan.run.groups.env, plan.layout.batch_shards
-  rows = plan.run.batch.prompts * plan.run.batch.generations
-  per_shard = len(agent_parked.shard_rows(rows, shards)[0])
+  per_shard = len(agent_parked.shard_rows(rows or step_rows(plan),
+                                          shards)[0])
   cfg = dataclasses.replace(plan.paged_sampling_config(),
                             pages=plan.config.sampling.pages,
-                            slots=plan.config.sampling.slots)
+                            slots=plan.config.sampling.slots, greedy=greedy)
   return agent_parked.shard_engine_spec(plan.model_config, cfg, shards,
                                         per_shard, plan.prompt_len, env)
 
@@ -88,7 +95,8 @@ class _Abstract:
     return _on(self.mesh, jax.ShapeDtypeStruct(shape, dtype))
 
 
-def decode_program(plan: Plan, spec: parked.EngineSpec) -> Program:
+def decode_program(plan: Plan, spec: parked.EngineSpec,
+                   name: str = "engine decode") -> Program:
   """`parked_programs.decode_steps` over the shard's M slots."""
   x = _Abstract(plan, spec)
   M, J, T = spec.slots, spec.table_width, spec.sampling.max_new_tokens
@@ -101,7 +109,7 @@ def decode_program(plan: Plan, spec: parked.EngineSpec) -> Program:
       x.array((M, *routes_tlc), routes_dtype))
   lower = lambda: parked_programs.decode_steps.lower(
       spec, x.params, x.pool, slots, x.key)
-  return compile_program("engine decode", M, lower, engine_resident(plan))
+  return compile_program(name, M, lower, engine_resident(plan))
 
 
 def prefill_program(plan: Plan, spec: parked.EngineSpec, rows: int,
@@ -118,25 +126,29 @@ def prefill_program(plan: Plan, spec: parked.EngineSpec, rows: int,
   return compile_program(name, A, lower, engine_resident(plan))
 
 
-def programs(plan: Plan, spec: parked.EngineSpec) -> list:
+def programs(plan: Plan, spec: parked.EngineSpec, prefix: str = "engine"
+             ) -> list:
   """(name, build(rows) -> Program, rows) of the engine's programs (module
-  doc); build takes the rows (slots, or rows per prefill call) so a search
-  can try fewer."""
+  doc), named `prefix` decode / prefill / observe; build takes the rows
+  (slots, or rows per prefill call) so a search can try fewer."""
   env = plan.run.groups.env
   with_slots = lambda m: dataclasses.replace(spec, slots=m)
+  decode, prefill, observe = (f"{prefix} {part}"
+                              for part in ("decode", "prefill", "observe"))
   return [
-      ("engine decode", lambda m: decode_program(plan, with_slots(m)),
+      (decode, lambda m: decode_program(plan, with_slots(m), decode),
        spec.slots),
-      ("engine prefill", lambda a: prefill_program(
-          plan, spec, a, plan.prompt_len, "engine prefill"), spec.slots),
-      ("engine observe", lambda a: prefill_program(
-          plan, spec, a, env.max_observation_tokens + 1, "engine observe"),
+      (prefill, lambda a: prefill_program(
+          plan, spec, a, plan.prompt_len, prefill), spec.slots),
+      (observe, lambda a: prefill_program(
+          plan, spec, a, env.max_observation_tokens + 1, observe),
        spec.slots),
   ]
 
 
-def describe(plan: Plan, spec: parked.EngineSpec) -> str:
-  """The engine's sizing, one line: rows, slots, pages, context, pool."""
+def describe(plan: Plan, spec: parked.EngineSpec, rows: int = 0) -> str:
+  """The engine's sizing for `rows` episodes (0: a step's), one line: rows
+  per shard, slots, pages, context, pool."""
   c, cfg = spec.model_config, spec.sampling
   env = plan.run.groups.env
   item = page_pool.pool_dtype(plan.sampler_params()).itemsize
@@ -144,9 +156,8 @@ def describe(plan: Plan, spec: parked.EngineSpec) -> str:
       item, cfg.kv_dtype, c.head_dim)
   pool_gib = spec.pages * cfg.page_size * per_column / 1024 ** 3
   heads = plan.layout.row_shard(0).splits("kv_heads", c.num_kv_heads)
-  rows = len(agent_parked.shard_rows(
-      plan.run.batch.prompts * plan.run.batch.generations,
-      plan.layout.batch_shards)[0])
+  rows = len(agent_parked.shard_rows(rows or step_rows(plan),
+                                     plan.layout.batch_shards)[0])
   return (f"parked engine per row shard ({plan.layout.batch_shards} shards of "
           f"{np.prod(plan.layout.row_shard(0).mesh.devices.shape)} chips): "
           f"{rows} rows, {spec.slots} slots, {spec.pages} pages of "
