@@ -33,10 +33,8 @@ step and its evaluation run:
              holds; the decoder's worst case, one completion at the cap per
              row), PACKED_SEQUENCES_PER_ROW x R sequence slots
   eval       the evaluation's sampler calls (greedy, and n samples if set);
-             with an env on the parked engine, the engine's programs sized
-             for each call's episodes, as `evaluation.sample_completions`
-             runs them (`eval decode`, `eval prefill`, `eval observe`; with
-             eval.n also `eval n=G ...`)
+             with a parked env, the engine's at each call's episodes
+             (`engine.eval_programs`)
 
 `only` (experiments/aot.py --programs) compiles a subset of those kinds
 (`PROGRAMS`); the others are named as not compiled, and the verdict then
@@ -244,17 +242,20 @@ def check(config, topology: str, prompt_len: int,
   G = rl.num_generations
   rows_per_call = b_call * G
   comparison = None
+
+  def run_engine(engine_programs: list, kind: str):
+    for name, build, rows in engine_programs:
+      run(lambda build=build, rows=rows: build(rows),
+          lambda build=build, rows=rows: largest_fitting(
+              halvings(rows)[1:], build, hbm), f"{name} rows", kind, name)
+
   parked_env = env is not None and env.engine == "parked"
   if parked_env:
     espec = pod_engine.engine_spec(plan)
     log(pod_engine.describe(plan, espec))
     if compile_programs:
       log(HEADER)
-    for name, build, rows in pod_engine.programs(plan, espec):
-      run(lambda build=build, rows=rows: build(rows),
-          lambda build=build, rows=rows: largest_fitting(
-              halvings(rows)[1:], build, hbm), f"{name} rows", "sampler",
-          name)
+    run_engine(pod_engine.programs(plan, espec), "sampler")
     rows_per_call = espec.slots * plan.layout.batch_shards
   elif config.sampling.continuous_batching:
     paged = config.sampling.kv_cache == "paged"
@@ -309,14 +310,10 @@ def check(config, topology: str, prompt_len: int,
         "packed scoring micro-batch (rows)", "score_packed", "score packed")
   for prompts, g, greedy in _eval_calls(config, plan):
     if parked_env:
-      prefix = "eval" if greedy else f"eval n={g}"
-      espec = pod_engine.engine_spec(plan, prompts * g, greedy)
-      log(f"{prefix}: " + pod_engine.describe(plan, espec, prompts * g))
-      for name, build, rows in pod_engine.programs(plan, espec, prefix):
-        run(lambda build=build, rows=rows: build(rows),
-            lambda build=build, rows=rows: largest_fitting(
-                halvings(rows)[1:], build, hbm), f"{name} rows", "eval",
-            name)
+      line, engine_programs = pod_engine.eval_programs(plan, prompts, g,
+                                                       greedy)
+      log(line)
+      run_engine(engine_programs, "eval")
       continue
     name = "eval greedy" if greedy else f"eval n={g}"
     build_eval = lambda b, g=g, greedy=greedy, name=name: plan.sampler(

@@ -146,6 +146,17 @@ def programs(plan: Plan, spec: parked.EngineSpec, prefix: str = "engine"
   ]
 
 
+def eval_programs(plan: Plan, prompts: int, g: int, greedy: bool
+                  ) -> tuple[str, list]:
+  """An evaluation call's `prompts` x g episodes on the engine, as
+  `evaluation.sample_completions` runs them: (its sizing line, its
+  `programs`, named "eval ..." or "eval n=g ...")."""
+  prefix = "eval" if greedy else f"eval n={g}"
+  spec = engine_spec(plan, prompts * g, greedy)
+  return (f"{prefix}: " + describe(plan, spec, prompts * g),
+          programs(plan, spec, prefix))
+
+
 def describe(plan: Plan, spec: parked.EngineSpec, rows: int = 0) -> str:
   """The engine's sizing for `rows` episodes (0: a step's), one line: rows
   per shard, slots, pages, context, pool."""
