@@ -56,7 +56,8 @@ def test_qwen3_moe_matches_transformers_and_exports(qwen3_moe, tmp_path):
   config, params = load_pretrained(directory)
   assert config.moe.dense_layers == (1,) and config.moe.num_experts == 8
   assert params["layers"]["expert_gate"].shape == (2, 8, 64, 32)
-  ours = jax.nn.log_softmax(forward(config, params, jnp.asarray(TOKENS)))
+  ours = jax.nn.log_softmax(jax.jit(forward, static_argnums=0)(
+      config, params, jnp.asarray(TOKENS)))
   np.testing.assert_allclose(ours, _logprobs(model, TOKENS), atol=1e-4)
   save_pretrained(config, params, tmp_path / "out")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -68,7 +69,7 @@ def test_cached_decode_matches_the_forward():
   config = get_preset("tiny-moe")
   params = init_params(config, jax.random.key(0))
   tokens = jnp.asarray(TOKENS % config.vocab_size)
-  full = forward(config, params, tokens)
+  full = jax.jit(forward, static_argnums=0)(config, params, tokens)
   cache = decode.init_cache(config, 2, tokens.shape[1])
   step = jax.jit(decode.decode_step, static_argnums=0)
   for t in range(6):
@@ -197,8 +198,9 @@ def test_deepseek_v3_matches_transformers_and_exports(deepseek_v3, tmp_path):
   assert (config.num_kv_heads, config.head_dim) == (1, 20)  # latent + rope
   assert config.moe.dense_layers == (0,)
   tokens = TOKENS % 300
-  ours = jax.nn.log_softmax(forward(config, params, jnp.asarray(tokens)))
-  np.testing.assert_allclose(ours, _logprobs(model, tokens), atol=1e-4)
+  full = jax.jit(forward, static_argnums=0)(config, params, jnp.asarray(tokens))
+  np.testing.assert_allclose(jax.nn.log_softmax(full),
+                             _logprobs(model, tokens), atol=1e-4)
   save_pretrained(config, params, tmp_path / "out")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
   np.testing.assert_allclose(_logprobs(back.eval(), tokens),
@@ -207,7 +209,6 @@ def test_deepseek_v3_matches_transformers_and_exports(deepseek_v3, tmp_path):
   cache = decode.init_cache(config, 2, tokens.shape[1])
   assert cache.k[0].shape == (2, 1, tokens.shape[1], 20)
   step = jax.jit(decode.decode_step, static_argnums=0)
-  full = forward(config, params, jnp.asarray(tokens))
   for t in range(4):
     logits, cache = step(config, params, cache, jnp.asarray(tokens[:, t]),
                          jnp.full((2,), t), t)
@@ -238,20 +239,23 @@ def test_replayed_routes_reproduce_and_keep_the_router_learning():
   config = get_preset("tiny-moe")
   params = init_params(config, jax.random.key(2))
   tokens = jnp.asarray(TOKENS % config.vocab_size)
-  logits, routes = routing.forward_routed(config, params, tokens)
+  # Jitted: a compile each way (free, replayed), where op-by-op dispatch
+  # compiles every op.
+  routed = jax.jit(routing.forward_routed, static_argnums=0)
+  logits, routes = routed(config, params, tokens)
   assert routes.shape == (2, 2, 12, 2)          # 2 sparse layers, C = 2
-  again, replayed = routing.forward_routed(config, params, tokens, routes)
+  again, replayed = routed(config, params, tokens, routes)
   np.testing.assert_array_equal(again, logits)
   np.testing.assert_array_equal(replayed, routes)
   moved = dict(params, layers=dict(params["layers"]))
   moved["layers"]["router"] = params["layers"]["router"] + 0.05 * \
       jax.random.normal(jax.random.key(3), params["layers"]["router"].shape)
-  _, free = routing.forward_routed(config, moved, tokens)
+  _, free = routed(config, moved, tokens)
   assert 0 < float(routing.routes_differ(free, routes).mean()) < 1
-  _, kept = routing.forward_routed(config, moved, tokens, routes)
+  _, kept = routed(config, moved, tokens, routes)
   np.testing.assert_array_equal(kept, routes)
-  grad = jax.grad(lambda p: routing.forward_routed(
-      config, p, tokens, routes)[0].sum())(moved)
+  grad = jax.jit(jax.grad(lambda p: routing.forward_routed(
+      config, p, tokens, routes)[0].sum()))(moved)
   assert float(jnp.abs(grad["layers"]["router"]).sum()) > 0
 
 
