@@ -4,6 +4,7 @@ layer (the slots: 2 slots for 6 rows, so rows end and slots refill; the
 pages: a pool so small that rows wait and one is preempted); they travel
 with the rollout (Groups, rows, packed rows, the async host state) and the
 trainer's passes replay them (gates recomputed from its router)."""
+import functools
 import json
 import os
 import subprocess
@@ -94,15 +95,21 @@ def test_recorded_routes_are_the_full_forwards(params, sampler):
   _assert_full_forwards_routes(params, batch.to_rows(_groups(out), 0, False))
 
 
+# The full passes the checks compare with, jitted: a compile a shape, where
+# op-by-op dispatch compiles every op.
+_hidden_states_and_routes = jax.jit(functools.partial(
+    transformer.hidden_states_and_kv, return_routes=True), static_argnums=0)
+_forward_routed = jax.jit(routing.forward_routed, static_argnums=0)
+
+
 def _assert_full_forwards_routes(params, rows):
   """The rows' recorded routes are a full-sequence pass's at every valid
   column."""
   assert rows.routes_nslc.dtype == np.uint8
   assert rows.routes_nslc.shape == rows.tokens_ns.shape + (2, 2)
-  *_, taken_lnsc = transformer.hidden_states_and_kv(
+  *_, taken_lnsc = _hidden_states_and_routes(
       CONFIG, params, jnp.asarray(rows.tokens_ns),
-      jnp.asarray(rows.positions_ns), jnp.asarray(rows.valid_ns),
-      return_routes=True)
+      jnp.asarray(rows.positions_ns), jnp.asarray(rows.valid_ns))
   taken_nslc = np.moveaxis(np.asarray(taken_lnsc), 0, 2)
   valid = rows.valid_ns
   np.testing.assert_array_equal(np.sort(rows.routes_nslc[valid], -1),
@@ -247,8 +254,7 @@ def _recording_engine(params) -> parked.Engine:
 
 def _full_routes(params, tokens) -> np.ndarray:
   """A full-sequence pass's experts (S, L_sparse, C), sorted per token."""
-  _, taken_lnsc = routing.forward_routed(CONFIG, params,
-                                         jnp.asarray([tokens]))
+  _, taken_lnsc = _forward_routed(CONFIG, params, jnp.asarray([tokens]))
   return np.sort(np.moveaxis(np.asarray(taken_lnsc)[:, 0], 0, 1), -1)
 
 
