@@ -439,3 +439,14 @@ def test_a_paged_training_run_keeps_one_pool_and_equals_the_dense_run(
   for dense_row, paged_row in zip(rows["dense"], rows["paged"]):
     for k in ("reward/mean", "accuracy", "sample/tokens", "loss"):
       assert paged_row[k] == pytest.approx(dense_row[k], rel=1e-5, abs=1e-6), k
+
+
+def test_bucket_block_bounds_a_layers_branches():
+  """The reference's buckets: BLOCK_S columns, or coarser so a layer has
+  at most MAX_BUCKETS branches (the paper config's 20,992 columns on pages
+  of 16: 1,312 pages, 82 a bucket, 16 buckets), never under a page."""
+  assert paged.bucket_block(8, 16) == paged.BLOCK_S
+  block = paged.bucket_block(1312, 16)
+  assert block == 82 * 16 and -(-1312 // (block // 16)) == paged.MAX_BUCKETS
+  assert paged.bucket_block(3, 64) == 64
+  assert paged.bucket_block(100, 4, max_buckets=10) == 40

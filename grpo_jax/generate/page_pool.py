@@ -213,13 +213,15 @@ def kernel_fn(layout: Layout):
   return attend
 
 
-def decode_settings(call: decoding.CallSpec, filled: jax.Array
-                    ) -> paged.DecodeSettings:
-  """The paged decode step's settings of a call whose rows read at most
-  `filled` pages: the reference (bucketed by `filled`) or the kernel, and
-  the activations' constraints (`decode_constrain`)."""
+def decode_settings(call: decoding.CallSpec, filled: jax.Array,
+                    table_width: int) -> paged.DecodeSettings:
+  """The paged decode step's settings of a call whose rows of
+  `table_width` pages read at most `filled` pages: the reference (bucketed
+  by `filled`, `paged.bucket_block`) or the kernel, and the activations'
+  constraints (`decode_constrain`)."""
   impl = resolve(call)
-  attend = (paged.reference_fn(call.model_config, filled)
+  block = paged.bucket_block(table_width, call.sampling.page_size)
+  attend = (paged.reference_fn(call.model_config, filled, block=block)
             if impl == "reference" else kernel_fn(call.layout))
   return paged.DecodeSettings(
       attend, call.shards, paged.pool_layout(impl),

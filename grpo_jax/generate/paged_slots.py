@@ -308,7 +308,7 @@ def _sample_pages(call, params, prompt_bp, prompt_len_b, key, real_prompts,
     logits_mv, pool, *taken = paged.decode_step(
         model_config, weights, c.pool, prev_m,
         paged.RowPages(column_m, jnp.where(active_m, entry_m, W), c.table_mj),
-        page_pool.decode_settings(call, filled), record)
+        page_pool.decode_settings(call, filled, J), record)
     routes = c.routes_ntlc
     if record:     # the fed token's experts, at its column t - 1
       routes = slots.write(routes, c.row_m, c.t_m - 1, jnp.moveaxis(

@@ -37,7 +37,7 @@ class EngineSpec:
   context: int
   steps_per_call: int = 16
   return_after: int = 1
-  max_buckets: int = 16     # decode attention branches a layer, at most
+  max_buckets: int = paged.MAX_BUCKETS  # attention branches a layer, at most
 
   def __post_init__(self):
     J = self.table_width
@@ -56,15 +56,10 @@ class EngineSpec:
 
   @property
   def block(self) -> int:
-    """Key columns per bucket of the decode's attention: `paged.BLOCK_S`,
-    or coarser so a layer has at most `max_buckets` `lax.switch` branches
-    (`paged.bucketed_attention`; a step reads up to a bucket past its
-    longest row): at a 16K context, 512 branches of 32 columns a layer made
-    a 7B decode step too big to compile (aot.py)."""
-    Z = self.sampling.page_size
-    pages = max(paged.BLOCK_S // Z, -(-self.table_width // self.max_buckets),
-                1)
-    return pages * Z
+    """Key columns per bucket of the decode's attention
+    (`paged.bucket_block`)."""
+    return paged.bucket_block(self.table_width, self.sampling.page_size,
+                              self.max_buckets)
 
 
 class Slots(NamedTuple):
