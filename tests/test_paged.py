@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
-from grpo_jax.generate import continuous, decoding, paged_slots, pages, sampling
+from grpo_jax.generate import continuous, decoding, page_pool, paged_slots, pages, sampling
 from grpo_jax.models import attention, get_preset, init_params, paged, ragged, transformer
 
 CONFIG = get_preset("tiny")
@@ -445,8 +445,8 @@ def test_bucket_block_bounds_a_layers_branches():
   """The reference's buckets: BLOCK_S columns, or coarser so a layer has
   at most MAX_BUCKETS branches (the paper config's 20,992 columns on pages
   of 16: 1,312 pages, 82 a bucket, 16 buckets), never under a page."""
-  assert paged.bucket_block(8, 16) == paged.BLOCK_S
-  block = paged.bucket_block(1312, 16)
-  assert block == 82 * 16 and -(-1312 // (block // 16)) == paged.MAX_BUCKETS
-  assert paged.bucket_block(3, 64) == 64
-  assert paged.bucket_block(100, 4, max_buckets=10) == 40
+  assert page_pool.bucket_block(8, 16) == paged.BLOCK_S
+  block = page_pool.bucket_block(1312, 16)
+  assert block == 82 * 16 and -(-1312 // (block // 16)) == page_pool.MAX_BUCKETS
+  assert page_pool.bucket_block(3, 64) == 64
+  assert page_pool.bucket_block(100, 4, max_buckets=10) == 40

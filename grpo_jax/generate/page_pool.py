@@ -213,14 +213,30 @@ def kernel_fn(layout: Layout):
   return attend
 
 
+# Buckets a layer of the reference has at most (`bucket_block`).
+MAX_BUCKETS = 16
+
+
+def bucket_block(table_width: int, page_size: int,
+                 max_buckets: int = MAX_BUCKETS) -> int:
+  """Key columns per bucket of the reference (`paged.Buckets.block`) for
+  rows of `table_width` pages: `paged.BLOCK_S`, or coarser so a layer has
+  at most `max_buckets` `lax.switch` branches (a step reads up to a bucket
+  past its longest row). Each branch is traced per layer: 656 of 32 columns at the
+  paper config's 20,992 (Qwen2.5-32B, 64 layers) had not traced after 15
+  CPU-minutes, nor 512 at a 7B's 16K context after 16 (aot.py)."""
+  pages = max(paged.BLOCK_S // page_size, -(-table_width // max_buckets), 1)
+  return pages * page_size
+
+
 def decode_settings(call: decoding.CallSpec, filled: jax.Array,
                     table_width: int) -> paged.DecodeSettings:
   """The paged decode step's settings of a call whose rows of
   `table_width` pages read at most `filled` pages: the reference (bucketed
-  by `filled`, `paged.bucket_block`) or the kernel, and the activations'
+  by `filled`, `bucket_block`) or the kernel, and the activations'
   constraints (`decode_constrain`)."""
   impl = resolve(call)
-  block = paged.bucket_block(table_width, call.sampling.page_size)
+  block = bucket_block(table_width, call.sampling.page_size)
   attend = (paged.reference_fn(call.model_config, filled, block=block)
             if impl == "reference" else kernel_fn(call.layout))
   return paged.DecodeSettings(

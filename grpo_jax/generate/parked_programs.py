@@ -37,7 +37,7 @@ class EngineSpec:
   context: int
   steps_per_call: int = 16
   return_after: int = 1
-  max_buckets: int = paged.MAX_BUCKETS  # attention branches a layer, at most
+  max_buckets: int = page_pool.MAX_BUCKETS   # attention branches a layer
 
   def __post_init__(self):
     J = self.table_width
@@ -57,8 +57,8 @@ class EngineSpec:
   @property
   def block(self) -> int:
     """Key columns per bucket of the decode's attention
-    (`paged.bucket_block`)."""
-    return paged.bucket_block(self.table_width, self.sampling.page_size,
+    (`page_pool.bucket_block`)."""
+    return page_pool.bucket_block(self.table_width, self.sampling.page_size,
                               self.max_buckets)
 
 

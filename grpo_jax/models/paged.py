@@ -63,20 +63,6 @@ KERNELS = ("auto", "reference", "pallas")
 # the dense slots' ragged.BLOCK_S, since its gather and dots cost what the
 # bucket reads.
 BLOCK_S = 32
-# Buckets a layer of the reference has at most (`bucket_block`).
-MAX_BUCKETS = 16
-
-
-def bucket_block(table_width: int, page_size: int,
-                 max_buckets: int = MAX_BUCKETS) -> int:
-  """Key columns per bucket of the reference (`Buckets.block`) for rows of
-  `table_width` pages: BLOCK_S, or coarser so a layer has at most
-  `max_buckets` `lax.switch` branches (a step reads up to a bucket past its
-  longest row). Each branch is traced per layer: 656 of 32 columns at the
-  paper config's 20,992 (Qwen2.5-32B, 64 layers) had not traced after 15
-  CPU-minutes, nor 512 at a 7B's 16K context after 16 (aot.py)."""
-  pages = max(BLOCK_S // page_size, -(-table_width // max_buckets), 1)
-  return pages * page_size
 
 
 KERNEL_LANES = 128   # the TPU kernel's blocks hold head_dim on 128 lanes
