@@ -23,6 +23,11 @@ def _inputs(key, B=2, T=11, S=11, H=4, K=2, hd=8, dtype=jnp.float32):
   return q, k, v
 
 
+# Jitted: one compile a shape, where op-by-op dispatch compiles every op.
+_blockwise = jax.jit(blockwise.attention, static_argnames=("block_q",
+                                                           "block_k"))
+
+
 def _left_padded(B, S, pads):
   col = np.arange(S)[None, :]
   pad = np.asarray(pads)[:, None]
@@ -53,12 +58,13 @@ def test_values_and_gradients_match_dense(dtype, window, blocks):
   loss = lambda f: lambda q, k, v: jnp.sum(
       jnp.where(rows, f(q, k, v).astype(jnp.float32) * w, 0.0))
   tol = TOL[dtype]
+  # Jitted: one compile each, where op-by-op dispatch compiles every op.
   np.testing.assert_allclose(
-      np.where(rows, block(q, k, v).astype(jnp.float32), 0),
-      np.where(rows, dense(q, k, v).astype(jnp.float32), 0), atol=tol,
-      rtol=tol)
-  g_dense = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
-  g_block = jax.grad(loss(block), argnums=(0, 1, 2))(q, k, v)
+      np.where(rows, jax.jit(block)(q, k, v).astype(jnp.float32), 0),
+      np.where(rows, jax.jit(dense)(q, k, v).astype(jnp.float32), 0),
+      atol=tol, rtol=tol)
+  grads = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
+  g_dense, g_block = grads(dense), grads(block)
   for a, b in zip(g_block, g_dense):
     np.testing.assert_allclose(np.asarray(a, np.float32),
                                np.asarray(b, np.float32), atol=4 * tol,
@@ -72,11 +78,11 @@ def test_skips_causally_masked_blocks():
   q, k, v = _inputs(jax.random.key(2), B=1, T=S, S=S)
   pos, valid = _left_padded(1, S, [0])
   v_nan = v.at[:, :, 12:].set(jnp.nan)
-  out = blockwise.attention(q, k, v_nan, blockwise.MaskInfo(pos, pos, valid),
-                            block_q=4, block_k=4)
+  out = _blockwise(q, k, v_nan, blockwise.MaskInfo(pos, pos, valid),
+                   block_q=4, block_k=4)
   assert np.isfinite(np.asarray(out[:, :12])).all()
-  ref = blockwise.attention(q, k, v, blockwise.MaskInfo(pos, pos, valid),
-                            block_q=4, block_k=4)
+  ref = _blockwise(q, k, v, blockwise.MaskInfo(pos, pos, valid),
+                   block_q=4, block_k=4)
   np.testing.assert_array_equal(np.asarray(out[:, :12]),
                                 np.asarray(ref[:, :12]))
 
@@ -92,16 +98,15 @@ def test_segments_and_queries_after_a_prefix():
   config = get_preset("tiny")
   mask = attention.attention_mask(config, pos, pos, valid, seg, seg)
   want = attention.attention(q, k, v, mask)
-  got = blockwise.attention(q, k, v,
-                            blockwise.MaskInfo(pos, pos, valid, seg, seg),
-                            block_q=5, block_k=3)
+  got = _blockwise(q, k, v, blockwise.MaskInfo(pos, pos, valid, seg, seg),
+                   block_q=5, block_k=3)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   T = 5                                  # queries: the last 5 columns
   mask = attention.attention_mask(config, pos[:, -T:], pos, valid)
   want = attention.attention(q[:, -T:], k, v, mask)
-  got = blockwise.attention(q[:, -T:], k, v,
-                            blockwise.MaskInfo(pos[:, -T:], pos, valid),
-                            block_q=2, block_k=4)
+  got = _blockwise(q[:, -T:], k, v,
+                   blockwise.MaskInfo(pos[:, -T:], pos, valid),
+                   block_q=2, block_k=4)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
