@@ -222,9 +222,10 @@ def bucket_block(table_width: int, page_size: int,
   """Key columns per bucket of the reference (`paged.Buckets.block`) for
   rows of `table_width` pages: `paged.BLOCK_S`, or coarser so a layer has
   at most `max_buckets` `lax.switch` branches (a step reads up to a bucket
-  past its longest row). Each branch is traced per layer: 656 of 32 columns at the
-  paper config's 20,992 (Qwen2.5-32B, 64 layers) had not traced after 15
-  CPU-minutes, nor 512 at a 7B's 16K context after 16 (aot.py)."""
+  past its longest row). Each branch is traced per layer: 656 of 32
+  columns at the paper config's 20,992 (Qwen2.5-32B, 64 layers) had not
+  traced after 15 CPU-minutes, nor 512 at a 7B's 16K context after 16
+  (aot.py)."""
   pages = max(paged.BLOCK_S // page_size, -(-table_width // max_buckets), 1)
   return pages * page_size
 
