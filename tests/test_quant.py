@@ -12,7 +12,7 @@ from grpo_jax.algorithms import rollout_correction
 from grpo_jax.config import base_config
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import sampling
-from grpo_jax.models import forward, get_preset, init_params, paged, quant, transformer
+from grpo_jax.models import attention, forward, get_preset, init_params, int8_pages, paged, quant, transformer
 from grpo_jax.rl import train
 from grpo_jax.validation import fields
 
@@ -130,6 +130,24 @@ def test_each_kv_column_is_within_half_a_step_of_its_scale():
     got = layout.gather(pool, jnp.array([[3], [1]]), jnp.float32)
     np.testing.assert_allclose(got[0, :, 4], new[0], atol=float(jnp.abs(new).max()) / 127)
     np.testing.assert_allclose(got[1, :, 0], new[1], atol=float(jnp.abs(new).max()) / 127)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_int8_attention_is_attention_over_the_dequantised_columns(softcap):
+  """The decode reads int8 pages without dequantising them (scales folded
+  into the scores and the probabilities): equal to attention over the
+  dequantised columns (float32), masked columns and a soft-cap included."""
+  keys = jax.random.split(jax.random.key(4), 3)
+  M, H, K, S, E = 3, 4, 2, 7, 8
+  q = jax.random.normal(keys[0], (M, H, E))
+  k = paged.Int8Pages(*paged.quantize_columns(jax.random.normal(keys[1], (M, K, S, E)) * 3))
+  v = paged.Int8Pages(*paged.quantize_columns(jax.random.normal(keys[2], (M, K, S, E))))
+  mask = jnp.arange(S)[None] < jnp.array([[7], [3], [1]])
+  want = attention.attention(q[:, None], paged.dequantize_columns(*k, jnp.float32),
+                             paged.dequantize_columns(*v, jnp.float32), mask[:, None],
+                             softcap)[:, 0]
+  got = int8_pages.int8_attention(q, k, v, mask, softcap)
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,10 +9,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models import attention
 
 # sampling.kv_dtype: "" (the compute dtype) or int8 pages with scales.
 KV_DTYPES = ("", "int8")
 _INT8_MAX = 127.0
+_NEG_INF = -1e30  # attention's: a fully masked row gives no NaN
 
 
 class Int8Pages(NamedTuple):
@@ -35,6 +39,28 @@ def quantize_columns(x_e: jax.Array) -> tuple:
 def dequantize_columns(values_e: jax.Array, scales: jax.Array, dtype
                        ) -> jax.Array:
   return (values_e.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+def int8_attention(q_mhe: jax.Array, k: Int8Pages, v: Int8Pages,
+                   mask_ms: jax.Array, softcap=None) -> jax.Array:
+  """Decode attention (`attention.attention`, one query a row) over int8
+  columns (M, K, S, E) with their (M, K, S) scales, never dequantised: a
+  column's key scale multiplies its scores, its value scale its
+  probability (q . (k s) = (q . k) s and sum p (v s) = sum (p s) v), so
+  the dots read int8 values (exact in the query's dtype) and no float copy
+  of the pages is made. Softmax in float32. Returns (M, H, E)."""
+  M, H, E = q_mhe.shape
+  K = k.values.shape[1]
+  q_mkre = q_mhe.reshape(M, K, H // K, E)
+  scores = jnp.einsum("mkre,mkse->mkrs", q_mkre, k.values.astype(q_mhe.dtype),
+                      preferred_element_type=jnp.float32)
+  scores = attention.soft_cap(scores * (k.scales[:, :, None] / np.sqrt(E)),
+                              softcap)
+  scores = jnp.where(mask_ms[:, None, None], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1) * v.scales[:, :, None]
+  out = jnp.einsum("mkrs,mkse->mkre", probs.astype(q_mhe.dtype),
+                   v.values.astype(q_mhe.dtype))
+  return out.reshape(M, H, E)
 
 
 def page_values(pool) -> jax.Array:

@@ -48,12 +48,7 @@ from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import attention, decode, ragged, transformer
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.int8_pages import (
-  Int8Pages,
-  dequantize_columns,
-  page_values,
-  quantize_columns,
-)
+from grpo_jax.models.int8_pages import Int8Pages, dequantize_columns, int8_attention, page_values, quantize_columns
 
 # sampling.paged_kernel: the decode attention over pages. auto: the TPU kernel
 # on TPU (where the model has no sliding window), else the reference.
@@ -167,14 +162,14 @@ class PoolLayout:
         pool, new_m,
         lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 
-  def gather(self, pool, table_mj: jax.Array, dtype=None) -> jax.Array:
-    """Row m's pages in table order, as the dense cache's columns:
-    (M, K, J * Z, E), int8 pools dequantised to `dtype`. Entries past the
-    pool read its last page (clipped; the caller masks them)."""
-    if isinstance(pool, Int8Pages):
-      return dequantize_columns(self._gather(pool.values, table_mj),
-                                self._gather(pool.scales, table_mj), dtype)
-    return self._gather(pool, table_mj)
+  def gather(self, pool, table_mj: jax.Array, dtype=None):
+    """Row m's pages in table order as the dense cache's (M, K, J * Z, E)
+    columns (int8: `Int8Pages`, or dequantised to a `dtype` given); past
+    the pool, its last page (clipped; the caller masks them)."""
+    if not isinstance(pool, Int8Pages):
+      return self._gather(pool, table_mj)
+    pages = Int8Pages(*(self._gather(p, table_mj) for p in pool))
+    return pages if dtype is None else dequantize_columns(*pages, dtype)
 
   def _gather(self, pool: jax.Array, table_mj: jax.Array) -> jax.Array:
     M, J = table_mj.shape
@@ -247,19 +242,20 @@ def window_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
 
 def _attend_pages(q_mhe, k_pool, v_pool, length_m, table_mj, first_m,
                   buckets: Buckets) -> jax.Array:
-  """Attention over the pages of `table_mj`, whose first entry is row m's
-  page first_m[m] (its columns from first_m * Z on), masked to the row's
-  columns [0, length_m) and its window."""
-  k_mkse = buckets.layout.gather(k_pool, table_mj, q_mhe.dtype)
-  v_mkse = (k_mkse if v_pool is k_pool     # MLA: the latent pages, once
-            else buckets.layout.gather(v_pool, table_mj, q_mhe.dtype))
+  """Attention over the pages of `table_mj` (MLA: the latent pages, once;
+  int8: `int8_attention`), whose first entry is row m's page first_m[m]
+  (columns from first_m * Z on), masked to [0, length_m) and the window."""
+  k_mkse = buckets.layout.gather(k_pool, table_mj)
+  v_mkse = k_mkse if v_pool is k_pool else buckets.layout.gather(v_pool, table_mj)
   Z = page_values(k_pool).shape[2]
-  col_ms = first_m[:, None] * Z + jnp.arange(k_mkse.shape[2])
+  col_ms = first_m[:, None] * Z + jnp.arange(page_values(k_mkse).shape[2])
   mask_ms = col_ms < length_m[:, None]
   if buckets.window is not None:
     mask_ms &= col_ms > length_m[:, None] - 1 - buckets.window
-  return attention.attention(q_mhe[:, None], k_mkse, v_mkse,
-                             mask_ms[:, None], buckets.softcap)[:, 0]
+  if isinstance(k_mkse, Int8Pages):
+    return int8_attention(q_mhe, k_mkse, v_mkse, mask_ms, buckets.softcap)
+  return attention.attention(q_mhe[:, None], k_mkse, v_mkse, mask_ms[:, None],
+                             buckets.softcap)[:, 0]
 
 
 def bucketed_attention(q_mhe, k_pool, v_pool, length_m, table_mj,
