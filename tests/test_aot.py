@@ -39,6 +39,17 @@ def _aot(*args):
   return proc.returncode, proc.stdout + proc.stderr
 
 
+def _script_json(script: str):
+  """Runs `script` in a fresh CPU process (its own device set) and returns
+  the JSON of its last printed line, failing on a non-zero exit."""
+  proc = subprocess.run([sys.executable, "-c", script],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu",
+                             "PYTHONPATH": ROOT})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _row(out: str, name: str) -> str:
   return next(line for line in out.splitlines() if line.startswith(name))
 
@@ -454,12 +465,7 @@ def test_a_runs_split_of_a_pod_builds_both_meshes():
   which jax's mesh helper refused (AssertionError); 24 (1.5 per host) is
   no grid at all. Both roles' meshes now build, span every host, cover
   their chips once, and keep the tensor axis on chips one link apart."""
-  proc = subprocess.run([sys.executable, "-c", SPLIT_MESHES],
-                        capture_output=True, text=True, timeout=600, cwd=ROOT,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu",
-                             "PYTHONPATH": ROOT})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = _script_json(SPLIT_MESHES)
   for n in (16, 24, 32, 48):
     s, t = out[f"{n} sampler"], out[f"{n} trainer"]
     assert (s["n"], t["n"]) == (n, 64 - n)
@@ -522,12 +528,7 @@ def test_auto_dispatch_compiles_all_to_all_for_a_tpu_topology():
   (the scoring program: the update's forward, a fraction of its compile) moves
   tokens by all-to-all; `ragged` leaves the grouped matmul to the
   partitioner, which compiles none."""
-  proc = subprocess.run([sys.executable, "-c", MOE_DISPATCH],
-                        capture_output=True, text=True, timeout=600, cwd=ROOT,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu",
-                             "PYTHONPATH": ROOT})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = _script_json(MOE_DISPATCH)
   (platform, auto), (_, ragged) = out["auto"], out["ragged"]
   assert platform == "tpu", out
   assert auto.get("all-to-all", 0) > 0, out
