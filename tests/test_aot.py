@@ -533,3 +533,62 @@ def test_auto_dispatch_compiles_all_to_all_for_a_tpu_topology():
   assert platform == "tpu", out
   assert auto.get("all-to-all", 0) > 0, out
   assert "all-to-all" not in ragged, out
+
+
+POOL_LAYOUTS = """
+import json, re
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from grpo_jax.aot import programs
+from grpo_jax.models import paged
+from grpo_jax.models.int8_pages import Int8Pages
+chip = SingleDeviceSharding(programs.topology_devices("v5p:2x2x1")[0])
+W, K, Z, E, M, J = 256, 2, 16, 128, 16, 8
+lay = paged.REFERENCE_LAYOUT
+a = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=chip)
+
+def steps(pool, new_mke, page_m, offset_m, table_mj, length_m, q_mhe):
+  for _ in range(2):    # write, then read, twice: a decode loop's pattern
+    pool = lay.write_step(pool, new_mke, page_m, offset_m)
+    out = paged._attend_pages(q_mhe, pool, pool, length_m, table_mj,
+                              jnp.zeros_like(length_m),
+                              paged.Buckets(layout=lay))
+    new_mke = out[:, :K].astype(new_mke.dtype)
+  return pool, out
+
+out = {}
+for name, pool, dtype, pattern in (
+    ("int8", Int8Pages(a((W, K, Z, E), jnp.int8), a((W, K, Z), jnp.float32)),
+     jnp.float32, "s8"),
+    ("bf16", a((W, K, Z, E), jnp.bfloat16), jnp.bfloat16, "(?:bf16|u16)")):
+  hlo = jax.jit(steps, donate_argnums=0).lower(
+      pool, a((M, K, E), dtype), a((M,), jnp.int32), a((M,), jnp.int32),
+      a((M, J), jnp.int32), a((M,), jnp.int32),
+      a((M, 4, E), jnp.bfloat16)).compile().as_text()
+  found = re.findall(pattern + r"\\[%d,%d,%d,%d\\]\\{([^}]*)\\}" % (W, K, Z, E), hlo)
+  out[name] = sorted({re.sub(r"S\\(\\d+\\)", "", f) for f in found})
+print(json.dumps(out))
+"""
+
+
+def test_paged_writes_keep_the_pool_in_one_layout_on_a_tpu():
+  """The reference layout's decode write (`PoolLayout.write_step`) on a
+  TPU chip (v5p): the pool, int8 or bf16, keeps one layout through writes
+  and gathers. A write that scattered one (K, E) column per row made
+  XLA:TPU hold the pool in a second layout, 2 heads on the second-minor
+  axis (the int8 pool padded to twice its bytes), and copy it between the
+  two every layer and step."""
+  out = _script_json(POOL_LAYOUTS)
+  assert len(out["int8"]) == 1 and len(out["bf16"]) == 1, out
+
+
+def test_peak_is_the_compilers_where_it_reports_one():
+  """A program's bytes: the compiler's peak (memory_analysis's
+  peak_memory_in_bytes) where reported, else arguments + outputs -
+  aliased + temporaries; the verdict reads the same figure."""
+  summed = programs.Program("sampler", 8, 10 * programs.GiB, 2 * programs.GiB, 1 * programs.GiB,
+                            100 * programs.GiB, 5 * programs.GiB)
+  assert summed.peak == 111 * programs.GiB and summed.total == 116 * programs.GiB
+  reported = summed._replace(compiler_peak=40 * programs.GiB)
+  assert reported.peak == 40 * programs.GiB and reported.total == 45 * programs.GiB
+  assert reported.fits(50 * programs.GiB) and not summed.fits(50 * programs.GiB)

@@ -162,6 +162,34 @@ class PoolLayout:
         pool, new_m,
         lambda p, new: p.at[page_m, :, offset_m].set(new, mode="drop"))
 
+  def write_step(self, pool, new_mke: jax.Array, page_m: jax.Array,
+                 offset_m: jax.Array):
+    """`write` for a decode step, whose rows each write one column into a
+    page no other row writes (its own; W: none). Pages first, each row's
+    page is read, its column set and the page written back whole: a
+    scatter of whole pages keeps the pool in the layout its gathers read,
+    where one of (K, E) columns made XLA:TPU keep a second layout of it,
+    K (2 heads a chip) on the second-minor axis, and copy the pool between
+    the two every layer and step; int8, that layout pads K to 4, twice the
+    pool's bytes (docs/pod.md). Heads first (the kernel's), `write`."""
+    if self.heads_first:
+      return self.write(pool, new_mke, page_m, offset_m)
+    if isinstance(pool, Int8Pages):
+      values, scales = quantize_columns(new_mke)
+      return Int8Pages(self._write_pages(pool.values, values, page_m, offset_m),
+                       self._write_pages(pool.scales, scales, page_m, offset_m))
+    return self._write_pages(pool, new_mke, page_m, offset_m)
+
+  def _write_pages(self, pool: jax.Array, new_m: jax.Array,
+                   page_m: jax.Array, offset_m: jax.Array) -> jax.Array:
+    Z = pool.shape[2]
+    old_mkz = jnp.take(pool, page_m, axis=0, mode="clip")
+    at_mz = jnp.arange(Z)[None] == offset_m[:, None]
+    at = at_mz.reshape(at_mz.shape[0], 1, Z, *([1] * (pool.ndim - 3)))
+    page_mkz = jnp.where(at, new_m[:, :, None].astype(pool.dtype), old_mkz)
+    return decode.set_in_bits(
+        pool, page_mkz, lambda p, new: p.at[page_m].set(new, mode="drop"))
+
   def gather(self, pool, table_mj: jax.Array, dtype=None):
     """Row m's pages in table order as the dense cache's (M, K, J * Z, E)
     columns (int8: `Int8Pages`, or dequantised to a `dtype` given); past
@@ -393,7 +421,7 @@ def decode_step(model_config: ModelConfig, weights: decode.Weights,
   split = lambda x: x.reshape(R, M // R, *x.shape[1:])
   page, offset = split(rows.page_m), split(rows.column_m % Z)
   length, table = split(rows.column_m + 1), split(rows.table_mj)
-  write = jax.vmap(settings.pool_layout.write)
+  write = jax.vmap(settings.pool_layout.write_step)
   x = constrain(transformer.embed(weights.params, tokens_m[:, None],
                                 model_config), transformer.RESIDUAL_AXES)
   ks, vs, routes = list(pool.k), list(pool.v), []
