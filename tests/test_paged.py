@@ -343,15 +343,19 @@ def test_the_kernel_in_the_sampler_equals_the_reference(params):
 @pytest.mark.parametrize("layout", [paged.KERNEL_LAYOUT,
                                     paged.REFERENCE_LAYOUT])
 def test_pool_layout_writes_and_gathers(layout):
-  """put (whole pages), write (one column each) then gather: each row's
-  columns in table order; writes to page W go nowhere."""
+  """put (whole pages), write (one column each; write_step, a decode
+  step's, the same pool) then gather: each row's columns in table order;
+  writes to page W go nowhere."""
   K, W, Z, E = 2, 5, 3, 4
   pool = jnp.zeros(layout.shape(K, W, Z, E))
   assert layout.pages(pool) == W
   page_kze = jnp.arange(K * Z * E, dtype=jnp.float32).reshape(K, Z, E) + 1
   pool = layout.put(pool, jnp.stack([page_kze, -page_kze]), jnp.array([3, W]))
   new_mke = jnp.full((2, K, E), 7.0)
+  stepped = layout.write_step(pool, new_mke, jnp.array([1, W]),
+                              jnp.array([2, 0]))            # whole pages
   pool = layout.write(pool, new_mke, jnp.array([1, W]), jnp.array([2, 0]))
+  np.testing.assert_array_equal(stepped, pool)
   got = layout.gather(pool, jnp.array([[3, 1], [1, 3]]))     # (M, K, 2Z, E)
   np.testing.assert_array_equal(got[0, :, :Z], page_kze)
   np.testing.assert_array_equal(got[0, :, Z + 2], new_mke[0])
