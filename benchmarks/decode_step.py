@@ -20,7 +20,7 @@ decode step of the two continuous-batching samplers:
             the reference makes before its dots
 
 --layout kernel times the reference over the TPU kernel's heads-first
-pools instead of its own pages-first ones (`paged.PoolLayout`).
+pools instead of its own pages-first ones (`page_layout.PoolLayout`).
 
 Each runs --repeats times in one jitted loop, its caches donated and
 updated in place as in the samplers' loops; the first call compiles, the
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.models import blockwise, decode, paged, ragged, transformer
+from grpo_jax.models import blockwise, decode, page_layout, paged, ragged, transformer
 from grpo_jax.models import config as model_config_lib
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--layout", choices=("reference", "kernel"),
                  default="reference",
-                 help="the pools' layout (paged.REFERENCE_LAYOUT: pages "
+                 help="the pools' layout (page_layout.REFERENCE_LAYOUT: pages "
                       "first, what the reference uses; kernel: heads first)")
   p.add_argument("--quick", action="store_true",
                  help="smoke check: 4 slots, 128 columns, 3 repeats")
@@ -190,8 +190,8 @@ def main(argv=None) -> int:
   print("| columns | part | dense ms | paged ms | paged / dense |")
   print("| ---: | --- | ---: | ---: | ---: |")
   for filled in args.column_list:
-    layout = (paged.REFERENCE_LAYOUT if args.layout == "reference"
-              else paged.KERNEL_LAYOUT)
+    layout = (page_layout.REFERENCE_LAYOUT if args.layout == "reference"
+              else page_layout.KERNEL_LAYOUT)
     for part, (d, p) in timings(c, params, args.slots, filled,
                                 args.page_size, dtype, args.repeats,
                                 layout).items():

@@ -23,7 +23,7 @@ import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_jax.models import attention, paged  # pylint: disable=wrong-import-position
+from grpo_jax.models import attention, page_layout, paged  # pylint: disable=wrong-import-position
 
 H, E, Z = 128, 576, 16        # query heads, latent width, page columns
 
@@ -44,7 +44,7 @@ def main() -> None:
   q = spec((M, H, E), bf16)
   reference = accessed(
       lambda q, pool, n, t: paged.paged_attention_reference(
-          q, pool, pool, n, t, layout=paged.REFERENCE_LAYOUT),
+          q, pool, pool, n, t, layout=page_layout.REFERENCE_LAYOUT),
       q, spec((M * J, 1, Z, E), bf16), spec((M,), jnp.int32),
       spec((M, J), jnp.int32))
   dense = accessed(lambda q, k, m: attention.attention(q[:, None], k, k, m),

@@ -25,7 +25,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from jax.experimental.pallas import tpu as pltpu  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_jax.models import paged  # pylint: disable=wrong-import-position
+from grpo_jax.models import page_layout, paged  # pylint: disable=wrong-import-position
 
 M, K, H, E, Z, J = 4, 2, 8, 128, 16, 3     # rows, KV heads, heads, width, page, pages per row
 
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
       q, k, v, length_m, table_mj = draw(seed, dtype)
       want = paged.paged_attention_reference(
           q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-          length_m, table_mj, None, paged.KERNEL_LAYOUT)
+          length_m, table_mj, None, page_layout.KERNEL_LAYOUT)
       with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got = paged.kernel_attention(q, k, v, length_m, table_mj)
       got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

@@ -36,7 +36,7 @@ from sharding_checks import parse_meshes, run_meshes
 from grpo_jax import config as config_lib
 from grpo_jax import sharding
 from grpo_jax.generate import paged_slots, sampling
-from grpo_jax.models import get_preset, init_params, paged
+from grpo_jax.models import get_preset, init_params, page_layout
 
 MODEL = get_preset("tiny")   # H=4, K=2, E=16, L=2
 PAGED = dataclasses.replace(STATIC, continuous_batching=True, slots=SLOTS,
@@ -72,7 +72,7 @@ def check_mesh(shape, params, ref) -> None:
   hlo = paged_slots.sample_pages.lower(call, *args).compile().as_text()
   K, E, Z = MODEL.num_kv_heads, MODEL.head_dim, PAGED.page_size
   heads = K // tensor if K % tensor == 0 else K
-  shape = lambda k: ",".join(map(str, paged.REFERENCE_LAYOUT.shape(k, W, Z, E)))
+  shape = lambda k: ",".join(map(str, page_layout.REFERENCE_LAYOUT.shape(k, W, Z, E)))
   assert f"f32[1,{shape(heads)}]" in hlo, (
       f"no per-device pool f32[1,{shape(heads)}]")
   assert f"f32[{R},{shape(K)}]" not in hlo, "a whole pool on a device"

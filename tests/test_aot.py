@@ -540,11 +540,11 @@ import json, re
 import jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 from grpo_jax.aot import programs
-from grpo_jax.models import paged
+from grpo_jax.models import page_layout, paged
 from grpo_jax.models.int8_pages import Int8Pages
 chip = SingleDeviceSharding(programs.topology_devices("v5p:2x2x1")[0])
 W, K, Z, E, M, J = 256, 2, 16, 128, 16, 8
-lay = paged.REFERENCE_LAYOUT
+lay = page_layout.REFERENCE_LAYOUT
 a = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=chip)
 
 def steps(pool, new_mke, page_m, offset_m, table_mj, length_m, q_mhe):

@@ -14,7 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from grpo_jax import config as config_lib
 from grpo_jax import errors, validation
 from grpo_jax.generate import continuous, decoding, page_pool, paged_slots, pages, sampling
-from grpo_jax.models import attention, get_preset, init_params, paged, ragged, transformer
+from grpo_jax.models import attention, get_preset, init_params, page_layout, paged, ragged, transformer
 
 CONFIG = get_preset("tiny")
 STOPS = (7, 11, 200, 3, 50)
@@ -97,8 +97,8 @@ def test_paged_attention_equals_dense(window):
   want = attention.attention(q[:, None], k_mkse, v_mkse, mask[:, None])[:, 0]
   table_mj = jnp.asarray(table_mj)
   for layout, layout_pools in [
-      (paged.KERNEL_LAYOUT, pools),
-      (paged.REFERENCE_LAYOUT, [jnp.swapaxes(p, 0, 1) for p in pools])]:
+      (page_layout.KERNEL_LAYOUT, pools),
+      (page_layout.REFERENCE_LAYOUT, [jnp.swapaxes(p, 0, 1) for p in pools])]:
     got = paged.paged_attention_reference(q, *layout_pools, length_m,
                                           table_mj, window, layout)
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -132,7 +132,7 @@ def test_window_reads_only_its_pages():
   table_mj = jnp.array([list(range(8)), [8, 9, 10, 11] + [W] * 4])
   behind = [0, 1, 2, 3, 4, 8]         # row 0: columns < 21; row 1: < 7
   poison = lambda pool: pool.at[jnp.array(behind)].set(jnp.nan)
-  layout = paged.REFERENCE_LAYOUT
+  layout = page_layout.REFERENCE_LAYOUT
   want = paged.paged_attention_reference(q, k_pool, v_pool, length_m,
                                          table_mj, window, layout)
   assert paged.window_pages(window, Z) == 3
@@ -227,7 +227,7 @@ def test_the_decode_loop_writes_the_pools_in_place(params):
   hlo = paged_slots.sample_pages.lower(
       call, params, jnp.asarray(prompt_bp), jnp.asarray(len_b),
       jax.random.key(5), jnp.int32(len(LENGTHS))).compile().as_text()
-  shape = "f32[%s]" % ",".join(map(str, (1,) + paged.REFERENCE_LAYOUT.shape(
+  shape = "f32[%s]" % ",".join(map(str, (1,) + page_layout.REFERENCE_LAYOUT.shape(
       CONFIG.num_kv_heads, pool, 4, CONFIG.head_dim)))
   where, copies, scatters = None, [], 0
   for line in hlo.splitlines():
@@ -258,7 +258,7 @@ def test_a_bf16_cache_is_written_as_bits(params, kv_cache):
                                P)
     program = paged_slots.sample_pages.lower(
         sampling.CallSpec(CONFIG, cfg, 2, None, 4, pool), *args)
-    dims = (1,) + paged.REFERENCE_LAYOUT.shape(K, pool, 4, E)
+    dims = (1,) + page_layout.REFERENCE_LAYOUT.shape(K, pool, 4, E)
   else:
     program = continuous.sample_slots.lower(
         sampling.CallSpec(CONFIG, cfg, 2, None, 4), *args)
@@ -340,8 +340,8 @@ def test_the_kernel_in_the_sampler_equals_the_reference(params):
   _assert_accounting(stats)
 
 
-@pytest.mark.parametrize("layout", [paged.KERNEL_LAYOUT,
-                                    paged.REFERENCE_LAYOUT])
+@pytest.mark.parametrize("layout", [page_layout.KERNEL_LAYOUT,
+                                    page_layout.REFERENCE_LAYOUT])
 def test_pool_layout_writes_and_gathers(layout):
   """put (whole pages), write (one column each; write_step, a decode
   step's, the same pool) then gather: each row's columns in table order;
@@ -362,8 +362,8 @@ def test_pool_layout_writes_and_gathers(layout):
   np.testing.assert_array_equal(got[1, :, Z:], page_kze)
   assert float(jnp.abs(got[:, :, :, :]).sum()) == float(
       2 * page_kze.sum() + 2 * new_mke[0].sum())       # nothing else written
-  assert paged.pool_layout("pallas") is paged.KERNEL_LAYOUT
-  assert paged.pool_layout("reference") is paged.REFERENCE_LAYOUT
+  assert page_layout.pool_layout("pallas") is page_layout.KERNEL_LAYOUT
+  assert page_layout.pool_layout("reference") is page_layout.REFERENCE_LAYOUT
 
 
 def test_attention_choice():

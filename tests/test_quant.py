@@ -13,6 +13,7 @@ from grpo_jax.config import base_config
 from grpo_jax.errors import ConfigError
 from grpo_jax.generate import sampling
 from grpo_jax.models import attention, forward, get_preset, init_params, int8_pages, paged, quant, transformer
+from grpo_jax.models.page_layout import KERNEL_LAYOUT, REFERENCE_LAYOUT
 from grpo_jax.rl import train
 from grpo_jax.validation import fields
 
@@ -111,15 +112,15 @@ def test_each_kv_column_is_within_half_a_step_of_its_scale():
   pool layouts."""
   x = jax.random.normal(jax.random.key(2), (3, 2, 5, 8)) * jnp.arange(1, 6)[:, None]
   x = x.at[0, 0, 0].set(0.0)
-  q, s = paged.quantize_columns(x)
+  q, s = int8_pages.quantize_columns(x)
   assert q.dtype == jnp.int8 and s.shape == (3, 2, 5)
-  back = paged.dequantize_columns(q, s, jnp.float32)
+  back = int8_pages.dequantize_columns(q, s, jnp.float32)
   assert float(jnp.max(jnp.abs(back - x) - s[..., None] / 2)) <= 1e-6
   assert float(jnp.abs(back[0, 0, 0]).max()) == 0.0
   assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127
-  for layout in (paged.KERNEL_LAYOUT, paged.REFERENCE_LAYOUT):
+  for layout in (KERNEL_LAYOUT, REFERENCE_LAYOUT):
     K, W, Z, E = 2, 4, 5, 8
-    pool = paged.Int8Pages(jnp.zeros(layout.shape(K, W, Z, E), jnp.int8),
+    pool = int8_pages.Int8Pages(jnp.zeros(layout.shape(K, W, Z, E), jnp.int8),
                            jnp.ones(layout.shape(K, W, Z, E)[:-1]))
     pool = layout.put(pool, jnp.moveaxis(x[:2], 1, 1), jnp.array([3, 1]))
     got = layout.gather(pool, jnp.array([[3], [1]]), jnp.float32)
@@ -140,11 +141,11 @@ def test_int8_attention_is_attention_over_the_dequantised_columns(softcap):
   keys = jax.random.split(jax.random.key(4), 3)
   M, H, K, S, E = 3, 4, 2, 7, 8
   q = jax.random.normal(keys[0], (M, H, E))
-  k = paged.Int8Pages(*paged.quantize_columns(jax.random.normal(keys[1], (M, K, S, E)) * 3))
-  v = paged.Int8Pages(*paged.quantize_columns(jax.random.normal(keys[2], (M, K, S, E))))
+  k = int8_pages.Int8Pages(*int8_pages.quantize_columns(jax.random.normal(keys[1], (M, K, S, E)) * 3))
+  v = int8_pages.Int8Pages(*int8_pages.quantize_columns(jax.random.normal(keys[2], (M, K, S, E))))
   mask = jnp.arange(S)[None] < jnp.array([[7], [3], [1]])
-  want = attention.attention(q[:, None], paged.dequantize_columns(*k, jnp.float32),
-                             paged.dequantize_columns(*v, jnp.float32), mask[:, None],
+  want = attention.attention(q[:, None], int8_pages.dequantize_columns(*k, jnp.float32),
+                             int8_pages.dequantize_columns(*v, jnp.float32), mask[:, None],
                              softcap)[:, 0]
   got = int8_pages.int8_attention(q, k, v, mask, softcap)
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)

@@ -4,8 +4,8 @@ JAX compiles for a TPU topology on a CPU-only machine once `libtpu` is
 installed (requirements-tpu.txt): `topologies.get_topology_desc` gives
 abstract chips, a jitted function lowered on `ShapeDtypeStruct`s sharded
 over a mesh of them compiles with the TPU compiler, and
-`memory_analysis()` gives per-chip bytes. The compiler refuses a program
-whose peak exceeds the chip's memory (RESOURCE_EXHAUSTED).
+`memory_analysis()` gives per-chip bytes (the compiler's peak: `Program.peak`);
+the compiler refuses a program whose peak exceeds the chip (RESOURCE_EXHAUSTED).
 
 `check(config, topology)` compiles, with the project's own functions,
 shardings and `init_state` shapes and no weights, every program a training

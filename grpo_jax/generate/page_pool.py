@@ -3,7 +3,7 @@ filled with the prompts' pages, a prompt's tail copied into a row's own
 page; and how a decode step over them is placed on a mesh (the TPU kernel
 in `jax.shard_map`, the residual stream's constraints).
 
-A pool is per row shard: one (R,) + `paged.PoolLayout.shape(K, W, Z, E)`
+A pool is per row shard: one (R,) + `page_layout.PoolLayout.shape(K, W, Z, E)`
 array per layer (`sampling.kv_dtype = int8`: a `paged.Int8Pages`, its
 scales without E), shard r's rows reading and writing only pool r. Shape
 letters as in `grpo_jax` and `models.paged`; per-shard arrays (a leading R)
@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from grpo_jax import sharding
 from grpo_jax.generate import decoding, slots
-from grpo_jax.models import decode, int8_pages, paged, transformer
+from grpo_jax.models import decode, int8_pages, page_layout, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
 Layout = Optional[sharding.Layout]
@@ -44,14 +44,14 @@ def token_bytes(model_config: ModelConfig, itemsize: int, kv_dtype: str = ""
           * int8_pages.column_bytes(itemsize, kv_dtype, c.head_dim))
 
 
-def pool_axes(pool_layout: paged.PoolLayout) -> tuple:
+def pool_axes(pool_layout: page_layout.PoolLayout) -> tuple:
   """Logical axes of the (R, ...) pools: R over the batch axes."""
   return (sharding.BATCH,) + pool_layout.axes
 
 
-def pool_layout(call: decoding.CallSpec) -> paged.PoolLayout:
+def pool_layout(call: decoding.CallSpec) -> page_layout.PoolLayout:
   """The pools' layout of a call: the resolved kernel's."""
-  return paged.pool_layout(resolve(call))
+  return page_layout.pool_layout(resolve(call))
 
 
 def resolve(call: decoding.CallSpec) -> str:
@@ -60,7 +60,7 @@ def resolve(call: decoding.CallSpec) -> str:
                        kv_dtype=call.sampling.kv_dtype)
 
 
-def pin_pool(layout: Layout, pool_layout: paged.PoolLayout, pool):
+def pin_pool(layout: Layout, pool_layout: page_layout.PoolLayout, pool):
   """One layer's pool pinned to the layout's shards (int8: values and
   scales, the scales without head_dim)."""
   if layout is None:
@@ -78,7 +78,7 @@ def pool_dtype(params: transformer.Params):
 
 
 def zero_pool(model_config: ModelConfig, W: int, Z: int, R: int, dtype,
-              layout: Layout, pool_layout: paged.PoolLayout,
+              layout: Layout, pool_layout: page_layout.PoolLayout,
               kv_dtype: str = "") -> paged.PagePool:
   """A PagePool of zeros (inside jit: pinned to the layout's shards);
   kv_dtype int8: `paged.Int8Pages` (scales 1). MLA: the latent's pools
@@ -149,7 +149,7 @@ def prefill(call: decoding.CallSpec, pp: decoding.PromptPass,
 
 
 def copy_tails(pools: tuple, tails: tuple, prompt_m, page_m, R: int,
-               layout: paged.PoolLayout) -> tuple:
+               layout: page_layout.PoolLayout) -> tuple:
   """Prompt prompt_m[m]'s tail into page page_m[m] of slot m's shard
   (W, no page: nowhere), every layer."""
   split = functools.partial(slots.per_shard, R)
@@ -200,7 +200,7 @@ def kernel_fn(layout: Layout):
     return one
 
   def attend(q, k, v, n, t):
-    spec = sharding.spec_for(pool_axes(paged.KERNEL_LAYOUT), k.shape,
+    spec = sharding.spec_for(pool_axes(page_layout.KERNEL_LAYOUT), k.shape,
                              layout.mesh, layout.rules)
     rows, heads = (tuple(spec) + (None, None))[:2]
     pool = PartitionSpec(rows, heads)
@@ -241,5 +241,5 @@ def decode_settings(call: decoding.CallSpec, filled: jax.Array,
   attend = (paged.reference_fn(call.model_config, filled, block=block)
             if impl == "reference" else kernel_fn(call.layout))
   return paged.DecodeSettings(
-      attend, call.shards, paged.pool_layout(impl),
+      attend, call.shards, page_layout.pool_layout(impl),
       decode_constrain(call.layout, call.slots, call.model_config.dim))

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 
 from grpo_jax import sharding
 from grpo_jax.generate import decoding, page_pool, pages, slots
-from grpo_jax.models import decode, paged, transformer
+from grpo_jax.models import decode, page_layout, paged, transformer
 
 Layout = Optional[sharding.Layout]
 
@@ -95,7 +95,7 @@ class _Carry(NamedTuple):
   routes_ntlc: Optional[jax.Array] = None
 
 
-def _pin_carry(layout: Layout, pool_layout: paged.PoolLayout, c: _Carry
+def _pin_carry(layout: Layout, pool_layout: page_layout.PoolLayout, c: _Carry
                ) -> _Carry:
   if layout is None:
     return c
@@ -149,7 +149,7 @@ def _take_rows(c: _Carry, begun: slots.Start, table_bj: jax.Array,
 
 
 def _pages_step(c: _Carry, prompt_m, full_m, column_m, tails,
-                pool_layout: paged.PoolLayout, first_tail_m):
+                pool_layout: page_layout.PoolLayout, first_tail_m):
   """PAGES (module docstring): grants, tail copies, preemption (a
   preempted row restarts at its first token: a route-recording tail again
   only where that token stops it, first_tail_m). Returns the carry and the

@@ -17,10 +17,10 @@ import numpy as np
 
 from grpo_jax import sharding
 from grpo_jax.generate import decoding, page_pool
-from grpo_jax.models import attention, decode, moe, paged, transformer
+from grpo_jax.models import attention, decode, moe, page_layout, paged, transformer
 from grpo_jax.models.config import ModelConfig
 
-LAYOUT = paged.REFERENCE_LAYOUT
+LAYOUT = page_layout.REFERENCE_LAYOUT
 
 
 @dataclasses.dataclass(frozen=True)
