@@ -567,19 +567,38 @@ for name, pool, dtype, pattern in (
       a((M, 4, E), jnp.bfloat16)).compile().as_text()
   found = re.findall(pattern + r"\\[%d,%d,%d,%d\\]\\{([^}]*)\\}" % (W, K, Z, E), hlo)
   out[name] = sorted({re.sub(r"S\\(\\d+\\)", "", f) for f in found})
+
+def kernel_steps(kp, vp, new_mke, page_m, offset_m, table_mj, length_m, q_mhe):
+  kernel = page_layout.KERNEL_LAYOUT
+  for _ in range(2):
+    kp = kernel.write_step(kp, new_mke, page_m, offset_m)
+    vp = kernel.write_step(vp, new_mke, page_m, offset_m)
+    out = paged.kernel_attention(q_mhe, kp, vp, length_m, table_mj)
+    new_mke = out[:, :K].astype(new_mke.dtype)
+  return kp, vp, out
+
+pool = a((K, W, Z, E), jnp.bfloat16)
+hlo = jax.jit(kernel_steps, donate_argnums=(0, 1)).lower(
+    pool, pool, a((M, K, E), jnp.bfloat16), a((M,), jnp.int32),
+    a((M,), jnp.int32), a((M, J), jnp.int32), a((M,), jnp.int32),
+    a((M, 8, E), jnp.bfloat16)).compile().as_text()
+out["kernel copies"] = [line.strip()[:120] for line in hlo.splitlines() if re.search(
+    r"= (?:bf16|u16)\\[%d,%d,%d,%d\\]\\{[^}]*\\} copy\\(" % (K, W, Z, E), line)]
 print(json.dumps(out))
 """
 
 
 def test_paged_writes_keep_the_pool_in_one_layout_on_a_tpu():
-  """The reference layout's decode write (`PoolLayout.write_step`) on a
-  TPU chip (v5p): the pool, int8 or bf16, keeps one layout through writes
-  and gathers. A write that scattered one (K, E) column per row made
-  XLA:TPU hold the pool in a second layout, 2 heads on the second-minor
-  axis (the int8 pool padded to twice its bytes), and copy it between the
+  """A decode step's write (`PoolLayout.write_step`) on a TPU chip (v5p):
+  the reference's pool, int8 or bf16, keeps one layout through writes and
+  gathers, and the kernel's (heads first, bf16) is not copied around it. A
+  write that scattered one (K, E) column per row made XLA:TPU hold a
+  second layout of the pool (the reference's: 2 heads on the second-minor
+  axis, the int8 pool padded to twice its bytes) and copy it between the
   two every layer and step."""
   out = _script_json(POOL_LAYOUTS)
   assert len(out["int8"]) == 1 and len(out["bf16"]) == 1, out
+  assert not out["kernel copies"], out    # heads first, the TPU kernel's
 
 
 def test_peak_is_the_compilers_where_it_reports_one():

@@ -79,15 +79,13 @@ class PoolLayout:
   def write_step(self, pool, new_mke: jax.Array, page_m: jax.Array,
                  offset_m: jax.Array):
     """`write` for a decode step, whose rows each write one column into a
-    page no other row writes (its own; W: none). Pages first, each row's
-    page is read, its column set and the page written back whole: a
-    scatter of whole pages keeps the pool in the layout its gathers read,
-    where one of (K, E) columns made XLA:TPU keep a second layout of it,
-    K (2 heads a chip) on the second-minor axis, and copy the pool between
-    the two every layer and step; int8, that layout pads K to 4, twice the
-    pool's bytes (docs/pod.md). Heads first (the kernel's), `write`."""
-    if self.heads_first:
-      return self.write(pool, new_mke, page_m, offset_m)
+    page no other row writes (its own; W: none): each row's page is read,
+    its column set and the page written back whole. A scatter of whole
+    pages keeps the pool in the layout its gathers (or the TPU kernel)
+    read; one of (K, E) columns made XLA:TPU keep a second layout of it
+    and copy the pool between the two every layer and step (pages first,
+    int8: that layout pads the 2 heads a chip to 4, twice the pool's
+    bytes; docs/pod.md)."""
     if isinstance(pool, Int8Pages):
       values, scales = quantize_columns(new_mke)
       return Int8Pages(self._write_pages(pool.values, values, page_m, offset_m),
@@ -96,13 +94,17 @@ class PoolLayout:
 
   def _write_pages(self, pool: jax.Array, new_m: jax.Array,
                    page_m: jax.Array, offset_m: jax.Array) -> jax.Array:
-    Z = pool.shape[2]
-    old_mkz = jnp.take(pool, page_m, axis=0, mode="clip")
+    axis = 1 if self.heads_first else 0          # the page axis
+    M, Z = page_m.shape[0], pool.shape[2]
+    new = jnp.swapaxes(new_m, 0, 1) if self.heads_first else new_m
+    old = jnp.take(pool, page_m, axis=axis, mode="clip")   # W -> M
     at_mz = jnp.arange(Z)[None] == offset_m[:, None]
-    at = at_mz.reshape(at_mz.shape[0], 1, Z, *([1] * (pool.ndim - 3)))
-    page_mkz = jnp.where(at, new_m[:, :, None].astype(pool.dtype), old_mkz)
+    at = at_mz.reshape((1,) * axis + (M,) + (1,) * (1 - axis) + (Z,)
+                       + (1,) * (pool.ndim - 3))
+    pages = jnp.where(at, new[:, :, None].astype(pool.dtype), old)
+    index = (slice(None), page_m) if self.heads_first else page_m
     return decode.set_in_bits(
-        pool, page_mkz, lambda p, new: p.at[page_m].set(new, mode="drop"))
+        pool, pages, lambda p, new: p.at[index].set(new, mode="drop"))
 
   def gather(self, pool, table_mj: jax.Array, dtype=None):
     """Row m's pages in table order as the dense cache's (M, K, J * Z, E)
