@@ -15,6 +15,15 @@ from grpo_jax.models import decode
 from grpo_jax.models.int8_pages import Int8Pages, dequantize_columns, quantize_columns
 
 
+def _each(pool, new: jax.Array, set_):
+  """set_(pool, new) on a pool of the compute dtype; on an `Int8Pages`,
+  `new` quantised and set_ applied to the values and to the scales."""
+  if isinstance(pool, Int8Pages):
+    values, scales = quantize_columns(new)
+    return Int8Pages(set_(pool.values, values), set_(pool.scales, scales))
+  return set_(pool, new)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
   """Where a pool's page axis is. heads_first: (K, W, Z, E), the TPU
@@ -41,11 +50,7 @@ class PoolLayout:
 
   def put(self, pool, pages_xkze: jax.Array, ids_x: jax.Array):
     """pool[page ids_x] = pages_xkze (any index shape x; ids W: nowhere)."""
-    if isinstance(pool, Int8Pages):
-      values, scales = quantize_columns(pages_xkze)
-      return Int8Pages(self._put(pool.values, values, ids_x),
-                       self._put(pool.scales, scales, ids_x))
-    return self._put(pool, pages_xkze, ids_x)
+    return _each(pool, pages_xkze, lambda p, new: self._put(p, new, ids_x))
 
   def _put(self, pool: jax.Array, pages_x: jax.Array, ids_x: jax.Array
            ) -> jax.Array:
@@ -60,11 +65,8 @@ class PoolLayout:
             offset_m: jax.Array):
     """Column offset_m[m] of page page_m[m] = new_mke[m] (no page:
     nowhere)."""
-    if isinstance(pool, Int8Pages):
-      values, scales = quantize_columns(new_mke)
-      return Int8Pages(self._write(pool.values, values, page_m, offset_m),
-                       self._write(pool.scales, scales, page_m, offset_m))
-    return self._write(pool, new_mke, page_m, offset_m)
+    return _each(pool, new_mke,
+                 lambda p, new: self._write(p, new, page_m, offset_m))
 
   def _write(self, pool: jax.Array, new_m: jax.Array, page_m: jax.Array,
              offset_m: jax.Array) -> jax.Array:
@@ -86,11 +88,8 @@ class PoolLayout:
     and copy the pool between the two every layer and step (pages first,
     int8: that layout pads the 2 heads a chip to 4, twice the pool's
     bytes; docs/pod.md)."""
-    if isinstance(pool, Int8Pages):
-      values, scales = quantize_columns(new_mke)
-      return Int8Pages(self._write_pages(pool.values, values, page_m, offset_m),
-                       self._write_pages(pool.scales, scales, page_m, offset_m))
-    return self._write_pages(pool, new_mke, page_m, offset_m)
+    return _each(pool, new_mke,
+                 lambda p, new: self._write_pages(p, new, page_m, offset_m))
 
   def _write_pages(self, pool: jax.Array, new_m: jax.Array,
                    page_m: jax.Array, offset_m: jax.Array) -> jax.Array:

@@ -5,13 +5,13 @@ Layout (one row shard): per layer, keys (and values) are a pool of W pages
 of Z columns each, (K, W, Z, E) for the TPU kernel (the layout of
 `jax.experimental.pallas.ops.tpu.paged_attention`'s `k_pages`, so the
 kernel reads the pool as it is) and (W, K, Z, E) for the plain-JAX
-reference (`page_layout.PoolLayout`: a page's heads contiguous, so gathering a row's
-pages copies whole blocks). Row m's column c lives in page
-`table_mj[m, c // Z]` at offset `c % Z`. Columns are the row's positions:
-prompts are stored without their left padding, so a row's keys are its
-columns [0, length) and no validity or position arrays exist. A table entry
-of W (past the pool, `PoolLayout.pages`) is no page: writes to it are dropped, reads
-of it clipped and masked.
+reference (`page_layout.PoolLayout`: a page's heads contiguous, so
+gathering a row's pages copies whole blocks). Row m's column c lives in
+page `table_mj[m, c // Z]` at offset `c % Z`. Columns are the row's
+positions: prompts are stored without their left padding, so a row's keys
+are its columns [0, length) and no validity or position arrays exist. A
+table entry of W (past the pool, `PoolLayout.pages`) is no page: writes to
+it are dropped, reads of it clipped and masked.
 
 `paged_attention_reference` is the plain-JAX decode attention (CPU, GPU, and
 the check of the kernel): it gathers the row's pages through its table and
@@ -21,14 +21,16 @@ are not read (they stay the row's until it ends: a full layer reads them). `kern
 TPU Pallas kernel (one shard; `paged_slots` wraps it in `jax.shard_map`),
 chosen by `sampling.paged_kernel` (KERNELS, `resolve`). `decode_step` is
 `ragged.decode_step` over pages: each row writes its new key and value at
-one (page, offset) and attends over its own pages, up to the longest row's
-page count (bucketed like `ragged.filled_attention`, so short calls do not
-read empty pages).
+one (page, offset), its whole page written back (`PoolLayout.write_step`),
+and attends over its own pages, up to the longest row's page count
+(bucketed like `ragged.filled_attention`, so short calls do not read empty
+pages).
 
 With `sampling.kv_dtype = int8` a layer's pool is `Int8Pages`
 (`models/int8_pages.py`): int8 keys (or values) and one float32 scale per
-(page, head, column). Writes quantise, the reference's gather dequantises;
-the TPU kernel does not read them (its quantised path takes scales as wide
+(page, head, column). Writes quantise; the reference reads them as int8
+(`int8_attention`, the scales folded into scores and probabilities); the
+TPU kernel does not read them (its quantised path takes scales as wide
 as the values, so it would read more bytes than bf16: `kernel_refuses`).
 
 Shapes use the letters of `grpo_jax`: M rows (slots), K KV heads, H query
