@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from grpo_jax.aot import sampler as pod_sampler
 from grpo_jax.aot import schedule
 
 # One byte per column read, nothing else: bytes_k counts columns.
@@ -45,6 +46,15 @@ def test_paged_rows_read_their_own_columns_and_wait_for_pages():
   assert s.bytes_k.tolist() == [2, 4, 6, 7, 3, 4]
   assert s.live_k.tolist() == [2, 2, 1, 1, 1, 1]
   assert s.preempted == 0
+
+
+def test_paged_page_writes_move_every_slots_page_and_each_live_rows():
+  """`aot.sampler.page_write_bytes`, the whole-page writes the roofline
+  leaves out: each step reads the 2 slots' pages (2 columns each) and
+  writes back the live rows' (2, 2, 1, 1, 1, 1 of them above)."""
+  s = schedule.paged(np.array([[5, 5]]), 2, 3, 2, 1, _cost())
+  got = pod_sampler.page_write_bytes(s, 2)
+  assert got.tolist() == [8, 8, 6, 6, 6, 6]
 
 
 def test_paged_preempts_the_youngest_when_the_oldest_waits():

@@ -112,6 +112,7 @@ class Comparison(NamedTuple):
   tried: list             # paged Schedules of the slot search
   lengths: str            # how the rows' lengths were drawn
   mean_fraction: float    # their mean / the cap
+  page_size: int = 0      # the paged pool's columns per page
 
 
 def shard_lengths(plan: Plan, lengths_n: np.ndarray) -> np.ndarray:
@@ -148,7 +149,15 @@ def compare(plan: Plan, chips: Chips, dense_slots: int,
         f"steps, {tried[-1].seconds:.1f} s")
   best = min(tried, key=lambda s: s.seconds)
   return Comparison(dense, best, tried, description,
-                    float(lengths_n.mean()) / plan.config.sampling.max_new_tokens)
+                    float(lengths_n.mean()) / plan.config.sampling.max_new_tokens, Z)
+
+
+def page_write_bytes(s: schedule.Schedule, page_size: int) -> np.ndarray:
+  """HBM bytes per chip a paged decode step's writes move, not in the
+  roofline (which counts the columns read): `PoolLayout.write_step` reads
+  every slot's page and writes each live row's back whole, so a step moves
+  (slots + live rows) pages of every layer's keys and values."""
+  return (s.slots + s.live_k) * page_size * s.cost.column_bytes
 
 
 def format_comparison(cmp: Comparison, shards: int) -> list[str]:
@@ -177,4 +186,11 @@ def format_comparison(cmp: Comparison, shards: int) -> list[str]:
       f"({p.live_k.max() / d.live_k.max():.2f}x at the peak); per row shard "
       f"({shards} shards), each of its chips holding their KV for its share "
       "of the KV heads")
+  if cmp.page_size:
+    write_k = page_write_bytes(p, cmp.page_size)
+    extra = float(write_k.sum()) / p.cost.bandwidth
+    lines.append(
+        f"  paged: its whole-page writes (not in the roofline) move "
+        f"{write_k.mean() / GB:.2f} GB per step on average, {extra:.1f} s at "
+        f"the HBM bandwidth (+{100 * extra / p.seconds:.1f}% of its time)")
   return lines
