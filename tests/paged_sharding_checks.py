@@ -12,7 +12,8 @@ device; every page returns to its shard's pool; the decode loop gathers
 no per-prompt or per-row array (tails, page tables) across row shards,
 and with an fsdp axis no weight (`page_pool.decode_constrain`);
 with a tensor axis, the TPU kernel (sampling.paged_kernel = "pallas",
-inside jax.shard_map, in TPU interpret mode) gives the same samples.
+inside jax.shard_map, in TPU interpret mode) gives the same samples, and
+on int8 pages (`int8_kernel`) the int8 reference's.
 Prints one JSON line per mesh: {"mesh": [...], "ok": bool, "error": str}.
 """
 import os
@@ -99,6 +100,15 @@ def check_mesh(shape, params, ref) -> None:
     rows = 4 * G          # the noise is (key, row, t): the same rows' samples
     np.testing.assert_array_equal(kernel.tokens_nt, ref.tokens_nt[:rows])
     np.testing.assert_allclose(kernel.logp_nt, ref.logp_nt[:rows], atol=2e-2)
+    int8 = dataclasses.replace(PAGED, kv_dtype="int8")   # int8 pages: the
+    int8_ref = jax.device_get(sampling.Sampler(           # int8 kernel's
+        MODEL, int8, layout).sample(sharded, PROMPTS[:4], jax.random.key(3), G))
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+      int8_kernel = jax.device_get(sampling.Sampler(
+          MODEL, dataclasses.replace(int8, paged_kernel="pallas"),
+          layout).sample(sharded, PROMPTS[:4], jax.random.key(3), G))
+    np.testing.assert_array_equal(int8_kernel.tokens_nt, int8_ref.tokens_nt)
+    np.testing.assert_allclose(int8_kernel.logp_nt, int8_ref.logp_nt, atol=1e-4)
 
 
 def main(argv) -> int:

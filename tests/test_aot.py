@@ -536,7 +536,7 @@ def test_auto_dispatch_compiles_all_to_all_for_a_tpu_topology():
 
 
 POOL_LAYOUTS = """
-import json, re
+import functools, json, re
 import jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 from grpo_jax.aot import programs
@@ -568,8 +568,8 @@ for name, pool, dtype, pattern in (
   found = re.findall(pattern + r"\\[%d,%d,%d,%d\\]\\{([^}]*)\\}" % (W, K, Z, E), hlo)
   out[name] = sorted({re.sub(r"S\\(\\d+\\)", "", f) for f in found})
 
-def kernel_steps(kp, vp, new_mke, page_m, offset_m, table_mj, length_m, q_mhe):
-  kernel = page_layout.KERNEL_LAYOUT
+def kernel_steps(kernel, kp, vp, new_mke, page_m, offset_m, table_mj, length_m,
+                 q_mhe):
   for _ in range(2):
     kp = kernel.write_step(kp, new_mke, page_m, offset_m)
     vp = kernel.write_step(vp, new_mke, page_m, offset_m)
@@ -578,12 +578,23 @@ def kernel_steps(kp, vp, new_mke, page_m, offset_m, table_mj, length_m, q_mhe):
   return kp, vp, out
 
 pool = a((K, W, Z, E), jnp.bfloat16)
-hlo = jax.jit(kernel_steps, donate_argnums=(0, 1)).lower(
+hlo = jax.jit(functools.partial(kernel_steps, page_layout.KERNEL_LAYOUT),
+              donate_argnums=(0, 1)).lower(
     pool, pool, a((M, K, E), jnp.bfloat16), a((M,), jnp.int32),
     a((M,), jnp.int32), a((M, J), jnp.int32), a((M,), jnp.int32),
     a((M, 8, E), jnp.bfloat16)).compile().as_text()
 out["kernel copies"] = [line.strip()[:120] for line in hlo.splitlines() if re.search(
     r"= (?:bf16|u16)\\[%d,%d,%d,%d\\]\\{[^}]*\\} copy\\(" % (K, W, Z, E), line)]
+
+Z8 = 128           # int8 pages on the int8 kernel, pages first, page size 128
+pool = Int8Pages(a((W, K, Z8, E), jnp.int8), a((W, K, Z8), jnp.float32))
+hlo = jax.jit(functools.partial(kernel_steps, lay), donate_argnums=(0, 1)).lower(
+    pool, pool, a((M, K, E), jnp.bfloat16), a((M,), jnp.int32),
+    a((M,), jnp.int32), a((M, J), jnp.int32), a((M,), jnp.int32),
+    a((M, 10, E), jnp.bfloat16)).compile().as_text()
+out["int8 kernel"] = "tpu_custom_call" in hlo
+out["int8 kernel copies"] = [line.strip()[:120] for line in hlo.splitlines() if re.search(
+    r"\\[%d,%d,%d(?:,%d)?\\]\\{[^}]*\\} copy\\(" % (W, K, Z8, E), line)]
 print(json.dumps(out))
 """
 
@@ -591,7 +602,9 @@ print(json.dumps(out))
 def test_paged_writes_keep_the_pool_in_one_layout_on_a_tpu():
   """A decode step's write (`PoolLayout.write_step`) on a TPU chip (v5p):
   the reference's pool, int8 or bf16, keeps one layout through writes and
-  gathers, and the kernel's (heads first, bf16) is not copied around it. A
+  gathers, and the kernels' (heads first, bf16; int8 pages first at page
+  size 128, whose heads-first scales were copied) are not copied around
+  them. A
   write that scattered one (K, E) column per row made XLA:TPU hold a
   second layout of the pool (the reference's: 2 heads on the second-minor
   axis, the int8 pool padded to twice its bytes) and copy it between the
@@ -599,6 +612,7 @@ def test_paged_writes_keep_the_pool_in_one_layout_on_a_tpu():
   out = _script_json(POOL_LAYOUTS)
   assert len(out["int8"]) == 1 and len(out["bf16"]) == 1, out
   assert not out["kernel copies"], out    # heads first, the TPU kernel's
+  assert out["int8 kernel"] and not out["int8 kernel copies"], out
 
 
 def test_peak_is_the_compilers_where_it_reports_one():

@@ -175,7 +175,7 @@ class Plan:
     the model, `paged.kernel_refuses`); this process itself runs on the
     CPU backend."""
     return paged.resolve(self.run.sampling.paged_kernel, self.model_config,
-                         backend="tpu", kv_dtype=self.run.sampling.kv_dtype)
+                         backend="tpu")
 
   def paged_sampling_config(self) -> sampling.SamplingConfig:
     """The training sampler's config with the paged KV cache."""

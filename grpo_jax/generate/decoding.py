@@ -55,9 +55,10 @@ class SamplingConfig:
   whether any row is still live every that many steps (finished slots stay
   masked meanwhile; the samples do not change). paged_kernel (paged): the
   decode attention over pages, "reference" (plain JAX), "pallas" (the TPU
-  kernel) or "auto" (the kernel on TPU). kv_dtype (paged): "" (the compute
-  dtype) or "int8", pages of int8 keys and values with a float32 scale per
-  head and column (`models.paged.Int8Pages`)."""
+  kernel; int8 pages: `models.int8_kernel`) or "auto" (the kernel on
+  TPU). kv_dtype (paged): "" (the compute dtype) or "int8", pages of int8
+  keys and values with a float32 scale per head and column
+  (`models.paged.Int8Pages`)."""
   max_new_tokens: int = 64
   temperature: float = 1.0
   top_p: float = 1.0

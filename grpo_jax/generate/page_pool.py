@@ -51,13 +51,12 @@ def pool_axes(pool_layout: page_layout.PoolLayout) -> tuple:
 
 def pool_layout(call: decoding.CallSpec) -> page_layout.PoolLayout:
   """The pools' layout of a call: the resolved kernel's."""
-  return page_layout.pool_layout(resolve(call))
+  return page_layout.pool_layout(resolve(call), call.sampling.kv_dtype)
 
 
 def resolve(call: decoding.CallSpec) -> str:
   """The call's paged decode attention, "reference" or "pallas"."""
-  return paged.resolve(call.sampling.paged_kernel, call.model_config,
-                       kv_dtype=call.sampling.kv_dtype)
+  return paged.resolve(call.sampling.paged_kernel, call.model_config)
 
 
 def pin_pool(layout: Layout, pool_layout: page_layout.PoolLayout, pool):
@@ -190,20 +189,23 @@ def decode_constrain(layout: Layout, slots: int, dim: int
   return constrain
 
 
-def kernel_fn(layout: Layout):
-  """The kernel over R shards' pools: one shard per device (Mosaic kernels
-  are not partitioned automatically), rows over the batch axes and KV
-  heads (and their query heads) as the rules split the pool."""
+def kernel_fn(layout: Layout, where: page_layout.PoolLayout):
+  """The kernel over R shards' pools of layout `where` (int8: values and
+  scales alike): one shard per device (Mosaic kernels are not partitioned
+  automatically), rows over the batch axes and KV heads (and their query
+  heads) as the rules split the pool."""
+  first = lambda x: jax.tree.map(lambda a: a[0], x)    # the one shard
   one = lambda q, k, v, n, t: paged.kernel_attention(
-      q[0], k[0], v[0], n[0], t[0])[None]
+      *map(first, (q, k, v, n, t)))[None]
   if layout is None:
     return one
 
   def attend(q, k, v, n, t):
-    spec = sharding.spec_for(pool_axes(page_layout.KERNEL_LAYOUT), k.shape,
-                             layout.mesh, layout.rules)
-    rows, heads = (tuple(spec) + (None, None))[:2]
-    pool = PartitionSpec(rows, heads)
+    head_axis = where.axes.index("kv_heads") + 1
+    spec = tuple(sharding.spec_for(pool_axes(where), paged.page_values(k).shape,
+                                   layout.mesh, layout.rules)) + (None,) * 5
+    rows, heads = spec[0], spec[head_axis]
+    pool = PartitionSpec(rows, *[None] * (head_axis - 1), heads)
     f = jax.shard_map(one, mesh=layout.mesh,
                       in_specs=(PartitionSpec(rows, None, heads), pool, pool,
                                 PartitionSpec(rows), PartitionSpec(rows)),
@@ -236,10 +238,10 @@ def decode_settings(call: decoding.CallSpec, filled: jax.Array,
   `table_width` pages read at most `filled` pages: the reference (bucketed
   by `filled`, `bucket_block`) or the kernel, and the activations'
   constraints (`decode_constrain`)."""
-  impl = resolve(call)
+  impl, where = resolve(call), pool_layout(call)
   block = bucket_block(table_width, call.sampling.page_size)
   attend = (paged.reference_fn(call.model_config, filled, block=block)
-            if impl == "reference" else kernel_fn(call.layout))
+            if impl == "reference" else kernel_fn(call.layout, where))
   return paged.DecodeSettings(
-      attend, call.shards, page_layout.pool_layout(impl),
+      attend, call.shards, where,
       decode_constrain(call.layout, call.slots, call.model_config.dim))

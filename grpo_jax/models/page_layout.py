@@ -129,6 +129,10 @@ KERNEL_LAYOUT = PoolLayout(heads_first=True)
 REFERENCE_LAYOUT = PoolLayout(heads_first=False)
 
 
-def pool_layout(impl: str) -> PoolLayout:
-  """The pools' layout for a resolved `impl` ("reference" or "pallas")."""
-  return KERNEL_LAYOUT if impl == "pallas" else REFERENCE_LAYOUT
+def pool_layout(impl: str, kv_dtype: str = "") -> PoolLayout:
+  """The pools' layout for a resolved `impl` ("reference" or "pallas")
+  and `sampling.kv_dtype`: JAX's kernel reads heads first; int8 pages are
+  pages first for either (`int8_kernel`: a (page, head) block is what its
+  DMAs copy, and the heads-first scales were copied between two layouts
+  around each step's write on a TPU)."""
+  return KERNEL_LAYOUT if impl == "pallas" and not kv_dtype else REFERENCE_LAYOUT

@@ -28,10 +28,12 @@ pages).
 
 With `sampling.kv_dtype = int8` a layer's pool is `Int8Pages`
 (`models/int8_pages.py`): int8 keys (or values) and one float32 scale per
-(page, head, column). Writes quantise; the reference reads them as int8
-(`int8_attention`, the scales folded into scores and probabilities); the
-TPU kernel does not read them (its quantised path takes scales as wide
-as the values, so it would read more bytes than bf16: `kernel_refuses`).
+(page, head, column), pages first in either implementation. Writes
+quantise; the reference reads them as int8 (`int8_attention`, the scales
+folded into scores and probabilities); on a TPU `kernel_attention` reads
+them with this codebase's kernel (`models/int8_kernel.py`: JAX's takes
+scales as wide as the values, more bytes than bf16), each page and its
+scales copied to VMEM once.
 
 Shapes use the letters of `grpo_jax`: M rows (slots), K KV heads, H query
 heads, E head width, W pages in the pool, Z columns per page, J page-table
@@ -50,6 +52,7 @@ from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import attention, decode, ragged, transformer
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.int8_kernel import int8_kernel_attention
 from grpo_jax.models.int8_pages import Int8Pages, int8_attention, page_values
 from grpo_jax.models.page_layout import KERNEL_LAYOUT, REFERENCE_LAYOUT, PoolLayout
 
@@ -66,27 +69,22 @@ BLOCK_S = 32
 KERNEL_LANES = 128   # the TPU kernel's blocks hold head_dim on 128 lanes
 
 
-def kernel_refuses(model_config: ModelConfig, backend: str,
-                   kv_dtype: str = "") -> str:
-  """Why the TPU kernel cannot attend for this model on `backend` ("" when
-  it can). Its head_dim limit is Mosaic's (the TPU lowering); interpreted
-  on a CPU (tests) any head_dim runs. Int8 pages it does not take: its
-  quantised path wants scales of the values' full shape."""
+def kernel_refuses(model_config: ModelConfig, backend: str) -> str:
+  """Why the TPU kernel (JAX's, or for int8 pages `int8_kernel`) cannot
+  attend for this model on `backend` ("" when it can). The head_dim limit
+  is Mosaic's (the TPU lowering; both kernels' blocks hold head_dim on the
+  lanes); interpreted on a CPU (tests) any head_dim runs."""
   if model_config.sliding_window is not None:
     return "has no sliding window"
   if model_config.attn_softcap is not None:
     return "has no attention soft-cap here"
-  if kv_dtype:
-    return (f"does not read {kv_dtype} pages with per-column scales (its "
-            "quantised path takes scales as wide as the values)")
   if backend == "tpu" and model_config.head_dim % KERNEL_LANES:
     return (f"needs head_dim a multiple of {KERNEL_LANES} on a TPU (its "
             f"blocks' lanes); this model's is {model_config.head_dim}")
   return ""
 
 
-def resolve(impl: str, model_config: ModelConfig, backend: str = "",
-            kv_dtype: str = "") -> str:
+def resolve(impl: str, model_config: ModelConfig, backend: str = "") -> str:
   """"reference" or "pallas" for `impl` (one of KERNELS) on `backend`
   (default: this process's). auto: the TPU kernel on a TPU when it can
   take the model (`kernel_refuses`): SmolLM2-135M's head_dim of 64 it
@@ -94,7 +92,7 @@ def resolve(impl: str, model_config: ModelConfig, backend: str = "",
   if impl not in KERNELS:
     raise ValueError(f"sampling.paged_kernel {impl!r}; allowed: {KERNELS}")
   backend = backend or jax.default_backend()
-  why = kernel_refuses(model_config, backend, kv_dtype)
+  why = kernel_refuses(model_config, backend)
   if impl == "pallas" and why:
     raise ConfigError(f"config field 'sampling.paged_kernel' = 'pallas': the TPU "
                      f"paged-attention kernel {why}; use 'reference' (or "
@@ -215,31 +213,45 @@ def kernel_slots(pages_per_row: int, table_bytes: int = KERNEL_TABLE_BYTES
   return max(1, table_bytes // (4 * pages_per_row))
 
 
-def kernel_attention(q_mhe: jax.Array, k_kwze: jax.Array, v_kwze: jax.Array,
-                     length_m: jax.Array, table_mj: jax.Array,
+# Key columns an int8 kernel program copies to VMEM at a time (4 pages of
+# 128: 64 KiB of int8 keys and as much of values a KV head, double-buffered).
+INT8_BLOCK = 512
+
+
+def kernel_attention(q_mhe: jax.Array, k_pool, v_pool, length_m: jax.Array,
+                     table_mj: jax.Array,
                      table_bytes: int = KERNEL_TABLE_BYTES) -> jax.Array:
-  """`paged_attention_reference` (no window) by the TPU Pallas kernel, one
-  row shard. The kernel does not scale the scores, so q is scaled here; it
-  reads whole compute blocks of pages, so the table is padded to whole
-  blocks and its no-page entries point at a real page (masked by length,
-  never read past it). A slot holding no row (its first entry no page)
-  gets length 0, which the kernel skips: it reads nothing, and its output
-  (unused) is 0. The slots go through the kernel in as few equal calls as
-  keep each call's table within `table_bytes` (`kernel_slots`); each slot
-  reads only its own pages, so the calls read what one call would."""
-  W, Z, E = k_kwze.shape[1], k_kwze.shape[2], k_kwze.shape[3]
+  """`paged_attention_reference` (no window) by a TPU Pallas kernel, one
+  row shard: JAX's over (K, W, Z, E) pools (heads first), or over
+  `Int8Pages` (pages first) `int8_kernel_attention`. A slot holding no row
+  (its first entry no page) gets length 0, which both kernels skip: it
+  reads nothing, and its output (unused) is 0. No-page entries point at a
+  real page (never read past the row's length). The slots go through the
+  kernel in as few equal calls as keep each call's table within
+  `table_bytes` (`kernel_slots`: both kernels prefetch it into SMEM); each
+  slot reads only its own pages, so the calls read what one call would."""
+  int8 = isinstance(k_pool, Int8Pages)
+  W, Z, E = ((k_pool.values.shape[0],) + k_pool.values.shape[2:] if int8
+             else k_pool.shape[1:])
   M, J = table_mj.shape
   length_m = jnp.where(table_mj[:, 0] < W, length_m, 0).astype(jnp.int32)
-  block = min(J, max(1, ragged.BLOCK_S // Z))
-  table_mj = jnp.pad(jnp.minimum(table_mj, W - 1),
-                     [(0, 0), (0, -J % block)]).astype(jnp.int32)
-  q_mhe = (q_mhe / np.sqrt(E)).astype(k_kwze.dtype)
+  table_mj = jnp.minimum(table_mj, W - 1).astype(jnp.int32)
+  if int8:
+    block = max(1, INT8_BLOCK // Z)
+    one = lambda q, n, t: int8_kernel_attention(q, k_pool, v_pool, n, t,
+                                                pages_per_block=block)
+  else:
+    # JAX's kernel reads whole compute blocks of pages, its table padded
+    # to whole blocks; it does not scale the scores, so q is scaled here
+    block = min(J, max(1, ragged.BLOCK_S // Z))
+    table_mj = jnp.pad(table_mj, [(0, 0), (0, -J % block)])
+    q_mhe = (q_mhe / np.sqrt(E)).astype(k_pool.dtype)
+    one = lambda q, n, t: tpu_paged.paged_attention(
+        q, k_pool, v_pool, n, t, pages_per_compute_block=block)
   calls = -(-M // kernel_slots(table_mj.shape[1], table_bytes))
   size = -(-M // calls)
   return jnp.concatenate([
-      tpu_paged.paged_attention(q_mhe[i:i + size], k_kwze, v_kwze,
-                                length_m[i:i + size], table_mj[i:i + size],
-                                pages_per_compute_block=block)
+      one(q_mhe[i:i + size], length_m[i:i + size], table_mj[i:i + size])
       for i in range(0, M, size)])
 
 

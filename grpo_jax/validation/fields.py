@@ -234,11 +234,6 @@ def _check_ranges(config: ConfigDict) -> None:
     raise ConfigError(f"config field 'sampling.kv_dtype' = "
                       f"{config.sampling.kv_dtype!r} is the paged pool's: set "
                       "sampling.kv_cache = 'paged' (or kv_dtype = '')")
-  if config.sampling.kv_dtype and config.sampling.paged_kernel == "pallas":
-    raise ConfigError(f"config field 'sampling.paged_kernel' = 'pallas': the "
-                      f"TPU kernel does not read {config.sampling.kv_dtype} "
-                      "pages; use 'auto' or 'reference' (the plain-JAX "
-                      "attention, which dequantises)")
   if not 0 < config.sampling.top_p <= 1:
     raise ConfigError(f"config field 'sampling.top_p' = "
                       f"{config.sampling.top_p} must be in (0, 1]")
