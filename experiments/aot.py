@@ -100,6 +100,8 @@ def main(argv):
 def _check(config, topology: str) -> None:
   from grpo_jax.aot import check as aot  # pylint: disable=import-outside-toplevel
   from grpo_jax.aot import programs, schedule, split_check
+  from grpo_jax.harness import preflight
+  preflight.check_backend(config, backend="tpu")   # what a TPU run warns of
   if _SAMPLER_DEVICES.value or _SAMPLER_TOPOLOGY.value:
     mesh = (tuple(int(x) for x in _SAMPLER_MESH.value.strip("()").split(","))
             if _SAMPLER_MESH.value else ())

@@ -528,6 +528,23 @@ def test_the_tpu_paged_kernel_off_a_tpu_is_refused_at_start():
   preflight.check_backend(config, backend="cpu")
 
 
+def test_int8_pages_smaller_than_the_lanes_are_warned_of_on_a_tpu(caplog):
+  from grpo_jax.harness import preflight
+  config = tiny.get_config()
+  config.sampling.update(continuous_batching=True, kv_cache="paged", kv_dtype="int8",
+                         page_size=16)
+  with caplog.at_level("WARNING"):
+    preflight.check_backend(config, backend="cpu")
+    assert not caplog.records                    # a CPU has no lanes to fill
+    preflight.check_backend(config, backend="tpu")
+  assert "'sampling.page_size' = 16" in caplog.text and "8x" in caplog.text
+  caplog.clear()
+  config.sampling.page_size = 128
+  with caplog.at_level("WARNING"):
+    preflight.check_backend(config, backend="tpu")
+  assert not caplog.records
+
+
 def test_evaluation_results_are_replaced_whole(tmp_path, monkeypatch):
   evaluate = _script("evaluate")
   path = tmp_path / "step_3.json"

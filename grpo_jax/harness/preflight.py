@@ -61,7 +61,10 @@ def check_model(config, model_config, tokenizer,
 def check_backend(config, backend: str = "") -> None:
   """sampling.paged_kernel = 'pallas' is the TPU kernel: on another backend
   (`backend`, default this process's) it fails in its lowering. Tests run
-  it interpreted on a CPU by calling the sampler directly."""
+  it interpreted on a CPU by calling the sampler directly. On a TPU, int8
+  pages of fewer than 128 columns run but are warned of: a page's float32
+  scales fill 128 lanes only at 128 (at 16 they are padded 8x, 8.7 GiB a
+  chip at the paper config, docs/pod.md)."""
   s = config.sampling
   backend = backend or jax.default_backend()
   if s.kv_cache == "paged" and s.paged_kernel == "pallas" and backend != "tpu":
@@ -69,6 +72,13 @@ def check_backend(config, backend: str = "") -> None:
         f"config field 'sampling.paged_kernel' = 'pallas' is the TPU kernel; this "
         f"run's devices are {backend}: use 'auto' (the TPU kernel on a TPU) or "
         "'reference'")
+  if backend == "tpu" and s.kv_dtype == "int8" and s.page_size % 128:
+    logging.warning(
+        "config field 'sampling.page_size' = %d with sampling.kv_dtype = 'int8' "
+        "on a TPU: a page's scales fill the chip's 128 lanes only at a multiple "
+        "of 128 (padded %dx here, in memory and in what each read moves); "
+        "--config.sampling.page_size=128 is the size the pod figures use",
+        s.page_size, -(-128 // s.page_size))
 
 
 def check_model_sizes(config, model_config, where: str = "config.model") -> None:
