@@ -18,7 +18,7 @@ import numpy as np
 from grpo_jax.models import blockwise
 from grpo_jax.models.config import ModelConfig
 
-_NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+NEG_INF = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
 def rope_frequencies(model_config: ModelConfig) -> np.ndarray:
@@ -75,7 +75,7 @@ def attention(q_nqhe: jax.Array, k_nkse: jax.Array, v_nkse: jax.Array,
   scores = jnp.einsum("nqkre,nkse->nkrqs", q, k_nkse,
                       preferred_element_type=jnp.float32) / np.sqrt(E)
   scores = soft_cap(scores, softcap)
-  scores = jnp.where(mask_nqs[:, None, None], scores, _NEG_INF)
+  scores = jnp.where(mask_nqs[:, None, None], scores, NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_nkse.dtype)
   # Heads-first output, then one transpose: asking the dot for (n, q, k, r, e)
   # directly made XLA:CPU pick an (n, k)-batched dot whose N is H // K (3 for

@@ -40,9 +40,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from grpo_jax.models import attention
 from grpo_jax.models.int8_pages import Int8Pages
-
-_NEG_INF = -1e30   # int8_attention's mask value: finite, so no NaN
 
 
 def int8_kernel_attention(q_mhe: jax.Array, k: Int8Pages, v: Int8Pages,
@@ -129,7 +128,7 @@ def _kernel(length_ref, table_ref, q_ref, *refs, pages_per_block: int,
     return tuple(carries)
 
   G, E = q_ref.shape[1:]
-  init = (jnp.full((G, 1), _NEG_INF, jnp.float32),
+  init = (jnp.full((G, 1), attention.NEG_INF, jnp.float32),
           jnp.zeros((G, 1), jnp.float32), jnp.zeros((G, E), jnp.float32))
   carries = jax.lax.fori_loop(0, blocks, block_step, (init,) * K)
   for h, (_, total, acc) in enumerate(carries):
@@ -153,7 +152,7 @@ def _attend_page(q_ge, page: tuple, first: jax.Array, length: jax.Array,
                                preferred_element_type=jnp.float32)
   scores = scores * (ks_1z * (1.0 / np.sqrt(E)))
   valid = first + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1) < length
-  scores = jnp.where(valid, scores, _NEG_INF)
+  scores = jnp.where(valid, scores, attention.NEG_INF)
   new_high = jnp.maximum(high, scores.max(axis=1, keepdims=True))
   fade = jnp.exp(high - new_high)
   probs = jnp.where(valid, jnp.exp(scores - new_high), 0.0)

@@ -16,7 +16,6 @@ from grpo_jax.models import attention
 # sampling.kv_dtype: "" (the compute dtype) or int8 pages with scales.
 KV_DTYPES = ("", "int8")
 _INT8_MAX = 127.0
-_NEG_INF = -1e30  # attention's: a fully masked row gives no NaN
 
 
 class Int8Pages(NamedTuple):
@@ -56,7 +55,7 @@ def int8_attention(q_mhe: jax.Array, k: Int8Pages, v: Int8Pages,
                       preferred_element_type=jnp.float32)
   scores = attention.soft_cap(scores * (k.scales[:, :, None] / np.sqrt(E)),
                               softcap)
-  scores = jnp.where(mask_ms[:, None, None], scores, _NEG_INF)
+  scores = jnp.where(mask_ms[:, None, None], scores, attention.NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1) * v.scales[:, :, None]
   out = jnp.einsum("mkrs,mkse->mkre", probs.astype(q_mhe.dtype),
                    v.values.astype(q_mhe.dtype))
