@@ -112,7 +112,7 @@ class Comparison(NamedTuple):
   tried: list             # paged Schedules of the slot search
   lengths: str            # how the rows' lengths were drawn
   mean_fraction: float    # their mean / the cap
-  page_size: int = 0      # the paged pool's columns per page
+  page_size: int          # the paged pool's columns per page
 
 
 def shard_lengths(plan: Plan, lengths_n: np.ndarray) -> np.ndarray:
@@ -186,11 +186,10 @@ def format_comparison(cmp: Comparison, shards: int) -> list[str]:
       f"({p.live_k.max() / d.live_k.max():.2f}x at the peak); per row shard "
       f"({shards} shards), each of its chips holding their KV for its share "
       "of the KV heads")
-  if cmp.page_size:
-    write_k = page_write_bytes(p, cmp.page_size)
-    extra = float(write_k.sum()) / p.cost.bandwidth
-    lines.append(
-        f"  paged: its whole-page writes (not in the roofline) move "
-        f"{write_k.mean() / GB:.2f} GB per step on average, {extra:.1f} s at "
-        f"the HBM bandwidth (+{100 * extra / p.seconds:.1f}% of its time)")
+  write_k = page_write_bytes(p, cmp.page_size)
+  extra = float(write_k.sum()) / p.cost.bandwidth
+  lines.append(
+      f"  paged: its whole-page writes (not in the roofline) move "
+      f"{write_k.mean() / GB:.2f} GB per step on average, {extra:.1f} s at "
+      f"the HBM bandwidth (+{100 * extra / p.seconds:.1f}% of its time)")
   return lines
