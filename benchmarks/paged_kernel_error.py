@@ -71,9 +71,8 @@ def main(argv=None) -> None:
       q, k, v, length_m, table_mj = draw(seed, dtype if pages is None
                                          else jnp.float32)
       if pages is None:
-        ref_pools, layout = (k.astype(jnp.float32), v.astype(jnp.float32)), \
-            page_layout.KERNEL_LAYOUT
-        pools = (k, v)
+        pools, layout = (k, v), page_layout.KERNEL_LAYOUT
+        ref_pools = (k.astype(jnp.float32), v.astype(jnp.float32))
       else:
         pools = ref_pools = (pages(k), pages(v))
         layout = page_layout.REFERENCE_LAYOUT
@@ -89,6 +88,7 @@ def main(argv=None) -> None:
     print(f"{name:15s} pools: kernel vs float32 reference, "
           f"{args.seeds} draws of {M} rows: max |diff| {worst_abs:.2e}, "
           f"max relative {worst_rel:.2e}")
+
 
 if __name__ == "__main__":
   main()

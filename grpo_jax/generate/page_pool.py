@@ -205,7 +205,7 @@ def kernel_fn(layout: Layout, where: page_layout.PoolLayout):
     spec = tuple(sharding.spec_for(pool_axes(where), paged.page_values(k).shape,
                                    layout.mesh, layout.rules)) + (None,) * 5
     rows, heads = spec[0], spec[head_axis]
-    pool = PartitionSpec(rows, *[None] * (head_axis - 1), heads)
+    pool = PartitionSpec(*spec[:head_axis + 1])    # values and scales alike
     f = jax.shard_map(one, mesh=layout.mesh,
                       in_specs=(PartitionSpec(rows, None, heads), pool, pool,
                                 PartitionSpec(rows), PartitionSpec(rows)),
